@@ -1,0 +1,153 @@
+#include "peer_driver.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+#include "common/env.h"
+#include "dear/error.h"
+
+namespace dear::bench::peers {
+namespace {
+
+// Zero-initialised so that pages are touched before timing, and so a checked run starts
+// from a known state.
+struct Buffer {
+  explicit Buffer(std::size_t bytes)
+      : bytes_(bytes), data_(new std::byte[std::max<std::size_t>(bytes, 1)]()) {}
+  [[nodiscard]] void* data() noexcept { return data_.get(); }
+  void clear() noexcept { std::memset(data_.get(), 0, bytes_); }
+
+ private:
+  std::size_t bytes_;
+  std::unique_ptr<std::byte[]> data_;
+};
+
+Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bool in_place,
+               std::uint64_t seed, const Binder& bind) {
+  CheckSpec spec;
+  spec.collective = args.collective;
+  spec.dtype = args.dtype;
+  spec.op = args.op;
+  spec.rank = comm.rank();
+  spec.nranks = comm.size();
+  spec.root = args.root;
+  spec.rank_count = point.rank_count;
+  spec.seed = seed;
+
+  const std::size_t elem = dtype_size(args.dtype);
+  const std::size_t in_bytes = input_count(spec) * elem;
+  const std::size_t out_bytes = output_count(spec) * elem;
+  std::optional<Buffer> send;
+  Buffer recv(in_place ? std::max(in_bytes, out_bytes) : out_bytes);
+  if (!in_place) send.emplace(in_bytes);
+
+  OpRequest req;
+  req.collective = args.collective;
+  req.dtype = args.dtype;
+  req.op = args.op;
+  req.root = args.root;
+  req.point = point;
+  req.in_place = in_place;
+  req.send = send ? send->data() : nullptr;
+  req.recv = recv.data();
+  std::optional<BoundOp> op = bind(req);
+  if (!op) return Result{};
+
+  // Timed iterations start from ordinary numbers. In-place reductions then grow them (up to
+  // infinity for 16-bit floats) but never towards denormals, the one slow path of CPU maths.
+  fill_input(op->input, spec);
+  for (int i = 0; i < args.warmup_iters; ++i) op->run();
+  comm.barrier();
+  Samples samples;
+  samples.reserve(static_cast<std::size_t>(args.iters));
+  for (int i = 0; i < args.iters; ++i) {
+    const Stopwatch watch;
+    op->run();
+    samples.add(watch.elapsed_us());
+  }
+  const double time_us = comm.max_over_ranks(samples.mean());
+
+  long long wrong = kNotChecked;
+  if (args.check != 0) {
+    recv.clear();
+    if (send) send->clear();
+    fill_input(op->input, spec);
+    comm.barrier();
+    op->run();
+    wrong = comm.sum_over_ranks(count_wrong(op->output, spec));
+  }
+  return make_result(point, args.collective, comm.size(), time_us, samples.p50(), samples.p99(),
+                     wrong);
+}
+
+void fill_info(RunInfo& info, const BenchArgs& args, int nranks) {
+  info.collective = args.collective;
+  info.nranks = nranks;
+  info.dtype = args.dtype;
+  info.op = args.op;
+  info.root = args.root;
+}
+
+}  // namespace
+
+int run_sweep(PeerComm& comm, const BenchArgs& args, DriverConfig config, const Binder& bind) {
+  validate(args, comm.size());
+  fill_info(config.info, args, comm.size());
+  const auto points = size_sweep(args, args.collective, args.dtype, comm.size());
+  Reporter reporter(std::move(config.info), args, comm.rank());
+  reporter.begin();
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    Row row = make_row(points[i], args.collective, args.dtype, args.op, args.root);
+    // A distinct seed per run, so a result left over from the previous run is wrong.
+    row.oop = measure(comm, args, points[i], false, 2 * i, bind);
+    row.ip = measure(comm, args, points[i], true, 2 * i + 1, bind);
+    reporter.add(std::move(row));
+    print_progress(config.tool, args.collective, points[i].bytes, i + 1, points.size(),
+                   comm.rank());
+  }
+  return reporter.finish() > 0 ? 1 : 0;
+}
+
+int report_skipped(int rank, int nranks, const BenchArgs& args, DriverConfig config,
+                   const std::string& reason) {
+  if (rank != 0) return 0;
+  fill_info(config.info, args, nranks);
+  config.info.meta["skipped"] = reason;
+  std::fprintf(stderr, "%s: skipped: %s\n", config.tool.c_str(), reason.c_str());
+  RunReport report{std::move(config.info), {}};
+  print_preamble(stdout, report.info, args);
+  std::fprintf(stdout, "# skipped: %s\n", reason.c_str());
+  if (!args.json_path.empty()) write_json_file(args.json_path, report);
+  if (!args.csv_path.empty()) write_csv_file(args.csv_path, report);
+  return 0;
+}
+
+std::optional<LaunchRank> rank_from_environment() {
+  constexpr std::pair<const char*, const char*> kConventions[] = {
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+      {"DEAR_RANK", "DEAR_WORLD_SIZE"},
+      {"RANK", "WORLD_SIZE"},
+  };
+  constexpr std::int64_t kMaxRanks = 1 << 20;
+  for (const auto& [rank_var, size_var] : kConventions) {
+    const auto size = env::get_int(size_var, 1, kMaxRanks);
+    const auto rank = env::get_int(rank_var, 0, kMaxRanks - 1);
+    if (!size && !rank) continue;
+    if (!size || !rank) {
+      throw Error(ErrorCode::kInvalidArgument, std::string(rank_var) + " and " + size_var +
+                                                   " must be set together");
+    }
+    if (*rank >= *size) {
+      throw Error(ErrorCode::kInvalidArgument, std::string(rank_var) + "=" +
+                                                   std::to_string(*rank) + " is not below " +
+                                                   size_var + "=" + std::to_string(*size));
+    }
+    return LaunchRank{static_cast<int>(*rank), static_cast<int>(*size)};
+  }
+  return std::nullopt;
+}
+
+}  // namespace dear::bench::peers

@@ -1,0 +1,429 @@
+#include "dear/communicator.h"
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "collectives/engine.h"
+#include "collectives/ops.h"
+#include "collectives/reduce.h"
+#include "common/env.h"
+#include "transport/socket_util.h"
+#include "transport/tcp/tcp_channel.h"
+
+namespace dear {
+
+const char* to_string(Algorithm a) noexcept {
+  switch (a) {
+    case Algorithm::kAuto: return "auto";
+    case Algorithm::kRing: return "ring";
+    case Algorithm::kGatherReduce: return "gather_reduce";
+  }
+  return "invalid";
+}
+
+std::optional<Algorithm> parse_algorithm(std::string_view name) noexcept {
+  for (const auto a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kGatherReduce}) {
+    if (name == to_string(a)) return a;
+  }
+  return std::nullopt;
+}
+
+bool Work::test() const {
+  if (!state_) return true;
+  return state_->status.load(std::memory_order_acquire) != 0;
+}
+
+bool Work::wait(std::chrono::milliseconds timeout) const {
+  if (!state_) return true;
+  if (state_->status.load(std::memory_order_acquire) == 0) {
+    std::unique_lock<std::mutex> lock(state_->mu);
+    const auto done = [&] { return state_->status.load(std::memory_order_acquire) != 0; };
+    if (timeout == std::chrono::milliseconds::max()) {
+      state_->cv.wait(lock, done);
+    } else if (!state_->cv.wait_for(lock, timeout, done)) {
+      return false;
+    }
+  }
+  if (state_->status.load(std::memory_order_acquire) == 2) {
+    std::exception_ptr e;
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      e = state_->error;
+    }
+    std::rethrow_exception(e);
+  }
+  return true;
+}
+
+std::exception_ptr Work::error() const {
+  if (!state_ || state_->status.load(std::memory_order_acquire) != 2) return nullptr;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->error;
+}
+
+std::uint64_t Work::seq() const { return state_ ? state_->seq : 0; }
+
+namespace {
+
+using collectives::Op;
+using collectives::OpKind;
+using collectives::Schedule;
+
+constexpr std::uint32_t kAddressVersion = 1;
+
+struct AddressRecord {
+  char host[64];
+  std::uint16_t port;
+  std::int32_t channels;
+  std::uint32_t version;
+  std::uint64_t tag;
+};
+
+std::uint64_t random_u64() {
+  std::uint64_t v = 0;
+  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
+    v = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }
+  return v;
+}
+
+bool overlaps(const char* a, std::size_t an, const char* b, std::size_t bn) {
+  return an > 0 && bn > 0 && a < b + bn && b < a + an;
+}
+
+class CommunicatorImpl final : public Communicator {
+ public:
+  CommunicatorImpl(std::unique_ptr<Bootstrap> bootstrap, CommOptions options)
+      : bootstrap_(std::move(bootstrap)), options_(std::move(options)) {
+    rank_ = bootstrap_->rank();
+    size_ = bootstrap_->size();
+    validate_options();
+    if (size_ > 1) connect();
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const CommOptions& options() const override { return options_; }
+
+  Work all_reduce(const void* in, void* out, std::size_t count, DataType dtype, ReduceOp op,
+                  const OpOptions& opts) override {
+    auto o = make(OpKind::kAllReduce, in, out, count, dtype, op, -1, opts);
+    check_buffers(*o, "in", count, "out", count, true);
+    if (size_ > 1) {
+      Algorithm a = opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
+      if (a == Algorithm::kAuto) {
+        a = count * dtype_size(dtype) <= options_.gather_reduce_max_bytes
+                ? Algorithm::kGatherReduce
+                : Algorithm::kRing;
+      }
+      o->schedule = a == Algorithm::kGatherReduce ? Schedule::kGatherReduce : Schedule::kRing;
+    }
+    return launch(std::move(o), opts);
+  }
+
+  Work reduce_scatter(const void* in, void* out, std::size_t recv_count, DataType dtype,
+                      ReduceOp op, const OpOptions& opts) override {
+    auto o = make(OpKind::kReduceScatter, in, out, recv_count, dtype, op, -1, opts);
+    check_total(recv_count, dtype, "recv_count");
+    check_buffers(*o, "in", recv_count * static_cast<std::size_t>(size_), "out", recv_count,
+                  false);
+    check_in_place_block(o->in, recv_count * static_cast<std::size_t>(size_), o->out,
+                         recv_count, dtype, "out", "in");
+    return launch(std::move(o), opts);
+  }
+
+  Work all_gather(const void* in, void* out, std::size_t send_count, DataType dtype,
+                  const OpOptions& opts) override {
+    auto o = make(OpKind::kAllGather, in, out, send_count, dtype, ReduceOp::kSum, -1, opts);
+    check_total(send_count, dtype, "send_count");
+    check_buffers(*o, "in", send_count, "out", send_count * static_cast<std::size_t>(size_),
+                  false);
+    check_in_place_block(o->out, send_count * static_cast<std::size_t>(size_), o->in,
+                         send_count, dtype, "in", "out");
+    return launch(std::move(o), opts);
+  }
+
+  Work broadcast(const void* in, void* out, std::size_t count, DataType dtype, int root,
+                 const OpOptions& opts) override {
+    if (root < 0 || root >= size_) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "root=" + std::to_string(root) + " is outside [0, " + std::to_string(size_) +
+                      ")",
+                  rank_, Error::kNone, "broadcast");
+    }
+    auto o = make(OpKind::kBroadcast, in, out, count, dtype, ReduceOp::kSum, root, opts);
+    o->schedule = Schedule::kChain;
+    if (count > 0 && out == nullptr) null_arg("out", count, "broadcast");
+    if (rank_ == root && count > 0 && in == nullptr) null_arg("in", count, "broadcast");
+    if (rank_ == root && in != out) {
+      const std::size_t b = count * dtype_size(dtype);
+      if (overlaps(o->in, b, o->out, b)) partial_overlap("broadcast");
+    }
+    return launch(std::move(o), opts);
+  }
+
+  Work barrier(const OpOptions& opts) override {
+    auto o = std::make_unique<Op>();
+    o->kind = OpKind::kBarrier;
+    o->dtype = DataType::kUint8;
+    o->user_count = 1;
+    o->priority = opts.priority;
+    o->tiny.assign(static_cast<std::size_t>(size_) + 1, 1);
+    o->in = o->tiny.data() + size_;
+    o->out = o->tiny.data();
+    return launch(std::move(o), opts);
+  }
+
+  void abort(const std::string& reason) override {
+    if (engine_) engine_->abort(reason);
+  }
+
+ private:
+  void validate_options() {
+    if (options_.channels < 1 || options_.channels > collectives::kMaxChannels) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "CommOptions::channels=" + std::to_string(options_.channels) +
+                      " is outside [1, " + std::to_string(collectives::kMaxChannels) + "]",
+                  rank_);
+    }
+    if (options_.slice_bytes < 64 || options_.slice_bytes > (1U << 30)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "CommOptions::slice_bytes=" + std::to_string(options_.slice_bytes) +
+                      " is outside [64, 1 GiB]",
+                  rank_);
+    }
+    if (options_.transport != "tcp") {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "CommOptions::transport='" + options_.transport +
+                      "' is not available in this build (available: tcp)",
+                  rank_);
+    }
+    if (options_.eager_window < 1) {
+      throw Error(ErrorCode::kInvalidArgument, "CommOptions::eager_window must be at least 1",
+                  rank_);
+    }
+  }
+
+  void connect() {
+    namespace tr = transport;
+    const auto deadline = tr::deadline_after(options_.timeout);
+    const std::string host = bootstrap_->advertise_host();
+    tr::Fd listener = tr::listen_on(tr::resolve(host, 0));
+    AddressRecord mine{};
+    std::snprintf(mine.host, sizeof(mine.host), "%s", host.c_str());
+    mine.port = tr::local_address(listener.get()).port();
+    mine.channels = options_.channels;
+    mine.version = kAddressVersion;
+    mine.tag = random_u64();
+    std::vector<AddressRecord> all(static_cast<std::size_t>(size_));
+    bootstrap_->all_gather(&mine, sizeof(mine), all.data());
+    for (int r = 0; r < size_; ++r) {
+      const auto& rec = all[static_cast<std::size_t>(r)];
+      if (rec.channels != options_.channels || rec.version != kAddressVersion) {
+        throw Error(ErrorCode::kMismatch,
+                    "rank " + std::to_string(r) + " uses channels=" +
+                        std::to_string(rec.channels) + ", rank " + std::to_string(rank_) +
+                        " uses channels=" + std::to_string(options_.channels) +
+                        " (DEAR_CHANNELS / CommOptions::channels must agree)",
+                    rank_, r, "create");
+      }
+    }
+    const std::uint64_t tag = all[0].tag;
+    const int next = (rank_ + 1) % size_;
+    const int prev = (rank_ - 1 + size_) % size_;
+    const auto& n = all[static_cast<std::size_t>(next)];
+    auto to_next = tr::tcp::connect_link(tr::resolve(n.host, n.port), rank_, next,
+                                         options_.channels, bootstrap_->id().secret.data(), tag,
+                                         deadline);
+    auto from = tr::tcp::accept_links(listener.get(), rank_, {prev}, options_.channels,
+                                      bootstrap_->id().secret.data(), tag, deadline);
+    collectives::EngineConfig cfg;
+    cfg.rank = rank_;
+    cfg.size = size_;
+    cfg.channels = options_.channels;
+    cfg.eager_bytes = options_.eager_bytes;
+    cfg.eager_window = options_.eager_window;
+    engine_ = std::make_unique<collectives::Engine>(cfg, std::move(to_next), std::move(from[0]));
+  }
+
+  std::unique_ptr<Op> make(OpKind kind, const void* in, void* out, std::size_t count,
+                           DataType dtype, ReduceOp op, int root, const OpOptions& opts) const {
+    const char* name = collectives::to_string(kind);
+    if (!is_valid(dtype)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "dtype=" + std::to_string(static_cast<int>(dtype)) + " is not a DataType",
+                  rank_, Error::kNone, name);
+    }
+    if ((kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter) && !is_valid(op)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "op=" + std::to_string(static_cast<int>(op)) + " is not a ReduceOp", rank_,
+                  Error::kNone, name);
+    }
+    if (count > static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max())) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "count=" + std::to_string(count) +
+                      " is out of range (a negative count converted to size_t?)",
+                  rank_, Error::kNone, name);
+    }
+    if (opts.channels < 0 || opts.channels > options_.channels) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "OpOptions::channels=" + std::to_string(opts.channels) + " is outside [0, " +
+                      std::to_string(options_.channels) + "] (the communicator's channels)",
+                  rank_, Error::kNone, name);
+    }
+    if (opts.slice_bytes != 0 && opts.slice_bytes < 64) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "OpOptions::slice_bytes=" + std::to_string(opts.slice_bytes) +
+                      " is below the minimum of 64",
+                  rank_, Error::kNone, name);
+    }
+    if (opts.timeout.count() < 0) {
+      throw Error(ErrorCode::kInvalidArgument, "OpOptions::timeout is negative", rank_,
+                  Error::kNone, name);
+    }
+    if ((kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter ||
+         kind == OpKind::kAllGather) &&
+        opts.algorithm == Algorithm::kGatherReduce && kind != OpKind::kAllReduce) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "OpOptions::algorithm=gather_reduce applies to all_reduce only", rank_,
+                  Error::kNone, name);
+    }
+    auto o = std::make_unique<Op>();
+    o->kind = kind;
+    o->dtype = dtype;
+    o->redop = op;
+    o->user_count = count;
+    o->root = root;
+    o->priority = opts.priority;
+    o->in = static_cast<const char*>(in);
+    o->out = static_cast<char*>(out);
+    return o;
+  }
+
+  void check_total(std::size_t count, DataType dtype, const char* arg) const {
+    const std::size_t el = dtype_size(dtype);
+    if (count > std::numeric_limits<std::size_t>::max() / el / static_cast<std::size_t>(size_)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string(arg) + "=" + std::to_string(count) + " times " +
+                      std::to_string(size_) + " ranks overflows the address space",
+                  rank_);
+    }
+  }
+
+  [[noreturn]] void null_arg(const char* arg, std::size_t count, const char* op) const {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(arg) + " is null but count=" + std::to_string(count), rank_,
+                Error::kNone, op);
+  }
+
+  [[noreturn]] void partial_overlap(const char* op) const {
+    throw Error(ErrorCode::kInvalidArgument,
+                "in and out overlap partially; use the same pointer for in-place operation",
+                rank_, Error::kNone, op);
+  }
+
+  void check_buffers(const Op& o, const char* in_name, std::size_t in_count, const char* out_name,
+                     std::size_t out_count, bool same_allowed) const {
+    const char* name = collectives::to_string(o.kind);
+    if (in_count > 0 && o.in == nullptr) null_arg(in_name, in_count, name);
+    if (out_count > 0 && o.out == nullptr) null_arg(out_name, out_count, name);
+    const std::size_t el = dtype_size(o.dtype);
+    if (same_allowed && o.in == o.out) return;
+    if (same_allowed && overlaps(o.in, in_count * el, o.out, out_count * el)) {
+      partial_overlap(name);
+    }
+  }
+
+  // In place for RS/AG means the small buffer is exactly the rank's block of the large one.
+  void check_in_place_block(const char* big, std::size_t big_count, const char* small,
+                            std::size_t small_count, DataType dtype, const char* small_name,
+                            const char* big_name) const {
+    const std::size_t el = dtype_size(dtype);
+    if (!overlaps(big, big_count * el, small, small_count * el)) return;
+    if (small != big + static_cast<std::size_t>(rank_) * small_count * el) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string(small_name) + " overlaps " + big_name +
+                      " but is not this rank's block of it (in place requires " + small_name +
+                      " == " + big_name + " + rank * count elements)",
+                  rank_);
+    }
+  }
+
+  Work launch(std::unique_ptr<Op> o, const OpOptions& opts) {
+    o->timeout = opts.timeout.count() > 0 ? opts.timeout : options_.timeout;
+    if (size_ == 1) return run_single(*o);
+    collectives::SliceGeometryOptions geo;
+    geo.channels = opts.channels > 0 ? opts.channels : options_.channels;
+    geo.slice_bytes = opts.slice_bytes > 0 ? opts.slice_bytes : options_.slice_bytes;
+    geo.eager_bytes = options_.eager_bytes;
+    collectives::plan(*o, rank_, size_, geo);
+    return engine_->submit(std::move(o));
+  }
+
+  // One rank: the result is the input (or a copy of it), finished locally.
+  Work run_single(Op& o) {
+    auto state = std::make_shared<Work::State>();
+    state->seq = single_seq_++;
+    const std::size_t el = dtype_size(o.dtype);
+    switch (o.kind) {
+      case OpKind::kAllReduce:
+      case OpKind::kReduceScatter:
+        collectives::finish_single(o.out, o.in, o.user_count, o.dtype, o.redop, 1);
+        break;
+      case OpKind::kAllGather:
+      case OpKind::kBroadcast:
+        if (o.out != o.in && o.user_count > 0) std::memmove(o.out, o.in, o.user_count * el);
+        break;
+      case OpKind::kBarrier:
+        break;
+    }
+    state->complete(nullptr);
+    return Work(state);
+  }
+
+  std::unique_ptr<Bootstrap> bootstrap_;
+  CommOptions options_;
+  int rank_ = 0;
+  int size_ = 1;
+  std::uint64_t single_seq_ = 0;
+  std::unique_ptr<collectives::Engine> engine_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bootstrap,
+                                                   CommOptions options) {
+  if (!bootstrap) {
+    throw Error(ErrorCode::kInvalidArgument, "Communicator::create: bootstrap is null");
+  }
+  return std::make_unique<CommunicatorImpl>(std::move(bootstrap), std::move(options));
+}
+
+std::unique_ptr<Communicator> Communicator::create_from_env(std::unique_ptr<Bootstrap> bootstrap,
+                                                            CommOptions options) {
+  if (auto v = env::get_int("DEAR_CHANNELS", 1, collectives::kMaxChannels)) {
+    options.channels = static_cast<int>(*v);
+  }
+  if (auto v = env::get_bytes("DEAR_SLICE_BYTES")) options.slice_bytes = *v;
+  if (auto v = env::get_int("DEAR_TIMEOUT", 1, 365LL * 24 * 3600)) {
+    options.timeout = std::chrono::seconds(*v);
+  }
+  if (auto v = env::get_bytes("DEAR_EAGER_BYTES")) options.eager_bytes = *v;
+  if (auto v = env::get_bytes("DEAR_SMALL_BYTES")) options.gather_reduce_max_bytes = *v;
+  if (auto v = env::get("DEAR_TRANSPORT")) options.transport = *v;
+  if (auto v = env::get("DEAR_ALGO")) {
+    const auto a = parse_algorithm(*v);
+    if (!a) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "environment variable DEAR_ALGO='" + *v +
+                      "' is not one of auto, ring, gather_reduce");
+    }
+    options.algorithm = *a;
+  }
+  return create(std::move(bootstrap), std::move(options));
+}
+
+}  // namespace dear

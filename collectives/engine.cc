@@ -1,0 +1,636 @@
+#include "collectives/engine.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+
+#include "collectives/reduce.h"
+
+namespace dear {
+
+void Work::State::complete(std::exception_ptr e) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    error = std::move(e);
+    status.store(error ? 2 : 1, std::memory_order_release);
+  }
+  cv.notify_all();
+}
+
+namespace collectives {
+namespace {
+
+using transport::FrameHeader;
+using transport::FrameType;
+using transport::RecvTarget;
+
+constexpr int kNext = 0;  // link to the next rank: data out, control in
+constexpr int kPrev = 1;  // link from the previous rank: data in, control out
+constexpr std::uint64_t kControlToken = std::numeric_limits<std::uint64_t>::max();
+// Announce every this many eager operations (large ones are always announced), so a sender
+// running ahead learns how far the receiver has got without a frame per small operation.
+constexpr std::uint64_t kAnnounceEvery = 16;
+// A send queue is refilled only while it holds less than this many payload bytes, so that a
+// newly posted high-priority operation waits behind at most this much.
+constexpr std::size_t kQueueBytesPerChannel = 1024 * 1024;
+constexpr std::size_t kQueueMessagesPerChannel = 32;
+constexpr std::size_t kMaxUnexpectedBytes = 256 * 1024 * 1024;
+constexpr std::size_t kMaxAbortText = 4096;
+
+bool order_before(const Op& a, const Op& b) {
+  if (a.priority != b.priority) return a.priority > b.priority;
+  return a.seq < b.seq;
+}
+
+std::string view_of(const FrameHeader& h) {
+  std::string s = to_string(static_cast<OpKind>(h.kind & 0x0f));
+  s += " count=" + std::to_string(h.count);
+  s += " dtype=" + std::string(dear::to_string(static_cast<DataType>(h.dtype)));
+  s += " op=" + std::string(dear::to_string(static_cast<ReduceOp>(h.redop)));
+  s += " root=" + std::to_string(h.root);
+  s += " schedule=" + std::string(to_string(static_cast<Schedule>(h.kind >> 4)));
+  return s;
+}
+
+std::string view_of(const Op& op) {
+  std::string s = to_string(op.kind);
+  s += " count=" + std::to_string(op.user_count);
+  s += " dtype=" + std::string(dear::to_string(op.dtype));
+  s += " op=" + std::string(dear::to_string(op.redop));
+  s += " root=" + std::to_string(op.root);
+  s += " schedule=" + std::string(to_string(op.schedule));
+  return s;
+}
+
+std::uint8_t kind_byte(const Op& op) {
+  return static_cast<std::uint8_t>(static_cast<unsigned>(op.kind) |
+                                   (static_cast<unsigned>(op.schedule) << 4));
+}
+
+}  // namespace
+
+// Routes a link's callbacks to the engine with the link's index.
+class Engine::LinkSink final : public transport::RecvSink {
+ public:
+  LinkSink(Engine& e, int link) : e_(e), link_(link) {}
+  RecvTarget on_header(int channel, const FrameHeader& h) override {
+    return e_.on_header(link_, channel, h);
+  }
+  void on_payload(int channel, const FrameHeader&, const char* data, std::size_t offset,
+                  std::size_t len) override {
+    e_.on_payload(link_, channel, data, offset, len);
+  }
+  void on_message(int channel, const FrameHeader& h) override {
+    e_.on_message(link_, channel, h);
+  }
+  void on_sent(int channel, std::uint64_t token) override { e_.on_sent(channel, token); }
+  void on_closed(int channel) override { e_.on_closed(link_, channel); }
+
+ private:
+  Engine& e_;
+  int link_;
+};
+
+Engine::Engine(EngineConfig config, std::vector<std::unique_ptr<transport::Channel>> to_next,
+               std::vector<std::unique_ptr<transport::Channel>> from_prev)
+    : cfg_(config), wake_fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
+  if (!wake_fd_.valid()) {
+    throw Error(ErrorCode::kSystem, std::string("eventfd: ") + std::strerror(errno), cfg_.rank);
+  }
+  links_[kNext] = std::move(to_next);
+  links_[kPrev] = std::move(from_prev);
+  for (int l = 0; l < 2; ++l) {
+    sinks_[l] = std::make_unique<LinkSink>(*this, l);
+    recv_ctx_[l].resize(links_[l].size());
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+Engine::~Engine() {
+  stop_.store(true);
+  wake();
+  if (thread_.joinable()) thread_.join();
+}
+
+Work Engine::submit(std::unique_ptr<Op> op) {
+  auto state = std::make_shared<Work::State>();
+  op->state = state;
+  std::exception_ptr failed;
+  {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    op->seq = next_seq_++;
+    state->seq = op->seq;
+    if (failed_) {
+      failed = failed_;
+    } else {
+      submitted_.push_back(std::move(op));
+      pending_submissions_.fetch_add(1);
+    }
+  }
+  if (failed) {
+    state->complete(failed);
+  } else if (sleeping_.load()) {
+    wake();
+  }
+  return Work(state);
+}
+
+void Engine::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    if (abort_requested_.load()) return;
+    abort_reason_ = reason;
+  }
+  abort_requested_.store(true);
+  wake();
+}
+
+void Engine::wake() {
+  const std::uint64_t one = 1;
+  [[maybe_unused]] const ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
+}
+
+int Engine::peer_of(int link) const {
+  const int n = cfg_.size;
+  return link == kNext ? (cfg_.rank + 1) % n : (cfg_.rank - 1 + n) % n;
+}
+
+void Engine::run() {
+  while (!stop_.load()) {
+    try {
+      if (abort_requested_.load()) {
+        std::string reason;
+        {
+          std::lock_guard<std::mutex> lock(submit_mu_);
+          reason = abort_reason_;
+        }
+        fail(Error(ErrorCode::kAborted, "Communicator::abort(): " + reason, cfg_.rank));
+        abort_requested_.store(false);
+      }
+      bool moved = drain_submissions();
+      moved |= progress_links();
+      moved |= schedule_sends();
+      moved |= progress_links();
+      complete_finished();
+      check_deadlines();
+      if (!moved) wait_for_events();
+    } catch (const Error& e) {
+      fail(e);
+    } catch (const std::exception& e) {
+      fail(Error(ErrorCode::kInternal, e.what(), cfg_.rank));
+    }
+  }
+  // Shutting down: whatever is still pending can no longer finish.
+  fail_all(std::make_exception_ptr(
+      Error(ErrorCode::kAborted, "the communicator was destroyed with this operation pending",
+            cfg_.rank)));
+  for (auto& link : links_) {
+    for (auto& ch : link) ch->close();
+  }
+}
+
+bool Engine::drain_submissions() {
+  if (pending_submissions_.load() == 0) return false;
+  std::deque<std::unique_ptr<Op>> batch;
+  {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    batch.swap(submitted_);
+    pending_submissions_.store(0);
+  }
+  for (auto& op : batch) start(std::move(op));
+  return true;
+}
+
+void Engine::start(std::unique_ptr<Op> op) {
+  {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    if (failed_) {
+      op->state->complete(failed_);
+      return;
+    }
+  }
+  op->deadline = transport::deadline_after(op->timeout);
+  const bool needs_scratch = op->schedule == Schedule::kGatherReduce ||
+                             (op->kind == OpKind::kReduceScatter && op->nranks > 2);
+  if (needs_scratch) {
+    const std::size_t bytes = op->total * op->el;
+    op->scratch_owner = scratch_.acquire(bytes, &op->scratch_capacity);
+    op->scratch = op->scratch_owner.get();
+    if (op->schedule == Schedule::kGatherReduce) op->work = op->scratch;
+  }
+  start_local(*op);
+  posted_ = static_cast<std::int64_t>(op->seq);
+  if (!op->eager || op->seq % kAnnounceEvery == 0) {
+    send_control(kPrev, FrameType::kPosted, op->seq);
+  }
+  Op* raw = op.get();
+  const auto pos = std::upper_bound(
+      active_.begin(), active_.end(), raw,
+      [](const Op* a, const std::unique_ptr<Op>& b) { return order_before(*a, *b); });
+  active_.insert(pos, std::move(op));
+  replay_unexpected(*raw);
+  // A neighbour that finished everything and left is fine as long as this operation has
+  // nothing more to exchange with it (its slices may all have arrived before it closed).
+  for (int l = 0; l < 2; ++l) {
+    for (std::size_t c = 0; c < links_[l].size(); ++c) {
+      if (links_[l][c]->closed()) check_link_needed(*raw, l, static_cast<int>(c));
+    }
+  }
+}
+
+void Engine::check_link_needed(const Op& op, int link, int channel) {
+  if (channel >= op.channels) return;
+  const auto i = static_cast<std::size_t>(channel);
+  const bool needs = link == kPrev ? op.recv_next[i] < op.messages_received_per_channel()
+                                   : op.send_done[i] < op.messages_sent_per_channel();
+  if (!needs) return;
+  const int peer = peer_of(link);
+  throw Error(ErrorCode::kPeerFailed,
+              "connection to rank " + std::to_string(peer) +
+                  " (channel " + std::to_string(channel) + ")" +
+                  " is closed but this operation still needs it: that rank exited, crashed or "
+                  "destroyed its communicator early; " +
+                  describe_progress(op),
+              cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+}
+
+Op* Engine::find(std::uint64_t seq) {
+  for (auto& op : active_) {
+    if (op->seq == seq) return op.get();
+  }
+  return nullptr;
+}
+
+bool Engine::may_send(const Op& op) const {
+  const auto seq = static_cast<std::int64_t>(op.seq);
+  if (seq <= peer_posted_) return true;
+  return op.eager && seq <= peer_posted_ + cfg_.eager_window;
+}
+
+bool Engine::schedule_sends() {
+  bool moved = false;
+  auto& chans = links_[kNext];
+  for (std::size_t c = 0; c < chans.size(); ++c) {
+    transport::Channel& ch = *chans[c];
+    if (ch.closed()) continue;
+    for (auto& holder : active_) {
+      Op& op = *holder;
+      if (static_cast<int>(c) >= op.channels) continue;
+      const std::uint32_t total = op.messages_sent_per_channel();
+      std::uint32_t& next = op.send_next[c];
+      if (next >= total || !may_send(op)) continue;
+      while (next < total && ch.queued() < kQueueMessagesPerChannel &&
+             ch.queued_bytes() < kQueueBytesPerChannel) {
+        // Forwarding: message `next` carries what receive `next - dep_lag` brought.
+        const auto lag = static_cast<std::uint32_t>(op.dep_lag);
+        if (op.forwards && next >= lag && op.recv_next[c] <= next - lag) break;
+        const MessagePlan m = send_plan(op, static_cast<int>(c), next);
+        FrameHeader h;
+        h.bytes = static_cast<std::uint32_t>(m.span.bytes);
+        h.type = FrameType::kData;
+        h.kind = kind_byte(op);
+        h.dtype = static_cast<std::uint8_t>(op.dtype);
+        h.redop = static_cast<std::uint8_t>(op.redop);
+        h.seq = op.seq;
+        h.index = next;
+        h.root = op.root;
+        h.count = op.user_count;
+        if (!ch.try_send(h, send_source(op, m), op.seq)) break;
+        ++next;
+        moved = true;
+      }
+      if (ch.queued() >= kQueueMessagesPerChannel || ch.queued_bytes() >= kQueueBytesPerChannel) {
+        break;
+      }
+    }
+  }
+  return moved;
+}
+
+bool Engine::progress_links() {
+  bool moved = false;
+  for (int l = 0; l < 2; ++l) {
+    for (auto& ch : links_[l]) {
+      if (!ch->closed()) moved |= ch->progress(*sinks_[l]);
+    }
+  }
+  return moved;
+}
+
+RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
+  RecvCtx& ctx = recv_ctx_[link][static_cast<std::size_t>(channel)];
+  ctx = RecvCtx{};
+  const int peer = peer_of(link);
+  switch (h.type) {
+    case FrameType::kPosted:
+      if (h.bytes != 0) break;
+      return {RecvTarget::kDiscard, nullptr, 1};
+    case FrameType::kAbort: {
+      auto& text = abort_text_[link];
+      text.assign(std::min<std::size_t>(h.bytes, kMaxAbortText), '\0');
+      if (h.bytes > kMaxAbortText) return {RecvTarget::kDiscard, nullptr, 1};
+      return {RecvTarget::kDirect, text.data(), 1};
+    }
+    case FrameType::kData: {
+      if (link != kPrev) break;
+      Op* op = find(h.seq);
+      if (op != nullptr) return target_for(*op, channel, h, ctx);
+      if (static_cast<std::int64_t>(h.seq) <= posted_) {
+        throw Error(ErrorCode::kMismatch,
+                    "received a slice of operation #" + std::to_string(h.seq) + " (" +
+                        view_of(h) + ") from rank " + std::to_string(peer) +
+                        " after this rank had finished it: the ranks disagree about that "
+                        "operation's size or schedule",
+                    cfg_.rank, peer, to_string(static_cast<OpKind>(h.kind & 0x0f)),
+                    static_cast<std::int64_t>(h.seq));
+      }
+      // Not posted here yet: an eager slice that ran ahead. Keep it until the op is posted.
+      unexpected_bytes_ += h.bytes;
+      if (unexpected_bytes_ > kMaxUnexpectedBytes) {
+        throw Error(ErrorCode::kMismatch,
+                    "rank " + std::to_string(peer) + " sent more than " +
+                        std::to_string(kMaxUnexpectedBytes >> 20) +
+                        " MiB for operations this rank has not issued (are the ranks issuing "
+                        "the same operations?)",
+                    cfg_.rank, peer);
+      }
+      std::vector<char> buf;
+      if (!spare_buffers_.empty()) {
+        buf = std::move(spare_buffers_.back());
+        spare_buffers_.pop_back();
+      }
+      buf.resize(h.bytes);
+      unexpected_.push_back(Unexpected{h, channel, std::move(buf)});
+      ctx.buffer = &unexpected_.back().data;
+      return {RecvTarget::kDirect, ctx.buffer->data(), 1};
+    }
+  }
+  throw Error(ErrorCode::kPeerFailed,
+              "protocol violation: unexpected frame type " +
+                  std::to_string(static_cast<int>(h.type)) + " from rank " +
+                  std::to_string(peer),
+              cfg_.rank, peer);
+}
+
+RecvTarget Engine::target_for(Op& op, int channel, const FrameHeader& h, RecvCtx& ctx) {
+  const int peer = peer_of(kPrev);
+  if (h.kind != kind_byte(op) || h.count != op.user_count || h.root != op.root ||
+      (op.kind != OpKind::kBarrier && h.dtype != static_cast<std::uint8_t>(op.dtype)) ||
+      ((op.kind == OpKind::kAllReduce || op.kind == OpKind::kReduceScatter) &&
+       h.redop != static_cast<std::uint8_t>(op.redop))) {
+    throw Error(ErrorCode::kMismatch,
+                "operation #" + std::to_string(op.seq) + " differs between ranks: rank " +
+                    std::to_string(peer) + " has " + view_of(h) + ", rank " +
+                    std::to_string(cfg_.rank) + " has " + view_of(op),
+                cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+  }
+  const auto c = static_cast<std::size_t>(channel);
+  if (channel >= op.channels || h.index != op.recv_next[c] ||
+      h.index >= op.messages_received_per_channel()) {
+    throw Error(ErrorCode::kMismatch,
+                "slice " + std::to_string(h.index) + " of " + view_of(op) +
+                    " arrived on channel " + std::to_string(channel) + " from rank " +
+                    std::to_string(peer) + " where slice " + std::to_string(op.recv_next[c]) +
+                    " was expected: the ranks use different channel or slice settings",
+                cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+  }
+  const MessagePlan m = recv_plan(op, channel, h.index);
+  if (m.span.bytes != h.bytes) {
+    throw Error(ErrorCode::kMismatch,
+                "slice " + std::to_string(h.index) + " from rank " + std::to_string(peer) +
+                    " has " + std::to_string(h.bytes) + " bytes, this rank expects " +
+                    std::to_string(m.span.bytes) +
+                    ": the ranks use different channel or slice settings",
+                cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+  }
+  const RecvPlace p = recv_place(op, m);
+  ctx.op = &op;
+  ctx.dst = p.dst;
+  ctx.other = p.other;
+  ctx.final = p.final;
+  ctx.reduce = p.other != nullptr;
+  if (ctx.reduce) return {RecvTarget::kStream, nullptr, op.el};
+  return {RecvTarget::kDirect, p.dst, 1};
+}
+
+void Engine::on_payload(int link, int channel, const char* data, std::size_t offset,
+                        std::size_t len) {
+  RecvCtx& ctx = recv_ctx_[link][static_cast<std::size_t>(channel)];
+  Op& op = *ctx.op;
+  const std::size_t n = len / op.el;
+  if (ctx.final) {
+    reduce_final(ctx.dst + offset, data, ctx.other + offset, n, op.dtype, op.redop, op.nranks);
+  } else {
+    reduce(ctx.dst + offset, data, ctx.other + offset, n, op.dtype, op.redop);
+  }
+}
+
+void Engine::on_message(int link, int channel, const FrameHeader& h) {
+  RecvCtx& ctx = recv_ctx_[link][static_cast<std::size_t>(channel)];
+  if (h.type == FrameType::kPosted) {
+    peer_posted_ = std::max(peer_posted_, static_cast<std::int64_t>(h.seq));
+    return;
+  }
+  if (h.type == FrameType::kAbort) {
+    const int blame = h.root >= 0 && h.root < cfg_.size ? h.root : peer_of(link);
+    const auto code = h.count == static_cast<std::uint64_t>(ErrorCode::kMismatch)
+                          ? ErrorCode::kMismatch
+                          : ErrorCode::kPeerFailed;
+    std::string text(abort_text_[link].data(), abort_text_[link].size());
+    throw Error(code, "rank " + std::to_string(peer_of(link)) + " reported: " + text, cfg_.rank,
+                blame);
+  }
+  if (ctx.op != nullptr) {
+    ++ctx.op->recv_next[static_cast<std::size_t>(channel)];
+  }
+  ctx = RecvCtx{};
+}
+
+void Engine::replay_unexpected(Op& op) {
+  for (auto it = unexpected_.begin(); it != unexpected_.end();) {
+    if (it->header.seq != op.seq) {
+      ++it;
+      continue;
+    }
+    RecvCtx ctx;
+    const RecvTarget t = target_for(op, it->channel, it->header, ctx);
+    if (t.mode == RecvTarget::kDirect) {
+      if (it->header.bytes > 0) std::memcpy(t.dst, it->data.data(), it->header.bytes);
+    } else {
+      const std::size_t n = it->header.bytes / op.el;
+      if (ctx.final) {
+        reduce_final(ctx.dst, it->data.data(), ctx.other, n, op.dtype, op.redop, op.nranks);
+      } else {
+        reduce(ctx.dst, it->data.data(), ctx.other, n, op.dtype, op.redop);
+      }
+    }
+    ++op.recv_next[static_cast<std::size_t>(it->channel)];
+    unexpected_bytes_ -= it->header.bytes;
+    spare_buffers_.push_back(std::move(it->data));
+    it = unexpected_.erase(it);
+  }
+}
+
+void Engine::on_sent(int channel, std::uint64_t token) {
+  if (token == kControlToken) return;
+  Op* op = find(token);
+  if (op != nullptr) ++op->send_done[static_cast<std::size_t>(channel)];
+}
+
+void Engine::on_closed(int link, int channel) {
+  // A peer that finished its part and destroyed its communicator closes cleanly; that is an
+  // error only for an operation that still needs this link.
+  for (const auto& holder : active_) check_link_needed(*holder, link, channel);
+}
+
+void Engine::complete_finished() {
+  for (auto it = active_.begin(); it != active_.end();) {
+    Op& op = **it;
+    if (!op.finished()) {
+      ++it;
+      continue;
+    }
+    finish_local(op);
+    op.state->complete(nullptr);
+    scratch_.release(std::move(op.scratch_owner), op.scratch_capacity);
+    it = active_.erase(it);
+  }
+}
+
+std::string Engine::describe_progress(const Op& op) const {
+  std::uint32_t got = 0;
+  std::uint32_t sent = 0;
+  for (int c = 0; c < op.channels; ++c) {
+    got += op.recv_next[static_cast<std::size_t>(c)];
+    sent += op.send_done[static_cast<std::size_t>(c)];
+  }
+  const auto chans = static_cast<std::uint32_t>(op.channels);
+  return "received " + std::to_string(got) + "/" +
+         std::to_string(op.messages_received_per_channel() * chans) + " slices from rank " +
+         std::to_string(peer_of(kPrev)) + ", sent " + std::to_string(sent) + "/" +
+         std::to_string(op.messages_sent_per_channel() * chans) + " to rank " +
+         std::to_string(peer_of(kNext));
+}
+
+void Engine::check_deadlines() {
+  if (active_.empty()) return;
+  const auto now = transport::Clock::now();
+  for (const auto& holder : active_) {
+    const Op& op = *holder;
+    if (now < op.deadline) continue;
+    // Blame the side we are waiting on: a receive outstanding points at the previous rank.
+    bool waiting_recv = false;
+    for (int c = 0; c < op.channels; ++c) {
+      waiting_recv |= op.recv_next[static_cast<std::size_t>(c)] < op.messages_received_per_channel();
+    }
+    const int blame = waiting_recv ? peer_of(kPrev) : peer_of(kNext);
+    throw Error(ErrorCode::kTimeout,
+                view_of(op) + " did not complete within " + std::to_string(op.timeout.count()) +
+                    " ms: " + describe_progress(op) + "; rank " + std::to_string(blame) +
+                    " is dead, stalled, or did not issue this operation",
+                cfg_.rank, blame, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+  }
+}
+
+void Engine::wait_for_events() {
+  pollfds_.clear();
+  pollfds_.push_back({wake_fd_.get(), POLLIN, 0});
+  for (auto& link : links_) {
+    for (auto& ch : link) {
+      const pollfd p = ch->wait_spec();
+      if (p.fd >= 0) pollfds_.push_back(p);
+    }
+  }
+  auto deadline = transport::Deadline::max();
+  for (const auto& op : active_) deadline = std::min(deadline, op->deadline);
+  sleeping_.store(true);
+  if (pending_submissions_.load() == 0 && !stop_.load() && !abort_requested_.load()) {
+    const int rc = ::poll(pollfds_.data(), pollfds_.size(), transport::poll_timeout_ms(deadline));
+    if (rc < 0 && errno != EINTR) {
+      sleeping_.store(false);
+      throw Error(ErrorCode::kSystem, std::string("poll: ") + std::strerror(errno), cfg_.rank);
+    }
+  }
+  sleeping_.store(false);
+  if (pollfds_[0].revents & POLLIN) {
+    std::uint64_t v = 0;
+    [[maybe_unused]] const ssize_t n = ::read(wake_fd_.get(), &v, sizeof(v));
+  }
+}
+
+void Engine::send_control(int link, FrameType type, std::uint64_t seq, const std::string& text,
+                          int blame, int code) {
+  auto& chans = links_[link];
+  if (chans.empty() || chans[0]->closed()) return;
+  FrameHeader h;
+  h.type = type;
+  h.seq = seq;
+  h.bytes = static_cast<std::uint32_t>(text.size());
+  h.root = blame;
+  h.count = static_cast<std::uint64_t>(code);
+  // Control frames carry no pointer into operation memory; text must outlive the send, so
+  // abort texts are kept in abort_text_ until the channel is closed.
+  const void* payload = text.empty() ? nullptr : text.data();
+  if (!chans[0]->try_send(h, payload, kControlToken)) {
+    // Queue full: progress once and retry; a full queue on the control direction means the
+    // peer stopped reading, which the deadline will report.
+    chans[0]->progress(*sinks_[link]);
+    (void)chans[0]->try_send(h, payload, kControlToken);
+  }
+}
+
+void Engine::fail(const Error& e) {
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    if (!failed_) {
+      failed_ = std::make_exception_ptr(e);
+      first = true;
+    }
+  }
+  if (first) {
+    // Tell both neighbours, so the failure travels around the ring instead of waiting for
+    // each rank's deadline. Best effort: the links may be the thing that broke.
+    const int blame = e.peer() != Error::kNone ? e.peer() : cfg_.rank;
+    static thread_local std::string text;
+    text = e.what();
+    if (text.size() > kMaxAbortText) text.resize(kMaxAbortText);
+    for (int l = 0; l < 2; ++l) {
+      try {
+        send_control(l, FrameType::kAbort, 0, text, blame, static_cast<int>(e.code()));
+        for (auto& ch : links_[l]) {
+          if (!ch->closed()) ch->close();
+        }
+      } catch (const Error&) {
+        // The link is already broken; the peer learns from that.
+      }
+    }
+  }
+  std::exception_ptr err;
+  {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    err = failed_;
+  }
+  fail_all(err);
+}
+
+void Engine::fail_all(std::exception_ptr e) {
+  std::deque<std::unique_ptr<Op>> batch;
+  {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    if (!failed_) failed_ = e;
+    batch.swap(submitted_);
+    pending_submissions_.store(0);
+  }
+  for (auto& op : batch) op->state->complete(e);
+  for (auto& op : active_) op->state->complete(e);
+  active_.clear();
+}
+
+}  // namespace collectives
+}  // namespace dear

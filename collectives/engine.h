@@ -1,0 +1,152 @@
+// The progress engine: one thread per communicator that owns every operation in flight.
+//
+// Operations are slice-level state machines over the ring links (see ops.h). Each turn the
+// engine moves bytes on every channel, then fills the send queues from the operations that can
+// move a slice, highest priority first, and sleeps in poll() only when nothing can move.
+// Slices carry (sequence, index) so a receiver matches them even when operations interleave.
+//
+// Flow control: a large operation's slices leave only once the receiver has announced that it
+// posted that operation (a kPosted frame), so a receiver never has to buffer a large slice it
+// cannot place. Small ("eager") operations may run ahead of the receiver by a bounded window of
+// operations; their slices wait in a bounded pool until the operation is posted.
+//
+// Failure: any error (a peer closed or reset a link, a mismatch, a deadline) is fatal to the
+// communicator, as in NCCL: every pending Work fails with it, peers are told with a kAbort
+// frame carrying the reason and the rank to blame, and later calls fail at once.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/ops.h"
+#include "dear/communicator.h"
+#include "transport/link.h"
+#include "transport/socket_util.h"
+
+namespace dear {
+
+struct Work::State {
+  std::atomic<int> status{0};  // 0 pending, 1 succeeded, 2 failed
+  std::mutex mu;
+  std::condition_variable cv;
+  std::exception_ptr error;
+  std::uint64_t seq = 0;
+
+  void complete(std::exception_ptr e);
+};
+
+namespace collectives {
+
+struct EngineConfig {
+  int rank = 0;
+  int size = 1;
+  int channels = 1;
+  std::size_t eager_bytes = 64 * 1024;
+  int eager_window = 64;
+};
+
+class Engine {
+ public:
+  // links[0] = channels to the next rank (we send data, receive control);
+  // links[1] = channels from the previous rank (we receive data, send control).
+  Engine(EngineConfig config,
+         std::vector<std::unique_ptr<transport::Channel>> to_next,
+         std::vector<std::unique_ptr<transport::Channel>> from_prev);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Takes the operation and returns its handle; thread-safe. Sequence numbers are assigned
+  // here, in submission order.
+  Work submit(std::unique_ptr<Op> op);
+  // Fails everything with kAborted; thread-safe, returns at once.
+  void abort(const std::string& reason);
+
+ private:
+  class LinkSink;
+  friend class LinkSink;
+  struct RecvCtx {
+    Op* op = nullptr;           // null: unexpected or control message
+    char* dst = nullptr;        // reduce destination / direct destination
+    const char* other = nullptr;  // reduce operand from local memory
+    bool final = false;
+    bool reduce = false;
+    std::vector<char>* buffer = nullptr;  // unexpected message storage
+  };
+  struct Unexpected {
+    transport::FrameHeader header;
+    int channel;
+    std::vector<char> data;
+  };
+
+  void run();
+  bool drain_submissions();
+  void start(std::unique_ptr<Op> op);
+  bool schedule_sends();
+  bool progress_links();
+  void complete_finished();
+  void check_deadlines();
+  void wait_for_events();
+  void wake();
+
+  // Receive path (called by LinkSink).
+  transport::RecvTarget on_header(int link, int channel, const transport::FrameHeader& h);
+  void on_payload(int link, int channel, const char* data, std::size_t offset, std::size_t len);
+  void on_message(int link, int channel, const transport::FrameHeader& h);
+  void on_sent(int channel, std::uint64_t token);
+  void on_closed(int link, int channel);
+  void check_link_needed(const Op& op, int link, int channel);
+  transport::RecvTarget target_for(Op& op, int channel, const transport::FrameHeader& h,
+                                   RecvCtx& ctx);
+  void replay_unexpected(Op& op);
+
+  void fail(const Error& e);
+  void fail_all(std::exception_ptr e);
+  void send_control(int link, transport::FrameType type, std::uint64_t seq,
+                    const std::string& text = {}, int blame = -1, int code = 0);
+  Op* find(std::uint64_t seq);
+  [[nodiscard]] bool may_send(const Op& op) const;
+  [[nodiscard]] int peer_of(int link) const;
+  [[nodiscard]] std::string describe_progress(const Op& op) const;
+
+  EngineConfig cfg_;
+  std::vector<std::unique_ptr<transport::Channel>> links_[2];
+  std::unique_ptr<LinkSink> sinks_[2];
+  std::vector<RecvCtx> recv_ctx_[2];
+
+  // Submission queue, shared with caller threads.
+  std::mutex submit_mu_;
+  std::deque<std::unique_ptr<Op>> submitted_;
+  std::uint64_t next_seq_ = 0;
+  std::atomic<int> pending_submissions_{0};
+  std::atomic<bool> sleeping_{false};
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> abort_requested_{false};
+  std::string abort_reason_;  // guarded by submit_mu_
+  std::exception_ptr failed_;  // guarded by submit_mu_ once set
+  transport::Fd wake_fd_;
+
+  // Engine-thread state.
+  std::vector<std::unique_ptr<Op>> active_;  // sorted: priority desc, seq asc
+  std::int64_t peer_posted_ = -1;            // highest seq the next rank announced
+  std::int64_t posted_ = -1;                 // highest seq posted here
+  std::list<Unexpected> unexpected_;
+  std::size_t unexpected_bytes_ = 0;
+  std::vector<std::vector<char>> spare_buffers_;
+  ScratchPool scratch_;
+  std::vector<char> abort_text_[2];
+  std::vector<pollfd> pollfds_;
+
+  std::thread thread_;
+};
+
+}  // namespace collectives
+}  // namespace dear

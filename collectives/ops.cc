@@ -1,0 +1,299 @@
+#include "collectives/ops.h"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "collectives/reduce.h"
+
+namespace dear::collectives {
+namespace {
+
+// Element range [begin, begin + len) of part i when `total` is split into `parts` nearly equal
+// parts (the first total % parts parts one element longer).
+struct Range {
+  std::size_t begin;
+  std::size_t len;
+};
+Range split(std::size_t total, std::size_t parts, std::size_t i) {
+  const std::size_t base = total / parts;
+  const std::size_t rem = total % parts;
+  return {i * base + std::min(i, rem), base + (i < rem ? 1 : 0)};
+}
+
+int ring_mod(int x, int n) { return ((x % n) + n) % n; }
+
+std::size_t ceil_div(std::size_t a, std::size_t b) { return (a + b - 1) / b; }
+
+Span span_of(const Op& op, int chunk, int channel, int slice) {
+  const Range c = split(op.total, static_cast<std::size_t>(op.nchunks),
+                        static_cast<std::size_t>(chunk));
+  const Range p = split(c.len, static_cast<std::size_t>(op.channels),
+                        static_cast<std::size_t>(channel));
+  const Range s = split(p.len, static_cast<std::size_t>(op.slices),
+                        static_cast<std::size_t>(slice));
+  return {(c.begin + p.begin + s.begin) * op.el, s.len * op.el};
+}
+
+// Byte offset of chunk `chunk` in the element space.
+std::size_t chunk_offset(const Op& op, int chunk) {
+  return split(op.total, static_cast<std::size_t>(op.nchunks), static_cast<std::size_t>(chunk))
+             .begin *
+         op.el;
+}
+
+}  // namespace
+
+const char* to_string(OpKind k) noexcept {
+  switch (k) {
+    case OpKind::kAllReduce: return "all_reduce";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kAllGather: return "all_gather";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kBarrier: return "barrier";
+  }
+  return "unknown";
+}
+
+const char* to_string(Schedule s) noexcept {
+  switch (s) {
+    case Schedule::kRing: return "ring";
+    case Schedule::kGatherReduce: return "gather_reduce";
+    case Schedule::kChain: return "chain";
+  }
+  return "unknown";
+}
+
+std::unique_ptr<char[]> ScratchPool::acquire(std::size_t bytes, std::size_t* capacity) {
+  // Best fit among the spare buffers; a new one only when none is large enough.
+  auto best = free_.end();
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->first >= bytes && (best == free_.end() || it->first < best->first)) best = it;
+  }
+  if (best != free_.end()) {
+    *capacity = best->first;
+    auto buf = std::move(best->second);
+    free_.erase(best);
+    return buf;
+  }
+  *capacity = std::max<std::size_t>(bytes, 64);
+  return std::unique_ptr<char[]>(new char[*capacity]);
+}
+
+void ScratchPool::release(std::unique_ptr<char[]> buf, std::size_t capacity) {
+  if (!buf) return;
+  constexpr std::size_t kMaxSpare = 8;
+  if (free_.size() >= kMaxSpare) {
+    // Keep the largest buffers: they are the expensive ones to make again.
+    auto smallest = std::min_element(free_.begin(), free_.end(),
+                                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    if (smallest->first >= capacity) return;
+    free_.erase(smallest);
+  }
+  free_.emplace_back(capacity, std::move(buf));
+}
+
+bool Op::finished() const {
+  const std::uint32_t ns = messages_sent_per_channel();
+  const std::uint32_t nr = messages_received_per_channel();
+  for (int c = 0; c < channels; ++c) {
+    if (send_done[static_cast<std::size_t>(c)] != ns ||
+        recv_next[static_cast<std::size_t>(c)] != nr) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::string Op::describe() const {
+  std::ostringstream s;
+  s << to_string(kind) << " count=" << user_count;
+  if (kind != OpKind::kBarrier) s << " dtype=" << dear::to_string(dtype);
+  if (kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter) {
+    s << " op=" << dear::to_string(redop);
+  }
+  if (kind == OpKind::kBroadcast) s << " root=" << root;
+  s << " schedule=" << to_string(schedule);
+  return s.str();
+}
+
+void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
+  op.rank = rank;
+  op.nranks = nranks;
+  op.el = op.kind == OpKind::kBarrier ? 1 : dtype_size(op.dtype);
+  const int n = nranks;
+  op.forwards = true;
+  switch (op.kind) {
+    case OpKind::kAllReduce:
+      if (op.schedule == Schedule::kGatherReduce) {
+        op.total = op.user_count * static_cast<std::size_t>(n);
+        op.send_steps = op.recv_steps = n - 1;
+      } else {
+        op.total = op.user_count;
+        op.send_steps = op.recv_steps = 2 * (n - 1);
+      }
+      op.nchunks = n;
+      break;
+    case OpKind::kReduceScatter:
+    case OpKind::kAllGather:
+    case OpKind::kBarrier:
+      op.total = op.user_count * static_cast<std::size_t>(n);
+      op.nchunks = n;
+      op.send_steps = op.recv_steps = n - 1;
+      break;
+    case OpKind::kBroadcast: {
+      op.total = op.user_count;
+      op.nchunks = 1;
+      const int pos = ring_mod(rank - op.root, n);
+      op.send_steps = pos < n - 1 ? 1 : 0;
+      op.recv_steps = pos > 0 ? 1 : 0;
+      op.forwards = pos > 0;
+      break;
+    }
+  }
+  const std::size_t chunk_elems = ceil_div(op.total, static_cast<std::size_t>(op.nchunks));
+  const std::size_t chunk_bytes = chunk_elems * op.el;
+  const std::size_t wanted =
+      std::max<std::size_t>(1, chunk_bytes / std::max<std::size_t>(1, geo.min_channel_bytes));
+  op.channels = static_cast<int>(
+      std::clamp<std::size_t>(wanted, 1, static_cast<std::size_t>(std::max(1, geo.channels))));
+  const std::size_t part_bytes =
+      ceil_div(chunk_elems, static_cast<std::size_t>(op.channels)) * op.el;
+  op.slices = static_cast<int>(
+      std::max<std::size_t>(1, ceil_div(part_bytes, std::max<std::size_t>(1, geo.slice_bytes))));
+  op.dep_lag = op.kind == OpKind::kBroadcast ? 0 : op.slices;
+  op.eager = chunk_bytes * static_cast<std::size_t>(std::max(op.send_steps, op.recv_steps)) <=
+             geo.eager_bytes;
+  op.work = op.out;
+}
+
+MessagePlan send_plan(const Op& op, int channel, std::uint32_t index) {
+  MessagePlan m;
+  m.step = static_cast<int>(index / static_cast<std::uint32_t>(op.slices));
+  const int slice = static_cast<int>(index % static_cast<std::uint32_t>(op.slices));
+  const int r = op.rank;
+  const int n = op.nranks;
+  const int s = m.step;
+  switch (op.kind) {
+    case OpKind::kAllReduce:
+      if (op.schedule == Schedule::kGatherReduce) {
+        m.chunk = ring_mod(r - s, n);
+      } else {
+        m.chunk = s < n - 1 ? ring_mod(r - s - 1, n) : ring_mod(r - (s - (n - 1)), n);
+      }
+      break;
+    case OpKind::kReduceScatter: m.chunk = ring_mod(r - s - 1, n); break;
+    case OpKind::kAllGather:
+    case OpKind::kBarrier: m.chunk = ring_mod(r - s, n); break;
+    case OpKind::kBroadcast: m.chunk = 0; break;
+  }
+  m.span = span_of(op, m.chunk, channel, slice);
+  return m;
+}
+
+MessagePlan recv_plan(const Op& op, int channel, std::uint32_t index) {
+  MessagePlan m;
+  m.step = static_cast<int>(index / static_cast<std::uint32_t>(op.slices));
+  const int slice = static_cast<int>(index % static_cast<std::uint32_t>(op.slices));
+  const int r = op.rank;
+  const int n = op.nranks;
+  const int s = m.step;
+  switch (op.kind) {
+    case OpKind::kAllReduce:
+      if (op.schedule == Schedule::kGatherReduce) {
+        m.chunk = ring_mod(r - s - 1, n);
+      } else {
+        m.chunk = s < n - 1 ? ring_mod(r - s - 2, n) : ring_mod(r - (s - (n - 1)) - 1, n);
+      }
+      break;
+    case OpKind::kReduceScatter: m.chunk = ring_mod(r - s - 2, n); break;
+    case OpKind::kAllGather:
+    case OpKind::kBarrier: m.chunk = ring_mod(r - s - 1, n); break;
+    case OpKind::kBroadcast: m.chunk = 0; break;
+  }
+  m.span = span_of(op, m.chunk, channel, slice);
+  return m;
+}
+
+const char* send_source(const Op& op, const MessagePlan& m) {
+  const std::size_t off = m.span.offset;
+  switch (op.kind) {
+    case OpKind::kAllReduce:
+      if (op.schedule == Schedule::kGatherReduce) return op.work + off;
+      return (m.step == 0 ? op.in : op.out) + off;
+    case OpKind::kReduceScatter:
+      return m.step == 0 ? op.in + off : op.scratch + off;
+    case OpKind::kAllGather:
+    case OpKind::kBarrier:
+      // The own block goes out from the caller's input; later steps forward what arrived.
+      if (m.step == 0) return op.in + (off - chunk_offset(op, op.rank));
+      return op.out + off;
+    case OpKind::kBroadcast:
+      return (op.rank == op.root ? op.in : op.out) + off;
+  }
+  return nullptr;
+}
+
+RecvPlace recv_place(const Op& op, const MessagePlan& m) {
+  const std::size_t off = m.span.offset;
+  const int n = op.nranks;
+  switch (op.kind) {
+    case OpKind::kAllReduce:
+      if (op.schedule == Schedule::kGatherReduce) return {op.work + off, nullptr, false};
+      if (m.step < n - 1) return {op.out + off, op.in + off, m.step == n - 2};
+      return {op.out + off, nullptr, false};
+    case OpKind::kReduceScatter:
+      if (m.step == n - 2) {
+        return {op.out + (off - chunk_offset(op, op.rank)), op.in + off, true};
+      }
+      return {op.scratch + off, op.in + off, false};
+    case OpKind::kAllGather:
+    case OpKind::kBarrier:
+    case OpKind::kBroadcast:
+      return {op.out + off, nullptr, false};
+  }
+  return {};
+}
+
+void start_local(Op& op) {
+  const std::size_t block = op.user_count * op.el;
+  switch (op.kind) {
+    case OpKind::kAllReduce:
+      if (op.schedule == Schedule::kGatherReduce && block > 0) {
+        std::memcpy(op.work + static_cast<std::size_t>(op.rank) * block, op.in, block);
+      }
+      break;
+    case OpKind::kAllGather:
+    case OpKind::kBarrier: {
+      char* own = op.out + static_cast<std::size_t>(op.rank) * block;
+      if (own != op.in && block > 0) std::memcpy(own, op.in, block);
+      break;
+    }
+    case OpKind::kBroadcast:
+      if (op.rank == op.root && op.out != op.in && block > 0) std::memcpy(op.out, op.in, block);
+      break;
+    case OpKind::kReduceScatter:
+      break;
+  }
+}
+
+void finish_local(Op& op) {
+  if (op.kind != OpKind::kAllReduce || op.schedule != Schedule::kGatherReduce) return;
+  // Every rank reduces the same blocks in the same order, so all get identical bits.
+  const std::size_t n = op.user_count;
+  const std::size_t block = n * op.el;
+  const int nr = op.nranks;
+  const char* w = op.work;
+  if (nr == 2) {
+    reduce_final(op.out, w, w + block, n, op.dtype, op.redop, nr);
+    return;
+  }
+  reduce(op.out, w, w + block, n, op.dtype, op.redop);
+  for (int c = 2; c < nr - 1; ++c) {
+    reduce(op.out, op.out, w + static_cast<std::size_t>(c) * block, n, op.dtype, op.redop);
+  }
+  reduce_final(op.out, op.out, w + static_cast<std::size_t>(nr - 1) * block, n, op.dtype,
+               op.redop, nr);
+}
+
+}  // namespace dear::collectives

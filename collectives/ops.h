@@ -1,0 +1,147 @@
+// Operations as slice-level state machines on a ring.
+//
+// Every collective here is a schedule of messages on each channel of the two ring links: a
+// sequence of send steps to the next rank and of receive steps from the previous one. Each
+// step moves one chunk (a block of the operation's element space), split over the channels
+// and, within a channel, into `slices` slices; message i of a channel is (step i / slices,
+// slice i % slices). A send may depend on a receive: in the ring algorithms step s forwards
+// what arrived at step s - 1, so send i waits for receive i - slices; in the chain (broadcast)
+// send i forwards receive i.
+//
+// Both ends compute the same schedule from the operation's parameters, so a slice needs no
+// more than (sequence, index) on the wire to be placed, and a disagreement shows up as a
+// header that does not match what the receiver expects.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dear/communicator.h"
+#include "dear/types.h"
+
+namespace dear::collectives {
+
+enum class OpKind : std::uint8_t {
+  kAllReduce = 1,
+  kReduceScatter,
+  kAllGather,
+  kBroadcast,
+  kBarrier,
+};
+[[nodiscard]] const char* to_string(OpKind k) noexcept;
+
+// How an operation is carried out; part of what ranks must agree on.
+enum class Schedule : std::uint8_t {
+  kRing = 1,          // ring reduce-scatter and/or all-gather over N chunks
+  kGatherReduce = 2,  // ring all-gather of whole inputs, then a local reduction (small sizes)
+  kChain = 3,         // pipelined chain from the root along the ring (broadcast)
+};
+[[nodiscard]] const char* to_string(Schedule s) noexcept;
+
+inline constexpr int kMaxChannels = 16;
+
+// Scratch buffers reused between operations (engine thread only).
+class ScratchPool {
+ public:
+  std::unique_ptr<char[]> acquire(std::size_t bytes, std::size_t* capacity);
+  void release(std::unique_ptr<char[]> buf, std::size_t capacity);
+
+ private:
+  std::vector<std::pair<std::size_t, std::unique_ptr<char[]>>> free_;
+};
+
+struct Op {
+  // What the caller asked for (identical on every rank).
+  OpKind kind = OpKind::kAllReduce;
+  Schedule schedule = Schedule::kRing;
+  DataType dtype = DataType::kFloat32;
+  ReduceOp redop = ReduceOp::kSum;
+  std::uint64_t user_count = 0;
+  int root = -1;
+  int priority = 0;
+  std::chrono::milliseconds timeout{0};
+  const char* in = nullptr;
+  char* out = nullptr;
+
+  // Filled in by plan().
+  std::uint64_t seq = 0;
+  int rank = 0;
+  int nranks = 1;
+  std::size_t el = 1;            // element size
+  std::size_t total = 0;         // elements in the chunked space
+  int nchunks = 1;
+  int channels = 1;
+  int slices = 1;
+  int send_steps = 0;
+  int recv_steps = 0;
+  int dep_lag = 0;               // send i waits for receive i - dep_lag (ring: slices)
+  bool forwards = false;         // whether sends after the first step depend on receives
+  bool eager = false;
+  char* work = nullptr;          // the buffer chunks live in (out, or scratch)
+  char* scratch = nullptr;
+  std::unique_ptr<char[]> scratch_owner;
+  std::size_t scratch_capacity = 0;
+  std::vector<char> tiny;        // barrier payloads
+
+  // Progress (engine thread).
+  std::array<std::uint32_t, kMaxChannels> send_next{};
+  std::array<std::uint32_t, kMaxChannels> send_done{};
+  std::array<std::uint32_t, kMaxChannels> recv_next{};
+  std::chrono::steady_clock::time_point deadline{};
+  std::shared_ptr<dear::Work::State> state;
+
+  [[nodiscard]] std::uint32_t messages_sent_per_channel() const {
+    return static_cast<std::uint32_t>(send_steps * slices);
+  }
+  [[nodiscard]] std::uint32_t messages_received_per_channel() const {
+    return static_cast<std::uint32_t>(recv_steps * slices);
+  }
+  [[nodiscard]] bool finished() const;
+  [[nodiscard]] std::string describe() const;  // "all_reduce count=... dtype=... op=..."
+};
+
+// Where a message's bytes live.
+struct Span {
+  std::size_t offset = 0;  // byte offset in the chunked element space
+  std::size_t bytes = 0;
+};
+
+struct SliceGeometryOptions {
+  int channels = 1;
+  std::size_t slice_bytes = 512 * 1024;
+  std::size_t min_channel_bytes = 64 * 1024;
+  std::size_t eager_bytes = 64 * 1024;
+};
+
+// Fills in the schedule fields of `op` for this rank.
+void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo);
+
+// The chunk and byte span of message i of a channel, for the send or receive side.
+struct MessagePlan {
+  int step = 0;
+  int chunk = 0;
+  Span span;
+};
+[[nodiscard]] MessagePlan send_plan(const Op& op, int channel, std::uint32_t index);
+[[nodiscard]] MessagePlan recv_plan(const Op& op, int channel, std::uint32_t index);
+
+// Source pointer of a send; destination, reduce operand and finality of a receive.
+[[nodiscard]] const char* send_source(const Op& op, const MessagePlan& m);
+struct RecvPlace {
+  char* dst = nullptr;
+  const char* other = nullptr;  // non-null: dst = received op other
+  bool final = false;
+};
+[[nodiscard]] RecvPlace recv_place(const Op& op, const MessagePlan& m);
+
+// Work done locally when the operation starts (own-block copies) and ends (the final local
+// reduction of kGatherReduce, the single-rank result).
+void start_local(Op& op);
+void finish_local(Op& op);
+
+}  // namespace dear::collectives

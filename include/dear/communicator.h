@@ -1,0 +1,126 @@
+// The communicator: a group of ranks and the collectives they run together.
+//
+// Contract
+// - Collectives are issued in the same order on every rank (as with NCCL and MPI). Each call
+//   takes the next sequence number; ranks that disagree about an operation (count, dtype, op,
+//   root, collective) all fail with ErrorCode::kMismatch naming both views.
+// - Every call returns at once with a Work handle. The operation runs on the communicator's
+//   progress engine, which advances all operations in flight slice by slice, the one with the
+//   highest priority first; operations of equal priority run in issue order.
+// - Buffers must stay valid and untouched (the receive buffer unread) until the Work completes.
+// - Every Work completes exactly once: successfully, or with a dear::Error. A peer that dies,
+//   stalls past the deadline or reports an error fails every pending Work on every rank; after
+//   such an error the communicator is unusable (as an NCCL communicator after ncclCommAbort).
+// - Methods are thread-safe: several threads may issue operations, as long as the resulting
+//   order is the same on every rank.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "dear/bootstrap.h"
+#include "dear/error.h"
+#include "dear/types.h"
+
+namespace dear {
+
+enum class Algorithm : std::uint8_t {
+  kAuto = 0,      // the communicator chooses
+  kRing,          // ring reduce-scatter + all-gather: bandwidth-optimal, 2(N-1) steps
+  kGatherReduce,  // all_reduce only: ring all-gather of whole inputs, then a local reduction:
+                  // N-1 steps, for small messages
+};
+[[nodiscard]] const char* to_string(Algorithm a) noexcept;
+[[nodiscard]] std::optional<Algorithm> parse_algorithm(std::string_view name) noexcept;
+
+// Per-operation knobs. Zero means "the communicator's default".
+struct OpOptions {
+  int priority = 0;                             // larger runs first
+  Algorithm algorithm = Algorithm::kAuto;
+  int channels = 0;                             // parallel rings, each on its own socket
+  std::size_t slice_bytes = 0;                  // pipelining unit
+  std::chrono::milliseconds timeout{0};         // deadline from issue; 0 = communicator's
+};
+
+struct CommOptions {
+  // Defaults chosen by measurement (see README); DEAR_CHANNELS, DEAR_SLICE_BYTES and
+  // DEAR_TIMEOUT (seconds) override them.
+  int channels = 2;
+  std::size_t slice_bytes = 512 * 1024;
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  std::string transport = "tcp";
+  // kAuto picks kGatherReduce for all_reduce up to this many bytes, kRing above (DEAR_ALGO
+  // forces one; DEAR_SMALL_BYTES overrides the threshold).
+  Algorithm algorithm = Algorithm::kAuto;
+  std::size_t gather_reduce_max_bytes = 16 * 1024;
+  // Small operations are sent before the receiver has posted them, up to this many bytes per
+  // slice and this many operations ahead; larger ones wait for the receiver to be ready.
+  std::size_t eager_bytes = 64 * 1024;
+  int eager_window = 64;
+};
+
+class Work {
+ public:
+  Work() = default;
+
+  // True once the operation has completed (successfully or not). Never blocks.
+  [[nodiscard]] bool test() const;
+  // Blocks until the operation completes or `timeout` passes. Returns true when it completed
+  // successfully, false on timeout (the operation is still in flight); throws dear::Error if
+  // the operation failed.
+  bool wait(std::chrono::milliseconds timeout = std::chrono::milliseconds::max()) const;
+  // The failure, or null while pending or after success.
+  [[nodiscard]] std::exception_ptr error() const;
+  [[nodiscard]] std::uint64_t seq() const;
+  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+
+  struct State;
+  explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  // Connects the links this communicator needs (collective over the bootstrap's ranks).
+  [[nodiscard]] static std::unique_ptr<Communicator> create(std::unique_ptr<Bootstrap> bootstrap,
+                                                            CommOptions options = {});
+  // As create(), with options overridden from DEAR_* environment variables.
+  [[nodiscard]] static std::unique_ptr<Communicator> create_from_env(
+      std::unique_ptr<Bootstrap> bootstrap, CommOptions options = {});
+
+  [[nodiscard]] virtual int rank() const = 0;
+  [[nodiscard]] virtual int size() const = 0;
+  [[nodiscard]] virtual const CommOptions& options() const = 0;
+
+  // out[count] = op over ranks of in[count]. in == out is allowed (in place).
+  virtual Work all_reduce(const void* in, void* out, std::size_t count, DataType dtype,
+                          ReduceOp op, const OpOptions& opts = {}) = 0;
+  // NCCL convention: in holds size()*recv_count elements, out receives the reduced block
+  // rank()*recv_count. In place when out == in + rank()*recv_count*dtype_size.
+  virtual Work reduce_scatter(const void* in, void* out, std::size_t recv_count, DataType dtype,
+                              ReduceOp op, const OpOptions& opts = {}) = 0;
+  // NCCL convention: out holds size()*send_count elements; rank r's block lands at
+  // r*send_count. In place when in == out + rank()*send_count*dtype_size.
+  virtual Work all_gather(const void* in, void* out, std::size_t send_count, DataType dtype,
+                          const OpOptions& opts = {}) = 0;
+  // Root's in[count] lands in every rank's out[count]; in is read on the root only.
+  virtual Work broadcast(const void* in, void* out, std::size_t count, DataType dtype, int root,
+                         const OpOptions& opts = {}) = 0;
+  virtual Work barrier(const OpOptions& opts = {}) = 0;
+
+  // Fails every pending Work (here and, through the links, on the peers) with kAborted and
+  // `reason`; later calls fail at once. Safe from any thread; returns without waiting.
+  virtual void abort(const std::string& reason) = 0;
+};
+
+}  // namespace dear

@@ -1,0 +1,338 @@
+#!/usr/bin/env bash
+# Runs dear-bench, Open MPI (mpi-bench) and Gloo (gloo-bench) one after another on the same
+# sizes and rank count, then prints one merged table per collective: time and busbw per
+# library and dear's ratio to the best peer. All three print the same nccl-tests rows through
+# bench/report.h; this script only launches them and joins their --json files.
+#
+#   scripts/compare-peers.sh [--build DIR] [-n RANKS] [-b MIN] [-e MAX] [--iters N]
+#                            [--only dear,mpi,gloo] [--out DIR] [--extra-dear "ARGS"]
+#
+# Each library's column is its out-of-place result, or in-place where it has no out-of-place
+# form (Gloo's all_reduce and reduce_scatter); such cells are marked with '*'.
+set -euo pipefail
+
+prog=$(basename "$0")
+
+usage() {
+  cat <<EOF
+usage: $prog [options]
+
+Runs dear-bench, mpi-bench and gloo-bench on the same sweep and prints merged tables.
+
+  --build DIR          build directory holding tools/, bench/ and bench/peers/ (default ./build)
+  -n, --nranks N       ranks per run (default 4)
+  -b, --minbytes SIZE  smallest size, K/M/G suffixes allowed (default 8)
+  -e, --maxbytes SIZE  largest size (default 64M)
+  --iters N            timed iterations per size (default: the benchmarks' 20)
+  --warmup N           warm-up iterations per size (default: the benchmarks' 5)
+  --collectives LIST   comma-separated (default all_reduce,reduce_scatter,all_gather)
+  --only LIST          libraries to run, comma-separated from dear,mpi,gloo (default all)
+  --gloo-algo ALGO     Gloo all_reduce algorithm (default: gloo-bench's ring_chunked)
+  --out DIR            keep JSON and log files in DIR (default: a temporary directory)
+  --extra-dear "ARGS"  extra arguments for dear-bench, word-split
+  --timeout SEC        give up on one run after SEC seconds (default 1800; needs timeout(1))
+  -h, --help           this text
+
+Sizes are fp32 sum, step factor 2. Set MPIRUN to use another mpirun.
+EOF
+}
+
+die() {
+  echo "$prog: error: $*" >&2
+  exit 1
+}
+
+build=./build
+nranks=4
+minbytes=8
+maxbytes=64M
+iters=""
+warmup=""
+collectives=all_reduce,reduce_scatter,all_gather
+only=dear,mpi,gloo
+gloo_algo=""
+out=""
+extra_dear=""
+run_timeout=1800
+
+need_value() {
+  [[ $# -ge 2 && -n $2 ]] || die "option $1 needs a value (see --help)"
+}
+
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --build) need_value "$@"; build=$2; shift 2 ;;
+    -n|--nranks) need_value "$@"; nranks=$2; shift 2 ;;
+    -b|--minbytes) need_value "$@"; minbytes=$2; shift 2 ;;
+    -e|--maxbytes) need_value "$@"; maxbytes=$2; shift 2 ;;
+    --iters) need_value "$@"; iters=$2; shift 2 ;;
+    --warmup) need_value "$@"; warmup=$2; shift 2 ;;
+    --collectives) need_value "$@"; collectives=$2; shift 2 ;;
+    --only) need_value "$@"; only=$2; shift 2 ;;
+    --gloo-algo) need_value "$@"; gloo_algo=$2; shift 2 ;;
+    --out) need_value "$@"; out=$2; shift 2 ;;
+    --extra-dear) [[ $# -ge 2 ]] || die "option $1 needs a value"; extra_dear=$2; shift 2 ;;
+    --timeout) need_value "$@"; run_timeout=$2; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+
+[[ $nranks =~ ^[1-9][0-9]*$ ]] || die "-n must be a positive whole number, got '$nranks'"
+[[ $run_timeout =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds"
+[[ -z $iters || $iters =~ ^[1-9][0-9]*$ ]] || die "--iters must be a positive number"
+[[ -z $warmup || $warmup =~ ^[0-9]+$ ]] || die "--warmup must be a number"
+command -v python3 >/dev/null || die "python3 is needed to merge the results"
+
+run_dear=0 run_mpi=0 run_gloo=0
+IFS=, read -r -a only_list <<<"$only"
+for lib in "${only_list[@]}"; do
+  case $lib in
+    dear) run_dear=1 ;;
+    mpi) run_mpi=1 ;;
+    gloo) run_gloo=1 ;;
+    *) die "--only: unknown library '$lib' (choose from dear,mpi,gloo)" ;;
+  esac
+done
+IFS=, read -r -a coll_list <<<"$collectives"
+for coll in "${coll_list[@]}"; do
+  case $coll in
+    all_reduce|reduce_scatter|all_gather|broadcast) ;;
+    *) die "--collectives: unknown collective '$coll'" ;;
+  esac
+done
+
+[[ -d $build ]] || die "build directory '$build' does not exist (pass --build DIR)"
+build=$(cd "$build" && pwd)
+dear_run=$build/tools/dear-run
+dear_bench=$build/bench/dear-bench
+mpi_bench=$build/bench/peers/mpi-bench
+gloo_bench=$build/bench/peers/gloo-bench
+mpirun=${MPIRUN:-mpirun}
+
+if ((run_dear)); then
+  [[ -x $dear_bench ]] || die "dear-bench not found at $dear_bench; build it \
+(cmake --build $build --target dear-bench dear-run) or leave dear out with --only mpi,gloo"
+  [[ -x $dear_run ]] || die "dear-run not found at $dear_run; build it \
+(cmake --build $build --target dear-run) or leave dear out with --only mpi,gloo"
+fi
+if ((run_mpi)); then
+  [[ -x $mpi_bench ]] || die "mpi-bench not found at $mpi_bench (it is built only when CMake \
+finds MPI; install libopenmpi-dev and reconfigure) or leave it out with --only"
+  command -v "$mpirun" >/dev/null || die "'$mpirun' not found; install openmpi-bin or set MPIRUN"
+fi
+if ((run_gloo)); then
+  [[ -x $gloo_bench ]] || die "gloo-bench not found at $gloo_bench (it is built only when \
+CMake finds Gloo; install libgloo-dev and reconfigure) or leave it out with --only"
+fi
+
+if [[ -n $out ]]; then
+  mkdir -p "$out" || die "cannot create --out directory '$out'"
+  out=$(cd "$out" && pwd)
+  keep_out=1
+else
+  out=$(mktemp -d "${TMPDIR:-/tmp}/dear-compare.XXXXXX")
+  keep_out=0
+fi
+gloo_stores=()
+cleanup() {
+  local d
+  for d in "${gloo_stores[@]+"${gloo_stores[@]}"}"; do rm -rf "$d"; done
+  if ((keep_out == 0)); then rm -rf "$out"; fi
+}
+trap cleanup EXIT
+
+with_timeout=()
+if command -v timeout >/dev/null; then with_timeout=(timeout "$run_timeout"); fi
+
+common=(-b "$minbytes" -e "$maxbytes" -f 2 -d float -o sum)
+[[ -n $iters ]] && common+=(-n "$iters")
+[[ -n $warmup ]] && common+=(-w "$warmup")
+
+# Reports a failed run with the end of its log, then stops the script.
+fail_run() {
+  local what=$1 log=$2
+  echo "$prog: error: $what failed; last lines of $log:" >&2
+  tail -n 20 "$log" >&2 || true
+  if ((keep_out == 0)); then echo "(pass --out DIR to keep the logs)" >&2; fi
+  exit 1
+}
+
+run_dear_bench() {
+  local coll=$1 json=$2 log=$3
+  local -a extra=()
+  # Word-splitting is the documented behaviour of --extra-dear.
+  # shellcheck disable=SC2206
+  [[ -n $extra_dear ]] && extra=($extra_dear)
+  "${with_timeout[@]}" "$dear_run" -n "$nranks" "$dear_bench" "$coll" "${common[@]}" \
+    --json "$json" "${extra[@]+"${extra[@]}"}" >"$log" 2>&1 || fail_run "dear-bench $coll" "$log"
+}
+
+run_mpi_bench() {
+  local coll=$1 json=$2 log=$3
+  # TCP over loopback only (no shared memory), so MPI crosses the same wire as dear and Gloo;
+  # ob1 is the PML that honours the btl list.
+  OMPI_MCA_btl_vader_single_copy_mechanism=none \
+    "${with_timeout[@]}" "$mpirun" --allow-run-as-root --oversubscribe -np "$nranks" \
+    --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo \
+    "$mpi_bench" "$coll" "${common[@]}" --json "$json" >"$log" 2>&1 ||
+    fail_run "mpi-bench $coll" "$log"
+}
+
+run_gloo_bench() {
+  local coll=$1 json=$2 log=$3
+  local store rank rc=0
+  store=$(mktemp -d "${TMPDIR:-/tmp}/dear-gloo-store.XXXXXX")
+  gloo_stores+=("$store")
+  local -a algo=() pids=()
+  [[ -n $gloo_algo ]] && algo=(--algo "$gloo_algo")
+  for ((rank = 0; rank < nranks; rank++)); do
+    local rank_log=$log
+    ((rank == 0)) || rank_log=${log%.log}.rank$rank.log
+    DEAR_RANK=$rank DEAR_WORLD_SIZE=$nranks DEAR_GLOO_PREFIX=compare \
+      "${with_timeout[@]}" "$gloo_bench" "$coll" "${common[@]}" --store "$store" \
+      "${algo[@]+"${algo[@]}"}" --json "$json" >"$rank_log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+  rm -rf "$store"
+  ((rc == 0)) || fail_run "gloo-bench $coll (exit status $rc)" "$log"
+}
+
+loopback_ceiling() {
+  command -v iperf3 >/dev/null || return 0
+  local port=$((20000 + RANDOM % 20000)) server
+  iperf3 -s -1 -p "$port" >/dev/null 2>&1 &
+  server=$!
+  sleep 0.5
+  local gbps
+  gbps=$(iperf3 -c 127.0.0.1 -p "$port" -t 3 -J 2>/dev/null | python3 -c '
+import json, sys
+try:
+    doc = json.load(sys.stdin)
+    print("%.2f" % (doc["end"]["sum_received"]["bits_per_second"] / 8e9))
+except Exception:
+    pass
+') || true
+  wait "$server" 2>/dev/null || true
+  [[ -n $gbps ]] && echo "# loopback TCP ceiling (iperf3, one stream): $gbps GB/s"
+  return 0
+}
+
+echo "# compare-peers: $nranks ranks, $minbytes..$maxbytes B, float sum, results in $out" >&2
+for coll in "${coll_list[@]}"; do
+  for lib in dear mpi gloo; do
+    case $lib in
+      dear) ((run_dear)) || continue ;;
+      mpi) ((run_mpi)) || continue ;;
+      gloo) ((run_gloo)) || continue ;;
+    esac
+    json=$out/$lib-$coll.json
+    log=$out/$lib-$coll.log
+    rm -f "$json"
+    start=$SECONDS
+    echo "# running $lib $coll ..." >&2
+    "run_${lib}_bench" "$coll" "$json" "$log"
+    [[ -s $json ]] || fail_run "$lib $coll (no JSON written)" "$log"
+    echo "#   done in $((SECONDS - start)) s" >&2
+  done
+done
+
+loopback_ceiling
+
+python3 - "$out" "${coll_list[@]}" <<'PY'
+import json
+import os
+import sys
+
+out_dir, collectives = sys.argv[1], sys.argv[2:]
+LIBS = ["dear", "mpi", "gloo"]
+
+
+def load(lib, coll):
+    path = os.path.join(out_dir, f"{lib}-{coll}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def pick(row):
+    """Out-of-place when the library has it, else in-place (marked)."""
+    if row.get("oop"):
+        return row["oop"], ""
+    if row.get("ip"):
+        return row["ip"], "*"
+    return None, ""
+
+
+def fmt_time(us):
+    return f"{us:.0f}" if us >= 10000 else f"{us:.1f}" if us >= 100 else f"{us:.2f}"
+
+
+for coll in collectives:
+    docs = {lib: load(lib, coll) for lib in LIBS}
+    docs = {lib: d for lib, d in docs.items() if d is not None}
+    if not docs:
+        continue
+    results = {}
+    sizes = set()
+    notes = []
+    for lib, doc in docs.items():
+        skipped = doc.get("meta", {}).get("skipped")
+        if skipped:
+            notes.append(f"{lib}: skipped: {skipped}")
+        algo = doc.get("meta", {}).get("algorithm")
+        if algo:
+            notes.append(f"{lib}: algorithm {algo}")
+        for row in doc.get("rows", []):
+            sizes.add(row["size"])
+            res, mark = pick(row)
+            if res is not None:
+                results[(lib, row["size"])] = (res, mark)
+            if res is not None and res.get("wrong"):
+                notes.append(f"{lib}: {res['wrong']} wrong elements at {row['size']} B")
+    libs = [lib for lib in LIBS if lib in docs]
+    peers = [lib for lib in libs if lib != "dear"]
+    with_ratio = "dear" in docs and peers
+
+    nranks = next(iter(docs.values())).get("nranks", "?")
+    print(f"\n# {coll}, {nranks} ranks, float sum; time(us) and busbw(GB/s); "
+          "* = in-place (no out-of-place form)")
+    head = f"{'size(B)':>12}"
+    for lib in libs:
+        head += f"  {lib + ' time':>13} {lib + ' busbw':>11}"
+    if with_ratio:
+        head += f"  {'dear/best':>9}"
+    print(head)
+    for size in sorted(sizes):
+        line = f"{size:>12}"
+        best_peer = None
+        for lib in libs:
+            cell = results.get((lib, size))
+            if cell is None:
+                line += f"  {'N/A':>13} {'N/A':>11}"
+                continue
+            res, mark = cell
+            line += f"  {fmt_time(res['time_us']) + mark:>13} {res['busbw']:>11.3f}"
+            if lib != "dear" and (best_peer is None or res["busbw"] > best_peer):
+                best_peer = res["busbw"]
+        if with_ratio:
+            dear = results.get(("dear", size))
+            if dear and best_peer and best_peer > 0 and size > 0:
+                line += f"  {dear[0]['busbw'] / best_peer:>9.2f}"
+            else:
+                line += f"  {'-':>9}"
+        print(line)
+    if with_ratio:
+        # Latency: the smallest size every library ran with at least one element.
+        common = [s for s in sorted(sizes) if s > 0 and all((lib, s) in results for lib in libs)]
+        if common:
+            s = common[0]
+            dear_t = results[("dear", s)][0]["time_us"]
+            best = min(results[(lib, s)][0]["time_us"] for lib in peers)
+            print(f"# time ratio at {s} B: dear {fmt_time(dear_t)} us / best peer "
+                  f"{fmt_time(best)} us = {dear_t / best:.2f}")
+    for note in notes:
+        print(f"# {note}")
+PY

@@ -1,0 +1,310 @@
+// Conformance suite: every collective, dtype and op, rank counts 1..8, sizes from 0 through
+// primes to many slices, in place and out of place, checked element by element against the
+// independent reference in reference.h. Ranks are threads over TCP loopback.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <random>
+#include <vector>
+
+#include "harness.h"
+#include "reference.h"
+
+namespace dear::testing {
+namespace {
+
+constexpr DataType kAllTypes[] = {DataType::kInt8,    DataType::kUint8,    DataType::kInt32,
+                                  DataType::kInt64,   DataType::kFloat16,  DataType::kBFloat16,
+                                  DataType::kFloat32, DataType::kFloat64};
+constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax,
+                                ReduceOp::kAvg};
+// 0, 1, primes, and (with 256-byte slices) sizes spanning many slices per chunk.
+constexpr std::size_t kCounts[] = {0, 1, 7, 13, 1031};
+
+std::string label(const char* what, DataType t, ReduceOp op, std::size_t count, bool in_place,
+                  int rank) {
+  return std::string(what) + " dtype=" + std::string(to_string(t)) + " op=" +
+         std::string(to_string(op)) + " count=" + std::to_string(count) +
+         (in_place ? " in-place" : " out-of-place") + " rank=" + std::to_string(rank);
+}
+
+std::vector<char> make_input(int rank, std::size_t count, DataType t, ReduceOp op, int salt = 0) {
+  std::vector<char> buf(std::max<std::size_t>(1, count * dtype_size(t)));
+  for (std::size_t i = 0; i < count; ++i) store(buf.data(), i, t, input_value(rank, i, t, op, salt));
+  return buf;
+}
+
+class Conformance : public ::testing::TestWithParam<int> {};
+
+TEST_P(Conformance, AllReduceEveryTypeOpSizeAndAlgorithm) {
+  const int n = GetParam();
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    for (const auto algo : {Algorithm::kRing, Algorithm::kGatherReduce}) {
+      for (const auto t : kAllTypes) {
+        for (const auto op : kAllOps) {
+          for (const auto count : kCounts) {
+            for (const bool in_place : {false, true}) {
+              auto in = make_input(r, count, t, op);
+              std::vector<char> out_buf(in.size(), 0x5a);
+              char* out = in_place ? in.data() : out_buf.data();
+              OpOptions o;
+              o.algorithm = algo;
+              o.slice_bytes = 256;
+              comm.all_reduce(in.data(), out, count, t, op, o).wait();
+              Mismatches bad;
+              for (std::size_t i = 0; i < count; ++i) {
+                const double want = expected_reduce(i, n, t, op);
+                const double got = load(out, i, t);
+                if (!close_enough(got, want, t)) bad.add(i, got, want);
+              }
+              ASSERT_EQ(bad.count, 0u) << label(to_string(algo), t, op, count, in_place, r)
+                                       << ": " << bad.first;
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(Conformance, ReduceScatterEveryTypeOpAndSize) {
+  const int n = GetParam();
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const auto nn = static_cast<std::size_t>(n);
+    for (const auto t : kAllTypes) {
+      for (const auto op : kAllOps) {
+        for (const std::size_t rc : {std::size_t{0}, std::size_t{1}, std::size_t{7},
+                                     std::size_t{257}}) {
+          for (const bool in_place : {false, true}) {
+            auto in = make_input(r, rc * nn, t, op);
+            std::vector<char> out_buf(std::max<std::size_t>(1, rc * dtype_size(t)), 0x5a);
+            char* out = in_place ? in.data() + static_cast<std::size_t>(r) * rc * dtype_size(t)
+                                 : out_buf.data();
+            OpOptions o;
+            o.slice_bytes = 128;
+            comm.reduce_scatter(in.data(), out, rc, t, op, o).wait();
+            Mismatches bad;
+            for (std::size_t i = 0; i < rc; ++i) {
+              const double want = expected_reduce(static_cast<std::size_t>(r) * rc + i, n, t, op);
+              const double got = load(out, i, t);
+              if (!close_enough(got, want, t)) bad.add(i, got, want);
+            }
+            ASSERT_EQ(bad.count, 0u) << label("reduce_scatter", t, op, rc, in_place, r) << ": "
+                                     << bad.first;
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(Conformance, AllGatherEveryTypeAndSize) {
+  const int n = GetParam();
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const auto nn = static_cast<std::size_t>(n);
+    for (const auto t : kAllTypes) {
+      for (const std::size_t sc : {std::size_t{0}, std::size_t{1}, std::size_t{13},
+                                   std::size_t{1031}}) {
+        for (const bool in_place : {false, true}) {
+          const std::size_t el = dtype_size(t);
+          std::vector<char> out(std::max<std::size_t>(1, sc * nn * el), 0x5a);
+          std::vector<char> own = make_input(r, sc, t, ReduceOp::kSum, 3);
+          const char* in = own.data();
+          if (in_place) {
+            std::memcpy(out.data() + static_cast<std::size_t>(r) * sc * el, own.data(), sc * el);
+            in = out.data() + static_cast<std::size_t>(r) * sc * el;
+          }
+          OpOptions o;
+          o.slice_bytes = 256;
+          comm.all_gather(in, out.data(), sc, t, o).wait();
+          Mismatches bad;
+          for (int src = 0; src < n; ++src) {
+            for (std::size_t i = 0; i < sc; ++i) {
+              const double want = input_value(src, i, t, ReduceOp::kSum, 3);
+              const double got = load(out.data(), static_cast<std::size_t>(src) * sc + i, t);
+              if (got != want) bad.add(static_cast<std::size_t>(src) * sc + i, got, want);
+            }
+          }
+          ASSERT_EQ(bad.count, 0u) << label("all_gather", t, ReduceOp::kSum, sc, in_place, r)
+                                   << ": " << bad.first;
+        }
+      }
+    }
+  });
+}
+
+TEST_P(Conformance, BroadcastFromEveryRoot) {
+  const int n = GetParam();
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    for (int root = 0; root < n; ++root) {
+      for (const auto t : {DataType::kInt8, DataType::kFloat16, DataType::kFloat64}) {
+        for (const std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{4099}}) {
+          for (const bool in_place : {false, true}) {
+            auto in = r == root ? make_input(root, count, t, ReduceOp::kMax, 9)
+                                : std::vector<char>(std::max<std::size_t>(1, count * 8), 0x11);
+            std::vector<char> out_buf(std::max<std::size_t>(1, count * dtype_size(t)), 0x5a);
+            char* out = in_place ? in.data() : out_buf.data();
+            OpOptions o;
+            o.slice_bytes = 1024;
+            comm.broadcast(in.data(), out, count, t, root, o).wait();
+            Mismatches bad;
+            for (std::size_t i = 0; i < count; ++i) {
+              const double want = input_value(root, i, t, ReduceOp::kMax, 9);
+              const double got = load(out, i, t);
+              if (got != want) bad.add(i, got, want);
+            }
+            ASSERT_EQ(bad.count, 0u) << label("broadcast", t, ReduceOp::kMax, count, in_place, r)
+                                     << " root=" << root << ": " << bad.first;
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(Conformance, BarrierHoldsEveryRankBack) {
+  const int n = GetParam();
+  constexpr int kRounds = 20;
+  std::vector<std::atomic<int>> arrived(kRounds);
+  run_ranks(n, [&](Communicator& comm) {
+    for (int round = 0; round < kRounds; ++round) {
+      arrived[static_cast<std::size_t>(round)].fetch_add(1);
+      comm.barrier().wait();
+      ASSERT_EQ(arrived[static_cast<std::size_t>(round)].load(), n)
+          << "rank " << comm.rank() << " left barrier " << round << " early";
+    }
+  });
+}
+
+// Large enough for several slices per chunk on every channel with the default settings.
+TEST_P(Conformance, LargeMultiChannelAllReduceReduceScatterAllGather) {
+  const int n = GetParam();
+  CommOptions options;
+  options.channels = 3;
+  options.slice_bytes = 64 * 1024;
+  run_ranks(
+      n,
+      [&](Communicator& comm) {
+        const int r = comm.rank();
+        const auto nn = static_cast<std::size_t>(n);
+        const std::size_t count = 300007;  // prime: uneven chunks, channels and slices
+        for (const auto t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt64}) {
+          auto in = make_input(r, count, t, ReduceOp::kSum);
+          std::vector<char> out(in.size());
+          comm.all_reduce(in.data(), out.data(), count, t, ReduceOp::kSum).wait();
+          Mismatches bad;
+          for (std::size_t i = 0; i < count; ++i) {
+            const double want = expected_reduce(i, n, t, ReduceOp::kSum);
+            const double got = load(out.data(), i, t);
+            if (!close_enough(got, want, t)) bad.add(i, got, want);
+          }
+          ASSERT_EQ(bad.count, 0u) << "all_reduce " << to_string(t) << ": " << bad.first;
+
+          const std::size_t rc = count / nn + 1;
+          auto rs_in = make_input(r, rc * nn, t, ReduceOp::kMax);
+          std::vector<char> rs_out(rc * dtype_size(t));
+          comm.reduce_scatter(rs_in.data(), rs_out.data(), rc, t, ReduceOp::kMax).wait();
+          for (std::size_t i = 0; i < rc; ++i) {
+            const double want =
+                expected_reduce(static_cast<std::size_t>(r) * rc + i, n, t, ReduceOp::kMax);
+            const double got = load(rs_out.data(), i, t);
+            if (got != want) bad.add(i, got, want);
+          }
+          ASSERT_EQ(bad.count, 0u) << "reduce_scatter " << to_string(t) << ": " << bad.first;
+
+          std::vector<char> ag_out(rc * nn * dtype_size(t));
+          comm.all_gather(rs_out.data(), ag_out.data(), rc, t).wait();
+          for (std::size_t i = 0; i < rc * nn; ++i) {
+            const double want = expected_reduce(i, n, t, ReduceOp::kMax);
+            const double got = load(ag_out.data(), i, t);
+            if (got != want) bad.add(i, got, want);
+          }
+          ASSERT_EQ(bad.count, 0u) << "all_gather " << to_string(t) << ": " << bad.first;
+        }
+      },
+      options);
+}
+
+// Many operations in flight at once, with different priorities: all complete, all correct.
+TEST_P(Conformance, ConcurrentOperationsWithPriorities) {
+  const int n = GetParam();
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const auto nn = static_cast<std::size_t>(n);
+    std::mt19937 rng(1234);  // same sequence on every rank: same operations in the same order
+    struct Pending {
+      Work work;
+      int kind;
+      DataType t;
+      ReduceOp op;
+      std::size_t count;
+      int salt;
+      std::vector<char> in, out;
+    };
+    std::vector<Pending> pending(48);
+    for (std::size_t k = 0; k < pending.size(); ++k) {
+      Pending& p = pending[k];
+      p.kind = static_cast<int>(rng() % 3);
+      p.t = kAllTypes[rng() % 8];
+      p.op = p.kind == 2 ? ReduceOp::kSum : kAllOps[rng() % 5];
+      p.count = (rng() % 4 == 0) ? 40000 + rng() % 1000 : rng() % 300;
+      p.salt = static_cast<int>(k);
+      OpOptions o;
+      o.priority = static_cast<int>(rng() % 5);
+      o.slice_bytes = 4096;
+      const std::size_t el = dtype_size(p.t);
+      if (p.kind == 0) {
+        p.in = make_input(r, p.count, p.t, p.op, p.salt);
+        p.out.assign(p.in.size(), 0);
+        p.work = comm.all_reduce(p.in.data(), p.out.data(), p.count, p.t, p.op, o);
+      } else if (p.kind == 1) {
+        p.in = make_input(r, p.count * nn, p.t, p.op, p.salt);
+        p.out.assign(std::max<std::size_t>(1, p.count * el), 0);
+        p.work = comm.reduce_scatter(p.in.data(), p.out.data(), p.count, p.t, p.op, o);
+      } else {
+        p.in = make_input(r, p.count, p.t, p.op, p.salt);
+        p.out.assign(std::max<std::size_t>(1, p.count * nn * el), 0);
+        p.work = comm.all_gather(p.in.data(), p.out.data(), p.count, p.t, o);
+      }
+    }
+    for (std::size_t k = 0; k < pending.size(); ++k) {
+      Pending& p = pending[k];
+      p.work.wait();
+      Mismatches bad;
+      if (p.kind == 0) {
+        for (std::size_t i = 0; i < p.count; ++i) {
+          const double want = expected_reduce(i, n, p.t, p.op, p.salt);
+          const double got = load(p.out.data(), i, p.t);
+          if (!close_enough(got, want, p.t)) bad.add(i, got, want);
+        }
+      } else if (p.kind == 1) {
+        for (std::size_t i = 0; i < p.count; ++i) {
+          const double want =
+              expected_reduce(static_cast<std::size_t>(r) * p.count + i, n, p.t, p.op, p.salt);
+          const double got = load(p.out.data(), i, p.t);
+          if (!close_enough(got, want, p.t)) bad.add(i, got, want);
+        }
+      } else {
+        for (int src = 0; src < n; ++src) {
+          for (std::size_t i = 0; i < p.count; ++i) {
+            const double want = input_value(src, i, p.t, p.op, p.salt);
+            const double got = load(p.out.data(), static_cast<std::size_t>(src) * p.count + i, p.t);
+            if (got != want) bad.add(i, got, want);
+          }
+        }
+      }
+      ASSERT_EQ(bad.count, 0u) << "operation " << k << " kind " << p.kind << " "
+                               << label("", p.t, p.op, p.count, false, r) << ": " << bad.first;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Conformance, ::testing::Values(1, 2, 3, 4, 5, 8),
+                         [](const ::testing::TestParamInfo<int>& p) { return std::to_string(p.param) + "ranks"; });
+
+}  // namespace
+}  // namespace dear::testing

@@ -1,0 +1,382 @@
+#include "dear/bootstrap.h"
+
+#include <poll.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/env.h"
+#include "dear/error.h"
+#include "transport/listener_registry.h"
+#include "transport/socket_util.h"
+
+namespace dear {
+namespace {
+
+using transport::Clock;
+using transport::Deadline;
+using transport::Fd;
+
+constexpr std::uint32_t kMagic = 0x52414544;  // "DEAR"
+constexpr std::uint32_t kVersion = 1;
+// A connection that has not proved the secret this quickly is dropped, so that a scanner or a
+// half-open connection cannot hold rendezvous up.
+constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
+
+struct Hello {
+  std::uint32_t magic;
+  std::uint32_t version;
+  std::uint8_t secret[16];
+  std::int32_t rank;
+  std::int32_t world_size;
+};
+static_assert(sizeof(Hello) == 32);
+
+struct Welcome {
+  std::uint32_t magic;
+  std::uint32_t status;  // 0 = joined
+};
+
+void log_rejected(const std::string& from, const char* why) {
+  std::fprintf(stderr, "dear rank 0: bootstrap rejected a connection from %s: %s\n", from.c_str(),
+               why);
+}
+
+class TcpBootstrap final : public Bootstrap {
+ public:
+  TcpBootstrap(const UniqueId& id, int rank, int size, const BootstrapOptions& options)
+      : id_(id), rank_(rank), size_(size), options_(options) {
+    if (size_ == 1) {
+      advertise_ = options_.advertise_host.empty() ? id_.host : options_.advertise_host;
+      return;
+    }
+    const Deadline deadline = transport::deadline_after(options_.timeout);
+    if (rank_ == 0) {
+      rendezvous_root(deadline);
+    } else {
+      rendezvous_client(deadline);
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const UniqueId& id() const override { return id_; }
+  const BootstrapOptions& options() const override { return options_; }
+  std::string advertise_host() const override { return advertise_; }
+
+  void all_gather(const void* in, std::size_t bytes, void* out) override {
+    auto* o = static_cast<char*>(out);
+    std::memcpy(o + static_cast<std::size_t>(rank_) * bytes, in, bytes);
+    if (size_ == 1) return;
+    const Deadline deadline = transport::deadline_after(options_.timeout);
+    const std::uint64_t len = bytes;
+    if (rank_ == 0) {
+      for (int r = 1; r < size_; ++r) {
+        const std::string what = "bootstrap all-gather from rank " + std::to_string(r);
+        std::uint64_t their = 0;
+        guarded(r, [&] {
+          transport::read_all(peers_[r].get(), &their, sizeof(their), deadline, what);
+          if (their != len) {
+            throw Error(ErrorCode::kMismatch, what + ": rank " + std::to_string(r) + " sent " +
+                                                  std::to_string(their) + " bytes, rank 0 " +
+                                                  std::to_string(len));
+          }
+          transport::read_all(peers_[r].get(), o + static_cast<std::size_t>(r) * bytes, bytes,
+                              deadline, what);
+        });
+      }
+      for (int r = 1; r < size_; ++r) {
+        guarded(r, [&] {
+          transport::write_all(peers_[r].get(), o, bytes * static_cast<std::size_t>(size_),
+                               deadline, "bootstrap all-gather to rank " + std::to_string(r));
+        });
+      }
+    } else {
+      guarded(0, [&] {
+        transport::write_all(root_.get(), &len, sizeof(len), deadline, "bootstrap all-gather");
+        transport::write_all(root_.get(), in, bytes, deadline, "bootstrap all-gather");
+        transport::read_all(root_.get(), o, bytes * static_cast<std::size_t>(size_), deadline,
+                            "bootstrap all-gather");
+      });
+    }
+  }
+
+  void barrier() override {
+    std::vector<char> out(static_cast<std::size_t>(size_));
+    const char one = 1;
+    all_gather(&one, 1, out.data());
+  }
+
+ private:
+  // Runs f, re-throwing failures with this rank and the peer named.
+  template <typename F>
+  void guarded(int peer, F&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      if (e.rank() != Error::kNone) throw;
+      throw Error(e.code(), e.cause(), rank_, peer, "bootstrap");
+    }
+  }
+
+  struct Pending {
+    Fd fd;
+    Deadline deadline;
+    Hello hello{};
+    std::size_t got = 0;
+    std::string from;
+  };
+
+  void rendezvous_root(Deadline deadline) {
+    advertise_ = options_.advertise_host.empty() ? id_.host : options_.advertise_host;
+    Fd listener(transport::ListenerRegistry::instance().take(id_.port));
+    if (!listener.valid()) listener = transport::listen_on(transport::resolve(id_.host, id_.port));
+    transport::set_nonblocking(listener.get());
+    peers_.resize(static_cast<std::size_t>(size_));
+    int joined = 0;
+    std::vector<Pending> pending;
+    while (joined < size_ - 1) {
+      const auto now = Clock::now();
+      if (now >= deadline) {
+        std::string missing;
+        for (int r = 1; r < size_; ++r) {
+          if (!peers_[r].valid()) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        }
+        throw Error(ErrorCode::kTimeout,
+                    "rendezvous on " + id_.address() + " timed out after " +
+                        std::to_string(options_.timeout.count()) +
+                        " ms; ranks that never joined: " + missing,
+                    0, Error::kNone, "bootstrap");
+      }
+      std::vector<pollfd> fds;
+      fds.push_back({listener.get(), POLLIN, 0});
+      Deadline wake = deadline;
+      for (auto& p : pending) {
+        fds.push_back({p.fd.get(), POLLIN, 0});
+        wake = std::min(wake, p.deadline);
+      }
+      const int rc = ::poll(fds.data(), fds.size(), transport::poll_timeout_ms(wake, 200));
+      if (rc < 0 && errno != EINTR) {
+        throw Error(ErrorCode::kSystem, std::string("poll: ") + std::strerror(errno), 0);
+      }
+      if (fds[0].revents & POLLIN) accept_new(listener.get(), pending);
+      for (std::size_t i = 0; i < pending.size(); ++i) {
+        if (fds.size() > i + 1 && fds[i + 1].revents != 0) read_hello(pending[i]);
+      }
+      // Finish or drop the pending connections.
+      for (auto it = pending.begin(); it != pending.end();) {
+        if (it->got == sizeof(Hello)) {
+          joined += admit(*it) ? 1 : 0;
+          it = pending.erase(it);
+        } else if (!it->fd.valid()) {
+          it = pending.erase(it);
+        } else if (Clock::now() >= it->deadline) {
+          log_rejected(it->from, "it did not complete the handshake in time");
+          it = pending.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    const Welcome welcome{kMagic, 0};
+    for (int r = 1; r < size_; ++r) {
+      guarded(r, [&] {
+        transport::write_all(peers_[r].get(), &welcome, sizeof(welcome), deadline,
+                             "bootstrap welcome to rank " + std::to_string(r));
+      });
+    }
+  }
+
+  void accept_new(int listener, std::vector<Pending>& pending) {
+    for (;;) {
+      Fd fd(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!fd.valid()) return;
+      Pending p;
+      p.from = transport::peer_address(fd.get()).to_string();
+      p.fd = std::move(fd);
+      p.deadline = Clock::now() + kHandshakeTimeout;
+      pending.push_back(std::move(p));
+    }
+  }
+
+  static void read_hello(Pending& p) {
+    auto* buf = reinterpret_cast<char*>(&p.hello);
+    const ssize_t n = ::recv(p.fd.get(), buf + p.got, sizeof(Hello) - p.got, MSG_DONTWAIT);
+    if (n > 0) {
+      p.got += static_cast<std::size_t>(n);
+      if (p.got >= sizeof(std::uint32_t) && p.hello.magic != kMagic) {
+        log_rejected(p.from, "it does not speak the dear protocol");
+        p.fd.reset();
+      }
+    } else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      p.fd.reset();  // closed before proving anything: a scanner or a dead client
+    }
+  }
+
+  // Validates a complete hello; true when the rank joined.
+  bool admit(Pending& p) {
+    const Hello& h = p.hello;
+    if (h.version != kVersion) {
+      log_rejected(p.from, "it speaks another protocol version");
+      return false;
+    }
+    if (!transport::equal_secret(h.secret, id_.secret.data(), sizeof(h.secret))) {
+      log_rejected(p.from, "wrong secret (another job on the same address?)");
+      return false;
+    }
+    if (h.world_size != size_) {
+      throw Error(ErrorCode::kBootstrap,
+                  "rank " + std::to_string(h.rank) + " (from " + p.from + ") says world size " +
+                      std::to_string(h.world_size) + ", rank 0 has " + std::to_string(size_),
+                  0, h.rank, "bootstrap");
+    }
+    if (h.rank <= 0 || h.rank >= size_) {
+      throw Error(ErrorCode::kBootstrap,
+                  "a peer from " + p.from + " claims rank " + std::to_string(h.rank) +
+                      ", outside 1.." + std::to_string(size_ - 1),
+                  0, Error::kNone, "bootstrap");
+    }
+    if (peers_[h.rank].valid()) {
+      throw Error(ErrorCode::kBootstrap,
+                  "two processes claim rank " + std::to_string(h.rank) + " (the second from " +
+                      p.from + ")",
+                  0, h.rank, "bootstrap");
+    }
+    transport::set_nonblocking(p.fd.get(), false);
+    peers_[h.rank] = std::move(p.fd);
+    return true;
+  }
+
+  void rendezvous_client(Deadline deadline) {
+    const auto addr = transport::resolve(id_.host, id_.port);
+    guarded(0, [&] {
+      root_ = transport::connect_with_retry(addr, deadline, "bootstrap");
+      Hello h{};
+      h.magic = kMagic;
+      h.version = kVersion;
+      std::memcpy(h.secret, id_.secret.data(), sizeof(h.secret));
+      h.rank = rank_;
+      h.world_size = size_;
+      transport::write_all(root_.get(), &h, sizeof(h), deadline, "bootstrap hello to rank 0");
+      Welcome w{};
+      try {
+        transport::read_all(root_.get(), &w, sizeof(w), deadline, "bootstrap welcome");
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::kPeerFailed) throw;
+        throw Error(ErrorCode::kBootstrap, "rank 0 at " + id_.address() +
+                                               " closed the connection during rendezvous "
+                                               "(wrong secret, or rank 0 failed)");
+      }
+      if (w.magic != kMagic || w.status != 0) {
+        throw Error(ErrorCode::kBootstrap, "rank 0 refused this rank");
+      }
+    });
+    advertise_ = options_.advertise_host.empty()
+                     ? transport::local_address(root_.get()).host()
+                     : options_.advertise_host;
+  }
+
+  UniqueId id_;
+  int rank_;
+  int size_;
+  BootstrapOptions options_;
+  std::string advertise_;
+  std::vector<Fd> peers_;  // rank 0: a connection per rank
+  Fd root_;                // other ranks: the connection to rank 0
+};
+
+// Not secret: lets a job started by a launcher without a secret tell itself apart from
+// other jobs on the same address (see README, "Launchers").
+std::array<std::uint8_t, 16> derived_secret(const std::string& seed) {
+  std::array<std::uint8_t, 16> out{};
+  std::uint64_t h1 = 1469598103934665603ULL;
+  std::uint64_t h2 = 1099511628211ULL * 31;
+  for (const char c : seed) {
+    h1 = (h1 ^ static_cast<std::uint8_t>(c)) * 1099511628211ULL;
+    h2 = (h2 ^ static_cast<std::uint8_t>(c)) * 0x100000001b3ULL + 0x9e3779b97f4a7c15ULL;
+  }
+  std::memcpy(out.data(), &h1, 8);
+  std::memcpy(out.data() + 8, &h2, 8);
+  return out;
+}
+
+std::optional<std::int64_t> first_int(std::initializer_list<const char*> names, std::int64_t min,
+                                      std::int64_t max, std::string* found) {
+  for (const char* n : names) {
+    if (auto v = env::get_int(n, min, max)) {
+      *found = n;
+      return v;
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::unique_ptr<Bootstrap> Bootstrap::create(const UniqueId& id, int rank, int world_size,
+                                             const BootstrapOptions& options) {
+  if (world_size < 1) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "world_size must be at least 1, got " + std::to_string(world_size), rank);
+  }
+  if (rank < 0 || rank >= world_size) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank must be in [0, " + std::to_string(world_size) + "), got " +
+                    std::to_string(rank),
+                rank);
+  }
+  if (world_size > 1 && id.port == 0) {
+    throw Error(ErrorCode::kInvalidArgument, "unique id has no port", rank);
+  }
+  return std::make_unique<TcpBootstrap>(id, rank, world_size, options);
+}
+
+std::unique_ptr<Bootstrap> Bootstrap::from_env(const BootstrapOptions& options) {
+  constexpr std::int64_t kMaxRanks = 1 << 20;
+  std::string rank_var;
+  std::string size_var;
+  const auto rank = first_int({"DEAR_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                               "SLURM_PROCID"},
+                              0, kMaxRanks, &rank_var);
+  const auto size = first_int({"DEAR_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE",
+                               "PMI_SIZE", "SLURM_NTASKS"},
+                              1, kMaxRanks, &size_var);
+  if (!rank || !size) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "cannot tell this process's rank and world size from the environment: set "
+                "DEAR_RANK and DEAR_WORLD_SIZE (dear-run does), or RANK and WORLD_SIZE "
+                "(torchrun), or run under Open MPI (OMPI_COMM_WORLD_*) or Slurm "
+                "(SLURM_PROCID, SLURM_NTASKS)");
+  }
+  UniqueId id;
+  if (auto text = env::get("DEAR_UNIQUE_ID")) {
+    id = UniqueId::parse(*text);
+  } else {
+    auto addr = env::get("MASTER_ADDR");
+    auto port = env::get_int("MASTER_PORT", 1, 65535);
+    if (!addr || !port) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "no rendezvous address: set DEAR_UNIQUE_ID (dear-run does) or MASTER_ADDR and "
+                  "MASTER_PORT (rank from " + rank_var + ")",
+                  static_cast<int>(*rank));
+    }
+    id.host = *addr;
+    id.port = static_cast<std::uint16_t>(*port);
+    if (auto secret = env::get("DEAR_SECRET")) {
+      id.secret = UniqueId::parse("h:1:" + *secret).secret;
+    } else {
+      std::string seed = *addr + ":" + std::to_string(*port);
+      for (const char* v : {"TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid",
+                            "PMIX_NAMESPACE"}) {
+        if (auto x = env::get(v)) seed += ":" + *x;
+      }
+      id.secret = derived_secret(seed);
+    }
+  }
+  return create(id, static_cast<int>(*rank), static_cast<int>(*size), options);
+}
+
+}  // namespace dear

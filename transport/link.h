@@ -1,0 +1,96 @@
+// The link contract: what the progress engine needs from a transport back-end.
+//
+// A link joins this rank to one peer and consists of `channels`, each an independent ordered,
+// reliable, full-duplex stream of messages (for TCP: one socket). A message is a fixed 32-byte
+// FrameHeader followed by `header.bytes` bytes of payload. Channels exist so that one large
+// operation can be striped over several connections, and so that operations on different
+// channels never wait behind each other.
+//
+// Threading: a Channel is used by one thread only (the communicator's engine); nothing here
+// blocks. Every call returns at once.
+//
+// Sending: try_send() queues a message (header copied, payload NOT copied: it must stay valid
+// and unchanged until the SendSink is told the message is sent) or returns false when the
+// channel's bounded queue is full (back-pressure: try again after progress()). Messages on one
+// channel leave in the order they were queued. "Sent" means the payload was handed to the
+// transport and the buffer may be reused; it does not mean the peer has it.
+//
+// Receiving: progress() reads what has arrived. For each message it calls
+// RecvSink::on_header(); the sink answers where the payload goes: straight into memory
+// (kDirect) or handed over in pieces through on_payload() (kStream, used to reduce while data
+// arrives; pieces are multiples of `unit` bytes and come from transport-owned memory valid
+// only during the call). Then on_message() says the message is complete. The sink may return
+// kDiscard to have the payload dropped.
+//
+// Completion and errors: every queued message is reported sent exactly once, or the channel
+// fails. A failure (peer closed, reset, protocol violation) is thrown from progress() as
+// dear::Error(kPeerFailed) naming the peer; after that the channel is dead and the engine
+// fails the operations that use it. A clean close by the peer is reported through
+// RecvSink::on_closed() instead, because a peer that finished and destroyed its communicator
+// is not an error unless an operation still needs it.
+#pragma once
+
+#include <poll.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace dear::transport {
+
+enum class FrameType : std::uint8_t {
+  kData = 1,     // a slice of an operation
+  kPosted = 2,   // "I have posted operation `seq`": the sender may send non-eager slices
+  kAbort = 3,    // the peer failed; payload = reason text; root = rank to blame; count = code
+};
+
+struct FrameHeader {
+  std::uint32_t bytes = 0;   // payload bytes that follow
+  FrameType type = FrameType::kData;
+  std::uint8_t kind = 0;     // collective (collectives::OpKind)
+  std::uint8_t dtype = 0;
+  std::uint8_t redop = 0;
+  std::uint64_t seq = 0;     // operation sequence number
+  std::uint32_t index = 0;   // message index within (operation, channel)
+  std::int32_t root = 0;
+  std::uint64_t count = 0;   // the operation's count as the caller gave it
+};
+static_assert(sizeof(FrameHeader) == 32, "the wire header is 32 bytes");
+
+struct RecvTarget {
+  enum Mode : std::uint8_t { kDirect, kStream, kDiscard };
+  Mode mode = kDiscard;
+  char* dst = nullptr;       // kDirect: where the payload goes
+  std::size_t unit = 1;      // kStream: pieces are multiples of this many bytes
+};
+
+class RecvSink {
+ public:
+  virtual ~RecvSink() = default;
+  virtual RecvTarget on_header(int channel, const FrameHeader& h) = 0;
+  // kStream only: payload bytes [offset, offset + len) of the current message.
+  virtual void on_payload(int channel, const FrameHeader& h, const char* data,
+                          std::size_t offset, std::size_t len) = 0;
+  virtual void on_message(int channel, const FrameHeader& h) = 0;
+  virtual void on_sent(int channel, std::uint64_t token) = 0;
+  virtual void on_closed(int channel) = 0;
+};
+
+class Channel {
+ public:
+  virtual ~Channel() = default;
+  [[nodiscard]] virtual bool try_send(const FrameHeader& h, const void* payload,
+                                      std::uint64_t token) = 0;
+  [[nodiscard]] virtual std::size_t queued() const = 0;
+  [[nodiscard]] virtual std::size_t queued_bytes() const = 0;
+  // Moves bytes both ways without blocking; returns true if anything moved.
+  virtual bool progress(RecvSink& sink) = 0;
+  // What to wait for when idle (fd and events for poll()); fd < 0 = nothing to wait on.
+  [[nodiscard]] virtual pollfd wait_spec() const = 0;
+  // Sends what can be sent now and closes; never blocks for long.
+  virtual void close() = 0;
+  [[nodiscard]] virtual bool closed() const = 0;
+  [[nodiscard]] virtual std::string describe() const = 0;
+};
+
+}  // namespace dear::transport

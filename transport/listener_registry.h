@@ -1,0 +1,28 @@
+// Listening sockets opened by UniqueId::create() and kept until this process's rank 0 adopts
+// them, so that an id handed to other threads or processes is valid before rank 0 starts.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace dear::transport {
+
+[[nodiscard]] std::array<std::uint8_t, 16> random_secret();
+
+class ListenerRegistry {
+ public:
+  static ListenerRegistry& instance();
+  // Binds and listens on host:port (0 = any free port); returns the bound port.
+  std::uint16_t open(const std::string& host, std::uint16_t port);
+  // The socket bound for host:port earlier in this process, or -1; the caller owns it.
+  int take(std::uint16_t port);
+
+ private:
+  std::mutex mu_;
+  std::map<std::uint16_t, int> fds_;
+};
+
+}  // namespace dear::transport

@@ -1,0 +1,244 @@
+#include "transport/socket_util.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <asio/ip/address.hpp>
+#include <asio/ip/tcp.hpp>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "dear/error.h"
+
+namespace dear::transport {
+namespace {
+
+[[noreturn]] void throw_errno(const std::string& what, int err) {
+  throw Error(ErrorCode::kSystem, what + ": " + std::strerror(err));
+}
+
+// Waits until fd is ready for `events` or the deadline passes; false on timeout.
+bool wait_ready(int fd, short events, Deadline deadline) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    const int rc = ::poll(&p, 1, poll_timeout_ms(deadline));
+    if (rc > 0) return true;
+    if (rc < 0 && errno != EINTR) throw_errno("poll", errno);
+    if (Clock::now() >= deadline) return false;
+  }
+}
+
+}  // namespace
+
+int poll_timeout_ms(Deadline d, int cap_ms) {
+  if (d == Deadline::max()) return cap_ms;
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(d - Clock::now());
+  return static_cast<int>(std::clamp<std::int64_t>(left.count() + 1, 0, cap_ms));
+}
+
+Fd& Fd::operator=(Fd&& o) noexcept {
+  if (this != &o) reset(o.release());
+  return *this;
+}
+
+void Fd::reset(int fd) noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+std::string SockAddr::host() const {
+  char buf[INET6_ADDRSTRLEN] = {0};
+  if (family() == AF_INET) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(&storage);
+    ::inet_ntop(AF_INET, &a->sin_addr, buf, sizeof(buf));
+  } else if (family() == AF_INET6) {
+    const auto* a = reinterpret_cast<const sockaddr_in6*>(&storage);
+    ::inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof(buf));
+  }
+  return buf;
+}
+
+std::uint16_t SockAddr::port() const {
+  if (family() == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in*>(&storage)->sin_port);
+  if (family() == AF_INET6) {
+    return ntohs(reinterpret_cast<const sockaddr_in6*>(&storage)->sin6_port);
+  }
+  return 0;
+}
+
+std::string SockAddr::to_string() const {
+  const std::string h = host();
+  return (family() == AF_INET6 ? "[" + h + "]" : h) + ":" + std::to_string(port());
+}
+
+SockAddr resolve(const std::string& host, std::uint16_t port) {
+  asio::ip::tcp::endpoint endpoint;
+  asio::error_code ec;
+  const auto address = asio::ip::make_address(host, ec);
+  if (!ec) {
+    endpoint = asio::ip::tcp::endpoint(address, port);
+  } else {
+    asio::io_context io;
+    asio::ip::tcp::resolver resolver(io);
+    const auto results = resolver.resolve(host, std::to_string(port), ec);
+    if (ec || results.empty()) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "cannot resolve host '" + host + "': " + (ec ? ec.message() : "no address"));
+    }
+    endpoint = results.begin()->endpoint();
+  }
+  SockAddr out;
+  out.len = static_cast<socklen_t>(endpoint.size());
+  std::memcpy(&out.storage, endpoint.data(), out.len);
+  return out;
+}
+
+Fd listen_on(const SockAddr& addr, int backlog) {
+  Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) throw_errno("socket", errno);
+  const int one = 1;
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(fd.get(), addr.get(), addr.len) != 0) {
+    throw Error(ErrorCode::kBootstrap,
+                "cannot listen on " + addr.to_string() + ": " + std::strerror(errno));
+  }
+  if (::listen(fd.get(), backlog) != 0) throw_errno("listen on " + addr.to_string(), errno);
+  return fd;
+}
+
+SockAddr local_address(int fd) {
+  SockAddr a;
+  a.len = sizeof(a.storage);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&a.storage), &a.len) != 0) {
+    throw_errno("getsockname", errno);
+  }
+  return a;
+}
+
+SockAddr peer_address(int fd) {
+  SockAddr a;
+  a.len = sizeof(a.storage);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&a.storage), &a.len) != 0) {
+    throw_errno("getpeername", errno);
+  }
+  return a;
+}
+
+Fd connect_with_retry(const SockAddr& addr, Deadline deadline, const std::string& what) {
+  int last_err = 0;
+  auto backoff = std::chrono::milliseconds(2);
+  for (;;) {
+    Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!fd.valid()) throw_errno("socket", errno);
+    int rc = ::connect(fd.get(), addr.get(), addr.len);
+    if (rc != 0 && errno == EINPROGRESS) {
+      if (wait_ready(fd.get(), POLLOUT, deadline)) {
+        int err = 0;
+        socklen_t len = sizeof(err);
+        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+        rc = err == 0 ? 0 : -1;
+        errno = err;
+      } else {
+        errno = ETIMEDOUT;
+      }
+    }
+    if (rc == 0) {
+      set_nonblocking(fd.get(), false);
+      return fd;
+    }
+    last_err = errno;
+    if (Clock::now() >= deadline) break;
+    // Refused or unreachable: the listener may simply not be up yet.
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(100));
+    if (Clock::now() >= deadline) break;
+  }
+  throw Error(ErrorCode::kTimeout, what + ": could not connect to " + addr.to_string() +
+                                       " before the deadline (last error: " +
+                                       std::strerror(last_err) + ")");
+}
+
+Fd accept_until(int listen_fd, Deadline deadline) {
+  for (;;) {
+    if (!wait_ready(listen_fd, POLLIN, deadline)) return Fd();
+    Fd fd(::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC));
+    if (fd.valid()) return fd;
+    if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED && errno != EWOULDBLOCK) {
+      throw_errno("accept", errno);
+    }
+  }
+}
+
+void set_nonblocking(int fd, bool on) {
+  const int flags = ::fcntl(fd, F_GETFL, 0);
+  if (flags < 0) throw_errno("fcntl(F_GETFL)", errno);
+  const int want = on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK);
+  if (want != flags && ::fcntl(fd, F_SETFL, want) != 0) throw_errno("fcntl(F_SETFL)", errno);
+}
+
+void set_nodelay(int fd) {
+  const int one = 1;
+  if (::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)) != 0) {
+    throw_errno("setsockopt(TCP_NODELAY)", errno);
+  }
+}
+
+void set_cloexec(int fd) { ::fcntl(fd, F_SETFD, FD_CLOEXEC); }
+
+void write_all(int fd, const void* data, std::size_t bytes, Deadline deadline,
+               const std::string& what) {
+  const auto* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::send(fd, p, bytes, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      bytes -= static_cast<std::size_t>(n);
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      if (!wait_ready(fd, POLLOUT, deadline)) {
+        throw Error(ErrorCode::kTimeout, what + ": timed out writing");
+      }
+      continue;
+    }
+    throw Error(ErrorCode::kPeerFailed, what + ": connection lost while writing (" +
+                                            std::strerror(errno) + ")");
+  }
+}
+
+void read_all(int fd, void* data, std::size_t bytes, Deadline deadline, const std::string& what) {
+  auto* p = static_cast<char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::recv(fd, p, bytes, MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      bytes -= static_cast<std::size_t>(n);
+      continue;
+    }
+    if (n == 0) {
+      throw Error(ErrorCode::kPeerFailed, what + ": connection closed by the other side");
+    }
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+      if (!wait_ready(fd, POLLIN, deadline)) {
+        throw Error(ErrorCode::kTimeout, what + ": timed out reading");
+      }
+      continue;
+    }
+    throw Error(ErrorCode::kPeerFailed, what + ": connection lost while reading (" +
+                                            std::strerror(errno) + ")");
+  }
+}
+
+bool equal_secret(const std::uint8_t* a, const std::uint8_t* b, std::size_t n) {
+  unsigned diff = 0;
+  for (std::size_t i = 0; i < n; ++i) diff |= static_cast<unsigned>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace dear::transport

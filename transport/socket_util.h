@@ -1,0 +1,87 @@
+// Small, deadline-bounded helpers over POSIX stream sockets, used by the bootstrap and to set
+// up TCP links. Every blocking helper takes a deadline and throws dear::Error (kTimeout,
+// kPeerFailed or kSystem) with `what` in its message instead of waiting forever.
+#pragma once
+
+#include <sys/socket.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace dear::transport {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+[[nodiscard]] inline Deadline deadline_after(std::chrono::milliseconds d) {
+  if (d.count() <= 0 || d > std::chrono::hours(24 * 365)) return Deadline::max();
+  return Clock::now() + d;
+}
+// Milliseconds left until `d`, clamped to [0, cap]; for poll().
+[[nodiscard]] int poll_timeout_ms(Deadline d, int cap_ms = 1000);
+
+// An owned file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) noexcept : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept;
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+
+  [[nodiscard]] int get() const noexcept { return fd_; }
+  [[nodiscard]] bool valid() const noexcept { return fd_ >= 0; }
+  int release() noexcept {
+    const int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+  void reset(int fd = -1) noexcept;
+
+ private:
+  int fd_ = -1;
+};
+
+struct SockAddr {
+  sockaddr_storage storage{};
+  socklen_t len = 0;
+  [[nodiscard]] const sockaddr* get() const { return reinterpret_cast<const sockaddr*>(&storage); }
+  [[nodiscard]] int family() const { return storage.ss_family; }
+  [[nodiscard]] std::string to_string() const;  // "host:port", IPv6 in brackets
+  [[nodiscard]] std::string host() const;
+  [[nodiscard]] std::uint16_t port() const;
+};
+
+// Resolves a numeric address or a host name (first result). Throws kInvalidArgument.
+[[nodiscard]] SockAddr resolve(const std::string& host, std::uint16_t port);
+
+// A listening socket bound to addr (port 0 = any); SO_REUSEADDR set.
+[[nodiscard]] Fd listen_on(const SockAddr& addr, int backlog = 128);
+[[nodiscard]] SockAddr local_address(int fd);
+[[nodiscard]] SockAddr peer_address(int fd);
+
+// Connects, retrying refused/unreachable attempts every few milliseconds until the deadline
+// (the listener may not be up yet).
+[[nodiscard]] Fd connect_with_retry(const SockAddr& addr, Deadline deadline,
+                                    const std::string& what);
+// Accepts one connection, or returns an invalid Fd when the deadline passes first.
+[[nodiscard]] Fd accept_until(int listen_fd, Deadline deadline);
+
+void set_nonblocking(int fd, bool on = true);
+void set_nodelay(int fd);
+void set_cloexec(int fd);
+
+// Whole-buffer transfers on a blocking or non-blocking socket, bounded by the deadline.
+void write_all(int fd, const void* data, std::size_t bytes, Deadline deadline,
+               const std::string& what);
+void read_all(int fd, void* data, std::size_t bytes, Deadline deadline, const std::string& what);
+
+// Constant-time comparison, for secrets.
+[[nodiscard]] bool equal_secret(const std::uint8_t* a, const std::uint8_t* b, std::size_t n);
+
+}  // namespace dear::transport
