@@ -402,8 +402,7 @@ std::unique_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
   return std::make_unique<CommunicatorImpl>(std::move(bootstrap), std::move(options));
 }
 
-std::unique_ptr<Communicator> Communicator::create_from_env(std::unique_ptr<Bootstrap> bootstrap,
-                                                            CommOptions options) {
+CommOptions apply_env(CommOptions options) {
   if (auto v = env::get_int("DEAR_CHANNELS", 1, collectives::kMaxChannels)) {
     options.channels = static_cast<int>(*v);
   }
@@ -423,7 +422,12 @@ std::unique_ptr<Communicator> Communicator::create_from_env(std::unique_ptr<Boot
     }
     options.algorithm = *a;
   }
-  return create(std::move(bootstrap), std::move(options));
+  return options;
+}
+
+std::unique_ptr<Communicator> Communicator::create_from_env(std::unique_ptr<Bootstrap> bootstrap,
+                                                            CommOptions options) {
+  return create(std::move(bootstrap), apply_env(std::move(options)));
 }
 
 }  // namespace dear

@@ -442,6 +442,13 @@ void Engine::on_message(int link, int channel, const FrameHeader& h) {
                           ? ErrorCode::kMismatch
                           : ErrorCode::kPeerFailed;
     std::string text(abort_text_[link].data(), abort_text_[link].size());
+    if (h.count == static_cast<std::uint64_t>(ErrorCode::kTimeout) && blame == cfg_.rank &&
+        !active_.empty()) {
+      // A neighbour gave up waiting for this rank, which is alive and waiting itself: pass on
+      // this rank's own view, so the blame moves towards the rank that really is stuck.
+      throw timeout_error(*active_.front(), "rank " + std::to_string(peer_of(link)) +
+                                                " timed out waiting for this rank; ");
+    }
     throw Error(code, "rank " + std::to_string(peer_of(link)) + " reported: " + text, cfg_.rank,
                 blame);
   }
@@ -517,23 +524,26 @@ std::string Engine::describe_progress(const Op& op) const {
          std::to_string(peer_of(kNext));
 }
 
+Error Engine::timeout_error(const Op& op, const std::string& prefix) const {
+  // Blame the side we are waiting on: a receive outstanding points at the previous rank.
+  bool waiting_recv = false;
+  for (int c = 0; c < op.channels; ++c) {
+    waiting_recv |= op.recv_next[static_cast<std::size_t>(c)] < op.messages_received_per_channel();
+  }
+  const int blame = waiting_recv ? peer_of(kPrev) : peer_of(kNext);
+  return Error(ErrorCode::kTimeout,
+               prefix + view_of(op) + " did not complete within " +
+                   std::to_string(op.timeout.count()) + " ms: " + describe_progress(op) +
+                   "; rank " + std::to_string(blame) +
+                   " is dead, stalled, or did not issue this operation",
+               cfg_.rank, blame, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+}
+
 void Engine::check_deadlines() {
   if (active_.empty()) return;
   const auto now = transport::Clock::now();
   for (const auto& holder : active_) {
-    const Op& op = *holder;
-    if (now < op.deadline) continue;
-    // Blame the side we are waiting on: a receive outstanding points at the previous rank.
-    bool waiting_recv = false;
-    for (int c = 0; c < op.channels; ++c) {
-      waiting_recv |= op.recv_next[static_cast<std::size_t>(c)] < op.messages_received_per_channel();
-    }
-    const int blame = waiting_recv ? peer_of(kPrev) : peer_of(kNext);
-    throw Error(ErrorCode::kTimeout,
-                view_of(op) + " did not complete within " + std::to_string(op.timeout.count()) +
-                    " ms: " + describe_progress(op) + "; rank " + std::to_string(blame) +
-                    " is dead, stalled, or did not issue this operation",
-                cfg_.rank, blame, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+    if (now >= holder->deadline) throw timeout_error(*holder, "");
   }
 }
 

@@ -94,6 +94,7 @@ class Engine {
   bool progress_links();
   void complete_finished();
   void check_deadlines();
+  [[nodiscard]] Error timeout_error(const Op& op, const std::string& prefix) const;
   void wait_for_events();
   void wake();
 

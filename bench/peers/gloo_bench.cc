@@ -50,7 +50,7 @@
 
 #include "common/env.h"
 #include "dear/error.h"
-#include "peer_driver.h"
+#include "driver.h"
 
 namespace dear::bench::peers {
 namespace {
@@ -306,7 +306,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::string rank = "?";
     try {
-      if (const auto launch = dear::bench::peers::rank_from_environment()) {
+      if (const auto launch = dear::bench::rank_from_environment()) {
         rank = std::to_string(launch->rank);
       }
     } catch (const std::exception&) {

@@ -19,7 +19,7 @@
 
 #include "common/env.h"
 #include "dear/error.h"
-#include "peer_driver.h"
+#include "driver.h"
 
 namespace dear::bench::peers {
 namespace {

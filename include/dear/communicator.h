@@ -65,6 +65,11 @@ struct CommOptions {
   int eager_window = 64;
 };
 
+// `options` with the DEAR_* environment overrides applied (DEAR_CHANNELS, DEAR_SLICE_BYTES,
+// DEAR_TIMEOUT, DEAR_EAGER_BYTES, DEAR_SMALL_BYTES, DEAR_TRANSPORT, DEAR_ALGO). Throws
+// dear::Error(kInvalidArgument) naming a variable whose value is malformed.
+[[nodiscard]] CommOptions apply_env(CommOptions options);
+
 class Work {
  public:
   Work() = default;

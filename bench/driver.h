@@ -1,4 +1,4 @@
-// The measurement loop shared by the peer benchmarks (mpi-bench, gloo-bench).
+// The measurement loop shared by dear-bench and the peer benchmarks (mpi-bench, gloo-bench).
 //
 // A peer library supplies two things: a PeerComm for the few cross-rank steps the driver
 // needs outside the timed region, and a Binder that turns a request (collective, size,
@@ -19,7 +19,7 @@
 
 #include "report.h"
 
-namespace dear::bench::peers {
+namespace dear::bench {
 
 // The cross-rank steps the driver needs; all are collective (every rank calls them).
 class PeerComm {
@@ -80,4 +80,4 @@ struct LaunchRank {
 };
 [[nodiscard]] std::optional<LaunchRank> rank_from_environment();
 
-}  // namespace dear::bench::peers
+}  // namespace dear::bench

@@ -1,4 +1,4 @@
-#include "peer_driver.h"
+#include "driver.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -9,7 +9,7 @@
 #include "common/env.h"
 #include "dear/error.h"
 
-namespace dear::bench::peers {
+namespace dear::bench {
 namespace {
 
 // Zero-initialised so that pages are touched before timing, and so a checked run starts
@@ -150,4 +150,4 @@ std::optional<LaunchRank> rank_from_environment() {
   return std::nullopt;
 }
 
-}  // namespace dear::bench::peers
+}  // namespace dear::bench

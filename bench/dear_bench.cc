@@ -1,0 +1,161 @@
+// dear-bench: dear's collectives in the nccl-tests table format.
+//
+//   dear-run -n 4 dear-bench all_reduce -b 8 -e 64M -f 2 -c 1 [--json out.json]
+//
+// Measured by the same driver as the peer benchmarks (bench/driver.h), so rows from dear,
+// Open MPI and Gloo are comparable line by line. Ranks come from the launcher's environment
+// (dear-run, torchrun, Open MPI or Slurm); knobs default to the communicator's defaults and
+// to DEAR_* overrides.
+#include <cstdio>
+#include <exception>
+#include <optional>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "common/env.h"
+#include "dear/communicator.h"
+#include "dear/error.h"
+#include "driver.h"
+
+namespace dear::bench {
+namespace {
+
+class DearComm final : public PeerComm {
+ public:
+  explicit DearComm(Communicator& comm) : comm_(comm) {}
+  [[nodiscard]] int rank() const override { return comm_.rank(); }
+  [[nodiscard]] int size() const override { return comm_.size(); }
+  void barrier() override { comm_.barrier().wait(); }
+  [[nodiscard]] double max_over_ranks(double value) override {
+    comm_.all_reduce(&value, &value, 1, DataType::kFloat64, ReduceOp::kMax).wait();
+    return value;
+  }
+  [[nodiscard]] long long sum_over_ranks(long long value) override {
+    std::int64_t v = value;
+    comm_.all_reduce(&v, &v, 1, DataType::kInt64, ReduceOp::kSum).wait();
+    return v;
+  }
+
+ private:
+  Communicator& comm_;
+};
+
+std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const OpOptions& o) {
+  const std::size_t count = r.point.rank_count;
+  const DataType t = r.dtype;
+  const ReduceOp op = r.op;
+  const std::size_t el = dtype_size(t);
+  void* recv = r.recv;
+  const void* send = r.in_place ? r.recv : r.send;
+  BoundOp bound;
+  bound.output = recv;
+  switch (r.collective) {
+    case Collective::kAllReduce:
+      bound.run = [&comm, send, recv, count, t, op, o] {
+        comm.all_reduce(send, recv, count, t, op, o).wait();
+      };
+      bound.input = const_cast<void*>(send);
+      return bound;
+    case Collective::kReduceScatter: {
+      // In place: the result lands in this rank's block of the input (NCCL's convention).
+      void* out = r.in_place ? static_cast<char*>(recv) +
+                                   static_cast<std::size_t>(comm.rank()) * count * el
+                             : recv;
+      bound.run = [&comm, send, out, count, t, op, o] {
+        comm.reduce_scatter(send, out, count, t, op, o).wait();
+      };
+      bound.input = const_cast<void*>(send);
+      bound.output = out;
+      return bound;
+    }
+    case Collective::kAllGather: {
+      const void* in = r.in_place ? static_cast<const char*>(recv) +
+                                        static_cast<std::size_t>(comm.rank()) * count * el
+                                  : send;
+      bound.run = [&comm, in, recv, count, t, o] { comm.all_gather(in, recv, count, t, o).wait(); };
+      bound.input = const_cast<void*>(in);
+      return bound;
+    }
+    case Collective::kBroadcast:
+      bound.run = [&comm, send, recv, count, t, root = r.root, o] {
+        comm.broadcast(send, recv, count, t, root, o).wait();
+      };
+      bound.input = const_cast<void*>(send);
+      return bound;
+  }
+  return std::nullopt;
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"dear-bench: dear collectives in the nccl-tests table format"};
+  BenchArgs args;
+  add_bench_flags(app, args);
+  std::string transport;
+  int channels = 0;
+  std::string slice;
+  std::string algo = "auto";
+  int timeout_s = 0;
+  app.add_option("--transport", transport, "Link transport (tcp); default DEAR_TRANSPORT or tcp");
+  app.add_option("--channels", channels, "Parallel rings (sockets per link); default DEAR_CHANNELS or 2")
+      ->check(CLI::Range(1, 16));
+  app.add_option("--slice", slice, "Pipelining slice size, e.g. 512K; default DEAR_SLICE_BYTES");
+  app.add_option("--algo", algo, "all_reduce algorithm: auto, ring, gather_reduce")
+      ->check(CLI::IsMember({"auto", "ring", "gather_reduce"}));
+  app.add_option("--timeout", timeout_s, "Per-operation deadline in seconds; default DEAR_TIMEOUT");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  auto bootstrap = Bootstrap::from_env();
+  const int rank = bootstrap->rank();
+  const int nranks = bootstrap->size();
+  try {
+    validate(args, nranks);
+  } catch (const Error& e) {
+    if (rank == 0) std::fprintf(stderr, "dear-bench: %s\n", e.what());
+    return 2;
+  }
+  // Command-line flags win over DEAR_* variables, which win over the defaults.
+  CommOptions options = apply_env(CommOptions{});
+  if (!transport.empty()) options.transport = transport;
+  if (channels > 0) options.channels = channels;
+  if (!slice.empty()) {
+    const auto bytes = env::parse_bytes(slice);
+    if (!bytes) throw Error(ErrorCode::kInvalidArgument, "--slice '" + slice + "' is not a size");
+    options.slice_bytes = *bytes;
+  }
+  if (timeout_s > 0) options.timeout = std::chrono::seconds(timeout_s);
+  auto comm = Communicator::create(std::move(bootstrap), options);
+  OpOptions op_options;
+  op_options.algorithm = *parse_algorithm(algo);
+
+  const CommOptions& used = comm->options();
+  DriverConfig config;
+  config.tool = "dear-bench";
+  config.info.library = "dear";
+  config.info.transport = used.transport;
+  config.info.meta = {{"channels", used.channels},
+                      {"slice_bytes", used.slice_bytes},
+                      {"algorithm", algo},
+                      {"gather_reduce_max_bytes", used.gather_reduce_max_bytes}};
+  DearComm peer(*comm);
+  return run_sweep(peer, args, std::move(config), [&](const OpRequest& r) {
+    return bind_dear(r, *comm, op_options);
+  });
+}
+
+}  // namespace
+}  // namespace dear::bench
+
+int main(int argc, char** argv) {
+  try {
+    return dear::bench::run(argc, argv);
+  } catch (const std::exception& e) {
+    // A failure on one rank reaches the others through the communicator; each says why.
+    std::fprintf(stderr, "dear-bench: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The test command: installs what is missing, builds with warnings as errors, runs the whole
+# suite, then builds the tests with AddressSanitizer + UBSan and runs them again.
+# Exits non-zero when a test fails or when no test ran.
+#
+#   ./scripts/test.sh                 # everything
+#   DEAR_TEST_SKIP_SANITIZE=1 ./scripts/test.sh   # skip the sanitizer pass (faster)
+#   ./scripts/test.sh -L unit         # extra arguments go to ctest (both passes)
+set -euo pipefail
+DEAR_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$DEAR_ROOT/scripts/lib.sh"
+
+dear_install "${DEAR_BUILD_PACKAGES[@]}" "${DEAR_PEER_PACKAGES[@]}"
+
+build=${DEAR_TEST_BUILD:-$DEAR_ROOT/build/test}
+mkdir -p "$(dirname "$build")"
+dear_log "building in $build (warnings are errors)"
+dear_build "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDEAR_WERROR=ON
+
+run_ctest() {
+  local dir=$1
+  shift
+  # --no-tests=error: a run that finds no test fails instead of passing silently.
+  (cd "$dir" && ctest --output-on-failure --no-tests=error -j "$(nproc)" --timeout 900 "$@")
+}
+
+dear_log "running the tests"
+run_ctest "$build" "$@"
+
+if [ "${DEAR_TEST_SKIP_SANITIZE:-0}" != 1 ]; then
+  asan=${DEAR_TEST_ASAN_BUILD:-$DEAR_ROOT/build/asan}
+  dear_log "building in $asan with AddressSanitizer + UBSan"
+  dear_build "$asan" -DCMAKE_BUILD_TYPE=Debug -DDEAR_WERROR=ON -DDEAR_SANITIZE=address,undefined \
+    -DDEAR_CUDA=OFF -DDEAR_BUILD_PEERS=OFF -DDEAR_BUILD_BENCH=OFF
+  dear_log "running the tests under AddressSanitizer + UBSan"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
+    run_ctest "$asan" "$@"
+fi
+dear_log "all tests passed"

@@ -1,0 +1,272 @@
+// Errors: bad arguments, ranks that disagree, ranks that never show up, abort and teardown.
+// Every failure must reach every rank as a dear::Error that names what went wrong, within a
+// bounded time; nothing may hang.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "harness.h"
+
+namespace dear::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Runs fn and returns the dear::Error it throws (fails the test when it throws none).
+template <typename F>
+Error expect_error(F&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e;
+  }
+  ADD_FAILURE() << "expected a dear::Error";
+  return Error(ErrorCode::kInternal, "none thrown");
+}
+
+std::string what_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  }
+}
+
+ErrorCode code_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& x) {
+    return x.code();
+  } catch (...) {
+    return ErrorCode::kInternal;
+  }
+}
+
+TEST(InvalidArguments, NameTheArgumentAndTheRank) {
+  run_ranks(2, [](Communicator& comm) {
+    std::vector<float> buf(16);
+    const std::string rank = "rank " + std::to_string(comm.rank());
+
+    auto e = expect_error([&] {
+      comm.all_reduce(nullptr, buf.data(), 4, DataType::kFloat32, ReduceOp::kSum);
+    });
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("in is null"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(rank), std::string::npos) << e.what();
+
+    e = expect_error([&] {
+      comm.all_reduce(buf.data(), buf.data(), 4, static_cast<DataType>(42), ReduceOp::kSum);
+    });
+    EXPECT_NE(std::string(e.what()).find("dtype=42"), std::string::npos) << e.what();
+
+    e = expect_error([&] {
+      comm.all_reduce(buf.data(), buf.data(), 4, DataType::kFloat32, static_cast<ReduceOp>(9));
+    });
+    EXPECT_NE(std::string(e.what()).find("op=9"), std::string::npos) << e.what();
+
+    e = expect_error([&] {
+      comm.all_reduce(buf.data(), buf.data(), static_cast<std::size_t>(-1), DataType::kFloat32,
+                      ReduceOp::kSum);
+    });
+    EXPECT_NE(std::string(e.what()).find("count="), std::string::npos) << e.what();
+
+    e = expect_error([&] {
+      comm.broadcast(buf.data(), buf.data(), 4, DataType::kFloat32, 7);
+    });
+    EXPECT_NE(std::string(e.what()).find("root=7"), std::string::npos) << e.what();
+
+    e = expect_error([&] {
+      comm.all_reduce(buf.data(), buf.data() + 2, 8, DataType::kFloat32, ReduceOp::kSum);
+    });
+    EXPECT_NE(std::string(e.what()).find("overlap"), std::string::npos) << e.what();
+
+    e = expect_error([&] {
+      comm.reduce_scatter(buf.data(), buf.data() + 1, 4, DataType::kFloat32, ReduceOp::kSum);
+    });
+    EXPECT_NE(std::string(e.what()).find("block"), std::string::npos) << e.what();
+
+    OpOptions o;
+    o.channels = 99;
+    e = expect_error([&] {
+      comm.all_reduce(buf.data(), buf.data(), 4, DataType::kFloat32, ReduceOp::kSum, o);
+    });
+    EXPECT_NE(std::string(e.what()).find("OpOptions::channels=99"), std::string::npos) << e.what();
+
+    // A rejected call takes no sequence number: the ranks still agree afterwards.
+    std::fill(buf.begin(), buf.end(), 1.0f);
+    comm.all_reduce(buf.data(), buf.data(), 16, DataType::kFloat32, ReduceOp::kSum).wait();
+    for (const float v : buf) ASSERT_EQ(v, 2.0f);
+  });
+}
+
+TEST(InvalidArguments, BadCommunicatorOptions) {
+  CommOptions o;
+  o.channels = 0;
+  const auto errors = run_ranks_collect(1, [](Communicator&) {}, o);
+  ASSERT_TRUE(errors[0]);
+  EXPECT_NE(what_of(errors[0]).find("CommOptions::channels=0"), std::string::npos);
+}
+
+TEST(Mismatch, DifferentCountsFailEveryRankNamingBothViews) {
+  CommOptions o;
+  o.timeout = 20s;
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = run_ranks_collect(
+      3,
+      [](Communicator& comm) {
+        std::vector<float> buf(64, 1.0f);
+        const std::size_t count = comm.rank() == 1 ? 10 : 12;
+        comm.all_reduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum).wait();
+      },
+      o);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "mismatch took the deadline";
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(errors[static_cast<std::size_t>(r)]) << "rank " << r << " did not fail";
+    const std::string what = what_of(errors[static_cast<std::size_t>(r)]);
+    EXPECT_EQ(code_of(errors[static_cast<std::size_t>(r)]), ErrorCode::kMismatch) << what;
+    EXPECT_NE(what.find("count=10"), std::string::npos) << what;
+    EXPECT_NE(what.find("count=12"), std::string::npos) << what;
+  }
+}
+
+TEST(Mismatch, DifferentDtypesAndOrders) {
+  CommOptions o;
+  o.timeout = 20s;
+  auto errors = run_ranks_collect(
+      2,
+      [](Communicator& comm) {
+        std::vector<double> buf(8, 1.0);
+        const DataType t = comm.rank() == 0 ? DataType::kFloat64 : DataType::kInt64;
+        comm.all_reduce(buf.data(), buf.data(), 8, t, ReduceOp::kMax).wait();
+      },
+      o);
+  for (const auto& e : errors) {
+    ASSERT_TRUE(e);
+    EXPECT_EQ(code_of(e), ErrorCode::kMismatch) << what_of(e);
+    EXPECT_NE(what_of(e).find("dtype=double"), std::string::npos) << what_of(e);
+    EXPECT_NE(what_of(e).find("dtype=int64"), std::string::npos) << what_of(e);
+  }
+  // Rank 0 issues all_reduce then all_gather, rank 1 the other way round.
+  errors = run_ranks_collect(
+      2,
+      [](Communicator& comm) {
+        std::vector<float> a(8, 1.0f);
+        std::vector<float> b(16, 1.0f);
+        Work w1;
+        Work w2;
+        if (comm.rank() == 0) {
+          w1 = comm.all_reduce(a.data(), a.data(), 8, DataType::kFloat32, ReduceOp::kSum);
+          w2 = comm.all_gather(a.data(), b.data(), 8, DataType::kFloat32);
+        } else {
+          w2 = comm.all_gather(a.data(), b.data(), 8, DataType::kFloat32);
+          w1 = comm.all_reduce(a.data(), a.data(), 8, DataType::kFloat32, ReduceOp::kSum);
+        }
+        w1.wait();
+        w2.wait();
+      },
+      o);
+  for (const auto& e : errors) {
+    ASSERT_TRUE(e);
+    EXPECT_EQ(code_of(e), ErrorCode::kMismatch) << what_of(e);
+    EXPECT_NE(what_of(e).find("all_gather"), std::string::npos) << what_of(e);
+    EXPECT_NE(what_of(e).find("all_reduce"), std::string::npos) << what_of(e);
+  }
+}
+
+// A rank that never issues the operation: the others fail at their deadline, naming it.
+TEST(Timeout, SilentRankIsNamedWithinTheDeadline) {
+  CommOptions o;
+  o.timeout = 700ms;
+  std::atomic<int> done{0};
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = run_ranks_collect(
+      3,
+      [&](Communicator& comm) {
+        if (comm.rank() == 2) {
+          // Stay connected but silent until the others have given up.
+          while (done.load() < 2 && std::chrono::steady_clock::now() - start < 20s) {
+            std::this_thread::sleep_for(10ms);
+          }
+          return;
+        }
+        std::vector<float> buf(1 << 16, 1.0f);
+        try {
+          comm.all_reduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum)
+              .wait();
+        } catch (...) {
+          done.fetch_add(1);
+          throw;
+        }
+      },
+      o);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+  ASSERT_TRUE(errors[0]);
+  ASSERT_TRUE(errors[1]);
+  EXPECT_FALSE(errors[2]);
+  // Rank 0 waits on rank 2 directly; rank 1 may time out on rank 0 or hear from it first.
+  EXPECT_EQ(code_of(errors[0]), ErrorCode::kTimeout) << what_of(errors[0]);
+  EXPECT_NE(what_of(errors[0]).find("rank 2"), std::string::npos) << what_of(errors[0]);
+  EXPECT_NE(what_of(errors[1]).find("700 ms"), std::string::npos) << what_of(errors[1]);
+}
+
+TEST(Abort, FailsPendingWorkQuicklyAndLaterCallsAtOnce) {
+  CommOptions o;
+  o.timeout = 30s;
+  run_ranks(
+      2,
+      [](Communicator& comm) {
+        std::vector<float> buf(1024, 1.0f);
+        // Rank 1 never issues the all_reduce, so rank 0's stays pending until aborted.
+        if (comm.rank() == 0) {
+          Work w = comm.all_reduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32,
+                                   ReduceOp::kSum);
+          EXPECT_FALSE(w.wait(50ms));
+          const auto t0 = std::chrono::steady_clock::now();
+          std::thread t([&] { comm.abort("test says stop"); });
+          const Error e = expect_error([&] { w.wait(); });
+          t.join();
+          EXPECT_LT(std::chrono::steady_clock::now() - t0, 100ms);
+          EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+          EXPECT_NE(std::string(e.what()).find("test says stop"), std::string::npos);
+          const Error later = expect_error([&] {
+            comm.barrier().wait();
+          });
+          EXPECT_EQ(later.code(), ErrorCode::kAborted);
+        } else {
+          // The abort reaches this rank through the link; its next call fails at once.
+          std::this_thread::sleep_for(500ms);
+          const Error e = expect_error([&] { comm.barrier().wait(5s); });
+          EXPECT_NE(std::string(e.what()).find("test says stop"), std::string::npos) << e.what();
+        }
+      },
+      o);
+}
+
+TEST(Teardown, DestroyWithWorkInFlightFailsTheWorkAndReturns) {
+  CommOptions o;
+  o.timeout = 30s;
+  const UniqueId id = UniqueId::create("127.0.0.1");
+  std::vector<Work> works(2);
+  std::vector<std::thread> ts;
+  std::vector<std::vector<float>> bufs(2, std::vector<float>(4096, 1.0f));
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      auto comm = Communicator::create(Bootstrap::create(id, r, 2), o);
+      if (r == 0) {
+        works[0] = comm->all_reduce(bufs[0].data(), bufs[0].data(), 4096, DataType::kFloat32,
+                                    ReduceOp::kSum);
+      }
+      // Destroyed here with rank 0's operation pending.
+    });
+  }
+  for (auto& t : ts) t.join();
+  ASSERT_TRUE(works[0].test());
+  const Error e = expect_error([&] { works[0].wait(); });
+  EXPECT_TRUE(e.code() == ErrorCode::kAborted || e.code() == ErrorCode::kPeerFailed) << e.what();
+}
+
+}  // namespace
+}  // namespace dear::testing
