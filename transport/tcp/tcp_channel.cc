@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "dear/error.h"
@@ -19,6 +20,7 @@ constexpr std::size_t kHeader = sizeof(FrameHeader);
 // Payload remainders at least this large are read straight into their destination; smaller
 // ones go through the inbox so that one read can also pick up the next headers.
 constexpr std::size_t kDirectReadMin = 4096;
+constexpr std::size_t kHeaderReadBytes = 16 * 1024;
 // Bytes read per progress() call at most, so one busy channel cannot starve the others.
 constexpr std::size_t kReadBudget = 4 * 1024 * 1024;
 
@@ -34,6 +36,11 @@ TcpChannel::TcpChannel(Fd fd, int self_rank, int peer_rank, int index)
       inbox_(new char[kInboxBytes]) {
   set_nonblocking(fd_.get());
   set_nodelay(fd_.get());
+  if (const char* b = std::getenv("DEAR_SOCKET_BUFFER")) {
+    const int bytes = std::atoi(b);
+    ::setsockopt(fd_.get(), SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+    ::setsockopt(fd_.get(), SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
+  }
 }
 
 TcpChannel::~TcpChannel() { close(); }
@@ -194,6 +201,11 @@ bool TcpChannel::receive(RecvSink& sink) {
       }
       into = inbox_.get() + wpos_;
       want = kInboxBytes - wpos_;
+      // Between messages, read a little: enough to batch small messages, not so much that a
+      // large payload bound for its destination gets copied through the inbox.
+      if (!in_payload_ || target_.mode == RecvTarget::kDirect) {
+        want = std::min(want, kHeaderReadBytes);
+      }
     }
     const ssize_t n = ::recv(fd_.get(), into, want, MSG_DONTWAIT);
     if (n > 0) {
