@@ -1,5 +1,6 @@
 #include "dear/communicator.h"
 
+#include <sched.h>
 #include <sys/random.h>
 
 #include <algorithm>
@@ -38,6 +39,16 @@ bool Work::test() const {
 
 bool Work::wait(std::chrono::milliseconds timeout) const {
   if (!state_) return true;
+  // Yield for a while before sleeping: most operations finish within tens of microseconds, and
+  // a sleep costs a wake-up through the kernel on top.
+  const int spin_us = state_->spin_us;
+  if (spin_us > 0 && state_->status.load(std::memory_order_acquire) == 0) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+    while (state_->status.load(std::memory_order_acquire) == 0 &&
+           std::chrono::steady_clock::now() < until) {
+      sched_yield();
+    }
+  }
   if (state_->status.load(std::memory_order_acquire) == 0) {
     std::unique_lock<std::mutex> lock(state_->mu);
     const auto done = [&] { return state_->status.load(std::memory_order_acquire) != 0; };
@@ -246,6 +257,7 @@ class CommunicatorImpl final : public Communicator {
     cfg.channels = options_.channels;
     cfg.eager_bytes = options_.eager_bytes;
     cfg.eager_window = options_.eager_window;
+    cfg.spin_us = options_.spin_us;
     engine_ = std::make_unique<collectives::Engine>(cfg, std::move(to_next), std::move(from[0]));
   }
 
@@ -411,6 +423,7 @@ CommOptions apply_env(CommOptions options) {
     options.timeout = std::chrono::seconds(*v);
   }
   if (auto v = env::get_bytes("DEAR_EAGER_BYTES")) options.eager_bytes = *v;
+  if (auto v = env::get_int("DEAR_SPIN_US", 0, 1000000)) options.spin_us = static_cast<int>(*v);
   if (auto v = env::get_bytes("DEAR_SMALL_BYTES")) options.gather_reduce_max_bytes = *v;
   if (auto v = env::get("DEAR_TRANSPORT")) options.transport = *v;
   if (auto v = env::get("DEAR_ALGO")) {

@@ -1,6 +1,7 @@
 #include "collectives/engine.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -120,6 +121,7 @@ Engine::~Engine() {
 Work Engine::submit(std::unique_ptr<Op> op) {
   auto state = std::make_shared<Work::State>();
   op->state = state;
+  state->spin_us = cfg_.spin_us;
   std::exception_ptr failed;
   {
     std::lock_guard<std::mutex> lock(submit_mu_);
@@ -178,7 +180,22 @@ void Engine::run() {
       moved |= progress_links();
       complete_finished();
       check_deadlines();
-      if (!moved) wait_for_events();
+      if (moved) {
+        idle_since_ = transport::Clock::time_point{};
+      } else if (cfg_.spin_us > 0) {
+        // Briefly yield instead of sleeping: a peer's reply usually comes within a few
+        // microseconds, and waking from poll() costs a context switch on each hop.
+        const auto now = transport::Clock::now();
+        if (idle_since_ == transport::Clock::time_point{}) idle_since_ = now;
+        if (now - idle_since_ < std::chrono::microseconds(cfg_.spin_us)) {
+          sched_yield();
+        } else {
+          wait_for_events();
+          idle_since_ = transport::Clock::time_point{};
+        }
+      } else {
+        wait_for_events();
+      }
     } catch (const Error& e) {
       fail(e);
     } catch (const std::exception& e) {

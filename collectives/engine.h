@@ -39,6 +39,7 @@ struct Work::State {
   std::condition_variable cv;
   std::exception_ptr error;
   std::uint64_t seq = 0;
+  int spin_us = 0;  // wait() yields this long before it sleeps
 
   void complete(std::exception_ptr e);
 };
@@ -51,6 +52,7 @@ struct EngineConfig {
   int channels = 1;
   std::size_t eager_bytes = 64 * 1024;
   int eager_window = 64;
+  int spin_us = 0;
 };
 
 class Engine {
@@ -146,6 +148,7 @@ class Engine {
   std::vector<char> abort_text_[2];
   std::vector<pollfd> pollfds_;
 
+  transport::Clock::time_point idle_since_{};
   std::thread thread_;
 };
 

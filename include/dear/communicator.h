@@ -63,10 +63,14 @@ struct CommOptions {
   // slice and this many operations ahead; larger ones wait for the receiver to be ready.
   std::size_t eager_bytes = 64 * 1024;
   int eager_window = 64;
+  // How long the engine, and a thread in Work::wait(), yield the CPU before they sleep in the
+  // kernel when idle (microseconds; DEAR_SPIN_US). Yielding saves a wake-up on every hop of a
+  // small operation; 0 always sleeps at once.
+  int spin_us = 100;
 };
 
 // `options` with the DEAR_* environment overrides applied (DEAR_CHANNELS, DEAR_SLICE_BYTES,
-// DEAR_TIMEOUT, DEAR_EAGER_BYTES, DEAR_SMALL_BYTES, DEAR_TRANSPORT, DEAR_ALGO). Throws
+// DEAR_TIMEOUT, DEAR_EAGER_BYTES, DEAR_SMALL_BYTES, DEAR_SPIN_US, DEAR_TRANSPORT, DEAR_ALGO). Throws
 // dear::Error(kInvalidArgument) naming a variable whose value is malformed.
 [[nodiscard]] CommOptions apply_env(CommOptions options);
 
