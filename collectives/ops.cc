@@ -167,52 +167,42 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
   op.work = op.out;
 }
 
-MessagePlan send_plan(const Op& op, int channel, std::uint32_t index) {
+namespace {
+
+// The chunk that rank `r` sends at `step`. A rank receives at each step what its previous
+// rank sends, so the receive side is the same formula evaluated for rank - 1.
+int chunk_sent(const Op& op, int r, int step) {
+  const int n = op.nranks;
+  const int s = step;
+  switch (op.kind) {
+    case OpKind::kAllReduce:
+      if (op.schedule == Schedule::kGatherReduce) return ring_mod(r - s, n);
+      return s < n - 1 ? ring_mod(r - s - 1, n) : ring_mod(r - (s - (n - 1)), n);
+    case OpKind::kReduceScatter: return ring_mod(r - s - 1, n);
+    case OpKind::kAllGather:
+    case OpKind::kBarrier: return ring_mod(r - s, n);
+    case OpKind::kBroadcast: return 0;
+  }
+  return 0;
+}
+
+MessagePlan message_plan(const Op& op, int channel, std::uint32_t index, int sender) {
   MessagePlan m;
   m.step = static_cast<int>(index / static_cast<std::uint32_t>(op.slices));
   const int slice = static_cast<int>(index % static_cast<std::uint32_t>(op.slices));
-  const int r = op.rank;
-  const int n = op.nranks;
-  const int s = m.step;
-  switch (op.kind) {
-    case OpKind::kAllReduce:
-      if (op.schedule == Schedule::kGatherReduce) {
-        m.chunk = ring_mod(r - s, n);
-      } else {
-        m.chunk = s < n - 1 ? ring_mod(r - s - 1, n) : ring_mod(r - (s - (n - 1)), n);
-      }
-      break;
-    case OpKind::kReduceScatter: m.chunk = ring_mod(r - s - 1, n); break;
-    case OpKind::kAllGather:
-    case OpKind::kBarrier: m.chunk = ring_mod(r - s, n); break;
-    case OpKind::kBroadcast: m.chunk = 0; break;
-  }
+  m.chunk = chunk_sent(op, sender, m.step);
   m.span = span_of(op, m.chunk, channel, slice);
   return m;
 }
 
+}  // namespace
+
+MessagePlan send_plan(const Op& op, int channel, std::uint32_t index) {
+  return message_plan(op, channel, index, op.rank);
+}
+
 MessagePlan recv_plan(const Op& op, int channel, std::uint32_t index) {
-  MessagePlan m;
-  m.step = static_cast<int>(index / static_cast<std::uint32_t>(op.slices));
-  const int slice = static_cast<int>(index % static_cast<std::uint32_t>(op.slices));
-  const int r = op.rank;
-  const int n = op.nranks;
-  const int s = m.step;
-  switch (op.kind) {
-    case OpKind::kAllReduce:
-      if (op.schedule == Schedule::kGatherReduce) {
-        m.chunk = ring_mod(r - s - 1, n);
-      } else {
-        m.chunk = s < n - 1 ? ring_mod(r - s - 2, n) : ring_mod(r - (s - (n - 1)) - 1, n);
-      }
-      break;
-    case OpKind::kReduceScatter: m.chunk = ring_mod(r - s - 2, n); break;
-    case OpKind::kAllGather:
-    case OpKind::kBarrier: m.chunk = ring_mod(r - s - 1, n); break;
-    case OpKind::kBroadcast: m.chunk = 0; break;
-  }
-  m.span = span_of(op, m.chunk, channel, slice);
-  return m;
+  return message_plan(op, channel, index, op.rank - 1);
 }
 
 const char* send_source(const Op& op, const MessagePlan& m) {

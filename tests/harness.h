@@ -18,10 +18,10 @@
 
 namespace dear::testing {
 
-// Calls fn(comm) on each of n ranks (threads) and rethrows the first failure after all ranks
-// returned. Ranks that fail leave their communicator, so peers see the failure too.
-inline void run_ranks(int n, const std::function<void(Communicator&)>& fn,
-                      CommOptions options = {}) {
+// Calls fn(comm) on each of n ranks (threads); returns each rank's failure (null where the
+// rank succeeded). Ranks that fail leave their communicator, so peers see the failure too.
+inline std::vector<std::exception_ptr> run_ranks_collect(
+    int n, const std::function<void(Communicator&)>& fn, CommOptions options = {}) {
   if (const char* t = std::getenv("DEAR_TEST_TIMEOUT_MS")) {
     options.timeout = std::chrono::milliseconds(std::atoi(t));
   }
@@ -39,10 +39,17 @@ inline void run_ranks(int n, const std::function<void(Communicator&)>& fn,
     });
   }
   for (auto& t : threads) t.join();
-  // Report every rank's failure: the first one thrown is not always the cause.
+  return errors;
+}
+
+// As run_ranks_collect, but prints every rank's failure (the first one thrown is not always
+// the cause) and rethrows the lowest rank's.
+inline void run_ranks(int n, const std::function<void(Communicator&)>& fn,
+                      CommOptions options = {}) {
+  const auto errors = run_ranks_collect(n, fn, std::move(options));
   std::exception_ptr first;
   for (int r = 0; r < n; ++r) {
-    auto& e = errors[static_cast<std::size_t>(r)];
+    const auto& e = errors[static_cast<std::size_t>(r)];
     if (!e) continue;
     if (!first) first = e;
     try {
@@ -52,26 +59,6 @@ inline void run_ranks(int n, const std::function<void(Communicator&)>& fn,
     }
   }
   if (first) std::rethrow_exception(first);
-}
-
-// As run_ranks, but returns each rank's failure (null where the rank succeeded).
-inline std::vector<std::exception_ptr> run_ranks_collect(
-    int n, const std::function<void(Communicator&)>& fn, CommOptions options = {}) {
-  const UniqueId id = UniqueId::create("127.0.0.1");
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        auto comm = Communicator::create(Bootstrap::create(id, r, n), options);
-        fn(*comm);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
 }
 
 }  // namespace dear::testing
