@@ -1,6 +1,7 @@
 // CPU reduction kernels used by the ring algorithms on host buffers.
 //
-// Element-wise; dst may alias a or b exactly (not partially). fp16/bf16 are computed in fp32
+// Element-wise; dst may alias a or b exactly (not partially). Pointers must be aligned to the
+// element size. fp16/bf16 are computed in fp32
 // and rounded to nearest-even once per call. Integer sums and products wrap modulo 2^bits
 // (two's complement), never undefined behaviour. kAvg is a sum whose result is divided by
 // `nranks` in reduce_final(); reduce() treats kAvg as kSum (the partial sums of the ring).

@@ -18,8 +18,8 @@
 // Receiving: progress() reads what has arrived. For each message it calls
 // RecvSink::on_header(); the sink answers where the payload goes: straight into memory
 // (kDirect) or handed over in pieces through on_payload() (kStream, used to reduce while data
-// arrives; pieces are multiples of `unit` bytes and come from transport-owned memory valid
-// only during the call). Then on_message() says the message is complete. The sink may return
+// arrives; pieces are multiples of `unit` bytes, start at an address aligned to `unit`, and
+// come from transport-owned memory valid only during the call). Then on_message() says the message is complete. The sink may return
 // kDiscard to have the payload dropped.
 //
 // Completion and errors: every queued message is reported sent exactly once, or the channel
