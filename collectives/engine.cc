@@ -175,6 +175,7 @@ void Engine::run() {
         abort_requested_.store(false);
       }
       bool moved = drain_submissions();
+      announce();
       moved |= progress_links();
       moved |= schedule_sends();
       moved |= progress_links();
@@ -242,9 +243,7 @@ void Engine::start(std::unique_ptr<Op> op) {
   }
   start_local(*op);
   posted_ = static_cast<std::int64_t>(op->seq);
-  if (!op->eager || op->seq % kAnnounceEvery == 0) {
-    send_control(kPrev, FrameType::kPosted, op->seq);
-  }
+  if (!op->eager || op->seq % kAnnounceEvery == 0) announce_ = posted_;
   Op* raw = op.get();
   const auto pos = std::upper_bound(
       active_.begin(), active_.end(), raw,
@@ -281,6 +280,18 @@ Op* Engine::find(std::uint64_t seq) {
     if (op->seq == seq) return op.get();
   }
   return nullptr;
+}
+
+void Engine::announce() {
+  // Announcements are cumulative ("posted everything up to seq"), so only the latest matters:
+  // one frame covers a burst of posts, and a full control queue merely delays it.
+  if (announce_ <= announced_) return;
+  auto& chans = links_[kPrev];
+  if (chans.empty() || chans[0]->closed()) return;
+  FrameHeader h;
+  h.type = FrameType::kPosted;
+  h.seq = static_cast<std::uint64_t>(announce_);
+  if (chans[0]->try_send(h, nullptr, kControlToken)) announced_ = announce_;
 }
 
 bool Engine::may_send(const Op& op) const {

@@ -91,6 +91,7 @@ class Engine {
 
   void run();
   bool drain_submissions();
+  void announce();
   void start(std::unique_ptr<Op> op);
   bool schedule_sends();
   bool progress_links();
@@ -141,6 +142,8 @@ class Engine {
   std::vector<std::unique_ptr<Op>> active_;  // sorted: priority desc, seq asc
   std::int64_t peer_posted_ = -1;            // highest seq the next rank announced
   std::int64_t posted_ = -1;                 // highest seq posted here
+  std::int64_t announce_ = -1;               // highest seq to announce to the previous rank
+  std::int64_t announced_ = -1;              // highest seq announced so far
   std::list<Unexpected> unexpected_;
   std::size_t unexpected_bytes_ = 0;
   std::vector<std::vector<char>> spare_buffers_;
