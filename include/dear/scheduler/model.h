@@ -1,0 +1,44 @@
+// The training step as the scheduler sees it: layers in forward order, each with its parameter
+// tensors and its forward and backward compute times.
+//
+// Profiles are JSON files (profiles/*.json, made by profiles/make_profiles.py):
+//   {"name": "resnet50", "batch_size": 64, "element_bytes": 4,
+//    "layers": [{"name": "conv1", "params": [9408], "fwd_ms": 2.06, "bwd_ms": 4.12}, …]}
+// Unknown keys are kept out of the model and ignored, so profiles may carry provenance.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dear::scheduler {
+
+struct Layer {
+  std::string name;
+  std::vector<std::int64_t> tensors;  // element count of each parameter tensor
+  double forward_s = 0;
+  double backward_s = 0;
+
+  [[nodiscard]] std::int64_t params() const;
+};
+
+struct Model {
+  std::string name;
+  int batch_size = 1;     // samples per worker per iteration
+  int element_bytes = 4;  // gradient element size (fp32)
+  std::vector<Layer> layers;  // forward order
+
+  [[nodiscard]] std::int64_t params() const;
+  [[nodiscard]] double forward_s() const;
+  [[nodiscard]] double backward_s() const;
+  [[nodiscard]] std::int64_t layer_bytes(std::size_t layer) const;
+};
+
+// Parse / print a profile. Throws dear::Error(kInvalidArgument) naming the offending field.
+[[nodiscard]] Model parse_model(std::string_view json_text);
+[[nodiscard]] std::string model_to_json(const Model& model);
+[[nodiscard]] Model load_model(const std::string& path);
+void save_model(const Model& model, const std::string& path);
+
+}  // namespace dear::scheduler

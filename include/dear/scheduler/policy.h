@@ -1,0 +1,94 @@
+// Communication policies and the back-end they drive.
+//
+// A policy sees the training step through three hooks, called by whoever runs the step (the
+// simulator, or a real training loop) on the compute thread:
+//   before_forward(layer)  just before the layer's forward pass (its parameters must be fresh)
+//   gradient_ready(layer)  just after the layer's backward pass produced all its gradients
+//   step()                 after the whole backward pass, where the optimizer step sits
+// and answers them by issuing collectives on a Backend and waiting for them. Waiting is the
+// only way a policy delays compute; issuing never blocks.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "dear/scheduler/fusion.h"
+#include "dear/scheduler/model.h"
+#include "dear/scheduler/network.h"
+
+namespace dear::scheduler {
+
+using OpId = int;
+inline constexpr OpId kNoOp = -1;
+
+struct CommRequest {
+  OpKind kind = OpKind::kAllReduce;
+  std::int64_t elements = 0;  // whole buffer (all shards); the back-end pads if it must
+  int priority = 0;           // larger first, as OpOptions::priority
+  OpId after = kNoOp;         // do not start before this operation has completed
+  int first_layer = 0;        // layers whose gradients the buffer holds (for traces, checks)
+  int last_layer = 0;
+  int group = -1;             // fusion group, when the policy fuses
+  // The buffer holds the previous iteration's gradients (DeAR's all-gathers issued during
+  // the next forward pass); traces file the operation under that iteration.
+  bool previous_iteration = false;
+};
+
+// Contract: issue() returns at once; operations run in the back-end's own order (priority,
+// then issue order) and each completes exactly once; wait() returns when it has.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  [[nodiscard]] virtual OpId issue(const CommRequest& request) = 0;
+  virtual void wait(OpId op) = 0;
+  // Changes the priority of an operation that has not finished (no effect on finished ones).
+  virtual void set_priority(OpId op, int priority) = 0;
+};
+
+class Policy {
+ public:
+  virtual ~Policy() = default;
+  virtual void before_forward(Backend& backend, int layer) = 0;
+  virtual void gradient_ready(Backend& backend, int layer) = 0;
+  virtual void step(Backend& backend) = 0;
+};
+
+struct DearOptions {
+  // AG(g) is issued as soon as RS(g) completes, at a priority below every RS, and raised to
+  // forward order at the step barrier (instead of being issued one group at a time during
+  // the next forward pass).
+  bool eager_all_gather = false;
+};
+
+// Priorities the policies use; all-gathers of the next forward pass outrank everything.
+inline constexpr int kAllGatherPriority = 1 << 20;  // AG(g) gets kAllGatherPriority - g
+inline constexpr int kEagerPriority = -1;           // eager AG before the step barrier
+
+[[nodiscard]] std::unique_ptr<Policy> make_dear(const Model& model, FusionPlan plan,
+                                                DearOptions options = {});
+// One all-reduce per parameter tensor as soon as it is ready, first come first served.
+[[nodiscard]] std::unique_ptr<Policy> make_wfbp(const Model& model);
+// PyTorch DDP: tensors in reverse (gradient-ready) order filled into buckets of
+// `bucket_bytes`, the first one capped at `first_bucket_bytes`; buckets reduced in order.
+[[nodiscard]] std::unique_ptr<Policy> make_ddp(const Model& model,
+                                               std::int64_t bucket_bytes = kDefaultThresholdBytes,
+                                               std::int64_t first_bucket_bytes = 1 << 20);
+// ByteScheduler: tensors cut into partitions of at most `partition_elements`, priority to
+// layers nearer the input. Its credit (in-flight limit) is a property of the engine it runs
+// on: see EngineModel::credit_bytes.
+inline constexpr std::int64_t kByteSchedulerPartition = 4LL << 20;
+inline constexpr std::int64_t kByteSchedulerCredit = 16LL << 20;  // elements
+[[nodiscard]] std::unique_ptr<Policy> make_bytescheduler(
+    const Model& model, std::int64_t partition_elements = kByteSchedulerPartition);
+// MG-WFBP: tensors in gradient-ready order; a tensor joins the previous group when that
+// group's all-reduce would not start before the tensor is ready, or when the
+// tensor's transfer time is under one all-reduce's startup latency.
+[[nodiscard]] std::unique_ptr<Policy> make_mgwfbp(const Model& model, const NetModel& net,
+                                                  int ranks);
+
+// The merge groups MG-WFBP uses, as tensor counts per group in gradient-ready order
+// (exposed for tests).
+[[nodiscard]] std::vector<int> mgwfbp_groups(const Model& model, const NetModel& net, int ranks);
+
+}  // namespace dear::scheduler

@@ -1,0 +1,94 @@
+// Discrete-event simulation of training iterations on N data-parallel workers.
+//
+// Compute is one stream per worker (all workers identical): forward passes in layer order,
+// backward passes in reverse, the policy's hooks in between. Communication runs on one
+// representative ring link (the ring is symmetric) under the NetModel's alpha-beta costs:
+// a step of an operation sends its chunk, then the next step may start alpha later.
+//
+// Two engines:
+// - serial (EngineModel{}): one collective at a time holds the link from its first step to
+//   its end, alpha gaps included, as NCCL or MPI run them on one stream. The next one is the
+//   highest-priority, then earliest-issued, pending operation; with a credit, operations are
+//   admitted in priority order while the bytes admitted and not finished fit the credit,
+//   then run in admission order (ByteScheduler over an all-reduce engine).
+// - interleaved (interleave = true): dear's engine. The link sends one slice at a time, each
+//   time of the highest-priority operation whose current step may move, so the alpha gaps of
+//   one operation carry the slices of others.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <iosfwd>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dear/scheduler/fusion.h"
+#include "dear/scheduler/model.h"
+#include "dear/scheduler/network.h"
+#include "dear/scheduler/policy.h"
+
+namespace dear::scheduler {
+
+struct EngineModel {
+  bool interleave = false;
+  std::int64_t credit_bytes = 0;  // serial engine only; 0 = no credit
+};
+
+struct SimConfig {
+  NetModel net;
+  int workers = 1;
+  int iterations = 3;  // the last two steady iterations give the iteration time
+};
+
+enum class EventKind : std::uint8_t { kForward, kBackward, kComm };
+
+struct TraceEvent {
+  EventKind kind = EventKind::kForward;
+  OpKind op = OpKind::kAllReduce;  // for kComm
+  int iteration = 0;
+  int first_layer = 0;
+  int last_layer = 0;
+  int group = -1;
+  int priority = 0;
+  std::int64_t elements = 0;
+  double issue_s = 0;  // kComm: when the policy issued it
+  double start_s = 0;  // first byte on the link (compute: start)
+  double end_s = 0;    // last byte delivered
+};
+
+struct SimResult {
+  double iteration_s = 0;
+  std::vector<double> step_s;  // time of each iteration's step hook
+  std::vector<TraceEvent> events;
+};
+
+[[nodiscard]] SimResult simulate(const Model& model, Policy& policy, const SimConfig& config,
+                                 const EngineModel& engine = {});
+
+// Lower bound on the iteration time of any policy: the larger of (compute + the all-reduce
+// of layer 0, which can overlap nothing: its gradient is the last one produced and the first
+// one needed) and the bandwidth term of all-reducing every gradient once.
+[[nodiscard]] double ideal_bound_s(const Model& model, const SimConfig& config);
+
+// Chrome trace (chrome://tracing, Perfetto) of a run: compute on one track, collectives on
+// as many tracks as overlap.
+void write_chrome_trace(const SimResult& result, const Model& model, std::ostream& out);
+
+// The automatic fusion planner. Candidates: the plan that minimises the finish time of the
+// reduce-scatters behind backpropagation (dynamic programming over group boundaries, exact
+// for one-at-a-time operations), one group per layer, threshold plans from 1 to 256 MiB, and
+// the same thresholds with a small group 0 or groups growing geometrically from the input;
+// each is scored by `score` (e.g. a simulated iteration time) and the best is returned.
+[[nodiscard]] FusionPlan plan_rs_dp(const Model& model, const SimConfig& config);
+[[nodiscard]] FusionPlan plan_auto(const Model& model, const SimConfig& config,
+                                   const std::function<double(const FusionPlan&)>& score);
+
+// Named policies as dear-sim runs them: dear dear_notf dear_prio dear_eager dear_auto
+// dear_plus wfbp ddp bytescheduler mgwfbp.
+[[nodiscard]] const std::vector<std::string>& policy_names();
+// Throws dear::Error(kInvalidArgument) for an unknown name.
+[[nodiscard]] SimResult simulate_named(const Model& model, std::string_view name,
+                                       const SimConfig& config);
+
+}  // namespace dear::scheduler

@@ -1,0 +1,291 @@
+#include "dear/scheduler/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <ostream>
+
+#include "dear/error.h"
+#include "link.h"
+
+namespace dear::scheduler {
+namespace {
+
+using detail::kNever;
+using detail::Link;
+
+// The Backend the policies drive inside the simulator: issue and wait happen at the compute
+// stream's current time.
+class SimBackend final : public Backend {
+ public:
+  SimBackend(const Model& model, const SimConfig& config, const EngineModel& engine)
+      : model_(model), config_(config), link_(config.net, engine) {}
+
+  OpId issue(const CommRequest& r) override {
+    link_.advance_until(now_);
+    const int steps = ring_steps(r.kind, config_.workers);
+    const auto chunk = ring_chunk_bytes(r.elements, config_.workers, model_.element_bytes);
+    const OpId id = link_.add(steps, chunk, r.elements * model_.element_bytes, r.priority, now_,
+                              r.after);
+    requests_.push_back(r);
+    iteration_of_.push_back(r.previous_iteration ? iteration_ - 1 : iteration_);
+    return id;
+  }
+  void wait(OpId op) override {
+    if (op == kNoOp) return;
+    now_ = std::max(now_, link_.finish(op));
+  }
+  void set_priority(OpId op, int priority) override {
+    link_.advance_until(now_);
+    link_.set_priority(op, priority);
+  }
+
+  double now_ = 0;
+  int iteration_ = 0;
+  const Model& model_;
+  const SimConfig& config_;
+  Link link_;
+  std::vector<CommRequest> requests_;
+  std::vector<int> iteration_of_;
+};
+
+}  // namespace
+
+SimResult simulate(const Model& model, Policy& policy, const SimConfig& config,
+                   const EngineModel& engine) {
+  if (config.workers < 1 || config.iterations < 1) {
+    throw Error(ErrorCode::kInvalidArgument, "simulate: workers and iterations must be >= 1");
+  }
+  SimBackend b(model, config, engine);
+  SimResult result;
+  const int layers = static_cast<int>(model.layers.size());
+  auto compute = [&](EventKind kind, int layer, double seconds) {
+    TraceEvent e;
+    e.kind = kind;
+    e.iteration = b.iteration_;
+    e.first_layer = e.last_layer = layer;
+    e.start_s = b.now_;
+    b.now_ += seconds;
+    e.end_s = b.now_;
+    result.events.push_back(e);
+  };
+  for (int it = 0; it < config.iterations; ++it) {
+    b.iteration_ = it;
+    for (int l = 0; l < layers; ++l) {
+      policy.before_forward(b, l);
+      compute(EventKind::kForward, l, model.layers[l].forward_s);
+    }
+    for (int l = layers - 1; l >= 0; --l) {
+      compute(EventKind::kBackward, l, model.layers[l].backward_s);
+      policy.gradient_ready(b, l);
+    }
+    policy.step(b);
+    result.step_s.push_back(b.now_);
+  }
+  b.link_.advance_until(kNever);  // let the last all-gathers finish, for the trace
+  const auto& ops = b.link_.ops();
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const CommRequest& r = b.requests_[i];
+    TraceEvent e;
+    e.kind = EventKind::kComm;
+    e.op = r.kind;
+    e.iteration = b.iteration_of_[i];
+    e.first_layer = r.first_layer;
+    e.last_layer = r.last_layer;
+    e.group = r.group;
+    e.priority = ops[i].priority;
+    e.elements = r.elements;
+    e.issue_s = ops[i].issue_s;
+    e.start_s = ops[i].start_s;
+    e.end_s = ops[i].end_s;
+    result.events.push_back(e);
+  }
+  const auto& s = result.step_s;
+  result.iteration_s = s.size() >= 2 ? s[s.size() - 1] - s[s.size() - 2] : s.back();
+  return result;
+}
+
+double ideal_bound_s(const Model& model, const SimConfig& config) {
+  const int n = config.workers;
+  const double compute = model.forward_s() + model.backward_s();
+  const double tail =
+      op_time(config.net, OpKind::kAllReduce, model.layers.front().params(), n,
+              model.element_bytes);
+  const double bandwidth = 2.0 * (n - 1) / n * config.net.beta_s_per_byte *
+                           static_cast<double>(model.params() * model.element_bytes);
+  return std::max(compute + (n > 1 ? tail : 0.0), bandwidth);
+}
+
+void write_chrome_trace(const SimResult& result, const Model& model, std::ostream& out) {
+  using nlohmann::json;
+  json events = json::array();
+  auto meta = [&](int tid, const std::string& name) {
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", tid},
+                      {"args", {{"name", name}}}});
+  };
+  meta(0, "compute");
+  // Collectives overlap on dear's engine: give each the first track free at its start.
+  std::vector<double> track_free;
+  std::vector<const TraceEvent*> comms;
+  for (const auto& e : result.events) {
+    if (e.kind == EventKind::kComm) comms.push_back(&e);
+  }
+  std::stable_sort(comms.begin(), comms.end(),
+                   [](const TraceEvent* a, const TraceEvent* b) { return a->start_s < b->start_s; });
+  auto us = [](double s) { return s * 1e6; };
+  auto layer_name = [&](int l) { return model.layers.at(static_cast<std::size_t>(l)).name; };
+  for (const auto& e : result.events) {
+    if (e.kind == EventKind::kComm) continue;
+    const bool fwd = e.kind == EventKind::kForward;
+    events.push_back({{"name", (fwd ? "F " : "B ") + layer_name(e.first_layer)},
+                      {"cat", fwd ? "forward" : "backward"}, {"ph", "X"}, {"pid", 0},
+                      {"tid", 0}, {"ts", us(e.start_s)}, {"dur", us(e.end_s - e.start_s)},
+                      {"args", {{"iteration", e.iteration}}}});
+  }
+  for (const TraceEvent* e : comms) {
+    std::size_t track = 0;
+    while (track < track_free.size() && track_free[track] > e->start_s) ++track;
+    if (track == track_free.size()) {
+      track_free.push_back(0);
+      meta(static_cast<int>(track) + 1, "network " + std::to_string(track));
+    }
+    track_free[track] = e->end_s;
+    std::string name = to_string(e->op);
+    if (e->group >= 0) name += " g" + std::to_string(e->group);
+    name += " " + layer_name(e->first_layer);
+    if (e->last_layer != e->first_layer) name += ".." + layer_name(e->last_layer);
+    events.push_back({{"name", name}, {"cat", to_string(e->op)}, {"ph", "X"}, {"pid", 0},
+                      {"tid", static_cast<int>(track) + 1}, {"ts", us(e->start_s)},
+                      {"dur", us(e->end_s - e->start_s)},
+                      {"args", {{"iteration", e->iteration}, {"elements", e->elements},
+                                {"priority", e->priority}, {"issued_us", us(e->issue_s)}}}});
+  }
+  json doc = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
+  out << doc.dump() << "\n";
+}
+
+FusionPlan plan_rs_dp(const Model& model, const SimConfig& config) {
+  // Groups [i, k) in forward order; backpropagation makes group [i, k) ready when layer i's
+  // backward ends, at ready[i]. With one operation at a time, reduce-scatters finish at
+  //   f = max(ready[i], f of the group after it) + rs(i, k),
+  // which grows with the later finish time, so the best split of layers [i, L) extends the
+  // best split of [k, L): best[i] = min over k of max(ready[i], best[k]) + rs(i, k).
+  const int n = static_cast<int>(model.layers.size());
+  std::vector<double> ready(n);
+  double t = 0;
+  for (int l = n - 1; l >= 0; --l) {
+    t += model.layers[l].backward_s;
+    ready[l] = t;
+  }
+  std::vector<double> best(n + 1, std::numeric_limits<double>::infinity());
+  std::vector<int> next(n + 1, n);
+  best[n] = 0;
+  for (int i = n - 1; i >= 0; --i) {
+    std::int64_t elements = 0;
+    for (int k = i + 1; k <= n; ++k) {
+      elements += model.layers[k - 1].params();
+      const double f = std::max(ready[i], best[k]) +
+                       op_time(config.net, OpKind::kReduceScatter,
+                               pad_to(elements, config.workers), config.workers,
+                               model.element_bytes);
+      if (f < best[i]) {
+        best[i] = f;
+        next[i] = k;
+      }
+    }
+  }
+  std::vector<int> starts;
+  for (int i = 0; i < n; i = next[i]) starts.push_back(i);
+  return plan_from_starts(model, config.workers, starts);
+}
+
+FusionPlan plan_auto(const Model& model, const SimConfig& config,
+                     const std::function<double(const FusionPlan&)>& score) {
+  std::vector<FusionPlan> candidates;
+  candidates.push_back(plan_rs_dp(model, config));
+  candidates.push_back(plan_per_layer(model, config.workers));
+  // Group 0 is both the last reduce-scatter and the first all-gather, exposed twice; so
+  // besides plain thresholds try a small group 0 and groups that grow geometrically from the
+  // input (each AG(g+1) then hides behind the forward pass of group g).
+  const int layers = static_cast<int>(model.layers.size());
+  auto growing = [&](std::int64_t first_bytes, std::int64_t cap_bytes, int growth) {
+    std::vector<int> starts;
+    std::int64_t limit = first_bytes;
+    std::int64_t bytes = 0;
+    for (int l = 0; l < layers; ++l) {
+      const std::int64_t b = model.layer_bytes(static_cast<std::size_t>(l));
+      if (starts.empty() || bytes + b > limit) {
+        if (!starts.empty()) limit = growth == 0 ? cap_bytes : std::min(cap_bytes, limit * growth);
+        starts.push_back(l);
+        bytes = 0;
+      }
+      bytes += b;
+    }
+    return plan_from_starts(model, config.workers, starts);
+  };
+  for (std::int64_t mib = 1; mib <= 256; mib *= 2) {
+    const std::int64_t cap = mib << 20;
+    candidates.push_back(plan_threshold(model, config.workers, cap));
+    for (std::int64_t first = 256 << 10; first < cap; first *= 4) {
+      candidates.push_back(growing(first, cap, 0));
+      candidates.push_back(growing(first, cap, 2));
+    }
+  }
+  candidates.push_back(plan_threshold(model, config.workers, kDefaultThresholdBytes));
+  std::size_t best = 0;
+  double best_score = std::numeric_limits<double>::infinity();
+  for (std::size_t i = 0; i < candidates.size(); ++i) {
+    const double s = score(candidates[i]);
+    if (s < best_score) {
+      best_score = s;
+      best = i;
+    }
+  }
+  return candidates[best];
+}
+
+const std::vector<std::string>& policy_names() {
+  static const std::vector<std::string> names = {
+      "dear", "dear_notf", "dear_prio", "dear_eager", "dear_auto", "dear_plus",
+      "wfbp", "ddp",       "bytescheduler", "mgwfbp"};
+  return names;
+}
+
+SimResult simulate_named(const Model& model, std::string_view name, const SimConfig& config) {
+  const int n = config.workers;
+  const EngineModel serial;
+  const EngineModel dear_engine{true, 0};
+  auto run_dear = [&](FusionPlan plan, DearOptions options, const EngineModel& engine) {
+    auto policy = make_dear(model, std::move(plan), options);
+    return simulate(model, *policy, config, engine);
+  };
+  auto auto_plan = [&](DearOptions options, const EngineModel& engine) {
+    return plan_auto(model, config, [&](const FusionPlan& plan) {
+      return run_dear(plan, options, engine).iteration_s;
+    });
+  };
+  if (name == "dear") return run_dear(plan_threshold(model, n), {}, serial);
+  if (name == "dear_notf") return run_dear(plan_per_layer(model, n), {}, serial);
+  if (name == "dear_prio") return run_dear(plan_threshold(model, n), {}, dear_engine);
+  if (name == "dear_eager") return run_dear(plan_threshold(model, n), {true}, serial);
+  if (name == "dear_auto") return run_dear(auto_plan({}, serial), {}, serial);
+  if (name == "dear_plus") return run_dear(auto_plan({true}, dear_engine), {true}, dear_engine);
+  std::unique_ptr<Policy> policy;
+  EngineModel engine = serial;
+  if (name == "wfbp") {
+    policy = make_wfbp(model);
+  } else if (name == "ddp") {
+    policy = make_ddp(model);
+  } else if (name == "bytescheduler") {
+    policy = make_bytescheduler(model);
+    engine.credit_bytes = kByteSchedulerCredit * model.element_bytes;
+  } else if (name == "mgwfbp") {
+    policy = make_mgwfbp(model, config.net, n);
+  } else {
+    throw Error(ErrorCode::kInvalidArgument, "unknown policy '" + std::string(name) + "'");
+  }
+  return simulate(model, *policy, config, engine);
+}
+
+}  // namespace dear::scheduler

@@ -1,0 +1,136 @@
+// dear-sim: simulated iteration time of DeAR and its baselines on N workers.
+//
+//   dear-sim --model resnet50 --workers 64 --net 10gbe [--json] [--trace out.json]
+//
+// --model takes a name from profiles/ or a profile path. Without --json it prints a table
+// with each policy's iteration time, throughput, efficiency against the ideal-overlap bound
+// and DeAR's speedup over it.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dear/error.h"
+#include "dear/scheduler/simulator.h"
+
+namespace {
+
+namespace ds = dear::scheduler;
+
+#ifndef DEAR_PROFILES_DIR
+#define DEAR_PROFILES_DIR "profiles"
+#endif
+
+std::string profile_path(const std::string& model, const std::string& dir) {
+  if (std::filesystem::exists(model)) return model;
+  return (std::filesystem::path(dir) / (model + ".json")).string();
+}
+
+std::vector<std::string> split(const std::string& list) {
+  std::vector<std::string> out;
+  std::stringstream in(list);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"dear-sim: discrete-event simulation of DeAR and its baselines"};
+  std::string model_name = "resnet50";
+  std::string profiles = DEAR_PROFILES_DIR;
+  std::string net_name = "10gbe";
+  std::string policies_arg;
+  std::string trace_file;
+  std::string trace_policy = "dear";
+  int workers = 64;
+  int iterations = 3;
+  double alpha_us = -1;
+  double gbps = -1;
+  std::string slice = "";
+  bool json_out = false;
+  app.add_option("--model,-m", model_name, "profile name in --profiles, or a profile file");
+  app.add_option("--profiles", profiles, "folder of model profiles");
+  app.add_option("--workers,-n", workers, "number of workers")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--net", net_name, "network: 10gbe or 100gib");
+  app.add_option("--alpha-us", alpha_us, "override: latency per ring step, microseconds");
+  app.add_option("--gbps", gbps, "override: payload bandwidth per link, Gb/s");
+  app.add_option("--slice-bytes", slice, "override: engine slice size in bytes");
+  app.add_option("--policies", policies_arg, "comma-separated subset of the policies");
+  app.add_option("--iterations", iterations, "iterations simulated (>= 2)")
+      ->check(CLI::Range(2, 100));
+  app.add_option("--trace", trace_file, "write a Chrome trace of --trace-policy here");
+  app.add_option("--trace-policy", trace_policy, "policy whose run --trace records");
+  app.add_flag("--json", json_out, "print one JSON object instead of a table");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    auto net = ds::net_by_name(net_name);
+    if (!net) throw dear::Error(dear::ErrorCode::kInvalidArgument, "--net: unknown " + net_name);
+    if (alpha_us >= 0) net->alpha_s = alpha_us * 1e-6;
+    if (gbps > 0) net->beta_s_per_byte = 8.0 / (gbps * 1e9);
+    if (!slice.empty()) net->slice_bytes = std::stoll(slice);
+    const ds::Model model = ds::load_model(profile_path(model_name, profiles));
+    ds::SimConfig config{*net, workers, iterations};
+    const std::vector<std::string> names =
+        policies_arg.empty() ? ds::policy_names() : split(policies_arg);
+
+    const double bound = ds::ideal_bound_s(model, config);
+    std::map<std::string, double> iter;
+    for (const auto& name : names) {
+      const ds::SimResult r = ds::simulate_named(model, name, config);
+      iter[name] = r.iteration_s;
+      if (!trace_file.empty() && name == trace_policy) {
+        std::ofstream out(trace_file);
+        ds::write_chrome_trace(r, model, out);
+        if (!out) throw dear::Error(dear::ErrorCode::kSystem, "cannot write " + trace_file);
+      }
+    }
+    const double samples = static_cast<double>(workers) * model.batch_size;
+    if (json_out) {
+      nlohmann::ordered_json doc;
+      doc["model"] = model.name;
+      doc["workers"] = workers;
+      doc["net"] = {{"name", net->name},
+                    {"alpha_us", net->alpha_s * 1e6},
+                    {"gbps", 8.0 / net->beta_s_per_byte / 1e9},
+                    {"slice_bytes", net->slice_bytes}};
+      doc["compute_ms"] = (model.forward_s() + model.backward_s()) * 1e3;
+      doc["bound_ms"] = bound * 1e3;
+      nlohmann::ordered_json pol = nlohmann::ordered_json::object();
+      for (const auto& name : names) {
+        pol[name] = {{"iter_ms", iter[name] * 1e3},
+                     {"samples_per_s", samples / iter[name]},
+                     {"efficiency", bound / iter[name]}};
+      }
+      doc["policies"] = std::move(pol);
+      std::cout << doc.dump(1) << "\n";
+    } else {
+      std::printf("%s, %d workers, %s (alpha %.1f us, %.2f Gb/s): compute %.1f ms, bound %.1f ms\n",
+                  model.name.c_str(), workers, net->name.c_str(), net->alpha_s * 1e6,
+                  8.0 / net->beta_s_per_byte / 1e9,
+                  (model.forward_s() + model.backward_s()) * 1e3, bound * 1e3);
+      std::printf("%-14s %10s %12s %10s %12s\n", "policy", "iter_ms", "samples/s", "eff",
+                  "dear_speedup");
+      const bool have_dear = iter.count("dear") != 0;
+      for (const auto& name : names) {
+        std::printf("%-14s %10.2f %12.1f %10.3f", name.c_str(), iter[name] * 1e3,
+                    samples / iter[name], bound / iter[name]);
+        if (have_dear) std::printf(" %11.3fx", iter[name] / iter["dear"]);
+        std::printf("\n");
+      }
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dear-sim: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
