@@ -159,14 +159,8 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
       std::clamp<std::size_t>(wanted, 1, static_cast<std::size_t>(std::max(1, geo.channels))));
   const std::size_t part_bytes =
       ceil_div(chunk_elems, static_cast<std::size_t>(op.channels)) * op.el;
-  // At least min_slices slices per step (each no smaller than min_slice_bytes), so that the
-  // next step can start forwarding before this one has fully arrived; more when the part is
-  // larger than slice_bytes.
-  const std::size_t by_size = ceil_div(part_bytes, std::max<std::size_t>(1, geo.slice_bytes));
-  const std::size_t by_pipeline = std::min<std::size_t>(
-      static_cast<std::size_t>(std::max(1, geo.min_slices)),
-      part_bytes / std::max<std::size_t>(1, geo.min_slice_bytes));
-  op.slices = static_cast<int>(std::max<std::size_t>({1, by_size, by_pipeline}));
+  op.slices = static_cast<int>(
+      std::max<std::size_t>(1, ceil_div(part_bytes, std::max<std::size_t>(1, geo.slice_bytes))));
   op.dep_lag = op.kind == OpKind::kBroadcast ? 0 : op.slices;
   op.eager = chunk_bytes * static_cast<std::size_t>(std::max(op.send_steps, op.recv_steps)) <=
              geo.eager_bytes;

@@ -116,8 +116,6 @@ struct SliceGeometryOptions {
   std::size_t slice_bytes = 512 * 1024;
   std::size_t min_channel_bytes = 64 * 1024;
   std::size_t eager_bytes = 64 * 1024;
-  int min_slices = 1;
-  std::size_t min_slice_bytes = 32 * 1024;
 };
 
 // Fills in the schedule fields of `op` for this rank.
