@@ -11,6 +11,7 @@
 #include "collectives/ops.h"
 #include "collectives/reduce.h"
 #include "common/env.h"
+#include "transport/delay_channel.h"
 #include "transport/socket_util.h"
 #include "transport/tcp/tcp_channel.h"
 
@@ -220,6 +221,12 @@ class CommunicatorImpl final : public Communicator {
 
   void connect() {
     namespace tr = transport;
+    if (options_.link_delay_us < 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "CommOptions::link_delay_us=" + std::to_string(options_.link_delay_us) +
+                      " is negative",
+                  rank_);
+    }
     const auto deadline = tr::deadline_after(options_.timeout);
     const std::string host = bootstrap_->advertise_host();
     tr::Fd listener = tr::listen_on(tr::resolve(host, 0));
@@ -251,6 +258,11 @@ class CommunicatorImpl final : public Communicator {
                                          deadline);
     auto from = tr::tcp::accept_links(listener.get(), rank_, {prev}, options_.channels,
                                       bootstrap_->id().secret.data(), tag, deadline);
+    // Emulated latency wraps the channels of both links, so every message a rank sends is
+    // held once, whichever direction it travels.
+    const std::chrono::microseconds delay(options_.link_delay_us);
+    to_next = tr::with_delay(std::move(to_next), delay);
+    from[0] = tr::with_delay(std::move(from[0]), delay);
     collectives::EngineConfig cfg;
     cfg.rank = rank_;
     cfg.size = size_;
@@ -426,6 +438,9 @@ CommOptions apply_env(CommOptions options) {
   if (auto v = env::get_int("DEAR_SPIN_US", 0, 1000000)) options.spin_us = static_cast<int>(*v);
   if (auto v = env::get_bytes("DEAR_SMALL_BYTES")) options.gather_reduce_max_bytes = *v;
   if (auto v = env::get("DEAR_TRANSPORT")) options.transport = *v;
+  if (auto v = env::get_int("DEAR_LINK_DELAY_US", 0, 10000000)) {
+    options.link_delay_us = static_cast<int>(*v);
+  }
   if (auto v = env::get("DEAR_ALGO")) {
     const auto a = parse_algorithm(*v);
     if (!a) {

@@ -14,12 +14,14 @@
 #include <array>
 #include <cctype>
 #include <cerrno>
+#include <cmath>
 #include <csignal>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -81,6 +83,7 @@ struct Options {
   double kill_grace = 5.0;
   double timeout = 0.0;
   bool dry_run = false;
+  std::string link_delay;  // e.g. "25us"; empty: leave DEAR_LINK_DELAY_US as inherited
   std::vector<std::string> command;
 };
 
@@ -126,6 +129,35 @@ std::uint16_t find_free_port(const std::string& host) {
   }
   throw Error(ErrorCode::kSystem,
               "cannot bind a TCP port on --host " + host + ": " + std::strerror(err));
+}
+
+// "--link-delay 25us" -> 25: a number with a unit of us, ms or s (a bare number is us), in
+// whole microseconds; nullopt when malformed, negative or beyond DEAR_LINK_DELAY_US's range.
+std::optional<long long> parse_delay_us(const std::string& text) {
+  constexpr long long kMaxDelayUs = 10'000'000;  // what DEAR_LINK_DELAY_US accepts
+  std::size_t end = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &end);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  const std::string unit = text.substr(end);
+  double scale = 0;
+  if (unit.empty() || unit == "us") {
+    scale = 1;
+  } else if (unit == "ms") {
+    scale = 1e3;
+  } else if (unit == "s") {
+    scale = 1e6;
+  } else {
+    return std::nullopt;
+  }
+  const double us = value * scale;
+  if (!(us >= 0) || us > static_cast<double>(kMaxDelayUs) || us != std::floor(us)) {
+    return std::nullopt;
+  }
+  return static_cast<long long>(us);
 }
 
 Variables job_variables(int rank, int world_size, const UniqueId& id, const std::string& id_text) {
@@ -249,6 +281,10 @@ int run(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(0.0, kMaxSeconds));
   app.add_flag("--dry-run", o.dry_run, "Print what would be started, and exit");
+  app.add_option("--link-delay", o.link_delay,
+                 "Emulated one-way delay added to every link, e.g. 25us or 1ms (sets "
+                 "DEAR_LINK_DELAY_US for every rank)")
+      ->type_name("DELAY");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -278,6 +314,19 @@ int run(int argc, char** argv) {
     std::string key = entry.substr(0, eq);
     if (is_job_variable(key)) return usage_error("--env " + key + ": dear-run sets it itself");
     extra.emplace_back(std::move(key), entry.substr(eq + 1));
+  }
+
+  if (!o.link_delay.empty()) {
+    const auto us = parse_delay_us(o.link_delay);
+    if (!us) {
+      return usage_error("--link-delay " + o.link_delay +
+                         ": expected a delay such as 25us, 1ms or 0 (at most 10s, whole us)");
+    }
+    if (std::any_of(extra.begin(), extra.end(),
+                    [](const auto& kv) { return kv.first == "DEAR_LINK_DELAY_US"; })) {
+      return usage_error("--link-delay and --env DEAR_LINK_DELAY_US: give one of them");
+    }
+    extra.emplace_back("DEAR_LINK_DELAY_US", std::to_string(*us));
   }
 
   UniqueId id;

@@ -67,6 +67,10 @@ struct CommOptions {
   // kernel when idle (microseconds; DEAR_SPIN_US). Yielding saves a wake-up on every hop of a
   // small operation; 0 always sleeps at once.
   int spin_us = 100;
+  // Extra one-way latency added to every message on every link, in microseconds
+  // (DEAR_LINK_DELAY_US), to emulate slower networks over any transport; 0 adds none. All ranks
+  // should use the same value. See transport/delay_channel.h.
+  int link_delay_us = 0;
 };
 
 // `options` with the DEAR_* environment overrides applied (DEAR_CHANNELS, DEAR_SLICE_BYTES,
