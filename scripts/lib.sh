@@ -3,7 +3,7 @@
 # Debian packages the build and tests need. The peers (Open MPI, Gloo) are built whenever they
 # are present, so they are installed too: compare-peers needs them and CI compiles them.
 DEAR_BUILD_PACKAGES=(build-essential cmake ninja-build pkg-config libasio-dev libcli11-dev
-  nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev)
+  nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev libssl-dev)
 DEAR_PEER_PACKAGES=(libopenmpi-dev openmpi-bin libgloo-dev)
 
 dear_log() { printf '[dear] %s\n' "$*" >&2; }

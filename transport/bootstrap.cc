@@ -3,6 +3,7 @@
 #include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -10,6 +11,7 @@
 
 #include "common/env.h"
 #include "dear/error.h"
+#include "transport/auth.h"
 #include "transport/listener_registry.h"
 #include "transport/socket_util.h"
 
@@ -20,25 +22,14 @@ using transport::Clock;
 using transport::Deadline;
 using transport::Fd;
 
-constexpr std::uint32_t kMagic = 0x52414544;  // "DEAR"
-constexpr std::uint32_t kVersion = 1;
+namespace auth = transport::auth;
+constexpr auto kPurpose = auth::Purpose::kBootstrap;
 // A connection that has not proved the secret this quickly is dropped, so that a scanner or a
 // half-open connection cannot hold rendezvous up.
 constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
-
-struct Hello {
-  std::uint32_t magic;
-  std::uint32_t version;
-  std::uint8_t secret[16];
-  std::int32_t rank;
-  std::int32_t world_size;
-};
-static_assert(sizeof(Hello) == 32);
-
-struct Welcome {
-  std::uint32_t magic;
-  std::uint32_t status;  // 0 = joined
-};
+// Connections still proving themselves at once; beyond this the oldest is dropped, so a flood
+// of connections cannot exhaust rank 0's descriptors (genuine ranks answer within a round trip).
+constexpr std::size_t kMaxPending = 256;
 
 void log_rejected(const std::string& from, const char* why) {
   std::fprintf(stderr, "dear rank 0: bootstrap rejected a connection from %s: %s\n", from.c_str(),
@@ -122,10 +113,12 @@ class TcpBootstrap final : public Bootstrap {
     }
   }
 
+  // A connection rank 0 has challenged and whose response is still arriving.
   struct Pending {
     Fd fd;
     Deadline deadline;
-    Hello hello{};
+    auth::Nonce nonce{};
+    std::array<std::uint8_t, sizeof(auth::Response)> buf{};
     std::size_t got = 0;
     std::string from;
   };
@@ -136,6 +129,7 @@ class TcpBootstrap final : public Bootstrap {
     if (!listener.valid()) listener = transport::listen_on(transport::resolve(id_.host, id_.port));
     transport::set_nonblocking(listener.get());
     peers_.resize(static_cast<std::size_t>(size_));
+    welcomes_.resize(static_cast<std::size_t>(size_));
     int joined = 0;
     std::vector<Pending> pending;
     while (joined < size_ - 1) {
@@ -168,7 +162,7 @@ class TcpBootstrap final : public Bootstrap {
       }
       // Finish or drop the pending connections.
       for (auto it = pending.begin(); it != pending.end();) {
-        if (it->got == sizeof(Hello)) {
+        if (it->got == sizeof(auth::Response)) {
           joined += admit(*it) ? 1 : 0;
           it = pending.erase(it);
         } else if (!it->fd.valid()) {
@@ -181,10 +175,9 @@ class TcpBootstrap final : public Bootstrap {
         }
       }
     }
-    const Welcome welcome{kMagic, 0};
     for (int r = 1; r < size_; ++r) {
       guarded(r, [&] {
-        transport::write_all(peers_[r].get(), &welcome, sizeof(welcome), deadline,
+        transport::write_all(peers_[r].get(), &welcomes_[r], sizeof(welcomes_[r]), deadline,
                              "bootstrap welcome to rank " + std::to_string(r));
       });
     }
@@ -196,19 +189,41 @@ class TcpBootstrap final : public Bootstrap {
       if (!fd.valid()) return;
       Pending p;
       p.from = transport::peer_address(fd.get()).to_string();
+      // The challenge is the first thing sent on a fresh socket, so it fits its empty buffer.
+      const auth::Challenge challenge = auth::make_challenge(kPurpose);
+      if (::send(fd.get(), &challenge, sizeof(challenge), MSG_NOSIGNAL | MSG_DONTWAIT) !=
+          static_cast<ssize_t>(sizeof(challenge))) {
+        log_rejected(p.from, "it closed before it could be challenged");
+        continue;
+      }
+      p.nonce = challenge.nonce;
       p.fd = std::move(fd);
       p.deadline = Clock::now() + kHandshakeTimeout;
+      // Dropped in place (erased after this round), as poll() results are matched by index.
+      const auto live = std::count_if(pending.begin(), pending.end(),
+                                      [](const Pending& q) { return q.fd.valid(); });
+      if (static_cast<std::size_t>(live) >= kMaxPending) {
+        const auto oldest = std::find_if(pending.begin(), pending.end(),
+                                         [](const Pending& q) { return q.fd.valid(); });
+        log_rejected(oldest->from, "too many connections are handshaking at once");
+        oldest->fd.reset();
+      }
       pending.push_back(std::move(p));
     }
   }
 
-  static void read_hello(Pending& p) {
-    auto* buf = reinterpret_cast<char*>(&p.hello);
-    const ssize_t n = ::recv(p.fd.get(), buf + p.got, sizeof(Hello) - p.got, MSG_DONTWAIT);
+  // Reads what has arrived of the response, never beyond it: the bytes after it belong to
+  // the bootstrap collectives.
+  void read_hello(Pending& p) const {
+    const ssize_t n = ::recv(p.fd.get(), p.buf.data() + p.got, p.buf.size() - p.got,
+                             MSG_DONTWAIT);
     if (n > 0) {
       p.got += static_cast<std::size_t>(n);
-      if (p.got >= sizeof(std::uint32_t) && p.hello.magic != kMagic) {
-        log_rejected(p.from, "it does not speak the dear protocol");
+      auth::Response unused;
+      const auth::Check c =
+          auth::check_response(p.buf.data(), p.got, kPurpose, p.nonce, id_.secret, &unused);
+      if (c != auth::Check::kOk && c != auth::Check::kIncomplete) {
+        log_rejected(p.from, auth::describe(c).data());
         p.fd.reset();
       }
     } else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
@@ -216,37 +231,31 @@ class TcpBootstrap final : public Bootstrap {
     }
   }
 
-  // Validates a complete hello; true when the rank joined.
+  // Validates a complete response; true when the rank joined.
   bool admit(Pending& p) {
-    const Hello& h = p.hello;
-    if (h.version != kVersion) {
-      log_rejected(p.from, "it speaks another protocol version");
+    auth::Response r;
+    // Already checked as it arrived; read_hello() dropped it unless it was kOk.
+    if (auth::check_response(p.buf.data(), p.got, kPurpose, p.nonce, id_.secret, &r) !=
+        auth::Check::kOk) {
       return false;
     }
-    if (!transport::equal_secret(h.secret, id_.secret.data(), sizeof(h.secret))) {
-      log_rejected(p.from, "wrong secret (another job on the same address?)");
-      return false;
+    const auth::Claim& c = r.claim;
+    // The claim is proven to come from a holder of the secret: a bad one is a rank of this job
+    // that is misconfigured, which must fail the job rather than be ignored.
+    if (auto problem = auth::bootstrap_claim_problem(c, size_)) {
+      const int blame = c.rank > 0 && c.rank < size_ ? c.rank : Error::kNone;
+      throw Error(ErrorCode::kBootstrap, *problem + " (from " + p.from + ")", 0, blame,
+                  "bootstrap");
     }
-    if (h.world_size != size_) {
+    if (peers_[c.rank].valid()) {
       throw Error(ErrorCode::kBootstrap,
-                  "rank " + std::to_string(h.rank) + " (from " + p.from + ") says world size " +
-                      std::to_string(h.world_size) + ", rank 0 has " + std::to_string(size_),
-                  0, h.rank, "bootstrap");
-    }
-    if (h.rank <= 0 || h.rank >= size_) {
-      throw Error(ErrorCode::kBootstrap,
-                  "a peer from " + p.from + " claims rank " + std::to_string(h.rank) +
-                      ", outside 1.." + std::to_string(size_ - 1),
-                  0, Error::kNone, "bootstrap");
-    }
-    if (peers_[h.rank].valid()) {
-      throw Error(ErrorCode::kBootstrap,
-                  "two processes claim rank " + std::to_string(h.rank) + " (the second from " +
+                  "two processes claim rank " + std::to_string(c.rank) + " (the second from " +
                       p.from + ")",
-                  0, h.rank, "bootstrap");
+                  0, c.rank, "bootstrap");
     }
     transport::set_nonblocking(p.fd.get(), false);
-    peers_[h.rank] = std::move(p.fd);
+    peers_[c.rank] = std::move(p.fd);
+    welcomes_[c.rank] = auth::make_welcome(id_.secret, kPurpose, c, p.nonce);
     return true;
   }
 
@@ -254,29 +263,47 @@ class TcpBootstrap final : public Bootstrap {
     const auto addr = transport::resolve(id_.host, id_.port);
     guarded(0, [&] {
       root_ = transport::connect_with_retry(addr, deadline, "bootstrap");
-      Hello h{};
-      h.magic = kMagic;
-      h.version = kVersion;
-      std::memcpy(h.secret, id_.secret.data(), sizeof(h.secret));
-      h.rank = rank_;
-      h.world_size = size_;
-      transport::write_all(root_.get(), &h, sizeof(h), deadline, "bootstrap hello to rank 0");
-      Welcome w{};
-      try {
-        transport::read_all(root_.get(), &w, sizeof(w), deadline, "bootstrap welcome");
-      } catch (const Error& e) {
-        if (e.code() != ErrorCode::kPeerFailed) throw;
-        throw Error(ErrorCode::kBootstrap, "rank 0 at " + id_.address() +
-                                               " closed the connection during rendezvous "
-                                               "(wrong secret, or rank 0 failed)");
+      auth::Challenge challenge{};
+      read_or_refused(&challenge, sizeof(challenge), deadline, "bootstrap challenge");
+      if (const auto c = auth::check_challenge(reinterpret_cast<const std::uint8_t*>(&challenge),
+                                               sizeof(challenge), kPurpose, &challenge);
+          c != auth::Check::kOk) {
+        throw Error(ErrorCode::kBootstrap, "the listener at " + id_.address() +
+                                               " is not a dear rank 0 of this version: " +
+                                               std::string(auth::describe(c)));
       }
-      if (w.magic != kMagic || w.status != 0) {
-        throw Error(ErrorCode::kBootstrap, "rank 0 refused this rank");
+      auth::Claim claim{};
+      claim.rank = rank_;
+      claim.world_size = size_;
+      claim.nonce = auth::fresh_nonce();
+      const auth::Response response = auth::make_response(id_.secret, kPurpose, challenge, claim);
+      transport::write_all(root_.get(), &response, sizeof(response), deadline,
+                           "bootstrap response to rank 0");
+      auth::Welcome w{};
+      read_or_refused(&w, sizeof(w), deadline, "bootstrap welcome");
+      if (const auto c = auth::check_welcome(reinterpret_cast<const std::uint8_t*>(&w), sizeof(w),
+                                             kPurpose, id_.secret, claim, challenge.nonce);
+          c != auth::Check::kOk) {
+        throw Error(ErrorCode::kBootstrap, "rank 0 at " + id_.address() +
+                                               " did not prove it holds this job's secret: " +
+                                               std::string(auth::describe(c)));
       }
     });
     advertise_ = options_.advertise_host.empty()
                      ? transport::local_address(root_.get()).host()
                      : options_.advertise_host;
+  }
+
+  // Reads from rank 0; a close means rank 0 turned this rank away.
+  void read_or_refused(void* data, std::size_t bytes, Deadline deadline, const char* what) {
+    try {
+      transport::read_all(root_.get(), data, bytes, deadline, what);
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kPeerFailed) throw;
+      throw Error(ErrorCode::kBootstrap, "rank 0 at " + id_.address() +
+                                             " closed the connection during rendezvous "
+                                             "(wrong secret, or rank 0 failed)");
+    }
   }
 
   UniqueId id_;
@@ -285,6 +312,7 @@ class TcpBootstrap final : public Bootstrap {
   BootstrapOptions options_;
   std::string advertise_;
   std::vector<Fd> peers_;  // rank 0: a connection per rank
+  std::vector<auth::Welcome> welcomes_;  // rank 0: the proof owed to each rank
   Fd root_;                // other ranks: the connection to rank 0
 };
 

@@ -1,5 +1,6 @@
 #include "transport/tcp/tcp_channel.h"
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -11,12 +12,11 @@
 #include <cstring>
 
 #include "dear/error.h"
+#include "transport/auth.h"
 
 namespace dear::transport::tcp {
 namespace {
 
-constexpr std::uint32_t kLinkMagic = 0x4b4e4c44;  // "DLNK"
-constexpr std::uint32_t kLinkVersion = 1;
 constexpr std::size_t kHeader = sizeof(FrameHeader);
 // Payload remainders at least this large are read straight into their destination; smaller
 // ones go through the inbox so that one read can also pick up the next headers.
@@ -269,23 +269,146 @@ void TcpChannel::close() {
   queued_bytes_ = 0;
 }
 
+namespace {
+
+constexpr auto kLinkPurpose = auth::Purpose::kLink;
+constexpr std::size_t kSecretBytes = 16;  // UniqueId::secret
+// An accepted connection that has not proved the secret this quickly is not one of ours.
+constexpr auto kLinkHandshakeTimeout = std::chrono::seconds(5);
+// Accepted connections proving themselves at once; beyond this the oldest is dropped.
+constexpr std::size_t kMaxIncoming = 256;
+
+auth::Secret secret_span(const std::uint8_t* secret) { return {secret, kSecretBytes}; }
+
+// Sends all of a small handshake message now or reports that the socket would not take it.
+bool send_small(int fd, const void* data, std::size_t bytes) {
+  return ::send(fd, data, bytes, MSG_NOSIGNAL | MSG_DONTWAIT) == static_cast<ssize_t>(bytes);
+}
+
+// Receives into buf[got, want) without waiting and without reading past `want` (what follows
+// belongs to the channel). Returns false when the peer closed or the connection broke.
+bool recv_some(int fd, std::uint8_t* buf, std::size_t want, std::size_t& got) {
+  const ssize_t n = ::recv(fd, buf + got, want - got, MSG_DONTWAIT);
+  if (n > 0) {
+    got += static_cast<std::size_t>(n);
+    return true;
+  }
+  return n < 0 && would_block(errno);
+}
+
+// The connector's side of a link handshake opened by connect_link(), advanced by the
+// accept_links() that follows on the same thread.
+struct Outgoing {
+  enum class Stage : std::uint8_t { kChallenge, kRespond, kWelcome, kDone };
+  Fd fd;  // a duplicate of the channel's descriptor, closed once the handshake is done
+  int self = 0;
+  int peer = 0;
+  int channel = 0;
+  std::uint64_t tag = 0;
+  std::string what;
+  Stage stage = Stage::kChallenge;
+  std::array<std::uint8_t, sizeof(auth::Response)> buf{};
+  std::size_t got = 0;
+  std::size_t sent = 0;
+  auth::Challenge challenge{};
+  auth::Claim claim{};
+  auth::Response response{};
+
+  [[noreturn]] void fail(const std::string& why) const {
+    throw Error(ErrorCode::kBootstrap, what + ": " + why, self, peer, "link setup");
+  }
+
+  // Moves the handshake on as far as the socket allows.
+  void advance(const std::uint8_t* secret) {
+    if (stage == Stage::kChallenge) {
+      if (!recv_some(fd.get(), buf.data(), sizeof(auth::Challenge), got)) {
+        fail("the peer closed the connection before it sent a challenge");
+      }
+      const auth::Check c = auth::check_challenge(buf.data(), got, kLinkPurpose, &challenge);
+      if (c == auth::Check::kIncomplete) return;
+      if (c != auth::Check::kOk) {
+        fail("the listener is not a dear link: " + std::string(auth::describe(c)));
+      }
+      claim.rank = self;
+      claim.peer = peer;
+      claim.channel = channel;
+      claim.tag = tag;
+      claim.nonce = auth::fresh_nonce();
+      response = auth::make_response(secret_span(secret), kLinkPurpose, challenge, claim);
+      stage = Stage::kRespond;
+    }
+    if (stage == Stage::kRespond) {
+      const auto* p = reinterpret_cast<const char*>(&response);
+      const ssize_t n =
+          ::send(fd.get(), p + sent, sizeof(response) - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0 && !would_block(errno)) fail("connection lost while answering the challenge");
+      if (n > 0) sent += static_cast<std::size_t>(n);
+      if (sent < sizeof(response)) return;
+      stage = Stage::kWelcome;
+      got = 0;
+    }
+    if (stage == Stage::kWelcome) {
+      if (!recv_some(fd.get(), buf.data(), sizeof(auth::Welcome), got)) {
+        fail("the peer closed the connection during the handshake (it rejected this rank's "
+             "proof, or failed)");
+      }
+      const auth::Check c = auth::check_welcome(buf.data(), got, kLinkPurpose, secret_span(secret),
+                                                claim, challenge.nonce);
+      if (c == auth::Check::kIncomplete) return;
+      if (c != auth::Check::kOk) {
+        fail("the peer did not prove the job's secret: " + std::string(auth::describe(c)));
+      }
+      stage = Stage::kDone;
+      fd.reset();
+    }
+  }
+
+  [[nodiscard]] short events() const { return stage == Stage::kRespond ? POLLOUT : POLLIN; }
+};
+
+// Per thread, because connect_link() and its accept_links() run on the thread that creates the
+// communicator, and communicators created on different threads must not see each other's.
+thread_local std::vector<Outgoing> t_outgoing;
+
+// An accepted connection that has been challenged and whose response is still arriving.
+struct Incoming {
+  Fd fd;
+  Deadline deadline;
+  auth::Nonce nonce{};
+  std::array<std::uint8_t, sizeof(auth::Response)> buf{};
+  std::size_t got = 0;
+  std::string from;
+};
+
+void log_dropped(int self_rank, const std::string& from, std::string_view why) {
+  std::fprintf(stderr, "dear rank %d: dropped a link connection from %s: %.*s\n", self_rank,
+               from.c_str(), static_cast<int>(why.size()), why.data());
+}
+
+}  // namespace
+
 std::vector<std::unique_ptr<Channel>> connect_link(const SockAddr& peer_addr, int self_rank,
                                                    int peer_rank, int channels,
                                                    const std::uint8_t* secret,
                                                    std::uint64_t comm_tag, Deadline deadline) {
+  (void)secret;  // used by accept_links(), which answers the challenges
+  // Handshakes of another communicator left here by a setup that failed half-way.
+  std::erase_if(t_outgoing, [&](const Outgoing& o) { return o.tag != comm_tag; });
   std::vector<std::unique_ptr<Channel>> out;
   for (int c = 0; c < channels; ++c) {
-    const std::string what = "link to rank " + std::to_string(peer_rank) + " at " +
-                             peer_addr.to_string();
-    Fd fd = connect_with_retry(peer_addr, deadline, what);
-    LinkHello h{};
-    h.magic = kLinkMagic;
-    h.version = kLinkVersion;
-    std::memcpy(h.secret, secret, sizeof(h.secret));
-    h.rank = self_rank;
-    h.channel = c;
-    h.comm_tag = comm_tag;
-    write_all(fd.get(), &h, sizeof(h), deadline, what);
+    Outgoing o;
+    o.what = "link to rank " + std::to_string(peer_rank) + " at " + peer_addr.to_string() +
+             " (channel " + std::to_string(c) + ")";
+    Fd fd = connect_with_retry(peer_addr, deadline, o.what);
+    o.fd = Fd(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
+    if (!o.fd.valid()) {
+      throw Error(ErrorCode::kSystem, o.what + ": dup: " + std::strerror(errno), self_rank);
+    }
+    o.self = self_rank;
+    o.peer = peer_rank;
+    o.channel = c;
+    o.tag = comm_tag;
+    t_outgoing.push_back(std::move(o));
     out.push_back(std::make_unique<TcpChannel>(std::move(fd), self_rank, peer_rank, c));
   }
   return out;
@@ -294,47 +417,135 @@ std::vector<std::unique_ptr<Channel>> connect_link(const SockAddr& peer_addr, in
 std::vector<std::vector<std::unique_ptr<Channel>>> accept_links(
     int listen_fd, int self_rank, const std::vector<int>& peers, int channels,
     const std::uint8_t* secret, std::uint64_t comm_tag, Deadline deadline) {
+  // This call owns this tag's connector handshakes from here on, whatever happens.
+  std::vector<Outgoing> outgoing;
+  for (auto& o : t_outgoing) {
+    if (o.tag == comm_tag) outgoing.push_back(std::move(o));
+  }
+  std::erase_if(t_outgoing, [&](const Outgoing& o) { return o.tag == comm_tag || !o.fd.valid(); });
+
   std::vector<std::vector<std::unique_ptr<Channel>>> out(peers.size());
   for (auto& v : out) v.resize(static_cast<std::size_t>(channels));
   std::size_t missing = peers.size() * static_cast<std::size_t>(channels);
-  while (missing > 0) {
-    Fd fd = accept_until(listen_fd, deadline);
-    if (!fd.valid()) {
-      throw Error(ErrorCode::kTimeout,
-                  "links: " + std::to_string(missing) +
-                      " connection(s) from peers never arrived before the deadline",
-                  self_rank);
+  const auto connecting = [&] {
+    return std::any_of(outgoing.begin(), outgoing.end(),
+                       [](const Outgoing& o) { return o.stage != Outgoing::Stage::kDone; });
+  };
+  std::vector<Incoming> incoming;
+  std::vector<pollfd> fds;
+  // Drained until it would block, and never allowed to block this loop.
+  set_nonblocking(listen_fd);
+  while (missing > 0 || connecting()) {
+    if (Clock::now() >= deadline) {
+      std::string what;
+      if (missing > 0) {
+        what = std::to_string(missing) + " connection(s) from peers never arrived";
+      }
+      for (const auto& o : outgoing) {
+        if (o.stage == Outgoing::Stage::kDone) continue;
+        what += (what.empty() ? "" : "; ") + o.what + " was never accepted";
+      }
+      throw Error(ErrorCode::kTimeout, "links: " + what + " before the deadline", self_rank);
     }
-    const std::string from = peer_address(fd.get()).to_string();
-    LinkHello h{};
-    try {
-      // A connection that does not introduce itself quickly is not one of ours.
-      read_all(fd.get(), &h, sizeof(h),
-               std::min(deadline, Clock::now() + std::chrono::seconds(5)), "link handshake");
-    } catch (const Error&) {
-      std::fprintf(stderr, "dear rank %d: dropped a link connection from %s: no handshake\n",
-                   self_rank, from.c_str());
-      continue;
+    // Wait for any connection to be ready: the listener, the challenged, the connecting.
+    fds.clear();
+    Deadline wake = deadline;
+    fds.push_back({missing > 0 ? listen_fd : -1, POLLIN, 0});
+    for (const auto& in : incoming) {
+      fds.push_back({in.fd.get(), POLLIN, 0});
+      wake = std::min(wake, in.deadline);
     }
-    if (h.magic != kLinkMagic || h.version != kLinkVersion ||
-        !equal_secret(h.secret, secret, sizeof(h.secret)) || h.comm_tag != comm_tag) {
-      std::fprintf(stderr,
-                   "dear rank %d: dropped a link connection from %s: wrong secret or "
-                   "communicator\n",
-                   self_rank, from.c_str());
-      continue;
+    for (const auto& o : outgoing) {
+      fds.push_back({o.stage == Outgoing::Stage::kDone ? -1 : o.fd.get(), o.events(), 0});
     }
-    const auto it = std::find(peers.begin(), peers.end(), h.rank);
-    if (it == peers.end() || h.channel < 0 || h.channel >= channels ||
-        out[static_cast<std::size_t>(it - peers.begin())][static_cast<std::size_t>(h.channel)]) {
-      throw Error(ErrorCode::kBootstrap,
-                  "unexpected link connection from rank " + std::to_string(h.rank) +
-                      " channel " + std::to_string(h.channel),
-                  self_rank, h.rank);
+    const int rc = ::poll(fds.data(), fds.size(), poll_timeout_ms(wake, 200));
+    if (rc < 0 && errno != EINTR) {
+      throw Error(ErrorCode::kSystem, std::string("poll: ") + std::strerror(errno), self_rank);
     }
-    out[static_cast<std::size_t>(it - peers.begin())][static_cast<std::size_t>(h.channel)] =
-        std::make_unique<TcpChannel>(std::move(fd), self_rank, h.rank, h.channel);
-    --missing;
+    for (std::size_t i = 0; i < outgoing.size(); ++i) {
+      if (fds[1 + incoming.size() + i].revents != 0) outgoing[i].advance(secret);
+    }
+    for (std::size_t i = 0; i < incoming.size(); ++i) {
+      Incoming& in = incoming[i];
+      if (fds[1 + i].revents == 0) continue;
+      if (!recv_some(in.fd.get(), in.buf.data(), in.buf.size(), in.got)) {
+        log_dropped(self_rank, in.from, "it closed before proving the secret");
+        in.fd.reset();
+        continue;
+      }
+      auth::Response r;
+      const auth::Check c = auth::check_response(in.buf.data(), in.got, kLinkPurpose, in.nonce,
+                                                 secret_span(secret), &r);
+      if (c == auth::Check::kIncomplete) continue;
+      if (c != auth::Check::kOk) {
+        log_dropped(self_rank, in.from, auth::describe(c));
+        in.fd.reset();
+        continue;
+      }
+      if (r.claim.tag != comm_tag) {
+        log_dropped(self_rank, in.from, "it belongs to another communicator of this job");
+        in.fd.reset();
+        continue;
+      }
+      // Proven to hold the secret: a wrong claim is a broken rank of this job, not a stranger.
+      if (auto problem = auth::link_claim_problem(r.claim, self_rank, peers, channels)) {
+        throw Error(ErrorCode::kBootstrap, *problem + " (from " + in.from + ")", self_rank,
+                    r.claim.rank, "link setup");
+      }
+      const auto pos = static_cast<std::size_t>(
+          std::find(peers.begin(), peers.end(), r.claim.rank) - peers.begin());
+      auto& slot = out[pos][static_cast<std::size_t>(r.claim.channel)];
+      if (slot) {
+        throw Error(ErrorCode::kBootstrap,
+                    "two link connections from rank " + std::to_string(r.claim.rank) +
+                        " claim channel " + std::to_string(r.claim.channel) + " (the second from " +
+                        in.from + ")",
+                    self_rank, r.claim.rank, "link setup");
+      }
+      const auth::Welcome w =
+          auth::make_welcome(secret_span(secret), kLinkPurpose, r.claim, in.nonce);
+      if (!send_small(in.fd.get(), &w, sizeof(w))) {
+        log_dropped(self_rank, in.from, "it could not be sent the welcome");
+        in.fd.reset();
+        continue;
+      }
+      slot =
+          std::make_unique<TcpChannel>(std::move(in.fd), self_rank, r.claim.rank, r.claim.channel);
+      --missing;
+    }
+    if (fds[0].revents & POLLIN) {
+      for (;;) {
+        Fd fd(::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+        if (!fd.valid()) break;
+        Incoming in;
+        in.from = peer_address(fd.get()).to_string();
+        // The challenge is the first thing sent on a fresh socket, so it fits its empty buffer.
+        const auth::Challenge ch = auth::make_challenge(kLinkPurpose);
+        if (!send_small(fd.get(), &ch, sizeof(ch))) {
+          log_dropped(self_rank, in.from, "it closed before it could be challenged");
+          continue;
+        }
+        in.nonce = ch.nonce;
+        in.fd = std::move(fd);
+        in.deadline = Clock::now() + kLinkHandshakeTimeout;
+        const auto live = std::count_if(incoming.begin(), incoming.end(),
+                                        [](const Incoming& q) { return q.fd.valid(); });
+        if (static_cast<std::size_t>(live) >= kMaxIncoming) {
+          const auto oldest = std::find_if(incoming.begin(), incoming.end(),
+                                           [](const Incoming& q) { return q.fd.valid(); });
+          log_dropped(self_rank, oldest->from, "too many connections are handshaking at once");
+          oldest->fd.reset();
+        }
+        incoming.push_back(std::move(in));
+      }
+    }
+    const auto now = Clock::now();
+    std::erase_if(incoming, [&](const Incoming& in) {
+      if (!in.fd.valid()) return true;
+      if (now < in.deadline) return false;
+      log_dropped(self_rank, in.from, "it did not prove the secret in time");
+      return true;
+    });
   }
   return out;
 }

@@ -66,23 +66,25 @@ class TcpChannel final : public Channel {
   std::size_t done_ = 0;
 };
 
-// Handshake that binds an accepted socket to (communicator, rank, channel).
-struct LinkHello {
-  std::uint32_t magic;
-  std::uint32_t version;
-  std::uint8_t secret[16];
-  std::int32_t rank;
-  std::int32_t channel;
-  std::uint64_t comm_tag;
-};
+// Link setup. Every connection proves the job's secret with the challenge-response of
+// transport/auth.h, bound to (communicator tag, connector rank, listener rank, channel), and the
+// listener proves it back. Each rank connects to its peers first and accepts from its peers
+// second, so a connector cannot wait for its challenge inside connect_link(): the peer that
+// would send it may itself still be connecting, and a ring of ranks would wait on each other.
+// connect_link() therefore only opens the connections; this thread's next accept_links() with
+// the same tag answers their challenges while it accepts, and returns only when both directions
+// are proven. Nothing may be sent or received on the returned channels before that.
 
-// Opens `channels` connections to a peer's link listener and introduces each.
+// Opens `channels` connections to a peer's link listener; their handshakes complete in the
+// accept_links() call that follows on this thread.
 [[nodiscard]] std::vector<std::unique_ptr<Channel>> connect_link(
     const SockAddr& peer_addr, int self_rank, int peer_rank, int channels,
     const std::uint8_t* secret, std::uint64_t comm_tag, Deadline deadline);
 
-// Accepts `channels` connections from each rank in `peers` on `listen_fd`; connections that do
-// not prove the secret are dropped and logged. Result indexed [peer position][channel].
+// Accepts `channels` connections from each rank in `peers` on `listen_fd` and completes this
+// thread's pending connect_link() handshakes for `comm_tag`. Connections are served
+// concurrently: one that sends garbage, a wrong proof or nothing at all is dropped and logged
+// (after at most 5 s) without delaying the others. Result indexed [peer position][channel].
 [[nodiscard]] std::vector<std::vector<std::unique_ptr<Channel>>> accept_links(
     int listen_fd, int self_rank, const std::vector<int>& peers, int channels,
     const std::uint8_t* secret, std::uint64_t comm_tag, Deadline deadline);

@@ -1,0 +1,14 @@
+# Reliability and security (issue 8): the handshakes under attack, the soak, and the fuzz
+# harnesses. Included from tests/CMakeLists.txt, after dear_test() is defined.
+
+dear_test(test_bootstrap SOURCES test_bootstrap.cc LIBS dear_collectives LABELS unit
+          PROPERTIES TIMEOUT 120)
+# The short soak (1,500 operations); scripts/soak.sh runs the full one.
+dear_test(test_soak SOURCES test_soak.cc LIBS dear_collectives LABELS unit slow
+          PROPERTIES TIMEOUT 300)
+
+# libFuzzer harnesses (clang only); scripts/fuzz.sh configures a separate build with this on.
+option(DEAR_FUZZ "Build the libFuzzer harnesses in tests/fuzz (needs clang)" OFF)
+if(DEAR_FUZZ)
+  add_subdirectory(${CMAKE_CURRENT_LIST_DIR}/fuzz ${CMAKE_CURRENT_BINARY_DIR}/fuzz)
+endif()

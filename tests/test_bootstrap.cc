@@ -1,0 +1,380 @@
+// Bootstrap and link handshakes under attack: garbage, half-open and slow-loris connections
+// and a client with the wrong secret must not stop a job from forming, another job on the same
+// address must not join it, wrong secrets are logged, and the secret never appears in any log
+// or error text. The handshake itself (transport/auth.h) is checked for replay and tampering.
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dear/bootstrap.h"
+#include "dear/communicator.h"
+#include "reference.h"
+#include "transport/auth.h"
+#include "transport/listener_registry.h"
+#include "transport/socket_util.h"
+#include "transport/tcp/tcp_channel.h"
+
+namespace dear::testing {
+namespace {
+
+using namespace std::chrono_literals;
+namespace auth = transport::auth;
+using transport::Fd;
+
+std::string secret_hex(const UniqueId& id) {
+  const std::string s = id.to_string();
+  return s.substr(s.size() - 32);
+}
+
+// True when text holds the secret in hex, either case.
+bool leaks(const std::string& text, const UniqueId& id) {
+  std::string lower = text;
+  for (auto& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return lower.find(secret_hex(id)) != std::string::npos;
+}
+
+Fd connect_to(std::uint16_t port) {
+  return transport::connect_with_retry(transport::resolve("127.0.0.1", port),
+                                       transport::deadline_after(2s), "attacker");
+}
+
+void send_bytes(int fd, const void* p, std::size_t n) {
+  (void)::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+// Reads the challenge a listener sends on accept; false if none came within a second.
+bool read_challenge(int fd, auth::Challenge* c) {
+  try {
+    transport::read_all(fd, c, sizeof(*c), transport::deadline_after(1s), "attacker");
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+// Opens hostile connections to a listener until told to stop: random bytes, a valid prefix
+// followed by a garbage MAC, half-open connections that never send, a slow-loris that sends a
+// plausible response one byte per 100 ms, and a client that answers with the wrong secret.
+class Attacker {
+ public:
+  Attacker(std::uint16_t port, auth::Purpose purpose) : port_(port), purpose_(purpose) {
+    threads_.emplace_back([this] { garbage(); });
+    threads_.emplace_back([this] { slow_loris(); });
+    threads_.emplace_back([this] { wrong_secret(); });
+  }
+  ~Attacker() { stop(); }
+  void stop() {
+    stop_ = true;
+    for (auto& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+  int wrong_secret_rejected() const { return rejected_; }
+
+ private:
+  void garbage() {
+    std::mt19937 rng(7);
+    std::vector<Fd> half_open;
+    for (int i = 0; i < 6 && !stop_; ++i) {
+      try {
+        Fd fd = connect_to(port_);
+        std::vector<std::uint8_t> junk(64 + rng() % 256);
+        for (auto& b : junk) b = static_cast<std::uint8_t>(rng());
+        if (i % 2 == 1) {
+          // Right magic and version, garbage after: reaches the MAC check.
+          const std::uint32_t head[2] = {static_cast<std::uint32_t>(purpose_), auth::kVersion};
+          std::memcpy(junk.data(), head, sizeof(head));
+        }
+        send_bytes(fd.get(), junk.data(), junk.size());
+        half_open.push_back(connect_to(port_));  // never sends anything
+      } catch (const Error&) {
+        // The listener is gone: the job formed.
+      }
+    }
+    while (!stop_) std::this_thread::sleep_for(10ms);
+  }
+
+  void slow_loris() {
+    try {
+      Fd fd = connect_to(port_);
+      auth::Response r{};
+      r.magic = static_cast<std::uint32_t>(purpose_);
+      r.version = auth::kVersion;
+      const auto* p = reinterpret_cast<const std::uint8_t*>(&r);
+      for (std::size_t i = 0; i < sizeof(r) && !stop_; ++i) {
+        send_bytes(fd.get(), p + i, 1);
+        std::this_thread::sleep_for(100ms);
+      }
+    } catch (const Error&) {
+    }
+  }
+
+  void wrong_secret() {
+    try {
+      Fd fd = connect_to(port_);
+      auth::Challenge c{};
+      if (!read_challenge(fd.get(), &c)) return;
+      std::array<std::uint8_t, 16> wrong{};
+      wrong.fill(0x5a);
+      auth::Claim claim{};
+      claim.rank = 1;
+      claim.world_size = 4;
+      claim.nonce = auth::fresh_nonce();
+      const auth::Response r = auth::make_response(wrong, purpose_, c, claim);
+      send_bytes(fd.get(), &r, sizeof(r));
+      // The listener must close on us rather than welcome us.
+      char b;
+      pollfd pfd{fd.get(), POLLIN, 0};
+      if (::poll(&pfd, 1, 3000) == 1 && ::recv(fd.get(), &b, 1, 0) == 0) ++rejected_;
+    } catch (const Error&) {
+    }
+  }
+
+  std::uint16_t port_;
+  auth::Purpose purpose_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> rejected_{0};
+  std::vector<std::thread> threads_;
+};
+
+TEST(Handshake, RejectsReplayTamperingAndWrongSecret) {
+  const auto secret = transport::random_secret();
+  const auto purpose = auth::Purpose::kBootstrap;
+  const auth::Challenge c1 = auth::make_challenge(purpose);
+  const auth::Challenge c2 = auth::make_challenge(purpose);
+  ASSERT_NE(c1.nonce, c2.nonce) << "nonces must be fresh";
+  auth::Claim claim{};
+  claim.rank = 2;
+  claim.world_size = 4;
+  claim.nonce = auth::fresh_nonce();
+  const auth::Response r = auth::make_response(secret, purpose, c1, claim);
+  const auto* bytes = reinterpret_cast<const std::uint8_t*>(&r);
+  auth::Response got{};
+  EXPECT_EQ(auth::check_response(bytes, sizeof(r), purpose, c1.nonce, secret, &got),
+            auth::Check::kOk);
+  EXPECT_EQ(got.claim.rank, 2);
+  // The same response replayed on a connection that sent another challenge.
+  EXPECT_EQ(auth::check_response(bytes, sizeof(r), purpose, c2.nonce, secret, &got),
+            auth::Check::kBadMac);
+  // A claim changed in flight.
+  auth::Response t = r;
+  t.claim.rank = 3;
+  EXPECT_EQ(auth::check_response(reinterpret_cast<const std::uint8_t*>(&t), sizeof(t), purpose,
+                                 c1.nonce, secret, &got),
+            auth::Check::kBadMac);
+  // Another secret; the other purpose; garbage judged on its first word.
+  auto other = secret;
+  other[0] ^= 1;
+  EXPECT_EQ(auth::check_response(bytes, sizeof(r), purpose, c1.nonce, other, &got),
+            auth::Check::kBadMac);
+  EXPECT_EQ(auth::check_response(bytes, sizeof(r), auth::Purpose::kLink, c1.nonce, secret, &got),
+            auth::Check::kNotDear);
+  const std::uint8_t junk[4] = {'G', 'E', 'T', ' '};
+  EXPECT_EQ(auth::check_response(junk, sizeof(junk), purpose, c1.nonce, secret, &got),
+            auth::Check::kNotDear);
+  EXPECT_EQ(auth::check_response(bytes, 10, purpose, c1.nonce, secret, &got),
+            auth::Check::kIncomplete);
+  // The listener's proof: valid for this exchange only, and not a reflected connector proof.
+  const auth::Welcome w = auth::make_welcome(secret, purpose, claim, c1.nonce);
+  const auto* wb = reinterpret_cast<const std::uint8_t*>(&w);
+  EXPECT_EQ(auth::check_welcome(wb, sizeof(w), purpose, secret, claim, c1.nonce),
+            auth::Check::kOk);
+  EXPECT_EQ(auth::check_welcome(wb, sizeof(w), purpose, secret, claim, c2.nonce),
+            auth::Check::kBadMac);
+  auth::Welcome reflected = w;
+  reflected.mac = r.mac;
+  EXPECT_EQ(auth::check_welcome(reinterpret_cast<const std::uint8_t*>(&reflected),
+                                sizeof(reflected), purpose, secret, claim, c1.nonce),
+            auth::Check::kBadMac);
+}
+
+TEST(Bootstrap, JobFormsDespiteGarbageConnections) {
+  constexpr int kRanks = 4;
+  const UniqueId id = UniqueId::create("127.0.0.1");
+  ::testing::internal::CaptureStderr();
+  Attacker attacker(id.port, auth::Purpose::kBootstrap);
+  std::this_thread::sleep_for(300ms);  // the hostile connections are queued first
+
+  std::vector<std::string> errors(kRanks);
+  std::vector<std::size_t> wrong(kRanks, 0);
+  const auto start = std::chrono::steady_clock::now();
+  std::atomic<std::int64_t> formed_ms{0};
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kRanks; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        BootstrapOptions bo;
+        bo.timeout = 20s;
+        CommOptions co;
+        co.timeout = 20s;
+        auto comm = Communicator::create(Bootstrap::create(id, r, kRanks, bo), co);
+        const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            std::chrono::steady_clock::now() - start)
+                            .count();
+        formed_ms = std::max<std::int64_t>(formed_ms.load(), ms);
+        constexpr std::size_t kCount = 4096;
+        std::vector<float> in(kCount);
+        std::vector<float> out(kCount);
+        for (std::size_t i = 0; i < kCount; ++i) {
+          in[i] = static_cast<float>(input_value(r, i, DataType::kFloat32, ReduceOp::kSum));
+        }
+        comm->all_reduce(in.data(), out.data(), kCount, DataType::kFloat32, ReduceOp::kSum)
+            .wait();
+        for (std::size_t i = 0; i < kCount; ++i) {
+          const double want = expected_reduce(i, kRanks, DataType::kFloat32, ReduceOp::kSum);
+          if (!close_enough(out[i], want, DataType::kFloat32)) ++wrong[static_cast<std::size_t>(r)];
+        }
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  attacker.stop();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r;
+    EXPECT_EQ(wrong[static_cast<std::size_t>(r)], 0u) << "rank " << r;
+  }
+  // The slow-loris takes 9.6 s to finish its response and connections are given 5 s to prove
+  // themselves: forming sooner shows that nothing waited on them.
+  EXPECT_LT(formed_ms.load(), 4500) << log;
+  EXPECT_EQ(attacker.wrong_secret_rejected(), 1) << log;
+  EXPECT_NE(log.find("wrong secret"), std::string::npos) << log;
+  EXPECT_NE(log.find("does not speak the dear protocol"), std::string::npos) << log;
+  EXPECT_FALSE(leaks(log, id)) << "the secret was logged";
+}
+
+TEST(Bootstrap, SecondJobOnTheSameAddressCannotJoin) {
+  constexpr int kRanks = 4;
+  const UniqueId id = UniqueId::create("127.0.0.1");
+  UniqueId intruder = id;
+  intruder.secret = transport::random_secret();
+  ::testing::internal::CaptureStderr();
+
+  std::string root_error;
+  std::unique_ptr<Bootstrap> root;
+  std::thread root_thread([&] {
+    try {
+      BootstrapOptions bo;
+      bo.timeout = 20s;
+      root = Bootstrap::create(id, 0, kRanks, bo);
+      root->barrier();
+    } catch (const std::exception& e) {
+      root_error = e.what();
+    }
+  });
+
+  // The other job's ranks 1..3 point at the same address and must be turned away quickly.
+  std::vector<std::string> intruder_errors(kRanks);
+  std::vector<ErrorCode> intruder_codes(kRanks, ErrorCode::kInternal);
+  const auto start = std::chrono::steady_clock::now();
+  {
+    std::vector<std::thread> others;
+    for (int r = 1; r < kRanks; ++r) {
+      others.emplace_back([&, r] {
+        try {
+          BootstrapOptions bo;
+          bo.timeout = 3s;
+          auto b = Bootstrap::create(intruder, r, kRanks, bo);
+          intruder_errors[static_cast<std::size_t>(r)] = "joined";
+        } catch (const Error& e) {
+          intruder_errors[static_cast<std::size_t>(r)] = e.what();
+          intruder_codes[static_cast<std::size_t>(r)] = e.code();
+        }
+      });
+    }
+    for (auto& t : others) t.join();
+  }
+  const auto took = std::chrono::steady_clock::now() - start;
+
+  // The real ranks still join.
+  std::vector<std::string> errors(kRanks);
+  {
+    std::vector<std::thread> ranks;
+    for (int r = 1; r < kRanks; ++r) {
+      ranks.emplace_back([&, r] {
+        try {
+          BootstrapOptions bo;
+          bo.timeout = 20s;
+          auto b = Bootstrap::create(id, r, kRanks, bo);
+          b->barrier();
+        } catch (const std::exception& e) {
+          errors[static_cast<std::size_t>(r)] = e.what();
+        }
+      });
+    }
+    for (auto& t : ranks) t.join();
+  }
+  root_thread.join();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+
+  EXPECT_EQ(root_error, "");
+  EXPECT_LT(took, 4s);
+  for (int r = 1; r < kRanks; ++r) {
+    const auto i = static_cast<std::size_t>(r);
+    EXPECT_EQ(errors[i], "") << "rank " << r;
+    EXPECT_TRUE(intruder_codes[i] == ErrorCode::kBootstrap ||
+                intruder_codes[i] == ErrorCode::kTimeout)
+        << intruder_errors[i];
+    EXPECT_FALSE(leaks(intruder_errors[i], id) || leaks(intruder_errors[i], intruder))
+        << "a secret in an error: " << intruder_errors[i];
+  }
+  EXPECT_NE(log.find("wrong secret"), std::string::npos) << log;
+  EXPECT_FALSE(leaks(log, id) || leaks(log, intruder)) << "a secret was logged";
+}
+
+// Two ranks set up their links (each connects, then accepts) while one's link listener is
+// under attack: the concurrent accept serves them without waiting on the hostile connections.
+TEST(Links, FormDespiteGarbageConnections) {
+  const auto secret = transport::random_secret();
+  const std::uint64_t tag = 0x1234;
+  Fd listeners[2] = {transport::listen_on(transport::resolve("127.0.0.1", 0)),
+                     transport::listen_on(transport::resolve("127.0.0.1", 0))};
+  const std::uint16_t ports[2] = {transport::local_address(listeners[0].get()).port(),
+                                  transport::local_address(listeners[1].get()).port()};
+  ::testing::internal::CaptureStderr();
+  Attacker attacker(ports[1], auth::Purpose::kLink);
+  std::this_thread::sleep_for(300ms);
+  std::string errors[2];
+  std::size_t links[2] = {0, 0};
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        const auto deadline = transport::deadline_after(10s);
+        auto out = transport::tcp::connect_link(transport::resolve("127.0.0.1", ports[1 - r]), r,
+                                                1 - r, 2, secret.data(), tag, deadline);
+        auto in = transport::tcp::accept_links(listeners[r].get(), r, {1 - r}, 2, secret.data(),
+                                               tag, deadline);
+        links[r] = out.size() + in[0].size();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  const auto took = std::chrono::steady_clock::now() - start;
+  attacker.stop();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(links[r], 4u) << "rank " << r;
+  }
+  EXPECT_LT(took, 4s) << log;
+  EXPECT_EQ(attacker.wrong_secret_rejected(), 1) << log;
+  EXPECT_NE(log.find("wrong secret"), std::string::npos) << log;
+}
+
+}  // namespace
+}  // namespace dear::testing
