@@ -5,6 +5,8 @@
 DEAR_BUILD_PACKAGES=(build-essential cmake ninja-build pkg-config libasio-dev libcli11-dev
   nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev libssl-dev)
 DEAR_PEER_PACKAGES=(libopenmpi-dev openmpi-bin libgloo-dev)
+# The Python package and its tests (Debian's interpreter with its PyTorch).
+DEAR_PYTHON_PACKAGES=(pybind11-dev python3-dev python3-torch python3-numpy)
 
 dear_log() { printf '[dear] %s\n' "$*" >&2; }
 

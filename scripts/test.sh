@@ -11,7 +11,7 @@ DEAR_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=scripts/lib.sh
 . "$DEAR_ROOT/scripts/lib.sh"
 
-dear_install "${DEAR_BUILD_PACKAGES[@]}" "${DEAR_PEER_PACKAGES[@]}"
+dear_install "${DEAR_BUILD_PACKAGES[@]}" "${DEAR_PEER_PACKAGES[@]}" "${DEAR_PYTHON_PACKAGES[@]}"
 
 build=${DEAR_TEST_BUILD:-$DEAR_ROOT/build/test}
 mkdir -p "$(dirname "$build")"
@@ -32,7 +32,7 @@ if [ "${DEAR_TEST_SKIP_SANITIZE:-0}" != 1 ]; then
   asan=${DEAR_TEST_ASAN_BUILD:-$DEAR_ROOT/build/asan}
   dear_log "building in $asan with AddressSanitizer + UBSan"
   dear_build "$asan" -DCMAKE_BUILD_TYPE=Debug -DDEAR_WERROR=ON -DDEAR_SANITIZE=address,undefined \
-    -DDEAR_CUDA=OFF -DDEAR_BUILD_PEERS=OFF -DDEAR_BUILD_BENCH=OFF
+    -DDEAR_CUDA=OFF -DDEAR_BUILD_PEERS=OFF -DDEAR_BUILD_BENCH=OFF -DDEAR_BUILD_PYTHON=OFF
   dear_log "running the tests under AddressSanitizer + UBSan"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
     run_ctest "$asan" "$@"

@@ -1,0 +1,258 @@
+"""dear: DeAR's decoupled all-reduce for PyTorch, on dear's own collective engine.
+
+    import dear
+    dear.init()                       # dear-run, torchrun, Open MPI or Slurm environment
+    dear.all_reduce(tensor, op="avg")
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+Tensors are passed zero-copy: the library reads and writes their memory directly, so they must
+be contiguous CPU tensors of a supported dtype, and must not be touched until the operation
+completes (the async forms return a `Handle` that keeps them alive until then). Collectives are
+issued in the same order on every rank, as with NCCL and MPI.
+"""
+from __future__ import annotations
+
+import atexit
+from typing import Iterable, Optional
+
+import torch
+
+from . import _dear
+from ._dear import Error
+
+__all__ = [
+    "Error", "Handle", "init", "is_initialized", "shutdown", "rank", "size",
+    "all_reduce", "all_reduce_async", "reduce_scatter", "reduce_scatter_async",
+    "all_gather", "all_gather_async", "broadcast", "broadcast_async", "barrier",
+    "barrier_async", "broadcast_parameters", "DistributedOptimizer",
+]
+
+_DTYPES = {
+    torch.float32: _dear.DataType.float32,
+    torch.float64: _dear.DataType.float64,
+    torch.float16: _dear.DataType.float16,
+    torch.bfloat16: _dear.DataType.bfloat16,
+    torch.int8: _dear.DataType.int8,
+    torch.uint8: _dear.DataType.uint8,
+    torch.int32: _dear.DataType.int32,
+    torch.int64: _dear.DataType.int64,
+}
+_OPS = {
+    "sum": _dear.ReduceOp.sum,
+    "prod": _dear.ReduceOp.prod,
+    "min": _dear.ReduceOp.min,
+    "max": _dear.ReduceOp.max,
+    "avg": _dear.ReduceOp.avg,
+    "mean": _dear.ReduceOp.avg,
+}
+
+_comm: Optional[_dear.Communicator] = None
+
+# Operations whose Handle was dropped before they completed, with their tensors: the engine
+# still reads and writes that memory, so it must not be freed until they finish.
+_orphans: list[tuple[_dear.Work, tuple[torch.Tensor, ...]]] = []
+
+
+class Handle:
+    """An operation in flight. Holds its tensors so that their memory outlives the operation,
+    even when the handle itself is dropped early."""
+
+    __slots__ = ("_work", "_tensors")
+
+    def __init__(self, work: _dear.Work, *tensors: torch.Tensor) -> None:
+        self._work = work
+        self._tensors = tensors
+        if _orphans:
+            _orphans[:] = [o for o in _orphans if not o[0].test()]
+
+    def __del__(self) -> None:
+        if self._tensors and not self._work.test():
+            _orphans.append((self._work, self._tensors))
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks (GIL released) until done; False if `timeout` seconds passed first.
+
+        Raises dear.Error if the operation failed.
+        """
+        done = self._work.wait(timeout)
+        if done:
+            self._tensors = ()
+        return done
+
+    def is_completed(self) -> bool:
+        """True once the operation has finished, successfully or not. Never blocks."""
+        return self._work.test()
+
+    @property
+    def seq(self) -> int:
+        return self._work.seq
+
+
+def init() -> None:
+    """Joins the job described by the launcher's environment. Calling it again is a no-op."""
+    global _comm
+    if _comm is not None and not _comm.closed:
+        return
+    _comm = _dear.Communicator.from_env()
+
+
+def is_initialized() -> bool:
+    return _comm is not None and not _comm.closed
+
+
+def shutdown() -> None:
+    """Stops the engine; pending operations fail. Runs at exit, before the interpreter dies."""
+    global _comm
+    if _comm is not None:
+        _comm.close()  # fails whatever is in flight, so nothing touches the orphans any more
+        _comm = None
+    _orphans.clear()
+
+
+atexit.register(shutdown)
+
+
+def _communicator() -> _dear.Communicator:
+    if _comm is None or _comm.closed:
+        raise RuntimeError("dear is not initialised: call dear.init() first")
+    return _comm
+
+
+def rank() -> int:
+    return _communicator().rank
+
+
+def size() -> int:
+    return _communicator().size
+
+
+def _dtype(t: torch.Tensor, name: str) -> _dear.DataType:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.device.type != "cpu":
+        # The engine reads host memory only in this build; copying silently would hide a
+        # device-to-host transfer per call.
+        raise ValueError(f"{name} is on {t.device}; dear here takes CPU tensors only")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} is not contiguous; pass tensor.contiguous() and copy back")
+    dtype = _DTYPES.get(t.dtype)
+    if dtype is None:
+        raise TypeError(f"{name} has dtype {t.dtype}, which dear does not support "
+                        f"(supported: {', '.join(str(d) for d in _DTYPES)})")
+    return dtype
+
+
+def _op(op: str) -> _dear.ReduceOp:
+    try:
+        return _OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown reduction {op!r}; use one of {', '.join(_OPS)}") from None
+
+
+def _same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"output has dtype {a.dtype} but input has {b.dtype}")
+
+
+def all_reduce_async(tensor: torch.Tensor, op: str = "sum", priority: int = 0) -> Handle:
+    """In place: every rank's `tensor` becomes `op` over all ranks' tensors."""
+    dtype = _dtype(tensor, "tensor")
+    work = _communicator().all_reduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                                      dtype, _op(op), priority)
+    return Handle(work, tensor)
+
+
+def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                         priority: int = 0) -> Handle:
+    """`output` receives this rank's block of `op` over all ranks' `input`.
+
+    input.numel() must be size() * output.numel(); block r is input's r-th slice of that size.
+    """
+    comm = _communicator()
+    dtype = _dtype(output, "output")
+    _dtype(input, "input")
+    _same_dtype(output, input)
+    if input.numel() != output.numel() * comm.size:
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
+                         f"size() * output.numel() = {comm.size} * {output.numel()}")
+    work = comm.reduce_scatter(input.data_ptr(), output.data_ptr(), output.numel(), dtype,
+                               _op(op), priority)
+    return Handle(work, output, input)
+
+
+def all_gather_async(output: torch.Tensor, input: torch.Tensor, priority: int = 0) -> Handle:
+    """`output` receives every rank's `input`, rank r's at slice r.
+
+    output.numel() must be size() * input.numel().
+    """
+    comm = _communicator()
+    dtype = _dtype(output, "output")
+    _dtype(input, "input")
+    _same_dtype(output, input)
+    if output.numel() != input.numel() * comm.size:
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
+                         f"size() * input.numel() = {comm.size} * {input.numel()}")
+    work = comm.all_gather(input.data_ptr(), output.data_ptr(), input.numel(), dtype, priority)
+    return Handle(work, output, input)
+
+
+def broadcast_async(tensor: torch.Tensor, root: int = 0, priority: int = 0) -> Handle:
+    """In place: `root`'s tensor is copied into every rank's."""
+    dtype = _dtype(tensor, "tensor")
+    work = _communicator().broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                                     dtype, root, priority)
+    return Handle(work, tensor)
+
+
+def barrier_async(priority: int = 0) -> Handle:
+    return Handle(_communicator().barrier(priority))
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", priority: int = 0) -> torch.Tensor:
+    all_reduce_async(tensor, op, priority).wait()
+    return tensor
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                   priority: int = 0) -> torch.Tensor:
+    reduce_scatter_async(output, input, op, priority).wait()
+    return output
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, priority: int = 0) -> torch.Tensor:
+    all_gather_async(output, input, priority).wait()
+    return output
+
+
+def broadcast(tensor: torch.Tensor, root: int = 0, priority: int = 0) -> torch.Tensor:
+    broadcast_async(tensor, root, priority).wait()
+    return tensor
+
+
+def barrier(priority: int = 0) -> None:
+    barrier_async(priority).wait()
+
+
+def broadcast_parameters(model: torch.nn.Module | Iterable[torch.Tensor], root: int = 0) -> None:
+    """Makes every rank's parameters and buffers equal to `root`'s (call before training).
+
+    Takes a module (its state_dict: parameters and buffers) or an iterable of tensors.
+    """
+    if isinstance(model, torch.nn.Module):
+        tensors = list(model.state_dict(keep_vars=True).values())
+    else:
+        tensors = list(model)
+    handles = []
+    seen: set[int] = set()
+    with torch.no_grad():
+        for t in tensors:
+            data = t.detach()
+            if data.data_ptr() in seen or data.numel() == 0:  # shared weights: once is enough
+                continue
+            seen.add(data.data_ptr())
+            handles.append(broadcast_async(data, root))
+        for h in handles:
+            h.wait()
+
+
+from .optimizer import DistributedOptimizer  # noqa: E402  (needs the collectives above)

@@ -1,0 +1,231 @@
+// _dear: the compiled half of the `dear` Python package.
+//
+// It binds the public C++ API (dear/communicator.h and the threshold fusion planner) and nothing
+// else. It does not know torch: the Python half (dear/__init__.py) checks each tensor (CPU,
+// contiguous, a supported dtype) and passes its data pointer, element count and dtype. Keeping
+// libtorch out of the link lets the module build against any Python that has pybind11, and a
+// torch upgrade cannot break its ABI.
+//
+// Threading: operations are issued with the GIL held (issuing never blocks); everything that
+// can block (rendezvous, Work::wait, tearing the engine down) releases it, so other Python
+// threads, and autograd's, keep running while a rank waits for its peers.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dear/bootstrap.h"
+#include "dear/communicator.h"
+#include "dear/error.h"
+#include "dear/scheduler/fusion.h"
+#include "dear/scheduler/model.h"
+#include "dear/scheduler/policy.h"
+#include "dear/types.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// dear.Error, created once and never freed: the translator may run until the interpreter's
+// very end, after module globals are gone.
+PyObject* g_error_type = nullptr;
+
+// Raises dear.Error with what() as its message and the error's fields as attributes, so that
+// Python code can branch on `e.code` or `e.peer` instead of parsing text.
+void raise_dear_error(const dear::Error& e) {
+  py::object type = py::reinterpret_borrow<py::object>(g_error_type);
+  py::object instance = type(e.what());
+  instance.attr("code") = std::string(dear::to_string(e.code()));
+  instance.attr("rank") = e.rank();
+  instance.attr("peer") = e.peer();
+  instance.attr("op") = e.op();
+  instance.attr("seq") = e.seq();
+  instance.attr("cause") = e.cause();
+  PyErr_SetObject(g_error_type, instance.ptr());
+}
+
+std::chrono::milliseconds to_timeout(std::optional<double> seconds) {
+  if (!seconds) return std::chrono::milliseconds::max();
+  if (!std::isfinite(*seconds) || *seconds < 0) {
+    throw dear::Error(dear::ErrorCode::kInvalidArgument,
+                      "timeout must be a finite number of seconds >= 0");
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(*seconds * 1000.0)));
+}
+
+dear::OpOptions op_options(int priority) {
+  dear::OpOptions o;
+  o.priority = priority;
+  return o;
+}
+
+// Python ints carry the tensors' data pointers (tensor.data_ptr()).
+void* as_ptr(std::uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+// The communicator behind dear.init(). close() tears it down explicitly so that the engine
+// thread is joined while the interpreter is still alive (from atexit), not during static
+// destruction.
+class PyCommunicator {
+ public:
+  explicit PyCommunicator(std::unique_ptr<dear::Communicator> comm) : comm_(std::move(comm)) {}
+
+  static std::unique_ptr<PyCommunicator> from_env() {
+    std::unique_ptr<dear::Communicator> comm;
+    {
+      py::gil_scoped_release release;  // rendezvous waits for every rank
+      comm = dear::Communicator::create_from_env(dear::Bootstrap::from_env());
+    }
+    return std::make_unique<PyCommunicator>(std::move(comm));
+  }
+
+  dear::Communicator& get() const {
+    if (!comm_) {
+      throw dear::Error(dear::ErrorCode::kInvalidArgument,
+                        "the communicator is closed; call dear.init() again");
+    }
+    return *comm_;
+  }
+
+  void close() {
+    std::unique_ptr<dear::Communicator> comm = std::move(comm_);
+    py::gil_scoped_release release;
+    comm.reset();
+  }
+
+  [[nodiscard]] bool closed() const { return comm_ == nullptr; }
+
+ private:
+  std::unique_ptr<dear::Communicator> comm_;
+};
+
+// Threshold fusion over "layers" given as lists of tensor element counts, in forward order.
+// Returns (first, last) layer ranges, inclusive, one per group.
+std::vector<std::pair<int, int>> plan_threshold(const std::vector<std::vector<std::int64_t>>& layers,
+                                                int ranks, std::int64_t threshold_bytes,
+                                                int element_bytes) {
+  dear::scheduler::Model model;
+  model.element_bytes = element_bytes;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    dear::scheduler::Layer layer;
+    layer.name = std::to_string(i);
+    layer.tensors = layers[i];
+    model.layers.push_back(std::move(layer));
+  }
+  std::vector<std::pair<int, int>> groups;
+  if (model.layers.empty()) return groups;
+  for (const auto& g : dear::scheduler::plan_threshold(model, ranks, threshold_bytes)) {
+    groups.emplace_back(g.first, g.last);
+  }
+  return groups;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_dear, m) {
+  m.doc() = "dear's compiled bindings; use the `dear` package instead.";
+
+  g_error_type = PyErr_NewException("dear.Error", PyExc_RuntimeError, nullptr);
+  m.add_object("Error", py::handle(g_error_type));
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const dear::Error& e) {
+      raise_dear_error(e);
+    }
+  });
+
+  py::enum_<dear::DataType>(m, "DataType")
+      .value("int8", dear::DataType::kInt8)
+      .value("uint8", dear::DataType::kUint8)
+      .value("int32", dear::DataType::kInt32)
+      .value("int64", dear::DataType::kInt64)
+      .value("float16", dear::DataType::kFloat16)
+      .value("bfloat16", dear::DataType::kBFloat16)
+      .value("float32", dear::DataType::kFloat32)
+      .value("float64", dear::DataType::kFloat64);
+
+  py::enum_<dear::ReduceOp>(m, "ReduceOp")
+      .value("sum", dear::ReduceOp::kSum)
+      .value("prod", dear::ReduceOp::kProd)
+      .value("min", dear::ReduceOp::kMin)
+      .value("max", dear::ReduceOp::kMax)
+      .value("avg", dear::ReduceOp::kAvg);
+
+  py::class_<dear::Work>(m, "Work")
+      .def("test", &dear::Work::test, "True once the operation has completed; never blocks.")
+      .def(
+          "wait",
+          [](const dear::Work& w, std::optional<double> timeout_s) {
+            const auto timeout = to_timeout(timeout_s);
+            py::gil_scoped_release release;
+            return w.wait(timeout);
+          },
+          py::arg("timeout") = py::none(),
+          "Waits (GIL released); True on success, False on timeout, raises dear.Error on "
+          "failure.")
+      .def_property_readonly("seq", &dear::Work::seq);
+
+  py::class_<PyCommunicator>(m, "Communicator")
+      .def_static("from_env", &PyCommunicator::from_env,
+                  "Rendezvous from the launcher's environment (dear-run, torchrun, Open MPI, "
+                  "Slurm).")
+      .def_property_readonly("rank", [](const PyCommunicator& c) { return c.get().rank(); })
+      .def_property_readonly("size", [](const PyCommunicator& c) { return c.get().size(); })
+      .def_property_readonly("closed", &PyCommunicator::closed)
+      .def("close", &PyCommunicator::close)
+      .def(
+          "all_reduce",
+          [](PyCommunicator& c, std::uintptr_t in, std::uintptr_t out, std::size_t count,
+             dear::DataType dtype, dear::ReduceOp op, int priority) {
+            return c.get().all_reduce(as_ptr(in), as_ptr(out), count, dtype, op,
+                                      op_options(priority));
+          },
+          py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"),
+          py::arg("op"), py::arg("priority") = 0)
+      .def(
+          "reduce_scatter",
+          [](PyCommunicator& c, std::uintptr_t in, std::uintptr_t out, std::size_t recv_count,
+             dear::DataType dtype, dear::ReduceOp op, int priority) {
+            return c.get().reduce_scatter(as_ptr(in), as_ptr(out), recv_count, dtype, op,
+                                          op_options(priority));
+          },
+          py::arg("in_ptr"), py::arg("out_ptr"), py::arg("recv_count"), py::arg("dtype"),
+          py::arg("op"), py::arg("priority") = 0)
+      .def(
+          "all_gather",
+          [](PyCommunicator& c, std::uintptr_t in, std::uintptr_t out, std::size_t send_count,
+             dear::DataType dtype, int priority) {
+            return c.get().all_gather(as_ptr(in), as_ptr(out), send_count, dtype,
+                                      op_options(priority));
+          },
+          py::arg("in_ptr"), py::arg("out_ptr"), py::arg("send_count"), py::arg("dtype"),
+          py::arg("priority") = 0)
+      .def(
+          "broadcast",
+          [](PyCommunicator& c, std::uintptr_t in, std::uintptr_t out, std::size_t count,
+             dear::DataType dtype, int root, int priority) {
+            return c.get().broadcast(as_ptr(in), as_ptr(out), count, dtype, root,
+                                     op_options(priority));
+          },
+          py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"),
+          py::arg("root"), py::arg("priority") = 0)
+      .def(
+          "barrier",
+          [](PyCommunicator& c, int priority) { return c.get().barrier(op_options(priority)); },
+          py::arg("priority") = 0)
+      .def("abort", [](PyCommunicator& c, const std::string& reason) { c.get().abort(reason); });
+
+  m.def("plan_threshold", &plan_threshold, py::arg("layers"), py::arg("ranks"),
+        py::arg("threshold_bytes"), py::arg("element_bytes"),
+        "DeAR's threshold fusion (dear::scheduler::plan_threshold): (first, last) layer ranges.");
+  m.attr("ALL_GATHER_PRIORITY") = dear::scheduler::kAllGatherPriority;
+}

@@ -1,0 +1,135 @@
+"""Collectives through the Python bindings, checked element by element against a reference
+computed here from every rank's (reproducible) input. Run under dear-run on any rank count."""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import require_torch  # noqa: E402
+
+require_torch()
+
+import torch  # noqa: E402
+
+import dear  # noqa: E402
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int32, torch.int64]
+FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+SIZES = [0, 1, 7, 1000, 70001]  # empty, tiny, odd, several slices
+
+
+def data(rank: int, count: int, dtype: torch.dtype, op: str = "sum") -> torch.Tensor:
+    """Small integers, so that every dtype holds every partial result exactly."""
+    g = torch.Generator().manual_seed(1000 * rank + count)
+    if op == "prod":
+        values = torch.randint(1, 3, (count,), generator=g)  # products up to 2**8
+    elif dtype == torch.uint8:
+        values = torch.randint(0, 4, (count,), generator=g)
+    else:
+        values = torch.randint(-3, 4, (count,), generator=g)
+    return values.to(dtype)
+
+
+def reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
+    stacked = torch.stack([t.to(torch.float64) for t in inputs])
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "avg":
+        return stacked.mean(0)
+    if op == "prod":
+        return stacked.prod(0)
+    if op == "min":
+        return stacked.min(0).values
+    return stacked.max(0).values
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    got64 = got.to(torch.float64)
+    if not torch.equal(got64, want.to(torch.float64)):
+        bad = (got64 != want).nonzero()
+        i = int(bad[0]) if bad.numel() else -1
+        raise AssertionError(f"rank {dear.rank()}: {name}: {bad.numel()} wrong elements, "
+                             f"first at {i}: got {got64.flatten()[i]}, want {want.flatten()[i]}")
+
+
+def main() -> None:
+    dear.init()
+    rank, n = dear.rank(), dear.size()
+    checked = 0
+    for dtype in DTYPES:
+        ops = ["sum", "prod", "min", "max"] + (["avg"] if dtype in FLOATS else [])
+        for count in SIZES:
+            for op in ops:
+                t = data(rank, count, dtype, op)
+                dear.all_reduce(t, op=op)
+                want = reference([data(r, count, dtype, op) for r in range(n)], op)
+                check(f"all_reduce {dtype} {op} {count}", t, want)
+                checked += 1
+            # reduce_scatter: rank r's output is block r of the reduction
+            inp = data(rank, count * n, dtype)
+            out = torch.empty(count, dtype=dtype)
+            dear.reduce_scatter(out, inp)
+            full = reference([data(r, count * n, dtype) for r in range(n)], "sum")
+            check(f"reduce_scatter {dtype} {count}", out, full[rank * count:(rank + 1) * count])
+            # all_gather: block r of the output is rank r's input
+            out = torch.empty(count * n, dtype=dtype)
+            dear.all_gather(out, data(rank, count, dtype))
+            check(f"all_gather {dtype} {count}", out,
+                  torch.cat([data(r, count, dtype) for r in range(n)]))
+            # broadcast from the last rank
+            t = data(rank, count, dtype)
+            dear.broadcast(t, root=n - 1)
+            check(f"broadcast {dtype} {count}", t, data(n - 1, count, dtype))
+            checked += 3
+
+    # In place, through views of one buffer (the optimizer's usage).
+    buf = data(rank, 12 * n, torch.float32)
+    dear.reduce_scatter(buf[rank * 12:(rank + 1) * 12], buf, op="avg")
+    want = reference([data(r, 12 * n, torch.float32) for r in range(n)], "avg")
+    check("reduce_scatter in place", buf[rank * 12:(rank + 1) * 12],
+          want[rank * 12:(rank + 1) * 12])
+    dear.all_gather(buf, buf[rank * 12:(rank + 1) * 12])
+    check("all_gather in place", buf, want)
+
+    # Async operations with priorities: several in flight, waited in reverse order.
+    tensors = [data(rank, 5000 + i, torch.float32) for i in range(6)]
+    handles = [dear.all_reduce_async(t, op="max", priority=i) for i, t in enumerate(tensors)]
+    for h in reversed(handles):
+        assert h.wait(timeout=60), "async all_reduce timed out"
+        assert h.is_completed()
+    for i, t in enumerate(tensors):
+        check(f"async all_reduce {i}", t,
+              reference([data(r, 5000 + i, torch.float32) for r in range(n)], "max"))
+    dear.barrier()
+    assert dear.barrier_async().wait() is True
+
+    # Argument errors are caught before anything is sent and name the problem.
+    for bad, why in [(lambda: dear.all_reduce(torch.ones(4)[::2]), "contiguous"),
+                     (lambda: dear.all_reduce(torch.ones(2, dtype=torch.complex64)), "dtype"),
+                     (lambda: dear.all_reduce(torch.ones(2), op="median"), "median"),
+                     (lambda: dear.all_gather(torch.ones(3), torch.ones(2)), "all_gather"),
+                     (lambda: dear.reduce_scatter(torch.ones(2), torch.ones(2, dtype=torch.int32)),
+                      "dtype")]:
+        try:
+            bad()
+        except (ValueError, TypeError) as e:
+            assert why in str(e), f"message {e!r} does not mention {why!r}"
+        else:
+            raise AssertionError(f"no error for a bad argument ({why})")
+    # ... and the library's own errors become dear.Error with its message and fields.
+    try:
+        dear.broadcast(torch.ones(3), root=n)
+    except dear.Error as e:
+        assert isinstance(e, RuntimeError)
+        assert e.code == "invalid argument", e.code
+        assert "root" in str(e), str(e)
+    else:
+        raise AssertionError("broadcast to a root outside the job did not raise dear.Error")
+    dear.barrier()
+    print(f"rank {rank}/{n}: {checked} collectives correct", flush=True)
+
+
+if __name__ == "__main__":
+    main()
