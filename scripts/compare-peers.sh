@@ -218,7 +218,7 @@ loopback_ceiling() {
   server=$!
   sleep 0.5
   local gbps
-  gbps=$(iperf3 -c 127.0.0.1 -p "$port" -t 3 -J 2>/dev/null | python3 -c '
+  gbps=$(iperf3 -c 127.0.0.1 -p "$port" -t 3 -P 2 -J 2>/dev/null | python3 -c '
 import json, sys
 try:
     doc = json.load(sys.stdin)
@@ -227,7 +227,7 @@ except Exception:
     pass
 ') || true
   wait "$server" 2>/dev/null || true
-  [[ -n $gbps ]] && echo "# loopback TCP ceiling (iperf3, one stream): $gbps GB/s"
+  [[ -n $gbps ]] && echo "# loopback TCP ceiling (iperf3, two streams in total): $gbps GB/s"
   return 0
 }
 
