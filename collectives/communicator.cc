@@ -40,11 +40,13 @@ bool Work::test() const {
 
 bool Work::wait(std::chrono::milliseconds timeout) const {
   if (!state_) return true;
+  const auto start = std::chrono::steady_clock::now();
   // Yield for a while before sleeping: most operations finish within tens of microseconds, and
   // a sleep costs a wake-up through the kernel on top.
   const int spin_us = state_->spin_us;
   if (spin_us > 0 && state_->status.load(std::memory_order_acquire) == 0) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+    auto until = start + std::chrono::microseconds(spin_us);
+    if (timeout != std::chrono::milliseconds::max()) until = std::min(until, start + timeout);
     while (state_->status.load(std::memory_order_acquire) == 0 &&
            std::chrono::steady_clock::now() < until) {
       sched_yield();
@@ -55,7 +57,7 @@ bool Work::wait(std::chrono::milliseconds timeout) const {
     const auto done = [&] { return state_->status.load(std::memory_order_acquire) != 0; };
     if (timeout == std::chrono::milliseconds::max()) {
       state_->cv.wait(lock, done);
-    } else if (!state_->cv.wait_for(lock, timeout, done)) {
+    } else if (!state_->cv.wait_until(lock, start + timeout, done)) {
       return false;
     }
   }

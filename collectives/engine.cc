@@ -30,8 +30,8 @@ using transport::FrameHeader;
 using transport::FrameType;
 using transport::RecvTarget;
 
-constexpr int kNext = 0;  // link to the next rank: data out, control in
-constexpr int kPrev = 1;  // link from the previous rank: data in, control out
+constexpr int kNext = 0;  // link to the next rank: forward data out, announcements in
+constexpr int kPrev = 1;  // link to the previous rank: forward data in, announcements out
 constexpr std::uint64_t kControlToken = std::numeric_limits<std::uint64_t>::max();
 // Announce every this many eager operations (large ones are always announced), so a sender
 // running ahead learns how far the receiver has got without a frame per small operation.
@@ -89,7 +89,7 @@ class Engine::LinkSink final : public transport::RecvSink {
   void on_message(int channel, const FrameHeader& h) override {
     e_.on_message(link_, channel, h);
   }
-  void on_sent(int channel, std::uint64_t token) override { e_.on_sent(channel, token); }
+  void on_sent(int channel, std::uint64_t token) override { e_.on_sent(link_, channel, token); }
   void on_closed(int channel) override { e_.on_closed(link_, channel); }
 
  private:
@@ -261,9 +261,12 @@ void Engine::start(std::unique_ptr<Op> op) {
 
 void Engine::check_link_needed(const Op& op, int link, int channel) {
   if (channel >= op.channels) return;
+  // A link carries the sends of direction `link` and the receives of the other direction.
   const auto i = static_cast<std::size_t>(channel);
-  const bool needs = link == kPrev ? op.recv_next[i] < op.messages_received_per_channel()
-                                   : op.send_done[i] < op.messages_sent_per_channel();
+  const auto send_dir = static_cast<std::size_t>(link);
+  const auto recv_dir = static_cast<std::size_t>(1 - link);
+  const bool needs = op.send_done[send_dir][i] < op.messages_sent_per_channel(link) ||
+                     op.recv_next[recv_dir][i] < op.messages_received_per_channel(1 - link);
   if (!needs) return;
   const int peer = peer_of(link);
   throw Error(ErrorCode::kPeerFailed,
@@ -302,22 +305,32 @@ bool Engine::may_send(const Op& op) const {
 
 bool Engine::schedule_sends() {
   bool moved = false;
-  auto& chans = links_[kNext];
+  // Direction d sends on link d: forward to the next rank, backward to the previous one.
+  for (int d = 0; d < 2; ++d) {
+    moved |= schedule_sends(d);
+  }
+  return moved;
+}
+
+bool Engine::schedule_sends(int dir) {
+  bool moved = false;
+  const auto di = static_cast<std::size_t>(dir);
+  auto& chans = links_[dir];
   for (std::size_t c = 0; c < chans.size(); ++c) {
     transport::Channel& ch = *chans[c];
     if (ch.closed()) continue;
     for (auto& holder : active_) {
       Op& op = *holder;
       if (static_cast<int>(c) >= op.channels) continue;
-      const std::uint32_t total = op.messages_sent_per_channel();
-      std::uint32_t& next = op.send_next[c];
+      const std::uint32_t total = op.messages_sent_per_channel(dir);
+      std::uint32_t& next = op.send_next[di][c];
       if (next >= total || !may_send(op)) continue;
       while (next < total && ch.queued() < kQueueMessagesPerChannel &&
              ch.queued_bytes() < kQueueBytesPerChannel) {
         // Forwarding: message `next` carries what receive `next - dep_lag` brought.
         const auto lag = static_cast<std::uint32_t>(op.dep_lag);
-        if (op.forwards && next >= lag && op.recv_next[c] <= next - lag) break;
-        const MessagePlan m = send_plan(op, static_cast<int>(c), next);
+        if (op.forwards && next >= lag && op.recv_next[di][c] <= next - lag) break;
+        const MessagePlan m = send_plan(op, dir, static_cast<int>(c), next);
         FrameHeader h;
         h.bytes = static_cast<std::uint32_t>(m.span.bytes);
         h.type = FrameType::kData;
@@ -341,10 +354,25 @@ bool Engine::schedule_sends() {
 }
 
 bool Engine::progress_links() {
-  bool moved = false;
+  // One poll() tells which channels have something to read, instead of a read attempt on
+  // every channel each turn: on a small operation those system calls are the latency.
+  ready_fds_.clear();
   for (int l = 0; l < 2; ++l) {
     for (auto& ch : links_[l]) {
-      if (!ch->closed()) moved |= ch->progress(*sinks_[l]);
+      pollfd p = ch->wait_spec();
+      p.events = POLLIN;
+      ready_fds_.push_back(p);
+    }
+  }
+  if (::poll(ready_fds_.data(), ready_fds_.size(), 0) < 0) {
+    for (auto& p : ready_fds_) p.revents = POLLIN;  // unknown: try them all
+  }
+  bool moved = false;
+  std::size_t i = 0;
+  for (int l = 0; l < 2; ++l) {
+    for (auto& ch : links_[l]) {
+      const bool ready = ready_fds_[i++].revents != 0;
+      if (!ch->closed() && (ready || ch->queued() > 0)) moved |= ch->progress(*sinks_[l]);
     }
   }
   return moved;
@@ -365,9 +393,8 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
       return {RecvTarget::kDirect, text.data(), 1};
     }
     case FrameType::kData: {
-      if (link != kPrev) break;
       Op* op = find(h.seq);
-      if (op != nullptr) return target_for(*op, channel, h, ctx);
+      if (op != nullptr) return target_for(*op, 1 - link, channel, h, ctx);
       if (static_cast<std::int64_t>(h.seq) <= posted_) {
         throw Error(ErrorCode::kMismatch,
                     "received a slice of operation #" + std::to_string(h.seq) + " (" +
@@ -393,7 +420,7 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
         spare_buffers_.pop_back();
       }
       buf.resize(h.bytes);
-      unexpected_.push_back(Unexpected{h, channel, std::move(buf)});
+      unexpected_.push_back(Unexpected{h, link, channel, std::move(buf)});
       ctx.buffer = &unexpected_.back().data;
       return {RecvTarget::kDirect, ctx.buffer->data(), 1};
     }
@@ -405,8 +432,9 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
               cfg_.rank, peer);
 }
 
-RecvTarget Engine::target_for(Op& op, int channel, const FrameHeader& h, RecvCtx& ctx) {
-  const int peer = peer_of(kPrev);
+RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h, RecvCtx& ctx) {
+  const int peer = peer_of(1 - dir);
+  const auto di = static_cast<std::size_t>(dir);
   if (h.kind != kind_byte(op) || h.count != op.user_count || h.root != op.root ||
       (op.kind != OpKind::kBarrier && h.dtype != static_cast<std::uint8_t>(op.dtype)) ||
       ((op.kind == OpKind::kAllReduce || op.kind == OpKind::kReduceScatter) &&
@@ -418,16 +446,16 @@ RecvTarget Engine::target_for(Op& op, int channel, const FrameHeader& h, RecvCtx
                 cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
   }
   const auto c = static_cast<std::size_t>(channel);
-  if (channel >= op.channels || h.index != op.recv_next[c] ||
-      h.index >= op.messages_received_per_channel()) {
+  if (channel >= op.channels || h.index != op.recv_next[di][c] ||
+      h.index >= op.messages_received_per_channel(dir)) {
     throw Error(ErrorCode::kMismatch,
                 "slice " + std::to_string(h.index) + " of " + view_of(op) +
                     " arrived on channel " + std::to_string(channel) + " from rank " +
-                    std::to_string(peer) + " where slice " + std::to_string(op.recv_next[c]) +
+                    std::to_string(peer) + " where slice " + std::to_string(op.recv_next[di][c]) +
                     " was expected: the ranks use different channel or slice settings",
                 cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
   }
-  const MessagePlan m = recv_plan(op, channel, h.index);
+  const MessagePlan m = recv_plan(op, dir, channel, h.index);
   if (m.span.bytes != h.bytes) {
     throw Error(ErrorCode::kMismatch,
                 "slice " + std::to_string(h.index) + " from rank " + std::to_string(peer) +
@@ -438,6 +466,7 @@ RecvTarget Engine::target_for(Op& op, int channel, const FrameHeader& h, RecvCtx
   }
   const RecvPlace p = recv_place(op, m);
   ctx.op = &op;
+  ctx.dir = dir;
   ctx.dst = p.dst;
   ctx.other = p.other;
   ctx.final = p.final;
@@ -481,7 +510,7 @@ void Engine::on_message(int link, int channel, const FrameHeader& h) {
                 blame);
   }
   if (ctx.op != nullptr) {
-    ++ctx.op->recv_next[static_cast<std::size_t>(channel)];
+    ++ctx.op->recv_next[static_cast<std::size_t>(ctx.dir)][static_cast<std::size_t>(channel)];
   }
   ctx = RecvCtx{};
 }
@@ -493,7 +522,8 @@ void Engine::replay_unexpected(Op& op) {
       continue;
     }
     RecvCtx ctx;
-    const RecvTarget t = target_for(op, it->channel, it->header, ctx);
+    const int dir = 1 - it->link;
+    const RecvTarget t = target_for(op, dir, it->channel, it->header, ctx);
     if (t.mode == RecvTarget::kDirect) {
       if (it->header.bytes > 0) std::memcpy(t.dst, it->data.data(), it->header.bytes);
     } else {
@@ -504,17 +534,18 @@ void Engine::replay_unexpected(Op& op) {
         reduce(ctx.dst, it->data.data(), ctx.other, n, op.dtype, op.redop);
       }
     }
-    ++op.recv_next[static_cast<std::size_t>(it->channel)];
+    ++op.recv_next[static_cast<std::size_t>(dir)][static_cast<std::size_t>(it->channel)];
     unexpected_bytes_ -= it->header.bytes;
     spare_buffers_.push_back(std::move(it->data));
     it = unexpected_.erase(it);
   }
 }
 
-void Engine::on_sent(int channel, std::uint64_t token) {
+void Engine::on_sent(int link, int channel, std::uint64_t token) {
   if (token == kControlToken) return;
   Op* op = find(token);
-  if (op != nullptr) ++op->send_done[static_cast<std::size_t>(channel)];
+  // Link l carries the sends of direction l.
+  if (op != nullptr) ++op->send_done[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
 }
 
 void Engine::on_closed(int link, int channel) {
@@ -538,27 +569,40 @@ void Engine::complete_finished() {
 }
 
 std::string Engine::describe_progress(const Op& op) const {
-  std::uint32_t got = 0;
-  std::uint32_t sent = 0;
-  for (int c = 0; c < op.channels; ++c) {
-    got += op.recv_next[static_cast<std::size_t>(c)];
-    sent += op.send_done[static_cast<std::size_t>(c)];
+  std::string text;
+  for (int d = 0; d < 2; ++d) {
+    const auto di = static_cast<std::size_t>(d);
+    if (op.send_steps[di] == 0 && op.recv_steps[di] == 0) continue;
+    std::uint32_t got = 0;
+    std::uint32_t sent = 0;
+    for (int c = 0; c < op.channels; ++c) {
+      got += op.recv_next[di][static_cast<std::size_t>(c)];
+      sent += op.send_done[di][static_cast<std::size_t>(c)];
+    }
+    const auto chans = static_cast<std::uint32_t>(op.channels);
+    if (!text.empty()) text += "; ";
+    text += "received " + std::to_string(got) + "/" +
+            std::to_string(op.messages_received_per_channel(d) * chans) + " slices from rank " +
+            std::to_string(peer_of(1 - d)) + ", sent " + std::to_string(sent) + "/" +
+            std::to_string(op.messages_sent_per_channel(d) * chans) + " to rank " +
+            std::to_string(peer_of(d));
   }
-  const auto chans = static_cast<std::uint32_t>(op.channels);
-  return "received " + std::to_string(got) + "/" +
-         std::to_string(op.messages_received_per_channel() * chans) + " slices from rank " +
-         std::to_string(peer_of(kPrev)) + ", sent " + std::to_string(sent) + "/" +
-         std::to_string(op.messages_sent_per_channel() * chans) + " to rank " +
-         std::to_string(peer_of(kNext));
+  return text;
 }
 
 Error Engine::timeout_error(const Op& op, const std::string& prefix) const {
   // Blame the side we are waiting on: a receive outstanding points at the previous rank.
-  bool waiting_recv = false;
+  int blame = peer_of(kNext);
   for (int c = 0; c < op.channels; ++c) {
-    waiting_recv |= op.recv_next[static_cast<std::size_t>(c)] < op.messages_received_per_channel();
+    const auto ci = static_cast<std::size_t>(c);
+    if (op.recv_next[kForward][ci] < op.messages_received_per_channel(kForward)) {
+      blame = peer_of(kPrev);
+      break;
+    }
+    if (op.recv_next[kBackward][ci] < op.messages_received_per_channel(kBackward)) {
+      blame = peer_of(kNext);
+    }
   }
-  const int blame = waiting_recv ? peer_of(kPrev) : peer_of(kNext);
   return Error(ErrorCode::kTimeout,
                prefix + view_of(op) + " did not complete within " +
                    std::to_string(op.timeout.count()) + " ms: " + describe_progress(op) +

@@ -57,8 +57,9 @@ struct EngineConfig {
 
 class Engine {
  public:
-  // links[0] = channels to the next rank (we send data, receive control);
-  // links[1] = channels from the previous rank (we receive data, send control).
+  // links[0] = channels to the next rank, links[1] = channels to the previous rank. Data of
+  // direction kForward goes out on links[0] and comes in on links[1]; kBackward the other way;
+  // announcements (kPosted) go to the previous rank.
   Engine(EngineConfig config,
          std::vector<std::unique_ptr<transport::Channel>> to_next,
          std::vector<std::unique_ptr<transport::Channel>> from_prev);
@@ -77,6 +78,7 @@ class Engine {
   friend class LinkSink;
   struct RecvCtx {
     Op* op = nullptr;           // null: unexpected or control message
+    int dir = 0;                // direction the message travels (collectives::kForward, ...)
     char* dst = nullptr;        // reduce destination / direct destination
     const char* other = nullptr;  // reduce operand from local memory
     bool final = false;
@@ -85,6 +87,7 @@ class Engine {
   };
   struct Unexpected {
     transport::FrameHeader header;
+    int link;
     int channel;
     std::vector<char> data;
   };
@@ -94,6 +97,7 @@ class Engine {
   void announce();
   void start(std::unique_ptr<Op> op);
   bool schedule_sends();
+  bool schedule_sends(int dir);
   bool progress_links();
   void complete_finished();
   void check_deadlines();
@@ -105,11 +109,11 @@ class Engine {
   transport::RecvTarget on_header(int link, int channel, const transport::FrameHeader& h);
   void on_payload(int link, int channel, const char* data, std::size_t offset, std::size_t len);
   void on_message(int link, int channel, const transport::FrameHeader& h);
-  void on_sent(int channel, std::uint64_t token);
+  void on_sent(int link, int channel, std::uint64_t token);
   void on_closed(int link, int channel);
   void check_link_needed(const Op& op, int link, int channel);
-  transport::RecvTarget target_for(Op& op, int channel, const transport::FrameHeader& h,
-                                   RecvCtx& ctx);
+  transport::RecvTarget target_for(Op& op, int dir, int channel,
+                                   const transport::FrameHeader& h, RecvCtx& ctx);
   void replay_unexpected(Op& op);
 
   void fail(const Error& e);
@@ -150,6 +154,7 @@ class Engine {
   ScratchPool scratch_;
   std::vector<char> abort_text_[2];
   std::vector<pollfd> pollfds_;
+  std::vector<pollfd> ready_fds_;
 
   transport::Clock::time_point idle_since_{};
   std::thread thread_;

@@ -94,12 +94,13 @@ void ScratchPool::release(std::unique_ptr<char[]> buf, std::size_t capacity) {
 }
 
 bool Op::finished() const {
-  const std::uint32_t ns = messages_sent_per_channel();
-  const std::uint32_t nr = messages_received_per_channel();
-  for (int c = 0; c < channels; ++c) {
-    if (send_done[static_cast<std::size_t>(c)] != ns ||
-        recv_next[static_cast<std::size_t>(c)] != nr) {
-      return false;
+  for (int d = 0; d < 2; ++d) {
+    const auto di = static_cast<std::size_t>(d);
+    const std::uint32_t ns = messages_sent_per_channel(d);
+    const std::uint32_t nr = messages_received_per_channel(d);
+    for (int c = 0; c < channels; ++c) {
+      const auto ci = static_cast<std::size_t>(c);
+      if (send_done[di][ci] != ns || recv_next[di][ci] != nr) return false;
     }
   }
   return true;
@@ -126,11 +127,13 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
   switch (op.kind) {
     case OpKind::kAllReduce:
       if (op.schedule == Schedule::kGatherReduce) {
+        // Half the blocks travel forward, the rest backward: ceil((N-1)/2) steps, not N-1.
         op.total = op.user_count * static_cast<std::size_t>(n);
-        op.send_steps = op.recv_steps = n - 1;
+        op.send_steps[kForward] = op.recv_steps[kForward] = n / 2;
+        op.send_steps[kBackward] = op.recv_steps[kBackward] = (n - 1) / 2;
       } else {
         op.total = op.user_count;
-        op.send_steps = op.recv_steps = 2 * (n - 1);
+        op.send_steps[kForward] = op.recv_steps[kForward] = 2 * (n - 1);
       }
       op.nchunks = n;
       break;
@@ -139,14 +142,14 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
     case OpKind::kBarrier:
       op.total = op.user_count * static_cast<std::size_t>(n);
       op.nchunks = n;
-      op.send_steps = op.recv_steps = n - 1;
+      op.send_steps[kForward] = op.recv_steps[kForward] = n - 1;
       break;
     case OpKind::kBroadcast: {
       op.total = op.user_count;
       op.nchunks = 1;
       const int pos = ring_mod(rank - op.root, n);
-      op.send_steps = pos < n - 1 ? 1 : 0;
-      op.recv_steps = pos > 0 ? 1 : 0;
+      op.send_steps[kForward] = pos < n - 1 ? 1 : 0;
+      op.recv_steps[kForward] = pos > 0 ? 1 : 0;
       op.forwards = pos > 0;
       break;
     }
@@ -162,18 +165,22 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
   op.slices = static_cast<int>(
       std::max<std::size_t>(1, ceil_div(part_bytes, std::max<std::size_t>(1, geo.slice_bytes))));
   op.dep_lag = op.kind == OpKind::kBroadcast ? 0 : op.slices;
-  op.eager = chunk_bytes * static_cast<std::size_t>(std::max(op.send_steps, op.recv_steps)) <=
+  op.eager = chunk_bytes * static_cast<std::size_t>(std::max(op.send_steps[kForward],
+                                                              op.recv_steps[kForward])) <=
              geo.eager_bytes;
   op.work = op.out;
 }
 
 namespace {
 
-// The chunk that rank `r` sends at `step`. A rank receives at each step what its previous
-// rank sends, so the receive side is the same formula evaluated for rank - 1.
-int chunk_sent(const Op& op, int r, int step) {
+// The chunk that rank `r` sends at `step` in direction `dir`. A rank receives at each step
+// what its neighbour on the other side sends, so the receive side is the same formula
+// evaluated for that neighbour.
+int chunk_sent(const Op& op, int dir, int r, int step) {
   const int n = op.nranks;
   const int s = step;
+  // Backward, a rank sends its own block first, then forwards what its next rank sent.
+  if (dir == kBackward) return ring_mod(r + s, n);
   switch (op.kind) {
     case OpKind::kAllReduce:
       if (op.schedule == Schedule::kGatherReduce) return ring_mod(r - s, n);
@@ -186,23 +193,24 @@ int chunk_sent(const Op& op, int r, int step) {
   return 0;
 }
 
-MessagePlan message_plan(const Op& op, int channel, std::uint32_t index, int sender) {
+MessagePlan message_plan(const Op& op, int dir, int channel, std::uint32_t index, int sender) {
   MessagePlan m;
   m.step = static_cast<int>(index / static_cast<std::uint32_t>(op.slices));
   const int slice = static_cast<int>(index % static_cast<std::uint32_t>(op.slices));
-  m.chunk = chunk_sent(op, sender, m.step);
+  m.chunk = chunk_sent(op, dir, sender, m.step);
   m.span = span_of(op, m.chunk, channel, slice);
   return m;
 }
 
 }  // namespace
 
-MessagePlan send_plan(const Op& op, int channel, std::uint32_t index) {
-  return message_plan(op, channel, index, op.rank);
+MessagePlan send_plan(const Op& op, int dir, int channel, std::uint32_t index) {
+  return message_plan(op, dir, channel, index, op.rank);
 }
 
-MessagePlan recv_plan(const Op& op, int channel, std::uint32_t index) {
-  return message_plan(op, channel, index, op.rank - 1);
+MessagePlan recv_plan(const Op& op, int dir, int channel, std::uint32_t index) {
+  // What arrives is what the neighbour on the receiving side sends in that direction.
+  return message_plan(op, dir, channel, index, dir == kForward ? op.rank - 1 : op.rank + 1);
 }
 
 const char* send_source(const Op& op, const MessagePlan& m) {

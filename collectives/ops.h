@@ -1,7 +1,9 @@
 // Operations as slice-level state machines on a ring.
 //
-// Every collective here is a schedule of messages on each channel of the two ring links: a
-// sequence of send steps to the next rank and of receive steps from the previous one. Each
+// Every collective here is a schedule of messages on each channel of the two ring links, in
+// one or both directions: direction 0 sends to the next rank and receives from the previous
+// one, direction 1 (used by the small all-reduce) the other way round. In each direction an
+// operation has a sequence of send steps and of receive steps. Each
 // step moves one chunk (a block of the operation's element space), split over the channels
 // and, within a channel, into `slices` slices; message i of a channel is (step i / slices,
 // slice i % slices). A send may depend on a receive: in the ring algorithms step s forwards
@@ -38,12 +40,15 @@ enum class OpKind : std::uint8_t {
 // How an operation is carried out; part of what ranks must agree on.
 enum class Schedule : std::uint8_t {
   kRing = 1,          // ring reduce-scatter and/or all-gather over N chunks
-  kGatherReduce = 2,  // ring all-gather of whole inputs, then a local reduction (small sizes)
+  kGatherReduce = 2,  // all-gather of whole inputs around the ring in both directions at once
+                      // (ceil((N-1)/2) steps), then a local reduction (small sizes)
   kChain = 3,         // pipelined chain from the root along the ring (broadcast)
 };
 [[nodiscard]] const char* to_string(Schedule s) noexcept;
 
 inline constexpr int kMaxChannels = 16;
+inline constexpr int kForward = 0;   // to the next rank, from the previous one
+inline constexpr int kBackward = 1;  // to the previous rank, from the next one
 
 // Scratch buffers reused between operations (engine thread only).
 class ScratchPool {
@@ -77,8 +82,8 @@ struct Op {
   int nchunks = 1;
   int channels = 1;
   int slices = 1;
-  int send_steps = 0;
-  int recv_steps = 0;
+  std::array<int, 2> send_steps{};  // per direction
+  std::array<int, 2> recv_steps{};
   int dep_lag = 0;               // send i waits for receive i - dep_lag (ring: slices)
   bool forwards = false;         // whether sends after the first step depend on receives
   bool eager = false;
@@ -89,17 +94,18 @@ struct Op {
   std::vector<char> tiny;        // barrier payloads
 
   // Progress (engine thread).
-  std::array<std::uint32_t, kMaxChannels> send_next{};
-  std::array<std::uint32_t, kMaxChannels> send_done{};
-  std::array<std::uint32_t, kMaxChannels> recv_next{};
+  using Counters = std::array<std::array<std::uint32_t, kMaxChannels>, 2>;  // [direction][ch]
+  Counters send_next{};
+  Counters send_done{};
+  Counters recv_next{};
   std::chrono::steady_clock::time_point deadline{};
   std::shared_ptr<dear::Work::State> state;
 
-  [[nodiscard]] std::uint32_t messages_sent_per_channel() const {
-    return static_cast<std::uint32_t>(send_steps * slices);
+  [[nodiscard]] std::uint32_t messages_sent_per_channel(int dir) const {
+    return static_cast<std::uint32_t>(send_steps[static_cast<std::size_t>(dir)] * slices);
   }
-  [[nodiscard]] std::uint32_t messages_received_per_channel() const {
-    return static_cast<std::uint32_t>(recv_steps * slices);
+  [[nodiscard]] std::uint32_t messages_received_per_channel(int dir) const {
+    return static_cast<std::uint32_t>(recv_steps[static_cast<std::size_t>(dir)] * slices);
   }
   [[nodiscard]] bool finished() const;
   [[nodiscard]] std::string describe() const;  // "all_reduce count=... dtype=... op=..."
@@ -127,8 +133,8 @@ struct MessagePlan {
   int chunk = 0;
   Span span;
 };
-[[nodiscard]] MessagePlan send_plan(const Op& op, int channel, std::uint32_t index);
-[[nodiscard]] MessagePlan recv_plan(const Op& op, int channel, std::uint32_t index);
+[[nodiscard]] MessagePlan send_plan(const Op& op, int dir, int channel, std::uint32_t index);
+[[nodiscard]] MessagePlan recv_plan(const Op& op, int dir, int channel, std::uint32_t index);
 
 // Source pointer of a send; destination, reduce operand and finality of a receive.
 [[nodiscard]] const char* send_source(const Op& op, const MessagePlan& m);

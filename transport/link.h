@@ -83,7 +83,9 @@ class Channel {
                                       std::uint64_t token) = 0;
   [[nodiscard]] virtual std::size_t queued() const = 0;
   [[nodiscard]] virtual std::size_t queued_bytes() const = 0;
-  // Moves bytes both ways without blocking; returns true if anything moved.
+  // Moves bytes both ways without blocking; returns true if anything moved. On return every
+  // complete message received so far has been delivered, so a caller may skip progress()
+  // while queued() is 0 and wait_spec()'s descriptor is not ready.
   virtual bool progress(RecvSink& sink) = 0;
   // What to wait for when idle (fd and events for poll()); fd < 0 = nothing to wait on.
   [[nodiscard]] virtual pollfd wait_spec() const = 0;

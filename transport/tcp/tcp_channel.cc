@@ -176,7 +176,9 @@ bool TcpChannel::consume_buffered(RecvSink& sink) {
 bool TcpChannel::receive(RecvSink& sink) {
   bool moved = false;
   std::size_t budget = kReadBudget;
-  while (budget > 0 && fd_.valid()) {
+  // The budget limits reads from the socket only: messages already in the inbox are always
+  // handed over, so that a caller may skip progress() until the socket is readable again.
+  while (fd_.valid()) {
     if (!in_payload_) {
       if (wpos_ - rpos_ >= kHeader) {
         std::memcpy(&current_, inbox_.get() + rpos_, kHeader);
@@ -194,6 +196,7 @@ bool TcpChannel::receive(RecvSink& sink) {
       if (consume_buffered(sink)) continue;
     }
     // Need more bytes from the socket.
+    if (budget == 0) break;
     char* into;
     std::size_t want;
     const std::size_t need = in_payload_ ? current_.bytes - done_ : 0;
