@@ -51,7 +51,7 @@ struct OpOptions {
 struct CommOptions {
   // Defaults chosen by measurement (see README); DEAR_CHANNELS, DEAR_SLICE_BYTES and
   // DEAR_TIMEOUT (seconds) override them.
-  int channels = 2;
+  int channels = 1;
   std::size_t slice_bytes = 512 * 1024;
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   std::string transport = "tcp";
