@@ -200,14 +200,9 @@ class TcpBootstrap final : public Bootstrap {
       p.fd = std::move(fd);
       p.deadline = Clock::now() + kHandshakeTimeout;
       // Dropped in place (erased after this round), as poll() results are matched by index.
-      const auto live = std::count_if(pending.begin(), pending.end(),
-                                      [](const Pending& q) { return q.fd.valid(); });
-      if (static_cast<std::size_t>(live) >= kMaxPending) {
-        const auto oldest = std::find_if(pending.begin(), pending.end(),
-                                         [](const Pending& q) { return q.fd.valid(); });
-        log_rejected(oldest->from, "too many connections are handshaking at once");
-        oldest->fd.reset();
-      }
+      transport::drop_oldest_beyond(pending, kMaxPending, [](const Pending& q) {
+        log_rejected(q.from, "too many connections are handshaking at once");
+      });
       pending.push_back(std::move(p));
     }
   }

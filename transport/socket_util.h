@@ -5,11 +5,13 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace dear::transport {
 
@@ -80,6 +82,20 @@ void set_cloexec(int fd);
 void write_all(int fd, const void* data, std::size_t bytes, Deadline deadline,
                const std::string& what);
 void read_all(int fd, void* data, std::size_t bytes, Deadline deadline, const std::string& what);
+
+// Handshakes in progress are capped: beyond `max` live entries (those whose `fd` is still
+// open) the oldest is closed, after on_drop(entry) had a chance to log it. Entries are closed in
+// place, not erased, because callers match them to poll() results by index.
+template <typename T, typename OnDrop>
+void drop_oldest_beyond(std::vector<T>& entries, std::size_t max, OnDrop on_drop) {
+  const auto live = std::count_if(entries.begin(), entries.end(),
+                                  [](const T& e) { return e.fd.valid(); });
+  if (static_cast<std::size_t>(live) < max) return;
+  const auto oldest =
+      std::find_if(entries.begin(), entries.end(), [](const T& e) { return e.fd.valid(); });
+  on_drop(*oldest);
+  oldest->fd.reset();
+}
 
 // Constant-time comparison, for secrets.
 [[nodiscard]] bool equal_secret(const std::uint8_t* a, const std::uint8_t* b, std::size_t n);

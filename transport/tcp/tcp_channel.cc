@@ -531,14 +531,9 @@ std::vector<std::vector<std::unique_ptr<Channel>>> accept_links(
         in.nonce = ch.nonce;
         in.fd = std::move(fd);
         in.deadline = Clock::now() + kLinkHandshakeTimeout;
-        const auto live = std::count_if(incoming.begin(), incoming.end(),
-                                        [](const Incoming& q) { return q.fd.valid(); });
-        if (static_cast<std::size_t>(live) >= kMaxIncoming) {
-          const auto oldest = std::find_if(incoming.begin(), incoming.end(),
-                                           [](const Incoming& q) { return q.fd.valid(); });
-          log_dropped(self_rank, oldest->from, "too many connections are handshaking at once");
-          oldest->fd.reset();
-        }
+        drop_oldest_beyond(incoming, kMaxIncoming, [&](const Incoming& q) {
+          log_dropped(self_rank, q.from, "too many connections are handshaking at once");
+        });
         incoming.push_back(std::move(in));
       }
     }
