@@ -16,15 +16,15 @@ DEAR_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 seconds=${1:-60}
 build=${DEAR_FUZZ_BUILD:-$DEAR_ROOT/build/fuzz}
 harnesses=(handshake frames)
-command -v clang++ >/dev/null || { dear_log "clang++ is needed for libFuzzer"; exit 1; }
 dear_install "${DEAR_BUILD_PACKAGES[@]}" clang
+command -v clang++ >/dev/null || { dear_log "clang++ is needed for libFuzzer"; exit 1; }
 
 mkdir -p "$build"
 dear_log "building the fuzz harnesses in $build"
 cmake -S "$DEAR_ROOT" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDEAR_FUZZ=ON -DDEAR_SANITIZE=address,undefined \
   -DCMAKE_CXX_FLAGS=-fsanitize=fuzzer-no-link -DDEAR_CUDA=OFF -DDEAR_BUILD_BENCH=OFF \
-  -DDEAR_BUILD_PEERS=OFF >"$build/configure.log" 2>&1 ||
+  -DDEAR_BUILD_PEERS=OFF -DDEAR_BUILD_PYTHON=OFF >"$build/configure.log" 2>&1 ||
   { cat "$build/configure.log" >&2; exit 1; }
 cmake --build "$build" -j "$(nproc)" --target "${harnesses[@]/#/fuzz_}"
 

@@ -5,6 +5,7 @@
 #
 #   ./scripts/test.sh                 # everything
 #   DEAR_TEST_SKIP_SANITIZE=1 ./scripts/test.sh   # skip the sanitizer pass (faster)
+#   DEAR_TEST_FUZZ_SECONDS=0 ./scripts/test.sh     # skip the fuzzing pass (default 60 s each)
 #   ./scripts/test.sh -L unit         # extra arguments go to ctest (both passes)
 set -euo pipefail
 DEAR_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -36,5 +37,11 @@ if [ "${DEAR_TEST_SKIP_SANITIZE:-0}" != 1 ]; then
   dear_log "running the tests under AddressSanitizer + UBSan"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
     run_ctest "$asan" "$@"
+fi
+# Fuzz what dear reads from the network (libFuzzer, 60 s per harness unless told otherwise).
+fuzz_seconds=${DEAR_TEST_FUZZ_SECONDS:-60}
+if [ "$fuzz_seconds" != 0 ]; then
+  dear_log "fuzzing each harness for $fuzz_seconds s"
+  "$DEAR_ROOT/scripts/fuzz.sh" "$fuzz_seconds"
 fi
 dear_log "all tests passed"
