@@ -235,10 +235,4 @@ void read_all(int fd, void* data, std::size_t bytes, Deadline deadline, const st
   }
 }
 
-bool equal_secret(const std::uint8_t* a, const std::uint8_t* b, std::size_t n) {
-  unsigned diff = 0;
-  for (std::size_t i = 0; i < n; ++i) diff |= static_cast<unsigned>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
 }  // namespace dear::transport

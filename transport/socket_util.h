@@ -97,7 +97,5 @@ void drop_oldest_beyond(std::vector<T>& entries, std::size_t max, OnDrop on_drop
   oldest->fd.reset();
 }
 
-// Constant-time comparison, for secrets.
-[[nodiscard]] bool equal_secret(const std::uint8_t* a, const std::uint8_t* b, std::size_t n);
 
 }  // namespace dear::transport
