@@ -495,8 +495,11 @@ void Engine::on_message(int link, int channel, const FrameHeader& h) {
   }
   if (h.type == FrameType::kAbort) {
     const int blame = h.root >= 0 && h.root < cfg_.size ? h.root : peer_of(link);
-    const auto code = h.count == static_cast<std::uint64_t>(ErrorCode::kMismatch)
-                          ? ErrorCode::kMismatch
+    // Mismatches and timeouts keep their kind as they travel around the ring (a timeout must
+    // stay recognisable for the hand-back below); anything else is the peer's failure.
+    const auto code = h.count == static_cast<std::uint64_t>(ErrorCode::kMismatch) ? ErrorCode::kMismatch
+                      : h.count == static_cast<std::uint64_t>(ErrorCode::kTimeout)
+                          ? ErrorCode::kTimeout
                           : ErrorCode::kPeerFailed;
     std::string text(abort_text_[link].data(), abort_text_[link].size());
     if (h.count == static_cast<std::uint64_t>(ErrorCode::kTimeout) && blame == cfg_.rank &&
