@@ -157,6 +157,10 @@ class CommunicatorImpl final : public Communicator {
                   false);
     check_in_place_block(o->out, send_count * static_cast<std::size_t>(size_), o->in,
                          send_count, dtype, "in", "out");
+    if (send_count * dtype_size(dtype) * static_cast<std::size_t>(size_) <=
+        options_.gather_reduce_max_bytes) {
+      o->schedule = Schedule::kBiGather;  // latency-bound: half the steps
+    }
     return launch(std::move(o), opts);
   }
 
@@ -188,6 +192,7 @@ class CommunicatorImpl final : public Communicator {
     o->tiny.assign(static_cast<std::size_t>(size_) + 1, 1);
     o->in = o->tiny.data() + size_;
     o->out = o->tiny.data();
+    o->schedule = Schedule::kBiGather;  // every block seen means every rank arrived
     return launch(std::move(o), opts);
   }
 

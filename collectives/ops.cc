@@ -60,6 +60,7 @@ const char* to_string(Schedule s) noexcept {
     case Schedule::kRing: return "ring";
     case Schedule::kGatherReduce: return "gather_reduce";
     case Schedule::kChain: return "chain";
+    case Schedule::kBiGather: return "bi_gather";
   }
   return "unknown";
 }
@@ -142,7 +143,12 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
     case OpKind::kBarrier:
       op.total = op.user_count * static_cast<std::size_t>(n);
       op.nchunks = n;
-      op.send_steps[kForward] = op.recv_steps[kForward] = n - 1;
+      if (op.schedule == Schedule::kBiGather) {
+        op.send_steps[kForward] = op.recv_steps[kForward] = n / 2;
+        op.send_steps[kBackward] = op.recv_steps[kBackward] = (n - 1) / 2;
+      } else {
+        op.send_steps[kForward] = op.recv_steps[kForward] = n - 1;
+      }
       break;
     case OpKind::kBroadcast: {
       op.total = op.user_count;

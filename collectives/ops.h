@@ -43,6 +43,8 @@ enum class Schedule : std::uint8_t {
   kGatherReduce = 2,  // all-gather of whole inputs around the ring in both directions at once
                       // (ceil((N-1)/2) steps), then a local reduction (small sizes)
   kChain = 3,         // pipelined chain from the root along the ring (broadcast)
+  kBiGather = 4,      // all_gather / barrier around the ring in both directions at once
+                      // (ceil((N-1)/2) steps; small sizes)
 };
 [[nodiscard]] const char* to_string(Schedule s) noexcept;
 
