@@ -177,8 +177,11 @@ void Engine::run() {
       bool moved = drain_submissions();
       announce();
       moved |= progress_links();
-      moved |= schedule_sends();
-      moved |= progress_links();
+      // Hand newly queued slices to the sockets in the same turn; an idle turn skips it.
+      if (schedule_sends()) {
+        moved = true;
+        progress_links();
+      }
       complete_finished();
       check_deadlines();
       if (moved) {

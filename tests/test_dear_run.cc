@@ -388,8 +388,11 @@ TEST(DearRun, NamesTheSignalThatKilledARank) {
 }
 
 TEST(DearRun, KillsRanksThatIgnoreSigterm) {
+  // Rank 1 fails only after rank 0 has had time to install its trap; otherwise SIGTERM could
+  // arrive first and the SIGKILL path would go untested.
   const Result r = run({"-n", "2", "--kill-grace", "0.5", "sh", "-c",
-                        "trap '' TERM; if [ $DEAR_RANK = 1 ]; then exit 1; fi; sleep 100"});
+                        "trap '' TERM; if [ $DEAR_RANK = 1 ]; then sleep 0.5; exit 1; fi; "
+                        "sleep 100"});
   EXPECT_EQ(r.code(), 1) << describe(r);
   EXPECT_LT(r.seconds, 5.0);
   EXPECT_TRUE(contains(r.err, "SIGKILL")) << describe(r);
