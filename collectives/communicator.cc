@@ -315,9 +315,7 @@ class CommunicatorImpl final : public Communicator {
       throw Error(ErrorCode::kInvalidArgument, "OpOptions::timeout is negative", rank_,
                   Error::kNone, name);
     }
-    if ((kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter ||
-         kind == OpKind::kAllGather) &&
-        opts.algorithm == Algorithm::kGatherReduce && kind != OpKind::kAllReduce) {
+    if (opts.algorithm == Algorithm::kGatherReduce && kind != OpKind::kAllReduce) {
       throw Error(ErrorCode::kInvalidArgument,
                   "OpOptions::algorithm=gather_reduce applies to all_reduce only", rank_,
                   Error::kNone, name);

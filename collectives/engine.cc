@@ -48,24 +48,23 @@ bool order_before(const Op& a, const Op& b) {
   return a.seq < b.seq;
 }
 
+// One rank's view of an operation, as printed in mismatch and timeout errors; the same text
+// for a received header and for a local operation, so the two can be compared by eye.
+std::string view_of(OpKind kind, Schedule schedule, std::uint64_t count, DataType dtype,
+                    ReduceOp redop, int root) {
+  return std::string(to_string(kind)) + " count=" + std::to_string(count) +
+         " dtype=" + std::string(dear::to_string(dtype)) +
+         " op=" + std::string(dear::to_string(redop)) + " root=" + std::to_string(root) +
+         " schedule=" + to_string(schedule);
+}
+
 std::string view_of(const FrameHeader& h) {
-  std::string s = to_string(static_cast<OpKind>(h.kind & 0x0f));
-  s += " count=" + std::to_string(h.count);
-  s += " dtype=" + std::string(dear::to_string(static_cast<DataType>(h.dtype)));
-  s += " op=" + std::string(dear::to_string(static_cast<ReduceOp>(h.redop)));
-  s += " root=" + std::to_string(h.root);
-  s += " schedule=" + std::string(to_string(static_cast<Schedule>(h.kind >> 4)));
-  return s;
+  return view_of(static_cast<OpKind>(h.kind & 0x0f), static_cast<Schedule>(h.kind >> 4),
+                 h.count, static_cast<DataType>(h.dtype), static_cast<ReduceOp>(h.redop), h.root);
 }
 
 std::string view_of(const Op& op) {
-  std::string s = to_string(op.kind);
-  s += " count=" + std::to_string(op.user_count);
-  s += " dtype=" + std::string(dear::to_string(op.dtype));
-  s += " op=" + std::string(dear::to_string(op.redop));
-  s += " root=" + std::to_string(op.root);
-  s += " schedule=" + std::string(to_string(op.schedule));
-  return s;
+  return view_of(op.kind, op.schedule, op.user_count, op.dtype, op.redop, op.root);
 }
 
 std::uint8_t kind_byte(const Op& op) {

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <sstream>
 
 #include "collectives/reduce.h"
 
@@ -105,18 +104,6 @@ bool Op::finished() const {
     }
   }
   return true;
-}
-
-std::string Op::describe() const {
-  std::ostringstream s;
-  s << to_string(kind) << " count=" << user_count;
-  if (kind != OpKind::kBarrier) s << " dtype=" << dear::to_string(dtype);
-  if (kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter) {
-    s << " op=" << dear::to_string(redop);
-  }
-  if (kind == OpKind::kBroadcast) s << " root=" << root;
-  s << " schedule=" << to_string(schedule);
-  return s.str();
 }
 
 void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {

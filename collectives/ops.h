@@ -110,7 +110,6 @@ struct Op {
     return static_cast<std::uint32_t>(recv_steps[static_cast<std::size_t>(dir)] * slices);
   }
   [[nodiscard]] bool finished() const;
-  [[nodiscard]] std::string describe() const;  // "all_reduce count=... dtype=... op=..."
 };
 
 // Where a message's bytes live.
