@@ -35,21 +35,33 @@ std::optional<Algorithm> parse_algorithm(std::string_view name) noexcept {
 
 bool Work::test() const {
   if (!state_) return true;
+  if (state_->status.load(std::memory_order_acquire) != 0) return true;
+  // A small operation advances when its caller polls it (as MPI_Test does), not only on the
+  // engine thread's next idle tick.
+  if (auto engine = state_->engine.lock()) engine->poke();
   return state_->status.load(std::memory_order_acquire) != 0;
 }
 
 bool Work::wait(std::chrono::milliseconds timeout) const {
   if (!state_) return true;
   const auto start = std::chrono::steady_clock::now();
-  // Yield for a while before sleeping: most operations finish within tens of microseconds, and
-  // a sleep costs a wake-up through the kernel on top.
+  // Before sleeping, make progress on this thread (small operations: until done, or until
+  // nothing has moved for spin_us) or yield for spin_us (large ones, which the engine thread
+  // carries): most small operations finish within tens of microseconds, and a sleep costs a
+  // wake-up through the kernel on top.
   const int spin_us = state_->spin_us;
   if (spin_us > 0 && state_->status.load(std::memory_order_acquire) == 0) {
-    auto until = start + std::chrono::microseconds(spin_us);
-    if (timeout != std::chrono::milliseconds::max()) until = std::min(until, start + timeout);
-    while (state_->status.load(std::memory_order_acquire) == 0 &&
-           std::chrono::steady_clock::now() < until) {
-      sched_yield();
+    const auto limit = timeout == std::chrono::milliseconds::max()
+                           ? std::chrono::steady_clock::time_point::max()
+                           : start + timeout;
+    if (auto engine = state_->engine.lock()) {
+      engine->drive(*state_, limit, std::chrono::microseconds(spin_us));
+    } else {
+      const auto until = std::min(limit, start + std::chrono::microseconds(spin_us));
+      while (state_->status.load(std::memory_order_acquire) == 0 &&
+             std::chrono::steady_clock::now() < until) {
+        sched_yield();
+      }
     }
   }
   if (state_->status.load(std::memory_order_acquire) == 0) {
@@ -277,7 +289,7 @@ class CommunicatorImpl final : public Communicator {
     cfg.eager_bytes = options_.eager_bytes;
     cfg.eager_window = options_.eager_window;
     cfg.spin_us = options_.spin_us;
-    engine_ = std::make_unique<collectives::Engine>(cfg, std::move(to_next), std::move(from[0]));
+    engine_ = std::make_shared<collectives::Engine>(cfg, std::move(to_next), std::move(from[0]));
   }
 
   std::unique_ptr<Op> make(OpKind kind, const void* in, void* out, std::size_t count,
@@ -418,7 +430,7 @@ class CommunicatorImpl final : public Communicator {
   int rank_ = 0;
   int size_ = 1;
   std::uint64_t single_seq_ = 0;
-  std::unique_ptr<collectives::Engine> engine_;
+  std::shared_ptr<collectives::Engine> engine_;
 };
 
 }  // namespace

@@ -118,9 +118,11 @@ Engine::~Engine() {
 }
 
 Work Engine::submit(std::unique_ptr<Op> op) {
+  const bool eager = op->eager;
   auto state = std::make_shared<Work::State>();
   op->state = state;
   state->spin_us = cfg_.spin_us;
+  if (eager) state->engine = weak_from_this();
   std::exception_ptr failed;
   {
     std::lock_guard<std::mutex> lock(submit_mu_);
@@ -135,9 +137,19 @@ Work Engine::submit(std::unique_ptr<Op> op) {
   }
   if (failed) {
     state->complete(failed);
-  } else if (sleeping_.load()) {
-    wake();
+    return Work(state);
   }
+  // A small operation starts on this thread when the engine is free: its first slices leave
+  // now, without waiting for the engine thread to wake up, and the rest is left to the thread
+  // that waits for it (or to the engine's next idle tick). Anything else, or an engine in deep
+  // sleep, gets the engine thread's attention at once.
+  bool started = false;
+  if (eager && turn_mu_.try_lock()) {
+    turn();
+    turn_mu_.unlock();
+    started = true;
+  }
+  if (!wake_if(kActiveSleep) && !wake_if(kDeepSleep) && !started) wake_if(kIdleSleep);
   return Work(state);
 }
 
@@ -163,55 +175,152 @@ int Engine::peer_of(int link) const {
 
 void Engine::run() {
   while (!stop_.load()) {
-    try {
-      if (abort_requested_.load()) {
-        std::string reason;
-        {
-          std::lock_guard<std::mutex> lock(submit_mu_);
-          reason = abort_reason_;
-        }
-        fail(Error(ErrorCode::kAborted, "Communicator::abort(): " + reason, cfg_.rank));
-        abort_requested_.store(false);
+    if (drivers_.load() == 0) {
+      std::unique_lock<std::mutex> lock(turn_mu_);
+      const auto now = transport::Clock::now();
+      if (turn()) {
+        last_moved_ = now;
+        idle_ticks_ = 0;
+        continue;
       }
-      bool moved = drain_submissions();
-      announce();
-      moved |= progress_links();
-      // Hand newly queued slices to the sockets in the same turn; an idle turn skips it.
-      if (schedule_sends()) {
-        moved = true;
-        progress_links();
+      // Briefly yield instead of sleeping after the engine thread itself moved something: a
+      // peer's reply or the caller's next operation usually comes within a few microseconds,
+      // and waking from poll() costs a context switch on each hop.
+      if (now - last_moved_ < std::chrono::microseconds(cfg_.spin_us)) {
+        lock.unlock();
+        sched_yield();
+        continue;
       }
-      complete_finished();
-      check_deadlines();
-      if (moved) {
-        idle_since_ = transport::Clock::time_point{};
-      } else if (cfg_.spin_us > 0) {
-        // Briefly yield instead of sleeping: a peer's reply usually comes within a few
-        // microseconds, and waking from poll() costs a context switch on each hop.
-        const auto now = transport::Clock::now();
-        if (idle_since_ == transport::Clock::time_point{}) idle_since_ = now;
-        if (now - idle_since_ < std::chrono::microseconds(cfg_.spin_us)) {
-          sched_yield();
-        } else {
-          wait_for_events();
-          idle_since_ = transport::Clock::time_point{};
-        }
-      } else {
-        wait_for_events();
+      if (!active_.empty() || pending_submissions_.load() > 0) {
+        idle_ticks_ = 0;
+        wait_for_events(lock);
+        continue;
       }
-    } catch (const Error& e) {
-      fail(e);
-    } catch (const std::exception& e) {
-      fail(Error(ErrorCode::kInternal, e.what(), cfg_.rank));
     }
+    // Nothing in flight, or a waiting thread is making the progress itself.
+    sleep_idle();
   }
   // Shutting down: whatever is still pending can no longer finish.
+  std::lock_guard<std::mutex> lock(turn_mu_);
   fail_all(std::make_exception_ptr(
       Error(ErrorCode::kAborted, "the communicator was destroyed with this operation pending",
             cfg_.rank)));
   for (auto& link : links_) {
     for (auto& ch : link) ch->close();
   }
+}
+
+bool Engine::turn() {
+  bool moved = false;
+  try {
+    if (abort_requested_.load()) {
+      std::string reason;
+      {
+        std::lock_guard<std::mutex> lock(submit_mu_);
+        reason = abort_reason_;
+      }
+      fail(Error(ErrorCode::kAborted, "Communicator::abort(): " + reason, cfg_.rank));
+      abort_requested_.store(false);
+    }
+    moved = drain_submissions();
+    announce();
+    moved |= progress_links();
+    // Hand newly queued slices to the sockets in the same turn; an idle turn skips it.
+    if (schedule_sends()) {
+      moved = true;
+      progress_links();
+    }
+    complete_finished();
+    check_deadlines();
+    has_active_.store(!active_.empty());
+  } catch (const Error& e) {
+    fail(e);
+    moved = true;
+  } catch (const std::exception& e) {
+    fail(Error(ErrorCode::kInternal, e.what(), cfg_.rank));
+    moved = true;
+  }
+  has_active_.store(!active_.empty());
+  return moved;
+}
+
+void Engine::sleep_idle() {
+  // While it may soon be needed again, the engine does not watch the sockets: what arrives
+  // meanwhile (slices of operations not posted here yet, announcements) waits in the kernel
+  // until there is an operation to progress, and a thread in drive() reads the sockets
+  // itself, so arrivals cost no wake-ups here. The engine wakes every tick for a while, in
+  // case an operation was started by its caller (Engine::submit) and nobody waits for it;
+  // then it sleeps on the sockets too, so that an abort or a closed link is noticed while idle.
+  constexpr int kTicks = 50;
+  constexpr auto kTick = std::chrono::microseconds(200);
+  std::unique_lock<std::mutex> lock(turn_mu_, std::defer_lock);
+  const bool deep = idle_ticks_ >= kTicks && drivers_.load() == 0 && lock.try_lock();
+  pollfds_.clear();
+  pollfds_.push_back({wake_fd_.get(), POLLIN, 0});
+  if (deep) {
+    for (auto& link : links_) {
+      for (auto& ch : link) {
+        const pollfd p = ch->wait_spec();
+        if (p.fd >= 0) pollfds_.push_back(p);
+      }
+    }
+    lock.unlock();
+  }
+  mode_.store(deep ? kDeepSleep : kIdleSleep);
+  const bool work = drivers_.load() == 0 && (pending_submissions_.load() > 0 || has_active_.load());
+  if (!work && !stop_.load() && !abort_requested_.load()) {
+    const timespec tick{0, static_cast<long>(std::chrono::nanoseconds(kTick).count())};
+    const int rc = ::ppoll(pollfds_.data(), pollfds_.size(), deep ? nullptr : &tick, nullptr);
+    if (rc > 0 && (pollfds_[0].revents & POLLIN) != 0) {
+      std::uint64_t v = 0;
+      [[maybe_unused]] const ssize_t n = ::read(wake_fd_.get(), &v, sizeof(v));
+    }
+    // Something arrived on a socket while deep asleep: let the next turn read it.
+    idle_ticks_ = deep && rc > 0 && (pollfds_[0].revents & POLLIN) == 0 ? 0 : idle_ticks_ + 1;
+  }
+  mode_.store(kRunning);
+}
+
+bool Engine::wake_if(int mode) {
+  if (mode_.load() != mode) return false;
+  wake();
+  return true;
+}
+
+void Engine::poke() {
+  if (!turn_mu_.try_lock()) return;
+  turn();
+  turn_mu_.unlock();
+}
+
+bool Engine::drive(const Work::State& state, std::chrono::steady_clock::time_point until,
+                   std::chrono::microseconds idle) {
+  drivers_.fetch_add(1);
+  bool done = false;
+  auto last_moved = std::chrono::steady_clock::now();
+  for (;;) {
+    if (state.status.load(std::memory_order_acquire) != 0) {
+      done = true;
+      break;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (stop_.load() || now >= until || now - last_moved >= idle) break;
+    bool moved = false;
+    if (turn_mu_.try_lock()) {
+      moved = turn();
+      turn_mu_.unlock();
+    }
+    if (moved) {
+      last_moved = now;
+    } else {
+      sched_yield();
+    }
+  }
+  // The last driver to leave hands what is still in flight back to the engine thread.
+  if (drivers_.fetch_sub(1) == 1 && has_active_.load()) {
+    if (!wake_if(kIdleSleep)) wake_if(kDeepSleep);
+  }
+  return done;
 }
 
 bool Engine::drain_submissions() {
@@ -624,7 +733,7 @@ void Engine::check_deadlines() {
   }
 }
 
-void Engine::wait_for_events() {
+void Engine::wait_for_events(std::unique_lock<std::mutex>& turn) {
   pollfds_.clear();
   pollfds_.push_back({wake_fd_.get(), POLLIN, 0});
   for (auto& link : links_) {
@@ -635,15 +744,20 @@ void Engine::wait_for_events() {
   }
   auto deadline = transport::Deadline::max();
   for (const auto& op : active_) deadline = std::min(deadline, op->deadline);
-  sleeping_.store(true);
-  if (pending_submissions_.load() == 0 && !stop_.load() && !abort_requested_.load()) {
-    const int rc = ::poll(pollfds_.data(), pollfds_.size(), transport::poll_timeout_ms(deadline));
-    if (rc < 0 && errno != EINTR) {
-      sleeping_.store(false);
-      throw Error(ErrorCode::kSystem, std::string("poll: ") + std::strerror(errno), cfg_.rank);
-    }
+  mode_.store(kActiveSleep);
+  // Sleep without the turn lock, so a thread in drive() can run turns meanwhile.
+  turn.unlock();
+  int rc = 0;
+  if (pending_submissions_.load() == 0 && !stop_.load() && !abort_requested_.load() &&
+      drivers_.load() == 0) {
+    rc = ::poll(pollfds_.data(), pollfds_.size(), transport::poll_timeout_ms(deadline));
   }
-  sleeping_.store(false);
+  mode_.store(kRunning);
+  if (rc < 0 && errno != EINTR) {
+    turn.lock();
+    fail(Error(ErrorCode::kSystem, std::string("poll: ") + std::strerror(errno), cfg_.rank));
+    return;
+  }
   if (pollfds_[0].revents & POLLIN) {
     std::uint64_t v = 0;
     [[maybe_unused]] const ssize_t n = ::read(wake_fd_.get(), &v, sizeof(v));

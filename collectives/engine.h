@@ -16,6 +16,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -33,13 +34,20 @@
 
 namespace dear {
 
+namespace collectives {
+class Engine;
+}
+
 struct Work::State {
   std::atomic<int> status{0};  // 0 pending, 1 succeeded, 2 failed
   std::mutex mu;
   std::condition_variable cv;
   std::exception_ptr error;
   std::uint64_t seq = 0;
-  int spin_us = 0;  // wait() yields this long before it sleeps
+  int spin_us = 0;  // wait() drives the engine (or yields) this long before it sleeps
+  // Set for small operations, whose waiter makes their progress itself (Engine::drive);
+  // empty for operations finished at once and for large ones, left to the engine thread.
+  std::weak_ptr<collectives::Engine> engine;
 
   void complete(std::exception_ptr e);
 };
@@ -55,7 +63,7 @@ struct EngineConfig {
   int spin_us = 0;
 };
 
-class Engine {
+class Engine : public std::enable_shared_from_this<Engine> {
  public:
   // links[0] = channels to the next rank, links[1] = channels to the previous rank. Data of
   // direction kForward goes out on links[0] and comes in on links[1]; kBackward the other way;
@@ -72,6 +80,16 @@ class Engine {
   Work submit(std::unique_ptr<Op> op);
   // Fails everything with kAborted; thread-safe, returns at once.
   void abort(const std::string& reason);
+  // Runs engine turns on the calling thread until `state` completes, `until` passes or no
+  // turn has moved anything for `idle`, while the engine thread stands aside; returns whether
+  // the operation has completed. A thread waiting for a small operation makes its progress
+  // itself instead of yielding the CPU to the engine thread and being woken by it: on a
+  // machine with fewer cores than threads those hand-offs are most of a small operation's
+  // latency.
+  // One turn on the calling thread if no other thread is running one; never blocks.
+  void poke();
+  bool drive(const Work::State& state, std::chrono::steady_clock::time_point until,
+             std::chrono::microseconds idle);
 
  private:
   class LinkSink;
@@ -93,6 +111,8 @@ class Engine {
   };
 
   void run();
+  bool turn();  // one turn of the engine; the caller holds turn_mu_
+  void sleep_idle();
   bool drain_submissions();
   void announce();
   void start(std::unique_ptr<Op> op);
@@ -102,7 +122,8 @@ class Engine {
   void complete_finished();
   void check_deadlines();
   [[nodiscard]] Error timeout_error(const Op& op, const std::string& prefix) const;
-  void wait_for_events();
+  void wait_for_events(std::unique_lock<std::mutex>& turn);
+  bool wake_if(int mode);  // wakes the engine thread if it is in `mode`
   void wake();
 
   // Receive path (called by LinkSink).
@@ -135,14 +156,23 @@ class Engine {
   std::deque<std::unique_ptr<Op>> submitted_;
   std::uint64_t next_seq_ = 0;
   std::atomic<int> pending_submissions_{0};
-  std::atomic<bool> sleeping_{false};
+  // What the engine thread is doing, so that wakers write the eventfd only when it sleeps.
+  enum Mode : int { kRunning, kActiveSleep, kIdleSleep, kDeepSleep };
+  std::atomic<int> mode_{kRunning};
   std::atomic<bool> stop_{false};
   std::atomic<bool> abort_requested_{false};
   std::string abort_reason_;  // guarded by submit_mu_
   std::exception_ptr failed_;  // guarded by submit_mu_ once set
   transport::Fd wake_fd_;
 
-  // Engine-thread state.
+  // Whoever runs a turn (the engine thread, a submitting thread, or a thread in drive())
+  // holds turn_mu_. The engine thread stands aside while drivers_ > 0.
+  std::mutex turn_mu_;
+  std::atomic<int> drivers_{0};
+  std::atomic<bool> has_active_{false};  // active_ is not empty (updated each turn)
+  int idle_ticks_ = 0;                   // engine thread only
+
+  // Engine state, touched only under turn_mu_.
   std::vector<std::unique_ptr<Op>> active_;  // sorted: priority desc, seq asc
   std::int64_t peer_posted_ = -1;            // highest seq the next rank announced
   std::int64_t posted_ = -1;                 // highest seq posted here
@@ -156,7 +186,7 @@ class Engine {
   std::vector<pollfd> pollfds_;
   std::vector<pollfd> ready_fds_;
 
-  transport::Clock::time_point idle_since_{};
+  transport::Clock::time_point last_moved_{};  // the engine thread's last turn that moved
   std::thread thread_;
 };
 

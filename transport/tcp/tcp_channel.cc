@@ -175,6 +175,7 @@ bool TcpChannel::consume_buffered(RecvSink& sink) {
 
 bool TcpChannel::receive(RecvSink& sink) {
   bool moved = false;
+  bool drained = false;  // a read returned less than asked: the socket had no more then
   std::size_t budget = kReadBudget;
   // The budget limits reads from the socket only: messages already in the inbox are always
   // handed over, so that a caller may skip progress() until the socket is readable again.
@@ -195,8 +196,9 @@ bool TcpChannel::receive(RecvSink& sink) {
       moved = true;
       if (consume_buffered(sink)) continue;
     }
-    // Need more bytes from the socket.
-    if (budget == 0) break;
+    // Need more bytes from the socket. After a short read, what arrives later is reported by
+    // the next poll(); asking now would only cost a system call returning EAGAIN.
+    if (budget == 0 || drained) break;
     char* into;
     std::size_t want;
     const std::size_t need = in_payload_ ? current_.bytes - done_ : 0;
@@ -221,6 +223,7 @@ bool TcpChannel::receive(RecvSink& sink) {
     const ssize_t n = ::recv(fd_.get(), into, want, MSG_DONTWAIT);
     if (n > 0) {
       moved = true;
+      drained = static_cast<std::size_t>(n) < want;
       budget -= std::min(budget, static_cast<std::size_t>(n));
       if (into == inbox_.get() + wpos_) {
         wpos_ += static_cast<std::size_t>(n);
