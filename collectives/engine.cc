@@ -228,7 +228,7 @@ bool Engine::turn() {
     // Hand newly queued slices to the sockets in the same turn; an idle turn skips it.
     if (schedule_sends()) {
       moved = true;
-      progress_links();
+      flush_links();
     }
     complete_finished();
     check_deadlines();
@@ -464,6 +464,15 @@ bool Engine::schedule_sends(int dir) {
   return moved;
 }
 
+void Engine::flush_links() {
+  // Only sends: the sockets were read a moment ago, in this turn's progress_links().
+  for (int l = 0; l < 2; ++l) {
+    for (auto& ch : links_[l]) {
+      if (!ch->closed() && ch->queued() > 0) ch->progress(*sinks_[l], false);
+    }
+  }
+}
+
 bool Engine::progress_links() {
   // One poll() tells which channels have something to read, instead of a read attempt on
   // every channel each turn: on a small operation those system calls are the latency.
@@ -483,7 +492,7 @@ bool Engine::progress_links() {
   for (int l = 0; l < 2; ++l) {
     for (auto& ch : links_[l]) {
       const bool ready = ready_fds_[i++].revents != 0;
-      if (!ch->closed() && (ready || ch->queued() > 0)) moved |= ch->progress(*sinks_[l]);
+      if (!ch->closed() && (ready || ch->queued() > 0)) moved |= ch->progress(*sinks_[l], ready);
     }
   }
   return moved;
@@ -780,7 +789,7 @@ void Engine::send_control(int link, FrameType type, std::uint64_t seq, const std
   if (!chans[0]->try_send(h, payload, kControlToken)) {
     // Queue full: progress once and retry; a full queue on the control direction means the
     // peer stopped reading, which the deadline will report.
-    chans[0]->progress(*sinks_[link]);
+    chans[0]->progress(*sinks_[link], true);
     (void)chans[0]->try_send(h, payload, kControlToken);
   }
 }

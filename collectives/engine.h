@@ -119,6 +119,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool schedule_sends();
   bool schedule_sends(int dir);
   bool progress_links();
+  void flush_links();
   void complete_finished();
   void check_deadlines();
   [[nodiscard]] Error timeout_error(const Op& op, const std::string& prefix) const;

@@ -47,7 +47,7 @@ class ScriptedChannel final : public Channel {
   }
   std::size_t queued() const override { return queue_.size(); }
   std::size_t queued_bytes() const override { return bytes_; }
-  bool progress(RecvSink& sink) override {
+  bool progress(RecvSink& sink, bool /*may_read*/) override {
     if (!drains || queue_.empty()) return false;
     for (const auto token : queue_) sink.on_sent(0, token);
     queue_.clear();
@@ -100,7 +100,7 @@ struct Fixture {
     const auto end = Clock::now() + 2s;
     while (!done() && Clock::now() < end) {
       if (!wait(1000ms)) return false;  // no wake-up although something is held
-      channel->progress(sink);
+      channel->progress(sink, true);
     }
     return done();
   }
@@ -122,7 +122,7 @@ TEST(DelayChannel, HoldsForTheDelayThenReleasesInOrderAndReportsEachSentOnce) {
   for (std::uint64_t t = 1; t <= 5; ++t) ASSERT_TRUE(f.channel->try_send(header(8), nullptr, t));
   EXPECT_EQ(f.channel->queued(), 5u);
   EXPECT_EQ(f.channel->queued_bytes(), 40u);
-  f.channel->progress(sink);
+  f.channel->progress(sink, true);
   EXPECT_TRUE(f.inner->accepted_.empty()) << "released before the delay";
   EXPECT_TRUE(sink.sent.empty()) << "reported sent before the inner channel sent it";
 
@@ -148,8 +148,8 @@ TEST(DelayChannel, NotReportedSentUntilTheInnerChannelSaysSo) {
   EXPECT_TRUE(sink.sent.empty());
   EXPECT_EQ(f.channel->queued(), 1u) << "the inner channel's queue counts too";
   f.inner->drains = true;
-  f.channel->progress(sink);
-  f.channel->progress(sink);
+  f.channel->progress(sink, true);
+  f.channel->progress(sink, true);
   EXPECT_EQ(sink.sent, (std::vector<std::uint64_t>{7}));
 }
 
@@ -166,7 +166,7 @@ TEST(DelayChannel, BoundedHoldAndInnerBackPressure) {
   EXPECT_FALSE(f.wait(30ms));
   f.inner->drains = true;
   for (int i = 0; i < 1000 && sink.sent.size() < DelayChannel::kHoldCapacity; ++i) {
-    f.channel->progress(sink);
+    f.channel->progress(sink, true);
   }
   ASSERT_EQ(sink.sent.size(), DelayChannel::kHoldCapacity);
   for (std::uint64_t i = 0; i < DelayChannel::kHoldCapacity; ++i) EXPECT_EQ(sink.sent[i], i);

@@ -101,9 +101,9 @@ bool DelayChannel::release(bool all) {
   return moved;
 }
 
-bool DelayChannel::progress(RecvSink& sink) {
+bool DelayChannel::progress(RecvSink& sink, bool may_read) {
   bool moved = release(false);
-  moved |= inner_->progress(sink);
+  moved |= inner_->progress(sink, may_read);
   // The inner channel may just have made room for a message that was due but refused.
   if (inner_full_) moved |= release(false);
   return moved;

@@ -56,7 +56,7 @@ class DelayChannel final : public Channel {
   // Held messages plus the inner channel's queue.
   std::size_t queued() const override { return held_ + inner_->queued(); }
   std::size_t queued_bytes() const override { return held_bytes_ + inner_->queued_bytes(); }
-  bool progress(RecvSink& sink) override;
+  bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
   void close() override;
   bool closed() const override { return inner_->closed(); }

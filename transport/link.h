@@ -85,8 +85,10 @@ class Channel {
   [[nodiscard]] virtual std::size_t queued_bytes() const = 0;
   // Moves bytes both ways without blocking; returns true if anything moved. On return every
   // complete message received so far has been delivered, so a caller may skip progress()
-  // while queued() is 0 and wait_spec()'s descriptor is not ready.
-  virtual bool progress(RecvSink& sink) = 0;
+  // while queued() is 0 and wait_spec()'s descriptor is not ready. `may_read` false says the
+  // caller has just seen that descriptor not readable: only sends and what is already
+  // buffered are handled, sparing a read that would find nothing.
+  virtual bool progress(RecvSink& sink, bool may_read) = 0;
   // What to wait for when idle (fd and events for poll()); fd < 0 = nothing to wait on.
   [[nodiscard]] virtual pollfd wait_spec() const = 0;
   // Sends what can be sent now and closes; never blocks for long.

@@ -71,10 +71,10 @@ pollfd TcpChannel::wait_spec() const {
   return {fd_.get(), events, 0};
 }
 
-bool TcpChannel::progress(RecvSink& sink) {
+bool TcpChannel::progress(RecvSink& sink, bool may_read) {
   if (!fd_.valid()) return false;
   bool moved = flush(sink);
-  if (fd_.valid()) moved |= receive(sink);
+  if (fd_.valid()) moved |= receive(sink, may_read ? kReadBudget : 0);
   return moved;
 }
 
@@ -173,10 +173,9 @@ bool TcpChannel::consume_buffered(RecvSink& sink) {
   return false;
 }
 
-bool TcpChannel::receive(RecvSink& sink) {
+bool TcpChannel::receive(RecvSink& sink, std::size_t budget) {
   bool moved = false;
   bool drained = false;  // a read returned less than asked: the socket had no more then
-  std::size_t budget = kReadBudget;
   // The budget limits reads from the socket only: messages already in the inbox are always
   // handed over, so that a caller may skip progress() until the socket is readable again.
   while (fd_.valid()) {
@@ -196,9 +195,10 @@ bool TcpChannel::receive(RecvSink& sink) {
       moved = true;
       if (consume_buffered(sink)) continue;
     }
-    // Need more bytes from the socket. After a short read, what arrives later is reported by
-    // the next poll(); asking now would only cost a system call returning EAGAIN.
-    if (budget == 0 || drained) break;
+    // Need more bytes from the socket. Between messages, after a short read, what arrives
+    // later is reported by the next poll(); asking now would only cost a system call that
+    // returns EAGAIN. Within a payload more is usually on its way: keep reading.
+    if (budget == 0 || (drained && !in_payload_)) break;
     char* into;
     std::size_t want;
     const std::size_t need = in_payload_ ? current_.bytes - done_ : 0;

@@ -22,7 +22,7 @@ class TcpChannel final : public Channel {
   bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
   std::size_t queued() const override { return count_; }
   std::size_t queued_bytes() const override { return queued_bytes_; }
-  bool progress(RecvSink& sink) override;
+  bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
   void close() override;
   bool closed() const override { return !fd_.valid(); }
@@ -39,7 +39,7 @@ class TcpChannel final : public Channel {
   static constexpr int kMaxIov = 64;
 
   bool flush(RecvSink& sink);
-  bool receive(RecvSink& sink);
+  bool receive(RecvSink& sink, std::size_t budget);  // reads at most `budget` socket bytes
   // Consumes payload bytes buffered in the inbox; true when the message completed.
   bool consume_buffered(RecvSink& sink);
   [[noreturn]] void fail(const std::string& why) const;
