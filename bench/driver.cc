@@ -59,11 +59,19 @@ Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bo
   // Timed iterations start from ordinary numbers. In-place reductions then grow them (up to
   // infinity for 16-bit floats) but never towards denormals, the one slow path of CPU maths.
   fill_input(op->input, spec);
+  const Stopwatch warm;
   for (int i = 0; i < args.warmup_iters; ++i) op->run();
+  int iters = args.iters;
+  if (args.min_time_ms > 0 && args.warmup_iters > 0) {
+    // Every rank must run the same count: the slowest rank's warm-up decides.
+    const double per_iter_us = comm.max_over_ranks(warm.elapsed_us() / args.warmup_iters);
+    const double wanted = args.min_time_ms * 1000.0 / std::max(per_iter_us, 0.01);
+    iters = std::max(iters, static_cast<int>(std::min<double>(wanted, kMaxAutoIters)));
+  }
   comm.barrier();
   Samples samples;
-  samples.reserve(static_cast<std::size_t>(args.iters));
-  for (int i = 0; i < args.iters; ++i) {
+  samples.reserve(static_cast<std::size_t>(iters));
+  for (int i = 0; i < iters; ++i) {
     const Stopwatch watch;
     op->run();
     samples.add(watch.elapsed_us());

@@ -328,6 +328,11 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
   app.add_option("-w,--warmup_iters", args.warmup_iters, "Untimed iterations before timing")
       ->check(CLI::Range(0, 1 << 24))
       ->capture_default_str();
+  app.add_option("--min_time_ms", args.min_time_ms,
+                 "Time at least this long per size and placement: sizes where -n iterations "
+                 "would take less get more (estimated from the warm-up; 0: exactly -n)")
+      ->check(CLI::Range(0.0, 3.6e6))
+      ->capture_default_str();
   app.add_option("-c,--check", args.check, "Run one checked iteration per placement (0/1)")
       ->check(CLI::Range(0, 1 << 24))
       ->capture_default_str();
@@ -525,6 +530,10 @@ void print_preamble(std::FILE* out, const RunInfo& info, const BenchArgs& args) 
   }
   std::fprintf(out, " warmup iters: %d iters: %d validation: %d\n", args.warmup_iters,
                args.iters, args.check);
+  if (args.min_time_ms > 0) {
+    std::fprintf(out, "# iters raised per size to fill at least %g ms (up to %d)\n",
+                 args.min_time_ms, kMaxAutoIters);
+  }
   std::fprintf(out, "# time: mean over iterations, max over ranks; p50/p99: rank 0\n");
   if (!info.meta.empty()) std::fprintf(out, "# meta: %s\n", info.meta.dump().c_str());
   std::fprintf(out, "#\n");

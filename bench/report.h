@@ -51,6 +51,9 @@ inline constexpr std::array<Collective, 4> kAllCollectives{
 // ---------------------------------------------------------------------------------------------
 // Command line: nccl-tests' flags with their meaning, so a command line works for every tool.
 
+// Upper bound on the iterations --min_time_ms may ask for at one size.
+inline constexpr int kMaxAutoIters = 100000;
+
 struct BenchArgs {
   Collective collective = Collective::kAllReduce;  // positional COLLECTIVE
   std::uint64_t min_bytes = 8;                     // -b/--minbytes
@@ -59,6 +62,7 @@ struct BenchArgs {
   std::uint64_t step_bytes = 0;                    // -i/--stepbytes (additive step when > 0)
   int iters = 20;                                  // -n/--iters (timed iterations per size)
   int warmup_iters = 5;                            // -w/--warmup_iters
+  double min_time_ms = 0;  // --min_time_ms: more iterations where -n would take less (0: off)
   int check = 1;                                   // -c/--check (0: no checked iteration)
   DataType dtype = DataType::kFloat32;             // -d/--datatype
   ReduceOp op = ReduceOp::kSum;                    // -o/--op

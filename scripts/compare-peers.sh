@@ -4,7 +4,7 @@
 # library and dear's ratio to the best peer. All three print the same nccl-tests rows through
 # bench/report.h; this script only launches them and joins their --json files.
 #
-#   scripts/compare-peers.sh [--build DIR] [-n RANKS] [-b MIN] [-e MAX] [--iters N]
+#   scripts/compare-peers.sh [--build DIR] [-n RANKS] [-b MIN] [-e MAX] [--iters N] [--min-time MS]
 #                            [--only dear,mpi,gloo] [--out DIR] [--extra-dear "ARGS"]
 #
 # Each library's column is its out-of-place result, or in-place where it has no out-of-place
@@ -24,6 +24,9 @@ Runs dear-bench, mpi-bench and gloo-bench on the same sweep and prints merged ta
   -b, --minbytes SIZE  smallest size, K/M/G suffixes allowed (default 8)
   -e, --maxbytes SIZE  largest size (default 64M)
   --iters N            timed iterations per size (default: the benchmarks' 20)
+  --min-time MS        run more iterations where --iters would take less than MS
+                       milliseconds, so small sizes are not a handful of samples (default 100;
+                       0: exactly --iters)
   --warmup N           warm-up iterations per size (default: the benchmarks' 5)
   --collectives LIST   comma-separated (default all_reduce,reduce_scatter,all_gather)
   --only LIST          libraries to run, comma-separated from dear,mpi,gloo (default all)
@@ -47,6 +50,7 @@ nranks=4
 minbytes=8
 maxbytes=64M
 iters=""
+min_time=100
 warmup=""
 collectives=all_reduce,reduce_scatter,all_gather
 only=dear,mpi,gloo
@@ -66,6 +70,7 @@ while [[ $# -gt 0 ]]; do
     -b|--minbytes) need_value "$@"; minbytes=$2; shift 2 ;;
     -e|--maxbytes) need_value "$@"; maxbytes=$2; shift 2 ;;
     --iters) need_value "$@"; iters=$2; shift 2 ;;
+    --min-time) need_value "$@"; min_time=$2; shift 2 ;;
     --warmup) need_value "$@"; warmup=$2; shift 2 ;;
     --collectives) need_value "$@"; collectives=$2; shift 2 ;;
     --only) need_value "$@"; only=$2; shift 2 ;;
@@ -81,6 +86,7 @@ done
 [[ $nranks =~ ^[1-9][0-9]*$ ]] || die "-n must be a positive whole number, got '$nranks'"
 [[ $run_timeout =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds"
 [[ -z $iters || $iters =~ ^[1-9][0-9]*$ ]] || die "--iters must be a positive number"
+[[ $min_time =~ ^[0-9]+$ ]] || die "--min-time must be a whole number of milliseconds"
 [[ -z $warmup || $warmup =~ ^[0-9]+$ ]] || die "--warmup must be a number"
 command -v python3 >/dev/null || die "python3 is needed to merge the results"
 
@@ -148,6 +154,7 @@ if command -v timeout >/dev/null; then with_timeout=(timeout "$run_timeout"); fi
 common=(-b "$minbytes" -e "$maxbytes" -f 2 -d float -o sum)
 [[ -n $iters ]] && common+=(-n "$iters")
 [[ -n $warmup ]] && common+=(-w "$warmup")
+common+=(--min_time_ms "$min_time")
 
 # A peer that exits non-zero after writing its results (it counted wrong elements: a peer's
 # own bug, as Gloo's halving-doubling reduce-scatter shows at some sizes) is reported and
@@ -213,21 +220,34 @@ run_gloo_bench() {
 
 loopback_ceiling() {
   command -v iperf3 >/dev/null || return 0
-  local port=$((20000 + RANDOM % 20000)) server
-  iperf3 -s -1 -p "$port" >/dev/null 2>&1 &
-  server=$!
+  # Two client/server pairs at once: iperf3 runs all of -P's streams on one thread, so one
+  # process with -P 2 measures a single core, not the machine.
+  local base=$((20000 + RANDOM % 20000)) i servers=() clients=() files=()
+  for i in 0 1; do
+    iperf3 -s -1 -p $((base + i)) >/dev/null 2>&1 &
+    servers+=($!)
+  done
   sleep 0.5
+  for i in 0 1; do
+    files+=("$out/iperf3.$i.json")
+    iperf3 -c 127.0.0.1 -p $((base + i)) -t 3 -J >"${files[i]}" 2>/dev/null &
+    clients+=($!)
+  done
+  for i in "${clients[@]}" "${servers[@]}"; do wait "$i" 2>/dev/null || true; done
   local gbps
-  gbps=$(iperf3 -c 127.0.0.1 -p "$port" -t 3 -P 2 -J 2>/dev/null | python3 -c '
+  gbps=$(python3 - "${files[@]}" <<'PY' || true
 import json, sys
+total = 0.0
 try:
-    doc = json.load(sys.stdin)
-    print("%.2f" % (doc["end"]["sum_received"]["bits_per_second"] / 8e9))
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            total += json.load(f)["end"]["sum_received"]["bits_per_second"] / 8e9
+    print("%.2f" % total)
 except Exception:
     pass
-') || true
-  wait "$server" 2>/dev/null || true
-  [[ -n $gbps ]] && echo "# loopback TCP ceiling (iperf3, two streams in total): $gbps GB/s"
+PY
+)
+  [[ -n $gbps ]] && echo "# loopback TCP ceiling (iperf3, two processes with one stream each, in total): $gbps GB/s"
   return 0
 }
 
