@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 
+#include "collectives/device_staging.h"
 #include "collectives/engine.h"
 #include "collectives/ops.h"
 #include "collectives/reduce.h"
@@ -332,6 +333,12 @@ class CommunicatorImpl final : public Communicator {
                   "OpOptions::algorithm=gather_reduce applies to all_reduce only", rank_,
                   Error::kNone, name);
     }
+    if (opts.cuda_stream != nullptr) {
+      // With CUDA the device wrapper consumes the stream before this point.
+      throw Error(ErrorCode::kInvalidArgument,
+                  "OpOptions::cuda_stream is set but this build of dear has no CUDA support",
+                  rank_, Error::kNone, name);
+    }
     auto o = std::make_unique<Op>();
     o->kind = kind;
     o->dtype = dtype;
@@ -440,7 +447,9 @@ std::unique_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
   if (!bootstrap) {
     throw Error(ErrorCode::kInvalidArgument, "Communicator::create: bootstrap is null");
   }
-  return std::make_unique<CommunicatorImpl>(std::move(bootstrap), std::move(options));
+  // Device buffers and CUDA streams are handled around the host communicator.
+  return collectives::with_device_support(
+      std::make_unique<CommunicatorImpl>(std::move(bootstrap), std::move(options)));
 }
 
 CommOptions apply_env(CommOptions options) {

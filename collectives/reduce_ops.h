@@ -264,4 +264,12 @@ DEAR_HOST_DEVICE T divide_by(T x, int divisor) {
   }
 }
 
+// The final step of kAvg: the wrapped or rounded sum, divided once in the compute type. The
+// GPU kernels use it as is; the CPU kernels compute the same expression.
+template <class T>
+struct AvgFinalOp {
+  int divisor;
+  DEAR_HOST_DEVICE T operator()(T a, T b) const { return divide_by(SumOp{}(a, b), divisor); }
+};
+
 }  // namespace dear::collectives

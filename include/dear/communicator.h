@@ -46,6 +46,11 @@ struct OpOptions {
   int channels = 0;                             // parallel rings, each on its own socket
   std::size_t slice_bytes = 0;                  // pipelining unit
   std::chrono::milliseconds timeout{0};         // deadline from issue; 0 = communicator's
+  // A cudaStream_t (builds with CUDA only): the operation starts after the work already on
+  // this stream and work enqueued on it later waits for the result, without the host waiting
+  // for the stream. Null: no stream ordering. Device buffers (in, out) are detected
+  // automatically, with or without a stream; see collectives/device_staging.h.
+  void* cuda_stream = nullptr;
 };
 
 struct CommOptions {

@@ -1,0 +1,46 @@
+// Where a pointer lives, and pinned host memory for staging device buffers.
+#pragma once
+
+#include <cstddef>
+
+namespace dear::cuda {
+
+enum class MemoryKind {
+  kHost,    // ordinary, pinned or managed memory: the CPU can read and write it directly
+  kDevice,  // cudaMalloc'd memory of `device`: must be staged for a transport on the CPU
+};
+
+struct Location {
+  MemoryKind kind = MemoryKind::kHost;
+  int device = -1;  // for kDevice
+};
+
+// Asks the CUDA runtime (cudaPointerGetAttributes). Null, unregistered host memory, and any
+// pointer when no driver or device is present are kHost; so is managed memory, which the CPU
+// can touch (more slowly) without staging. Never throws.
+[[nodiscard]] Location locate(const void* p) noexcept;
+
+// Page-locked host memory from cudaHostAlloc (portable: usable from every device). Throws
+// dear::Error naming the CUDA error when the allocation fails.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(std::size_t bytes);
+  ~PinnedBuffer();
+  PinnedBuffer(PinnedBuffer&& other) noexcept;
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+
+  [[nodiscard]] std::byte* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  // Grows (never shrinks) to at least `bytes`; the contents are not kept.
+  void reserve(std::size_t bytes);
+
+ private:
+  void release() noexcept;
+  std::byte* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace dear::cuda

@@ -1,0 +1,271 @@
+// GPU tests: the reduction kernels against the CPU kernels for every dtype x op, collectives
+// on device buffers with ranks as threads sharing one GPU, and stream ordering. Every test
+// skips with "no CUDA device" where none is present.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "collectives/device_staging.h"
+#include "collectives/reduce.h"
+#include "cuda/device.h"
+#include "cuda/error.h"
+#include "cuda/reduce.h"
+#include "harness.h"
+#include "reference.h"
+
+namespace dear {
+namespace {
+
+using dear::testing::expected_reduce;
+using dear::testing::input_value;
+
+void ck(cudaError_t rc, const char* what) { cuda::check(rc, what); }
+
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(std::size_t bytes) {
+    ck(cudaMalloc(&p_, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
+  }
+  ~DeviceBuffer() { (void)cudaFree(p_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  [[nodiscard]] std::byte* get() const { return static_cast<std::byte*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+};
+
+class Gpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (cuda::device_count() == 0) {
+      GTEST_SKIP() << "no CUDA device (" << cuda::unavailable_reason() << ")";
+    }
+  }
+};
+
+constexpr DataType kTypes[] = {DataType::kInt8,    DataType::kUint8,    DataType::kInt32,
+                               DataType::kInt64,   DataType::kFloat16,  DataType::kBFloat16,
+                               DataType::kFloat32, DataType::kFloat64};
+constexpr ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax,
+                             ReduceOp::kAvg};
+
+// ---- kernels ----------------------------------------------------------------------------------
+
+TEST_F(Gpu, KernelsMatchTheCpuKernelsBitForBit) {
+  std::mt19937_64 rng(3);
+  // Sizes around the vector width; offsets that keep, break and shift the 16-byte alignment.
+  const std::size_t sizes[] = {1, 7, 31, 4096 + 5, 1000003};
+  struct Offsets { std::size_t d, a, b; };
+  const Offsets offsets[] = {{0, 0, 0}, {1, 1, 1}, {0, 1, 2}, {3, 0, 0}};
+  for (const DataType t : kTypes) {
+    const std::size_t el = dtype_size(t);
+    for (const std::size_t n : sizes) {
+      const std::size_t pad = 4 * el;
+      std::vector<std::byte> a(n * el + pad), b(n * el + pad);
+      for (auto& x : a) x = static_cast<std::byte>(rng());
+      for (auto& x : b) x = static_cast<std::byte>(rng());
+      DeviceBuffer da(a.size()), db(b.size()), dd(a.size());
+      ck(cudaMemcpy(da.get(), a.data(), a.size(), cudaMemcpyHostToDevice), "copy a");
+      ck(cudaMemcpy(db.get(), b.data(), b.size(), cudaMemcpyHostToDevice), "copy b");
+      for (const ReduceOp op : kOps) {
+        for (const Offsets& o : offsets) {
+          const int nranks = 3;
+          std::vector<std::byte> want(n * el), got(n * el);
+          collectives::reduce_final(want.data(), a.data() + o.a * el, b.data() + o.b * el, n, t,
+                                    op, nranks);
+          cuda::reduce_final(dd.get() + o.d * el, da.get() + o.a * el, db.get() + o.b * el, n, t,
+                             op, nranks, nullptr);
+          ck(cudaDeviceSynchronize(), "reduce_final kernel");
+          ck(cudaMemcpy(got.data(), dd.get() + o.d * el, got.size(), cudaMemcpyDeviceToHost),
+             "copy result");
+          for (std::size_t i = 0; i < n; ++i) {
+            ASSERT_EQ(std::memcmp(want.data() + i * el, got.data() + i * el, el), 0)
+                << to_string(t) << " " << to_string(op) << " n=" << n << " offsets " << o.d
+                << "," << o.a << "," << o.b << " element " << i;
+          }
+        }
+        // Partial sums (reduce): kAvg is a plain sum; dst aliasing a.
+        std::vector<std::byte> want(n * el), got(n * el);
+        collectives::reduce(want.data(), a.data(), b.data(), n, t, op);
+        DeviceBuffer alias(n * el);
+        ck(cudaMemcpy(alias.get(), a.data(), n * el, cudaMemcpyHostToDevice), "copy a");
+        cuda::reduce(alias.get(), alias.get(), db.get(), n, t, op, nullptr);
+        ck(cudaMemcpy(got.data(), alias.get(), n * el, cudaMemcpyDeviceToHost), "copy result");
+        ASSERT_EQ(std::memcmp(want.data(), got.data(), n * el), 0)
+            << to_string(t) << " " << to_string(op) << " in place, n=" << n;
+      }
+    }
+  }
+}
+
+TEST_F(Gpu, KernelArgumentErrorsNameTheArgument) {
+  try {
+    cuda::reduce(nullptr, nullptr, nullptr, 4, DataType::kFloat32, ReduceOp::kSum, nullptr);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("dst"), std::string::npos);
+  }
+  EXPECT_NO_THROW(
+      cuda::reduce(nullptr, nullptr, nullptr, 0, DataType::kFloat32, ReduceOp::kSum, nullptr));
+}
+
+// ---- collectives on device buffers -------------------------------------------------------------
+
+void fill_device(std::byte* dev, std::size_t n, int rank, DataType t, ReduceOp op, int salt) {
+  std::vector<std::byte> host(n * dtype_size(t));
+  for (std::size_t i = 0; i < n; ++i) {
+    dear::testing::store(host.data(), i, t, input_value(rank, i, t, op, salt));
+  }
+  ck(cudaMemcpy(dev, host.data(), host.size(), cudaMemcpyHostToDevice), "fill input");
+}
+
+std::vector<std::byte> to_host(const std::byte* dev, std::size_t bytes) {
+  std::vector<std::byte> host(bytes);
+  ck(cudaMemcpy(host.data(), dev, bytes, cudaMemcpyDeviceToHost), "read result");
+  return host;
+}
+
+class GpuRanks : public Gpu, public ::testing::WithParamInterface<int> {};
+
+TEST_P(GpuRanks, AllReduceOnDeviceBuffers) {
+  const int n = GetParam();
+  dear::testing::run_ranks(n, [&](Communicator& comm) {
+    ck(cudaSetDevice(0), "cudaSetDevice");
+    for (const DataType t : kTypes) {
+      for (const ReduceOp op : kOps) {
+        for (const std::size_t count : {std::size_t{1}, std::size_t{1000}, std::size_t{300000}}) {
+          const std::size_t bytes = count * dtype_size(t);
+          DeviceBuffer in(bytes), out(bytes);
+          fill_device(in.get(), count, comm.rank(), t, op, 1);
+          comm.all_reduce(in.get(), out.get(), count, t, op).wait();
+          const auto got = to_host(out.get(), bytes);
+          for (std::size_t i = 0; i < count; ++i) {
+            const double want = expected_reduce(i, n, t, op, 1);
+            const double g = dear::testing::load(got.data(), i, t);
+            ASSERT_TRUE(dear::testing::close_enough(g, want, t))
+                << to_string(t) << " " << to_string(op) << " count " << count << " element "
+                << i << ": got " << g << " want " << want;
+          }
+          // In place.
+          comm.all_reduce(in.get(), in.get(), count, t, op).wait();
+          const auto again = to_host(in.get(), bytes);
+          ASSERT_EQ(std::memcmp(again.data(), got.data(), bytes), 0) << "in place differs";
+        }
+      }
+    }
+  });
+}
+
+TEST_P(GpuRanks, ReduceScatterAllGatherBroadcastOnDeviceBuffers) {
+  const int n = GetParam();
+  dear::testing::run_ranks(n, [&](Communicator& comm) {
+    ck(cudaSetDevice(0), "cudaSetDevice");
+    const DataType t = DataType::kFloat32;
+    const std::size_t block = 50001;
+    const auto nn = static_cast<std::size_t>(n);
+    const auto r = static_cast<std::size_t>(comm.rank());
+    DeviceBuffer big(block * nn * 4), small(block * 4);
+    // reduce_scatter, out of place then in place.
+    fill_device(big.get(), block * nn, comm.rank(), t, ReduceOp::kSum, 2);
+    comm.reduce_scatter(big.get(), small.get(), block, t, ReduceOp::kSum).wait();
+    auto got = to_host(small.get(), block * 4);
+    for (std::size_t i = 0; i < block; ++i) {
+      ASSERT_EQ(dear::testing::load(got.data(), i, t),
+                expected_reduce(r * block + i, n, t, ReduceOp::kSum, 2))
+          << "reduce_scatter element " << i;
+    }
+    comm.reduce_scatter(big.get(), big.get() + r * block * 4, block, t, ReduceOp::kSum).wait();
+    const auto in_place = to_host(big.get() + r * block * 4, block * 4);
+    ASSERT_EQ(std::memcmp(in_place.data(), got.data(), block * 4), 0);
+    // all_gather: rank q contributes input_value(q, i).
+    fill_device(small.get(), block, comm.rank(), t, ReduceOp::kSum, 3);
+    comm.all_gather(small.get(), big.get(), block, t).wait();
+    got = to_host(big.get(), block * nn * 4);
+    for (int q = 0; q < n; ++q) {
+      for (std::size_t i = 0; i < block; ++i) {
+        ASSERT_EQ(dear::testing::load(got.data(), static_cast<std::size_t>(q) * block + i, t),
+                  input_value(q, i, t, ReduceOp::kSum, 3))
+            << "all_gather block " << q << " element " << i;
+      }
+    }
+    // broadcast from the last rank, device in and out.
+    fill_device(small.get(), block, comm.rank(), t, ReduceOp::kSum, 4);
+    comm.broadcast(small.get(), big.get(), block, t, n - 1).wait();
+    got = to_host(big.get(), block * 4);
+    for (std::size_t i = 0; i < block; ++i) {
+      ASSERT_EQ(dear::testing::load(got.data(), i, t), input_value(n - 1, i, t, ReduceOp::kSum, 4));
+    }
+  });
+}
+
+// The operation must read its input only after the work before it on the stream, and work
+// after it on the stream must see its result, with no host synchronisation in between. The
+// input is written by a host function that sleeps first, then copied in on the stream.
+TEST_P(GpuRanks, StreamOrdering) {
+  const int n = GetParam();
+  dear::testing::run_ranks(n, [&](Communicator& comm) {
+    ck(cudaSetDevice(0), "cudaSetDevice");
+    const std::size_t count = 1 << 20;
+    const std::size_t bytes = count * 4;
+    cudaStream_t stream = nullptr;
+    ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    float* staged_in = nullptr;
+    float* result = nullptr;
+    ck(cudaMallocHost(reinterpret_cast<void**>(&staged_in), bytes), "cudaMallocHost");
+    ck(cudaMallocHost(reinterpret_cast<void**>(&result), bytes), "cudaMallocHost");
+    DeviceBuffer in(bytes), out(bytes);
+    ck(cudaMemset(in.get(), 0xff, bytes), "poison in");  // NaNs if read too early
+    ck(cudaMemset(out.get(), 0xff, bytes), "poison out");
+    std::memset(result, 0, bytes);
+    struct Fill { float* p; std::size_t n; int rank; };
+    Fill fill{staged_in, count, comm.rank()};
+    ck(cudaLaunchHostFunc(stream, [](void* arg) {
+         auto* f = static_cast<Fill*>(arg);
+         std::this_thread::sleep_for(std::chrono::milliseconds(200));
+         for (std::size_t i = 0; i < f->n; ++i) f->p[i] = static_cast<float>(f->rank + i % 7);
+       }, &fill), "cudaLaunchHostFunc");
+    ck(cudaMemcpyAsync(in.get(), staged_in, bytes, cudaMemcpyHostToDevice, stream), "copy in");
+    OpOptions o;
+    o.cuda_stream = stream;
+    Work w = comm.all_reduce(in.get(), out.get(), count, DataType::kFloat32, ReduceOp::kSum, o);
+    ck(cudaMemcpyAsync(result, out.get(), bytes, cudaMemcpyDeviceToHost, stream), "copy out");
+    ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    const float ranks_sum = static_cast<float>(n * (n - 1) / 2);
+    for (std::size_t i = 0; i < count; ++i) {
+      ASSERT_EQ(result[i], ranks_sum + static_cast<float>(n) * static_cast<float>(i % 7))
+          << "element " << i;
+    }
+    EXPECT_TRUE(w.wait(std::chrono::seconds(30)));  // the host handle completes too
+    // A host operation issued after a stream one keeps the order on every rank.
+    float h = 1;
+    Work w2 = comm.all_reduce(in.get(), out.get(), count, DataType::kFloat32, ReduceOp::kMax, o);
+    comm.all_reduce(&h, &h, 1, DataType::kFloat32, ReduceOp::kSum).wait();
+    EXPECT_EQ(h, static_cast<float>(n));
+    w2.wait();
+    ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    (void)cudaFreeHost(staged_in);
+    (void)cudaFreeHost(result);
+    (void)cudaStreamDestroy(stream);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, GpuRanks, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& p) { return std::to_string(p.param) + "ranks"; });
+
+TEST_F(Gpu, DevicePointersAreDetected) {
+  DeviceBuffer d(64);
+  EXPECT_TRUE(collectives::is_device_pointer(d.get()));
+  float host = 0;
+  EXPECT_FALSE(collectives::is_device_pointer(&host));
+}
+
+}  // namespace
+}  // namespace dear
