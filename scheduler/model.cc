@@ -1,5 +1,7 @@
 #include "dear/scheduler/model.h"
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -53,6 +55,30 @@ double Model::backward_s() const {
 
 std::int64_t Model::layer_bytes(std::size_t layer) const {
   return layers.at(layer).params() * element_bytes;
+}
+
+std::vector<std::int64_t> layer_offsets(const Model& model) {
+  std::vector<std::int64_t> out(model.layers.size() + 1, 0);
+  for (std::size_t l = 0; l < model.layers.size(); ++l) {
+    out[l + 1] = out[l] + model.layers[l].params();
+  }
+  return out;
+}
+
+Model scale_model(const Model& model, double time_scale, double param_scale) {
+  if (!(time_scale > 0) || !(param_scale > 0)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "scale_model: time_scale and param_scale must be > 0");
+  }
+  Model m = model;
+  for (auto& l : m.layers) {
+    l.forward_s *= time_scale;
+    l.backward_s *= time_scale;
+    for (auto& t : l.tensors) {
+      t = std::max<std::int64_t>(1, std::llround(static_cast<double>(t) * param_scale));
+    }
+  }
+  return m;
 }
 
 Model parse_model(std::string_view json_text) {

@@ -13,13 +13,19 @@ namespace {
 struct TensorRef {
   int layer;
   std::int64_t elements;
+  std::int64_t offset;  // in the flat forward-order layout
 };
 
 std::vector<TensorRef> tensors_ready_order(const Model& model) {
+  const auto offsets = layer_offsets(model);
   std::vector<TensorRef> out;
   for (int l = static_cast<int>(model.layers.size()) - 1; l >= 0; --l) {
     const auto& t = model.layers[l].tensors;
-    for (auto it = t.rbegin(); it != t.rend(); ++it) out.push_back({l, *it});
+    std::int64_t end = offsets[static_cast<std::size_t>(l) + 1];
+    for (auto it = t.rbegin(); it != t.rend(); ++it) {
+      end -= *it;
+      out.push_back({l, *it, end});
+    }
   }
   return out;
 }
@@ -39,8 +45,9 @@ class WaitAllAtStep : public Policy {
 
 class DearPolicy final : public Policy {
  public:
-  DearPolicy(FusionPlan plan, DearOptions options)
+  DearPolicy(const Model& model, FusionPlan plan, DearOptions options)
       : plan_(std::move(plan)),
+        offsets_(layer_offsets(model)),
         options_(options),
         group_of_(group_of_layer(plan_)),
         ready_(plan_.size(), 0),
@@ -66,7 +73,7 @@ class DearPolicy final : public Policy {
     if (++ready_[g] < plan_[g].layers()) return;
     ready_[g] = 0;
     CommRequest rs{OpKind::kReduceScatter, plan_[g].padded, 0, kNoOp,
-                   plan_[g].first, plan_[g].last, g, false};
+                   plan_[g].first, plan_[g].last, g, false, offsets_[plan_[g].first]};
     rs_[g] = backend.issue(rs);
     if (options_.eager_all_gather) ag_[g] = backend.issue(all_gather(g, rs_[g], kEagerPriority));
   }
@@ -88,10 +95,11 @@ class DearPolicy final : public Policy {
  private:
   [[nodiscard]] CommRequest all_gather(int g, OpId after, int priority) const {
     return {OpKind::kAllGather, plan_[g].padded, priority, after, plan_[g].first, plan_[g].last,
-            g, false};
+            g, false, offsets_[plan_[g].first]};
   }
 
   FusionPlan plan_;
+  std::vector<std::int64_t> offsets_;
   DearOptions options_;
   std::vector<int> group_of_;
   std::vector<int> ready_;  // layers of the group whose gradients are in its buffer
@@ -102,17 +110,20 @@ class DearPolicy final : public Policy {
 
 class WfbpPolicy final : public WaitAllAtStep {
  public:
-  explicit WfbpPolicy(const Model& model) : model_(model) {}
+  explicit WfbpPolicy(const Model& model) : model_(model), offsets_(layer_offsets(model)) {}
   void gradient_ready(Backend& backend, int layer) override {
     const auto& t = model_.layers[layer].tensors;
+    std::int64_t end = offsets_[static_cast<std::size_t>(layer) + 1];
     for (auto it = t.rbegin(); it != t.rend(); ++it) {
+      end -= *it;
       inflight_.push_back(
-          backend.issue({OpKind::kAllReduce, *it, 0, kNoOp, layer, layer, -1, false}));
+          backend.issue({OpKind::kAllReduce, *it, 0, kNoOp, layer, layer, -1, false, end}));
     }
   }
 
  private:
   const Model& model_;
+  std::vector<std::int64_t> offsets_;
 };
 
 // A policy that all-reduces fixed runs of tensors (in gradient-ready order) once all their
@@ -128,6 +139,7 @@ class BucketPolicy final : public WaitAllAtStep {
       for (int i = 0; i < count; ++i, ++next) {
         b.elements += tensors[next].elements;
         b.first_layer = tensors[next].layer;
+        b.offset = tensors[next].offset;  // tensors go backwards: the last is the lowest
       }
       // The bucket is complete once its earliest layer (the last to produce gradients) is.
       b.tensors = count;
@@ -148,7 +160,8 @@ class BucketPolicy final : public WaitAllAtStep {
     while (next_ < buckets_.size() && ready_tensors_ >= covered_ + buckets_[next_].tensors) {
       const Bucket& b = buckets_[next_];
       inflight_.push_back(backend.issue(
-          {OpKind::kAllReduce, b.elements, 0, kNoOp, b.first_layer, b.last_layer, -1, false}));
+          {OpKind::kAllReduce, b.elements, 0, kNoOp, b.first_layer, b.last_layer, -1, false,
+           b.offset}));
       covered_ += b.tensors;
       ++next_;
     }
@@ -165,6 +178,7 @@ class BucketPolicy final : public WaitAllAtStep {
     int last_layer = 0;
     int tensors = 0;
     std::int64_t elements = 0;
+    std::int64_t offset = 0;
   };
   std::vector<Bucket> buckets_;
   std::vector<int> tensors_of_layer_;
@@ -178,7 +192,10 @@ class BucketPolicy final : public WaitAllAtStep {
 class ByteSchedulerPolicy final : public Policy {
  public:
   ByteSchedulerPolicy(const Model& model, std::int64_t partition)
-      : model_(model), partition_(partition), ops_of_layer_(model.layers.size()) {}
+      : model_(model),
+        partition_(partition),
+        offsets_(layer_offsets(model)),
+        ops_of_layer_(model.layers.size()) {}
 
   void before_forward(Backend& backend, int layer) override {
     for (OpId op : ops_of_layer_[layer]) backend.wait(op);
@@ -187,13 +204,17 @@ class ByteSchedulerPolicy final : public Policy {
 
   void gradient_ready(Backend& backend, int layer) override {
     const auto& t = model_.layers[layer].tensors;
+    std::int64_t end = offsets_[static_cast<std::size_t>(layer) + 1];
     for (auto it = t.rbegin(); it != t.rend(); ++it) {
+      end -= *it;
       const std::int64_t parts = (*it + partition_ - 1) / partition_;
+      std::int64_t offset = end;
       for (std::int64_t p = 0; p < parts; ++p) {
         const std::int64_t size = *it / parts + (p < *it % parts ? 1 : 0);
         // Layers nearer the input are needed first in the next forward pass.
-        ops_of_layer_[layer].push_back(
-            backend.issue({OpKind::kAllReduce, size, -layer, kNoOp, layer, layer, -1, false}));
+        ops_of_layer_[layer].push_back(backend.issue(
+            {OpKind::kAllReduce, size, -layer, kNoOp, layer, layer, -1, false, offset}));
+        offset += size;
       }
     }
   }
@@ -203,6 +224,7 @@ class ByteSchedulerPolicy final : public Policy {
  private:
   const Model& model_;
   std::int64_t partition_;
+  std::vector<std::int64_t> offsets_;
   std::vector<std::vector<OpId>> ops_of_layer_;
 };
 
@@ -213,7 +235,7 @@ std::unique_ptr<Policy> make_dear(const Model& model, FusionPlan plan, DearOptio
       plan.back().last + 1 != static_cast<int>(model.layers.size())) {
     throw Error(ErrorCode::kInvalidArgument, "make_dear: the plan must cover the model's layers");
   }
-  return std::make_unique<DearPolicy>(std::move(plan), options);
+  return std::make_unique<DearPolicy>(model, std::move(plan), options);
 }
 
 std::unique_ptr<Policy> make_wfbp(const Model& model) {

@@ -252,40 +252,52 @@ const std::vector<std::string>& policy_names() {
   return names;
 }
 
-SimResult simulate_named(const Model& model, std::string_view name, const SimConfig& config) {
+NamedPolicy make_named_policy(const Model& model, std::string_view name,
+                              const SimConfig& config) {
   const int n = config.workers;
   const EngineModel serial;
   const EngineModel dear_engine{true, 0};
-  auto run_dear = [&](FusionPlan plan, DearOptions options, const EngineModel& engine) {
-    auto policy = make_dear(model, std::move(plan), options);
-    return simulate(model, *policy, config, engine);
+  auto dear = [&](FusionPlan plan, DearOptions options, const EngineModel& engine) {
+    NamedPolicy p;
+    p.policy = make_dear(model, plan, options);
+    p.engine = engine;
+    p.plan = std::move(plan);
+    return p;
   };
   auto auto_plan = [&](DearOptions options, const EngineModel& engine) {
     return plan_auto(model, config, [&](const FusionPlan& plan) {
-      return run_dear(plan, options, engine).iteration_s;
+      auto policy = make_dear(model, plan, options);
+      return simulate(model, *policy, config, engine).iteration_s;
     });
   };
-  if (name == "dear") return run_dear(plan_threshold(model, n), {}, serial);
-  if (name == "dear_notf") return run_dear(plan_per_layer(model, n), {}, serial);
-  if (name == "dear_prio") return run_dear(plan_threshold(model, n), {}, dear_engine);
-  if (name == "dear_eager") return run_dear(plan_threshold(model, n), {true}, serial);
-  if (name == "dear_auto") return run_dear(auto_plan({}, serial), {}, serial);
-  if (name == "dear_plus") return run_dear(auto_plan({true}, dear_engine), {true}, dear_engine);
-  std::unique_ptr<Policy> policy;
-  EngineModel engine = serial;
+  if (name == "dear") return dear(plan_threshold(model, n), {}, serial);
+  if (name == "dear_notf") return dear(plan_per_layer(model, n), {}, serial);
+  if (name == "dear_prio") return dear(plan_threshold(model, n), {}, dear_engine);
+  if (name == "dear_eager") return dear(plan_threshold(model, n), {true}, serial);
+  if (name == "dear_auto") return dear(auto_plan({}, serial), {}, serial);
+  if (name == "dear_plus") return dear(auto_plan({true}, dear_engine), {true}, dear_engine);
+  NamedPolicy p;
+  p.engine = serial;
   if (name == "wfbp") {
-    policy = make_wfbp(model);
+    p.policy = make_wfbp(model);
   } else if (name == "ddp") {
-    policy = make_ddp(model);
+    p.policy = make_ddp(model);
   } else if (name == "bytescheduler") {
-    policy = make_bytescheduler(model);
-    engine.credit_bytes = kByteSchedulerCredit * model.element_bytes;
+    p.policy = make_bytescheduler(model);
+    p.engine.credit_bytes = kByteSchedulerCredit * model.element_bytes;
   } else if (name == "mgwfbp") {
-    policy = make_mgwfbp(model, config.net, n);
+    p.policy = make_mgwfbp(model, config.net, n);
   } else {
     throw Error(ErrorCode::kInvalidArgument, "unknown policy '" + std::string(name) + "'");
   }
-  return simulate(model, *policy, config, engine);
+  return p;
+}
+
+SimResult simulate_named(const Model& model, std::string_view name, const SimConfig& config) {
+  NamedPolicy p = make_named_policy(model, name, config);
+  if (config.engine == EngineChoice::kSerial) p.engine = EngineModel{};
+  if (config.engine == EngineChoice::kInterleaved) p.engine = EngineModel{true, 0};
+  return simulate(model, *p.policy, config, p.engine);
 }
 
 }  // namespace dear::scheduler

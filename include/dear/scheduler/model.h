@@ -35,6 +35,15 @@ struct Model {
   [[nodiscard]] std::int64_t layer_bytes(std::size_t layer) const;
 };
 
+// offsets[l] is where layer l's parameters start when the model's tensors are laid out flat in
+// forward order; offsets[layers] is the total. Size layers + 1.
+[[nodiscard]] std::vector<std::int64_t> layer_offsets(const Model& model);
+
+// The model with every compute time multiplied by `time_scale` and every tensor's element
+// count by `param_scale` (rounded, at least 1): a smaller stand-in that keeps the model's
+// shape, for short runs. Throws dear::Error(kInvalidArgument) unless both are > 0.
+[[nodiscard]] Model scale_model(const Model& model, double time_scale, double param_scale);
+
 // Parse / print a profile. Throws dear::Error(kInvalidArgument) naming the offending field.
 [[nodiscard]] Model parse_model(std::string_view json_text);
 [[nodiscard]] std::string model_to_json(const Model& model);

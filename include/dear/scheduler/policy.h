@@ -33,6 +33,10 @@ struct CommRequest {
   // The buffer holds the previous iteration's gradients (DeAR's all-gathers issued during
   // the next forward pass); traces file the operation under that iteration.
   bool previous_iteration = false;
+  // Where the buffer starts in the model's gradients laid out flat in forward order (layer by
+  // layer, each layer's tensors in order), in elements. A real back-end finds the buffer from
+  // it (see layer_offsets()); for a fusion group it is the offset of the group's first layer.
+  std::int64_t offset = 0;
 };
 
 // Contract: issue() returns at once; operations run in the back-end's own order (priority,

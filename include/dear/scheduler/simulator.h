@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <iosfwd>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -35,10 +36,16 @@ struct EngineModel {
   std::int64_t credit_bytes = 0;  // serial engine only; 0 = no credit
 };
 
+// Which engine simulate_named() runs a policy on: the one the policy was designed for (NCCL-
+// like serial for the baselines and DeAR, dear's interleaving engine for dear_prio and
+// dear_plus), or one engine for all, e.g. interleaved to model runs on dear's own engine.
+enum class EngineChoice : std::uint8_t { kPolicy, kSerial, kInterleaved };
+
 struct SimConfig {
   NetModel net;
   int workers = 1;
   int iterations = 3;  // the last two steady iterations give the iteration time
+  EngineChoice engine = EngineChoice::kPolicy;
 };
 
 enum class EventKind : std::uint8_t { kForward, kBackward, kComm };
@@ -90,5 +97,16 @@ void write_chrome_trace(const SimResult& result, const Model& model, std::ostrea
 // Throws dear::Error(kInvalidArgument) for an unknown name.
 [[nodiscard]] SimResult simulate_named(const Model& model, std::string_view name,
                                        const SimConfig& config);
+
+// A named policy ready to run: the policy, the engine it was designed for, and its fusion plan
+// (empty for the all-reduce policies). Planning uses config.net and config.workers (mgwfbp,
+// dear_auto, dear_plus), so ranks that pass the same config get the same plan.
+struct NamedPolicy {
+  std::unique_ptr<Policy> policy;
+  EngineModel engine;
+  FusionPlan plan;
+};
+[[nodiscard]] NamedPolicy make_named_policy(const Model& model, std::string_view name,
+                                            const SimConfig& config);
 
 }  // namespace dear::scheduler

@@ -1,0 +1,420 @@
+#include "dear/scheduler/replay.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "dear/error.h"
+#include "dear/scheduler/comm_backend.h"
+
+namespace dear::scheduler {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// Arithmetic whose speed on an idle core is measured once; under load it slows down, as CPU
+// compute would.
+class BusyWork {
+ public:
+  static void run(double s) {
+    if (s <= 0) return;
+    static const double rate = calibrate();
+    spin(static_cast<std::int64_t>(s * rate));
+  }
+
+ private:
+  static double spin(std::int64_t n) {
+    double x = 1.0;
+    for (std::int64_t i = 0; i < n; ++i) x = x * 0.999999 + 1e-6;
+    volatile double sink = x;  // keeps the loop
+    return sink;
+  }
+  static double calibrate() {
+    constexpr std::int64_t kProbe = 2'000'000;
+    double best = 1e9;
+    for (int i = 0; i < 3; ++i) {
+      const auto t0 = Clock::now();
+      spin(kProbe);
+      best = std::min(best, seconds(Clock::now() - t0));
+    }
+    return static_cast<double>(kProbe) / std::max(best, 1e-9);
+  }
+};
+
+// The noise pattern repeats every 61 elements; (j - 30) / 64 is exact in fp32.
+constexpr int kNoisePeriod = 61;
+
+std::array<float, kNoisePeriod> noise_table() {
+  std::array<float, kNoisePeriod> t{};
+  for (int j = 0; j < kNoisePeriod; ++j) t[static_cast<std::size_t>(j)] = (j - 30) / 64.0F;
+  return t;
+}
+
+int noise_phase(std::int64_t i, int iteration, int rank) {
+  const std::int64_t v = i + 13LL * iteration + 29LL * rank;
+  return static_cast<int>(((v % kNoisePeriod) + kNoisePeriod) % kNoisePeriod);
+}
+
+class Trainer {
+ public:
+  Trainer(Communicator& comm, const Model& model, std::string_view name,
+          const ReplayOptions& options)
+      : comm_(comm),
+        model_(model),
+        options_(options),
+        named_(make_named_policy(model, name,
+                                 SimConfig{options.net, comm.size(), 3, EngineChoice::kPolicy})),
+        offsets_(layer_offsets(model)),
+        epoch_(Clock::now()) {
+    const std::size_t layers = model.layers.size();
+    position_.resize(layers);
+    if (named_.plan.empty()) {
+      for (std::size_t l = 0; l < layers; ++l) position_[l] = offsets_[l];
+      storage_.assign(static_cast<std::size_t>(offsets_.back()), 0.0F);
+    } else {
+      // Fusion groups, each padded to a multiple of the rank count, back to back.
+      std::int64_t at = 0;
+      for (const Group& g : named_.plan) {
+        for (int l = g.first; l <= g.last; ++l) {
+          position_[static_cast<std::size_t>(l)] = at + offsets_[l] - offsets_[g.first];
+        }
+        at += g.padded;
+      }
+      storage_.assign(static_cast<std::size_t>(at), 0.0F);
+    }
+    params_.resize(static_cast<std::size_t>(offsets_.back()));
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      params_[i] = initial_param(static_cast<std::int64_t>(i));
+    }
+    version_.assign(layers, 0);
+    applied_.assign(layers, 0);
+    backend_ = std::make_unique<CommBackend>(
+        comm, [this](const CommRequest& r) { return buffer(r); },
+        [this](const CommRequest& r) { consume(r); }, epoch_, options.algorithm);
+  }
+
+  ReplayResult run(std::string_view name) {
+    const int total = options_.warmup + options_.iterations;
+    const int layers = static_cast<int>(model_.layers.size());
+    Policy& policy = *named_.policy;
+    std::vector<double> step_s;
+    comm_.barrier().wait();
+    for (int it = 0; it < total; ++it) {
+      iteration_ = it;
+      timing_ = it >= options_.warmup;
+      backend_->set_iteration(it);
+      for (int l = 0; l < layers; ++l) {
+        hook([&] { policy.before_forward(*backend_, l); });
+        check_version(l, it, name);
+        const auto t0 = begin_compute();
+        end_compute(EventKind::kForward, l, t0, model_.layers[static_cast<std::size_t>(l)].forward_s);
+      }
+      for (int l = layers - 1; l >= 0; --l) {
+        const auto t0 = begin_compute();
+        make_gradient(l);
+        end_compute(EventKind::kBackward, l, t0,
+                    model_.layers[static_cast<std::size_t>(l)].backward_s);
+        hook([&] { policy.gradient_ready(*backend_, l); });
+      }
+      hook([&] { policy.step(*backend_); });
+      step_s.push_back(seconds(Clock::now() - epoch_));
+      if (options_.progress) {
+        const double last = it == 0 ? step_s[0] : step_s.back() - step_s[step_s.size() - 2];
+        options_.progress(it + 1, total, last);
+      }
+    }
+    // The last update lands during the next forward pass for DeAR: let it land.
+    timing_ = false;
+    iteration_ = total;
+    backend_->set_iteration(total);
+    for (int l = 0; l < layers; ++l) policy.before_forward(*backend_, l);
+    for (int l = 0; l < layers; ++l) check_version(l, total, name);
+    backend_->drain();
+
+    ReplayResult r;
+    r.policy = std::string(name);
+    for (int it = options_.warmup; it < total; ++it) {
+      r.iteration_s.push_back(step_s[static_cast<std::size_t>(it)] -
+                              step_s[static_cast<std::size_t>(it - 1)]);
+    }
+    double sum = 0;
+    for (double s : r.iteration_s) sum += s;
+    const double n = static_cast<double>(r.iteration_s.size());
+    r.mean_s = sum / n;
+    auto sorted = r.iteration_s;
+    std::sort(sorted.begin(), sorted.end());
+    const std::size_t mid = sorted.size() / 2;
+    r.p50_s = sorted.size() % 2 == 1 ? sorted[mid] : 0.5 * (sorted[mid - 1] + sorted[mid]);
+    r.samples_per_s = comm_.size() * model_.batch_size / r.mean_s;
+    r.hooks_s = hooks_s_ / n;
+    r.gradient_s = gradient_s_ / n;
+    r.optimizer_s = optimizer_s_ / n;
+    r.late_priority_changes = backend_->late_priority_changes();
+    r.params = params_;
+    if (options_.record_trace) {
+      r.trace.events = std::move(compute_events_);
+      for (const auto& rec : backend_->records()) {
+        TraceEvent e;
+        e.kind = EventKind::kComm;
+        e.op = rec.request.kind;
+        e.iteration = rec.iteration;
+        e.first_layer = rec.request.first_layer;
+        e.last_layer = rec.request.last_layer;
+        e.group = rec.request.group;
+        e.priority = rec.priority;
+        e.elements = rec.request.elements;
+        e.issue_s = rec.issue_s;
+        e.start_s = rec.start_s;
+        e.end_s = rec.end_s;
+        r.trace.events.push_back(e);
+      }
+      r.trace.step_s = step_s;
+      r.trace.iteration_s = r.mean_s;
+    }
+    return r;
+  }
+
+ private:
+  float* buffer(const CommRequest& r) {
+    const auto l = static_cast<std::size_t>(r.first_layer);
+    if (r.first_layer < 0 || l >= position_.size() || r.offset < offsets_[l] ||
+        r.offset >= offsets_[l + 1]) {
+      throw Error(ErrorCode::kInternal,
+                  "replay: request offset " + std::to_string(r.offset) +
+                      " is not in its first layer " + std::to_string(r.first_layer),
+                  comm_.rank());
+    }
+    const std::int64_t at = position_[l] + (r.offset - offsets_[l]);
+    if (at + r.elements > static_cast<std::int64_t>(storage_.size())) {
+      throw Error(ErrorCode::kInternal,
+                  "replay: request of " + std::to_string(r.elements) + " elements at " +
+                      std::to_string(at) + " runs past the gradient storage",
+                  comm_.rank());
+    }
+    return storage_.data() + at;
+  }
+
+  // The averaged gradients of the request's range have landed: SGD on that range.
+  void consume(const CommRequest& r) {
+    consumed_ = true;
+    if (r.kind == OpKind::kReduceScatter) return;  // only a shard is averaged so far
+    const auto t0 = Clock::now();
+    const std::int64_t count =
+        r.group >= 0 ? offsets_[static_cast<std::size_t>(r.last_layer) + 1] - r.offset
+                     : r.elements;
+    const float* g = buffer(r);
+    float* p = params_.data() + r.offset;
+    const float lr = options_.learning_rate;
+    for (std::int64_t j = 0; j < count; ++j) p[j] -= lr * g[j];
+    // Count what each layer received; a layer is current once all of it is updated.
+    const std::int64_t end = r.offset + count;
+    for (auto l = static_cast<std::size_t>(r.first_layer);
+         l < model_.layers.size() && offsets_[l] < end; ++l) {
+      const std::int64_t got = std::min(end, offsets_[l + 1]) - std::max(r.offset, offsets_[l]);
+      applied_[l] += got;
+      const std::int64_t size = offsets_[l + 1] - offsets_[l];
+      if (applied_[l] > size) {
+        throw Error(ErrorCode::kInternal,
+                    "replay: layer " + model_.layers[l].name + " updated twice in one step",
+                    comm_.rank());
+      }
+      if (applied_[l] == size) {
+        applied_[l] = 0;
+        ++version_[l];
+      }
+    }
+    if (timing_) optimizer_s_ += seconds(Clock::now() - t0);
+  }
+
+  void check_version(int l, int iteration, std::string_view name) const {
+    const int v = version_[static_cast<std::size_t>(l)];
+    if (v == iteration) return;
+    throw Error(ErrorCode::kInternal,
+                "replay (" + std::string(name) + "): layer " + std::to_string(l) + " (" +
+                    model_.layers[static_cast<std::size_t>(l)].name + ") in iteration " +
+                    std::to_string(iteration) + " has " + std::to_string(v) +
+                    " updates applied, expected " + std::to_string(iteration) +
+                    ": its forward pass would run before its collective",
+                comm_.rank());
+  }
+
+  template <typename F>
+  void hook(F&& f) {
+    const auto t0 = Clock::now();
+    f();
+    if (timing_) hooks_s_ += seconds(Clock::now() - t0);
+  }
+
+  // Compute may not start before the policy let it (a wait that blocked, or an update); when
+  // nothing held it back, it starts where the previous layer was meant to end, so that sleep
+  // overshoot does not add up over hundreds of short layers.
+  Clock::time_point begin_compute() {
+    const auto now = Clock::now();
+    const std::int64_t blocked = backend_->blocked_waits();
+    if (first_compute_ || consumed_ || blocked != seen_blocked_) clock_ = now;
+    first_compute_ = false;
+    consumed_ = false;
+    seen_blocked_ = blocked;
+    return now;
+  }
+
+  void end_compute(EventKind kind, int layer, Clock::time_point t0, double duration) {
+    switch (options_.compute) {
+      case ComputeMode::kSleep:
+        clock_ += std::chrono::duration_cast<Clock::duration>(
+            std::chrono::duration<double>(duration));
+        std::this_thread::sleep_until(clock_);
+        break;
+      case ComputeMode::kBusy:
+        BusyWork::run(duration - seconds(Clock::now() - t0));
+        break;
+      case ComputeMode::kNone:
+        break;
+    }
+    if (options_.record_trace) {
+      TraceEvent e;
+      e.kind = kind;
+      e.iteration = iteration_;
+      e.first_layer = e.last_layer = layer;
+      e.start_s = seconds(t0 - epoch_);
+      e.end_s = seconds(Clock::now() - epoch_);
+      compute_events_.push_back(e);
+    }
+  }
+
+  // The layer's synthetic gradients, written where the policy's collective will read them.
+  void make_gradient(int layer) {
+    static const auto table = noise_table();
+    const auto t0 = Clock::now();
+    const auto l = static_cast<std::size_t>(layer);
+    const std::int64_t first = offsets_[l];
+    const std::int64_t n = offsets_[l + 1] - first;
+    float* g = storage_.data() + position_[l];
+    const float* p = params_.data() + first;
+    int phase = noise_phase(first, iteration_, comm_.rank());
+    std::int64_t j = 0;
+    while (j < n) {
+      // Runs of the noise period without wrap-around, so the inner loop vectorises.
+      const std::int64_t run = std::min<std::int64_t>(n - j, kNoisePeriod - phase);
+      const float* t = table.data() + phase;
+      for (std::int64_t k = 0; k < run; ++k) g[j + k] = kGradientSlope * p[j + k] + t[k];
+      j += run;
+      phase = 0;
+    }
+    if (timing_) gradient_s_ += seconds(Clock::now() - t0);
+  }
+
+  Communicator& comm_;
+  const Model& model_;
+  ReplayOptions options_;
+  NamedPolicy named_;
+  std::vector<std::int64_t> offsets_;
+  std::vector<std::int64_t> position_;  // where each layer's gradients start in storage_
+  std::vector<float> storage_;          // gradients as the collectives see them
+  std::vector<float> params_;
+  std::vector<int> version_;             // updates applied to each layer
+  std::vector<std::int64_t> applied_;    // elements of the current update applied
+  Clock::time_point epoch_;
+  std::unique_ptr<CommBackend> backend_;
+  int iteration_ = 0;
+  bool timing_ = false;
+  bool first_compute_ = true;
+  bool consumed_ = false;
+  std::int64_t seen_blocked_ = 0;
+  Clock::time_point clock_;
+  double hooks_s_ = 0;
+  double gradient_s_ = 0;
+  double optimizer_s_ = 0;
+  std::vector<TraceEvent> compute_events_;
+};
+
+}  // namespace
+
+float initial_param(std::int64_t i) {
+  // Deterministic, varied, of order one: every element distinguishable.
+  return static_cast<float>((i * 37) % 101 - 50) / 128.0F;
+}
+
+float gradient_noise(std::int64_t i, int iteration, int rank) {
+  return static_cast<float>(noise_phase(i, iteration, rank) - 30) / 64.0F;
+}
+
+ReplayResult replay(Communicator& comm, const Model& model, std::string_view policy,
+                    const ReplayOptions& options) {
+  if (options.warmup < 1 || options.iterations < 1) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "replay: warmup and iterations must be >= 1 (got " +
+                    std::to_string(options.warmup) + " and " + std::to_string(options.iterations) +
+                    ")",
+                comm.rank());
+  }
+  Trainer trainer(comm, model, policy, options);
+  return trainer.run(policy);
+}
+
+NetModel calibrate_network(Communicator& comm, int repeats) {
+  const int n = comm.size();
+  NetModel net;
+  net.name = "measured";
+  net.slice_bytes = static_cast<std::int64_t>(comm.options().slice_bytes);
+  std::array<double, 2> fit{20e-6, 1e-9};  // alpha, beta: used as is on one rank
+  if (n > 1) {
+    const std::array<std::int64_t, 4> chunks{16 << 10, 256 << 10, 1 << 20, 4 << 20};
+    std::vector<float> buf(static_cast<std::size_t>(chunks.back() / 4 * n), 1.0F);
+    std::vector<double> xs;
+    std::vector<double> ys;
+    for (std::int64_t chunk : chunks) {
+      const auto shard = static_cast<std::size_t>(chunk / 4);
+      float* mine = buf.data() + static_cast<std::size_t>(comm.rank()) * shard;
+      for (int kind = 0; kind < 2; ++kind) {
+        auto once = [&] {
+          if (kind == 0) {
+            comm.reduce_scatter(buf.data(), mine, shard, DataType::kFloat32, ReduceOp::kAvg)
+                .wait();
+          } else {
+            comm.all_gather(mine, buf.data(), shard, DataType::kFloat32).wait();
+          }
+        };
+        once();  // warm-up
+        comm.barrier().wait();
+        const auto t0 = Clock::now();
+        for (int r = 0; r < repeats; ++r) once();
+        const double t = seconds(Clock::now() - t0) / repeats;
+        xs.push_back(static_cast<double>(chunk));
+        ys.push_back(t / (n - 1));
+      }
+    }
+    double mx = 0;
+    double my = 0;
+    for (std::size_t i = 0; i < xs.size(); ++i) {
+      mx += xs[i];
+      my += ys[i];
+    }
+    mx /= static_cast<double>(xs.size());
+    my /= static_cast<double>(xs.size());
+    double sxy = 0;
+    double sxx = 0;
+    for (std::size_t i = 0; i < xs.size(); ++i) {
+      sxy += (xs[i] - mx) * (ys[i] - my);
+      sxx += (xs[i] - mx) * (xs[i] - mx);
+    }
+    const double beta = std::max(sxy / sxx, 1e-12);
+    fit = {std::max(my - beta * mx, 1e-6), beta};
+    // Every rank must plan with the same numbers: take rank 0's.
+    std::array<double, 2> root{};
+    comm.broadcast(fit.data(), root.data(), 2, DataType::kFloat64, 0).wait();
+    fit = root;
+  }
+  net.alpha_s = fit[0];
+  net.beta_s_per_byte = fit[1];
+  net.gap_s = net.alpha_s;
+  return net;
+}
+
+}  // namespace dear::scheduler
