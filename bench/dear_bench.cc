@@ -17,6 +17,12 @@
 #include "dear/communicator.h"
 #include "dear/error.h"
 #include "driver.h"
+#ifdef DEAR_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "cuda/device.h"
+#include "cuda/error.h"
+#endif
 
 namespace dear::bench {
 namespace {
@@ -87,6 +93,32 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
   return std::nullopt;
 }
 
+#ifdef DEAR_HAVE_CUDA
+// --device cuda: buffers from cudaMalloc on device 0 (ranks of one host share it).
+BufferMemory cuda_memory() {
+  if (cuda::device_count() == 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--device cuda: no CUDA device (" + cuda::unavailable_reason() + ")");
+  }
+  cuda::check(cudaSetDevice(0), "cudaSetDevice(0)");
+  BufferMemory m;
+  m.allocate = [](std::size_t bytes) {
+    void* p = nullptr;
+    cuda::check(cudaMalloc(&p, bytes), "cudaMalloc of " + std::to_string(bytes) + " bytes");
+    cuda::check(cudaMemset(p, 0, bytes), "cudaMemset");
+    return p;
+  };
+  m.release = [](void* p) { (void)cudaFree(p); };
+  m.upload = [](void* dst, const void* host, std::size_t bytes) {
+    cuda::check(cudaMemcpy(dst, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy to device");
+  };
+  m.download = [](void* host, const void* src, std::size_t bytes) {
+    cuda::check(cudaMemcpy(host, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy to host");
+  };
+  return m;
+}
+#endif
+
 int run(int argc, char** argv) {
   CLI::App app{"dear-bench: dear collectives in the nccl-tests table format"};
   BenchArgs args;
@@ -96,6 +128,7 @@ int run(int argc, char** argv) {
   std::string slice;
   std::string algo = "auto";
   int timeout_s = 0;
+  std::string device = "host";
   app.add_option("--transport", transport, "Link transport (tcp); default DEAR_TRANSPORT or tcp");
   app.add_option("--channels", channels, "Parallel rings (sockets per link); default DEAR_CHANNELS or 1")
       ->check(CLI::Range(1, 16));
@@ -103,6 +136,10 @@ int run(int argc, char** argv) {
   app.add_option("--algo", algo, "all_reduce algorithm: auto, ring, gather_reduce")
       ->check(CLI::IsMember({"auto", "ring", "gather_reduce"}));
   app.add_option("--timeout", timeout_s, "Per-operation deadline in seconds; default DEAR_TIMEOUT");
+  app.add_option("--device", device,
+                 "Where the buffers live: host, or cuda (device memory, staged through pinned "
+                 "host memory; builds with CUDA only)")
+      ->check(CLI::IsMember({"host", "cuda"}));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -141,6 +178,14 @@ int run(int argc, char** argv) {
                       {"slice_bytes", used.slice_bytes},
                       {"algorithm", algo},
                       {"gather_reduce_max_bytes", used.gather_reduce_max_bytes}};
+  config.info.meta["device"] = device;
+  if (device == "cuda") {
+#ifdef DEAR_HAVE_CUDA
+    config.memory = cuda_memory();
+#else
+    throw Error(ErrorCode::kInvalidArgument, "--device cuda: this build of dear has no CUDA");
+#endif
+  }
   DearComm peer(*comm);
   return run_sweep(peer, args, std::move(config), [&](const OpRequest& r) {
     return bind_dear(r, *comm, op_options);

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "common/env.h"
 #include "dear/error.h"
@@ -13,20 +14,55 @@ namespace dear::bench {
 namespace {
 
 // Zero-initialised so that pages are touched before timing, and so a checked run starts
-// from a known state.
+// from a known state. In host memory, or where a BufferMemory puts it.
 struct Buffer {
-  explicit Buffer(std::size_t bytes)
-      : bytes_(bytes), data_(new std::byte[std::max<std::size_t>(bytes, 1)]()) {}
-  [[nodiscard]] void* data() noexcept { return data_.get(); }
-  void clear() noexcept { std::memset(data_.get(), 0, bytes_); }
+  Buffer(std::size_t bytes, const BufferMemory* memory) : bytes_(bytes), memory_(memory) {
+    if (memory_ != nullptr) {
+      device_ = memory_->allocate(std::max<std::size_t>(bytes, 1));
+    } else {
+      host_.reset(new std::byte[std::max<std::size_t>(bytes, 1)]());
+    }
+  }
+  ~Buffer() {
+    if (memory_ != nullptr) memory_->release(device_);
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  [[nodiscard]] void* data() noexcept { return memory_ != nullptr ? device_ : host_.get(); }
+  void clear() {
+    if (memory_ == nullptr) {
+      std::memset(host_.get(), 0, bytes_);
+    } else {
+      const std::vector<std::byte> zeros(bytes_);
+      memory_->upload(device_, zeros.data(), bytes_);
+    }
+  }
 
  private:
   std::size_t bytes_;
-  std::unique_ptr<std::byte[]> data_;
+  const BufferMemory* memory_;
+  std::unique_ptr<std::byte[]> host_;
+  void* device_ = nullptr;
 };
 
+// fill_input on a buffer that may not be in host memory.
+void fill(void* input, std::size_t bytes, const CheckSpec& spec, const BufferMemory* memory) {
+  if (memory == nullptr) return fill_input(input, spec);
+  std::vector<std::byte> host(std::max<std::size_t>(bytes, 1));
+  fill_input(host.data(), spec);
+  memory->upload(input, host.data(), bytes);
+}
+
+long long wrong_in(const void* output, std::size_t bytes, const CheckSpec& spec,
+                   const BufferMemory* memory) {
+  if (memory == nullptr) return count_wrong(output, spec);
+  std::vector<std::byte> host(std::max<std::size_t>(bytes, 1));
+  memory->download(host.data(), output, bytes);
+  return count_wrong(host.data(), spec);
+}
+
 Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bool in_place,
-               std::uint64_t seed, const Binder& bind) {
+               std::uint64_t seed, const Binder& bind, const BufferMemory* memory) {
   CheckSpec spec;
   spec.collective = args.collective;
   spec.dtype = args.dtype;
@@ -41,8 +77,8 @@ Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bo
   const std::size_t in_bytes = input_count(spec) * elem;
   const std::size_t out_bytes = output_count(spec) * elem;
   std::optional<Buffer> send;
-  Buffer recv(in_place ? std::max(in_bytes, out_bytes) : out_bytes);
-  if (!in_place) send.emplace(in_bytes);
+  Buffer recv(in_place ? std::max(in_bytes, out_bytes) : out_bytes, memory);
+  if (!in_place) send.emplace(in_bytes, memory);
 
   OpRequest req;
   req.collective = args.collective;
@@ -58,7 +94,7 @@ Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bo
 
   // Timed iterations start from ordinary numbers. In-place reductions then grow them (up to
   // infinity for 16-bit floats) but never towards denormals, the one slow path of CPU maths.
-  fill_input(op->input, spec);
+  fill(op->input, in_bytes, spec, memory);
   const Stopwatch warm;
   for (int i = 0; i < args.warmup_iters; ++i) op->run();
   int iters = args.iters;
@@ -82,10 +118,10 @@ Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bo
   if (args.check != 0) {
     recv.clear();
     if (send) send->clear();
-    fill_input(op->input, spec);
+    fill(op->input, in_bytes, spec, memory);
     comm.barrier();
     op->run();
-    wrong = comm.sum_over_ranks(count_wrong(op->output, spec));
+    wrong = comm.sum_over_ranks(wrong_in(op->output, out_bytes, spec, memory));
   }
   return make_result(point, args.collective, comm.size(), time_us, samples.p50(), samples.p99(),
                      wrong);
@@ -110,8 +146,9 @@ int run_sweep(PeerComm& comm, const BenchArgs& args, DriverConfig config, const 
   for (std::size_t i = 0; i < points.size(); ++i) {
     Row row = make_row(points[i], args.collective, args.dtype, args.op, args.root);
     // A distinct seed per run, so a result left over from the previous run is wrong.
-    row.oop = measure(comm, args, points[i], false, 2 * i, bind);
-    row.ip = measure(comm, args, points[i], true, 2 * i + 1, bind);
+    const BufferMemory* memory = config.memory ? &*config.memory : nullptr;
+    row.oop = measure(comm, args, points[i], false, 2 * i, bind, memory);
+    row.ip = measure(comm, args, points[i], true, 2 * i + 1, bind, memory);
     reporter.add(std::move(row));
     print_progress(config.tool, args.collective, points[i].bytes, i + 1, points.size(),
                    comm.rank());

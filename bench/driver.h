@@ -57,9 +57,20 @@ struct BoundOp {
 // the driver prints N/A for it. Must answer the same on every rank.
 using Binder = std::function<std::optional<BoundOp>(const OpRequest&)>;
 
+// Where the benchmark's buffers live when not in ordinary host memory (dear-bench --device
+// cuda). The driver fills inputs and checks outputs in host memory and moves them with
+// upload/download, outside the timed region.
+struct BufferMemory {
+  std::function<void*(std::size_t bytes)> allocate;  // zeroed
+  std::function<void(void*)> release;
+  std::function<void(void* dst, const void* host, std::size_t bytes)> upload;
+  std::function<void(void* host, const void* src, std::size_t bytes)> download;
+};
+
 struct DriverConfig {
   std::string tool;  // "mpi-bench", for progress lines
   RunInfo info;      // library, transport, meta; collective/dtype/op/nranks are filled in
+  std::optional<BufferMemory> memory;  // unset: host memory
 };
 
 // Runs the whole sweep and prints through the report library. Returns the process exit
