@@ -13,6 +13,7 @@
 #include "collectives/reduce.h"
 #include "common/env.h"
 #include "transport/delay_channel.h"
+#include "transport/fabric/fabric_link.h"
 #include "transport/socket_util.h"
 #include "transport/tcp/tcp_channel.h"
 
@@ -227,10 +228,12 @@ class CommunicatorImpl final : public Communicator {
                       " is outside [64, 1 GiB]",
                   rank_);
     }
-    if (options_.transport != "tcp") {
+    if (options_.transport != "tcp" &&
+        (options_.transport != "fabric" || !transport::fabric::built())) {
       throw Error(ErrorCode::kInvalidArgument,
                   "CommOptions::transport='" + options_.transport +
-                      "' is not available in this build (available: tcp)",
+                      "' is not available in this build (available: tcp" +
+                      (transport::fabric::built() ? ", fabric" : "") + ")",
                   rank_);
     }
     if (options_.eager_window < 1) {
@@ -248,6 +251,37 @@ class CommunicatorImpl final : public Communicator {
                   rank_);
     }
     const auto deadline = tr::deadline_after(options_.timeout);
+    std::vector<std::unique_ptr<tr::Channel>> to_next;
+    std::vector<std::vector<std::unique_ptr<tr::Channel>>> from(1);
+    if (options_.transport == "fabric") {
+      tr::fabric::FabricOptions fo;
+      fo.provider = options_.fabric_provider;
+      fo.deadline = deadline;
+      auto ring = tr::fabric::connect_ring(*bootstrap_, options_.channels, fo);
+      to_next = std::move(ring.to_next);
+      from[0] = std::move(ring.from_prev);
+    } else {
+      connect_tcp(deadline, to_next, from);
+    }
+    // Emulated latency wraps the channels of both links, so every message a rank sends is
+    // held once, whichever direction it travels.
+    const std::chrono::microseconds delay(options_.link_delay_us);
+    to_next = tr::with_delay(std::move(to_next), delay);
+    from[0] = tr::with_delay(std::move(from[0]), delay);
+    collectives::EngineConfig cfg;
+    cfg.rank = rank_;
+    cfg.size = size_;
+    cfg.channels = options_.channels;
+    cfg.eager_bytes = options_.eager_bytes;
+    cfg.eager_window = options_.eager_window;
+    cfg.spin_us = options_.spin_us;
+    engine_ = std::make_shared<collectives::Engine>(cfg, std::move(to_next), std::move(from[0]));
+  }
+
+  void connect_tcp(transport::Deadline deadline,
+                   std::vector<std::unique_ptr<transport::Channel>>& to_next,
+                   std::vector<std::vector<std::unique_ptr<transport::Channel>>>& from) {
+    namespace tr = transport;
     const std::string host = bootstrap_->advertise_host();
     tr::Fd listener = tr::listen_on(tr::resolve(host, 0));
     AddressRecord mine{};
@@ -273,24 +307,10 @@ class CommunicatorImpl final : public Communicator {
     const int next = (rank_ + 1) % size_;
     const int prev = (rank_ - 1 + size_) % size_;
     const auto& n = all[static_cast<std::size_t>(next)];
-    auto to_next = tr::tcp::connect_link(tr::resolve(n.host, n.port), rank_, next,
-                                         options_.channels, bootstrap_->id().secret.data(), tag,
-                                         deadline);
-    auto from = tr::tcp::accept_links(listener.get(), rank_, {prev}, options_.channels,
-                                      bootstrap_->id().secret.data(), tag, deadline);
-    // Emulated latency wraps the channels of both links, so every message a rank sends is
-    // held once, whichever direction it travels.
-    const std::chrono::microseconds delay(options_.link_delay_us);
-    to_next = tr::with_delay(std::move(to_next), delay);
-    from[0] = tr::with_delay(std::move(from[0]), delay);
-    collectives::EngineConfig cfg;
-    cfg.rank = rank_;
-    cfg.size = size_;
-    cfg.channels = options_.channels;
-    cfg.eager_bytes = options_.eager_bytes;
-    cfg.eager_window = options_.eager_window;
-    cfg.spin_us = options_.spin_us;
-    engine_ = std::make_shared<collectives::Engine>(cfg, std::move(to_next), std::move(from[0]));
+    to_next = tr::tcp::connect_link(tr::resolve(n.host, n.port), rank_, next, options_.channels,
+                                    bootstrap_->id().secret.data(), tag, deadline);
+    from = tr::tcp::accept_links(listener.get(), rank_, {prev}, options_.channels,
+                                 bootstrap_->id().secret.data(), tag, deadline);
   }
 
   std::unique_ptr<Op> make(OpKind kind, const void* in, void* out, std::size_t count,
@@ -464,6 +484,7 @@ CommOptions apply_env(CommOptions options) {
   if (auto v = env::get_int("DEAR_SPIN_US", 0, 1000000)) options.spin_us = static_cast<int>(*v);
   if (auto v = env::get_bytes("DEAR_SMALL_BYTES")) options.gather_reduce_max_bytes = *v;
   if (auto v = env::get("DEAR_TRANSPORT")) options.transport = *v;
+  if (auto v = env::get("DEAR_FABRIC_PROVIDER")) options.fabric_provider = *v;
   if (auto v = env::get_int("DEAR_LINK_DELAY_US", 0, 10000000)) {
     options.link_delay_us = static_cast<int>(*v);
   }

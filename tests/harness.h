@@ -15,8 +15,47 @@
 
 #include "dear/bootstrap.h"
 #include "dear/communicator.h"
+#if defined(DEAR_TEST_TRANSPORT)
+#include <optional>
+
+#include "transport/fabric/fabric_link.h"
+#endif
 
 namespace dear::testing {
+
+// The transport a suite runs over. A suite compiled with DEAR_TEST_TRANSPORT (and, for
+// "fabric", DEAR_TEST_FABRIC_PROVIDER) runs every rank over it: tests/CMakeLists.txt builds the
+// conformance suite once per transport this way.
+inline void use_suite_transport([[maybe_unused]] CommOptions& options) {
+#if defined(DEAR_TEST_TRANSPORT)
+  options.transport = DEAR_TEST_TRANSPORT;
+#endif
+#if defined(DEAR_TEST_FABRIC_PROVIDER)
+  options.fabric_provider = DEAR_TEST_FABRIC_PROVIDER;
+#endif
+}
+
+#if defined(DEAR_TEST_TRANSPORT)
+// Why the suite's transport cannot run on this host (its tests then skip), or nullopt.
+inline std::optional<std::string> suite_transport_unavailable() {
+  if (std::string(DEAR_TEST_TRANSPORT) != "fabric") return std::nullopt;
+#if defined(DEAR_TEST_FABRIC_PROVIDER)
+  return transport::fabric::unavailable_reason(DEAR_TEST_FABRIC_PROVIDER);
+#else
+  return transport::fabric::unavailable_reason("");
+#endif
+}
+#define DEAR_SKIP_UNLESS_SUITE_TRANSPORT()                                    \
+  do {                                                                       \
+    if (auto why = ::dear::testing::suite_transport_unavailable()) {         \
+      GTEST_SKIP() << *why;                                                  \
+    }                                                                        \
+  } while (false)
+#else
+#define DEAR_SKIP_UNLESS_SUITE_TRANSPORT() \
+  do {                                     \
+  } while (false)
+#endif
 
 // Calls fn(comm) on each of n ranks (threads); returns each rank's failure (null where the
 // rank succeeded). Ranks that fail leave their communicator, so peers see the failure too.
@@ -25,6 +64,7 @@ inline std::vector<std::exception_ptr> run_ranks_collect(
   if (const char* t = std::getenv("DEAR_TEST_TIMEOUT_MS")) {
     options.timeout = std::chrono::milliseconds(std::atoi(t));
   }
+  use_suite_transport(options);
   const UniqueId id = UniqueId::create("127.0.0.1");
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
   std::vector<std::thread> threads;

@@ -1,6 +1,7 @@
 // Conformance suite: every collective, dtype and op, rank counts 1..8, sizes from 0 through
 // primes to many slices, in place and out of place, checked element by element against the
-// independent reference in reference.h. Ranks are threads over TCP loopback.
+// independent reference in reference.h. Ranks are threads over TCP loopback, or over the
+// transport named by DEAR_TEST_TRANSPORT (see harness.h; one binary per transport).
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -34,7 +35,10 @@ std::vector<char> make_input(int rank, std::size_t count, DataType t, ReduceOp o
   return buf;
 }
 
-class Conformance : public ::testing::TestWithParam<int> {};
+class Conformance : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override { DEAR_SKIP_UNLESS_SUITE_TRANSPORT(); }
+};
 
 TEST_P(Conformance, AllReduceEveryTypeOpSizeAndAlgorithm) {
   const int n = GetParam();
@@ -303,7 +307,10 @@ TEST_P(Conformance, ConcurrentOperationsWithPriorities) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, Conformance, ::testing::Values(1, 2, 3, 4, 5, 8),
+#if !defined(DEAR_TEST_RANKS)
+#define DEAR_TEST_RANKS 1, 2, 3, 4, 5, 8
+#endif
+INSTANTIATE_TEST_SUITE_P(Ranks, Conformance, ::testing::Values(DEAR_TEST_RANKS),
                          [](const ::testing::TestParamInfo<int>& p) { return std::to_string(p.param) + "ranks"; });
 
 }  // namespace

@@ -59,7 +59,12 @@ struct CommOptions {
   int channels = 1;
   std::size_t slice_bytes = 512 * 1024;
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // "tcp", or "fabric" (libfabric; builds with it only) (DEAR_TRANSPORT).
   std::string transport = "tcp";
+  // transport "fabric": the libfabric provider, e.g. "tcp;ofi_rxm", "shm", "sockets",
+  // "verbs;ofi_rxm"; empty = the first one libfabric offers that reaches other hosts
+  // (DEAR_FABRIC_PROVIDER).
+  std::string fabric_provider;
   // kAuto picks kGatherReduce for all_reduce up to this many bytes, kRing above (DEAR_ALGO
   // forces one; DEAR_SMALL_BYTES overrides the threshold).
   Algorithm algorithm = Algorithm::kAuto;
@@ -79,7 +84,8 @@ struct CommOptions {
 };
 
 // `options` with the DEAR_* environment overrides applied (DEAR_CHANNELS, DEAR_SLICE_BYTES,
-// DEAR_TIMEOUT, DEAR_EAGER_BYTES, DEAR_SMALL_BYTES, DEAR_SPIN_US, DEAR_TRANSPORT, DEAR_ALGO). Throws
+// DEAR_TIMEOUT, DEAR_EAGER_BYTES, DEAR_SMALL_BYTES, DEAR_SPIN_US, DEAR_TRANSPORT,
+// DEAR_FABRIC_PROVIDER, DEAR_ALGO). Throws
 // dear::Error(kInvalidArgument) naming a variable whose value is malformed.
 [[nodiscard]] CommOptions apply_env(CommOptions options);
 

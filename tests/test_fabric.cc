@@ -1,0 +1,338 @@
+// The libfabric transport: the slot/credit protocol on its own (no libfabric
+// needed), then setup errors, rank disagreement, a peer that leaves, and
+// messages split into many fragments, over every provider this host offers. The
+// collectives themselves are checked over fabric by the conformance suite
+// (test_collectives.cc, built once per provider).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <deque>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "harness.h"
+#include "reference.h"
+#include "transport/fabric/fabric_link.h"
+#include "transport/fabric/slot_window.h"
+
+namespace dear::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using transport::fabric::kControlSlots;
+using transport::fabric::RecvWindow;
+using transport::fabric::SendWindow;
+
+// ---- slot/credit bookkeeping
+// -------------------------------------------------------------
+
+TEST(SlotWindow, SenderSpendsOneCreditPerFragmentAndStopsAtZero) {
+  SendWindow w(4);
+  for (std::uint32_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(w.can_send());
+    EXPECT_EQ(w.take(), i);
+  }
+  EXPECT_FALSE(w.can_send());
+  EXPECT_EQ(w.unacknowledged(), 4u);
+  EXPECT_FALSE(w.on_returned(5)) << "more credits than outstanding is a protocol violation";
+  EXPECT_EQ(w.credits(), 0u);
+  EXPECT_TRUE(w.on_returned(3));
+  EXPECT_EQ(w.credits(), 3u);
+  EXPECT_EQ(w.next_seq(), 4u);
+  EXPECT_THROW(SendWindow(0), Error);
+}
+
+TEST(SlotWindow, ReceiverHandsOutFragmentsInSequenceWhateverTheArrivalOrder) {
+  RecvWindow w(4, 2);
+  EXPECT_FALSE(w.next_ready());
+  ASSERT_TRUE(w.arrived(2, 12));
+  ASSERT_TRUE(w.arrived(1, 11));
+  EXPECT_FALSE(w.next_ready()) << "fragment 0 has not arrived";
+  ASSERT_TRUE(w.arrived(0, 10));
+  std::vector<std::uint32_t> order;
+  while (auto b = w.next_ready()) {
+    order.push_back(*b);
+    w.consume();
+  }
+  EXPECT_EQ(order, (std::vector<std::uint32_t>{10, 11, 12}));
+  EXPECT_EQ(w.expected(), 3u);
+  EXPECT_EQ(w.owed(), 3u);
+  EXPECT_TRUE(w.should_return());
+  EXPECT_EQ(w.take_owed(), 3u);
+  EXPECT_EQ(w.owed(), 0u);
+  EXPECT_FALSE(w.should_return());
+}
+
+TEST(SlotWindow, ReceiverRejectsDuplicatesAndFragmentsOutsideTheWindow) {
+  RecvWindow w(4, 2);
+  EXPECT_FALSE(w.arrived(4, 0)) << "seq 4 needs a fifth slot";
+  EXPECT_TRUE(w.arrived(3, 0));
+  EXPECT_FALSE(w.arrived(3, 1)) << "duplicate";
+  EXPECT_FALSE(w.arrived(0xffffffffU, 1)) << "behind the window";
+  EXPECT_THROW(w.consume(), Error) << "fragment 0 has not arrived";
+  EXPECT_THROW(RecvWindow(4, 5), Error);
+  EXPECT_THROW(RecvWindow(4, 0), Error);
+}
+
+TEST(SlotWindow, SequenceNumbersWrapAround) {
+  const std::uint32_t start = 0xfffffffdU;
+  SendWindow s(4, start);
+  RecvWindow r(4, 2, start);
+  std::uint32_t delivered = 0;
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::uint32_t> seqs;
+    while (s.can_send()) seqs.push_back(s.take());
+    std::reverse(seqs.begin(), seqs.end());  // arrive backwards
+    for (const auto q : seqs) ASSERT_TRUE(r.arrived(q, q % 4)) << "seq " << q;
+    while (auto b = r.next_ready()) {
+      EXPECT_EQ(*b, (start + delivered) % 4);
+      r.consume();
+      ++delivered;
+    }
+    ASSERT_TRUE(s.on_returned(r.take_owed()));
+  }
+  EXPECT_EQ(delivered, 12u);
+  EXPECT_EQ(r.expected(), start + 12u) << "wrapped past 2^32";
+  EXPECT_FALSE(r.arrived(start + 8u, 0)) << "already consumed, before the wrap";
+}
+
+// Both ends of a channel, joined by a "network" that delivers in a random
+// order, run the protocol of slot_window.h as FabricChannel does: fragments
+// spend credits, credits return piggybacked or in control messages once
+// `threshold` are owed. Checks: every fragment is delivered once and in order,
+// no side deadlocks, and no more control messages are ever in flight than
+// kControlSlots allows.
+TEST(SlotWindow, SimulatedChannelNeverDeadlocksAndBoundsControlMessages) {
+  struct Msg {
+    bool control;
+    std::uint32_t seq;
+    std::uint32_t credits;
+  };
+  struct Side {
+    SendWindow send{8};
+    RecvWindow recv{8, 4};
+    std::uint32_t to_send = 0;    // fragments still to send
+    std::uint32_t delivered = 0;  // fragments received in order
+    std::deque<Msg> inbox;        // arrived, not processed
+    std::uint32_t control_in_flight = 0;
+  };
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 50; ++trial) {
+    Side side[2];
+    side[0].to_send = 200 + rng() % 100;
+    side[1].to_send = rng() % 2 == 0 ? 0 : rng() % 300;  // one-way and two-way traffic
+    std::vector<std::pair<int, Msg>> network;            // (destination, message)
+    std::uint32_t max_control = 0;
+    for (int step = 0; step < 100000; ++step) {
+      const bool done = side[0].to_send == 0 && side[1].to_send == 0 && network.empty() &&
+                        side[0].inbox.empty() && side[1].inbox.empty();
+      if (done) break;
+      const int who = static_cast<int>(rng() % 3);
+      if (who == 2 && !network.empty()) {
+        // The network delivers any message in flight: order is not preserved.
+        const std::size_t k = rng() % network.size();
+        side[network[k].first].inbox.push_back(network[k].second);
+        network.erase(network.begin() + static_cast<std::ptrdiff_t>(k));
+        continue;
+      }
+      const int me = who % 2;
+      Side& s = side[me];
+      Side& peer = side[1 - me];
+      // Receive: arrivals, then in-order delivery.
+      while (!s.inbox.empty()) {
+        const Msg m = s.inbox.front();
+        s.inbox.pop_front();
+        ASSERT_TRUE(s.send.on_returned(m.credits));
+        if (m.control) {
+          --s.control_in_flight;  // counted at the receiver, reposted at once
+          continue;
+        }
+        ASSERT_TRUE(s.recv.arrived(m.seq, m.seq % 8));
+      }
+      while (s.recv.next_ready()) {
+        s.recv.consume();
+        ++s.delivered;
+      }
+      // Send data, piggybacking credits; then a control message if enough are
+      // owed.
+      while (s.to_send > 0 && s.send.can_send() && rng() % 4 != 0) {
+        network.push_back({1 - me, Msg{false, s.send.take(), s.recv.take_owed()}});
+        --s.to_send;
+      }
+      if (s.recv.should_return()) {
+        network.push_back({1 - me, Msg{true, 0, s.recv.take_owed()}});
+        ++peer.control_in_flight;
+        max_control = std::max(max_control, peer.control_in_flight);
+      }
+    }
+    EXPECT_TRUE(side[0].to_send == 0 && side[1].to_send == 0 && network.empty())
+        << "trial " << trial << " deadlocked";
+    EXPECT_LE(max_control, kControlSlots - 1) << "control messages in flight, trial " << trial;
+  }
+}
+
+// ---- the fabric transport
+// ----------------------------------------------------------------
+
+const std::vector<std::string> kProviders = {"tcp;ofi_rxm", "shm"};
+
+class Fabric : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (auto why = transport::fabric::unavailable_reason(GetParam())) GTEST_SKIP() << *why;
+  }
+  CommOptions options() const {
+    CommOptions o;
+    o.transport = "fabric";
+    o.fabric_provider = GetParam();
+    o.timeout = 20s;
+    return o;
+  }
+};
+
+std::string what_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  }
+}
+
+const Error* as_error(const std::exception_ptr& e, Error& storage) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& x) {
+    storage = x;
+    return &storage;
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+TEST(FabricSetup, UnknownProviderNamesItAndTheAvailableOnes) {
+  if (!transport::fabric::built()) GTEST_SKIP() << "this build has no libfabric transport";
+  CommOptions o;
+  o.transport = "fabric";
+  o.fabric_provider = "no-such-provider";
+  const auto errors = run_ranks_collect(
+      2, [](Communicator&) {}, o);
+  for (const auto& e : errors) {
+    ASSERT_TRUE(e) << "creating a communicator on a missing provider must fail";
+    Error err(ErrorCode::kInternal, "");
+    ASSERT_NE(as_error(e, err), nullptr) << what_of(e);
+    EXPECT_EQ(err.code(), ErrorCode::kInvalidArgument) << what_of(e);
+    EXPECT_NE(what_of(e).find("'no-such-provider'"), std::string::npos) << what_of(e);
+    EXPECT_NE(what_of(e).find("available:"), std::string::npos) << what_of(e);
+  }
+}
+
+TEST(FabricSetup, TransportNameIsCheckedAgainstTheBuild) {
+  CommOptions o;
+  o.transport = "carrier-pigeon";
+  const auto errors = run_ranks_collect(
+      1, [](Communicator&) {}, o);
+  ASSERT_TRUE(errors[0]);
+  EXPECT_NE(what_of(errors[0]).find("available: tcp"), std::string::npos) << what_of(errors[0]);
+  if (transport::fabric::built()) {
+    EXPECT_NE(what_of(errors[0]).find("fabric"), std::string::npos) << what_of(errors[0]);
+  }
+}
+
+TEST_P(Fabric, MismatchedCountsFailEveryRank) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = run_ranks_collect(
+      3,
+      [](Communicator& comm) {
+        std::vector<float> buf(64, 1.0f);
+        const std::size_t count = comm.rank() == 1 ? 10 : 12;
+        comm.all_reduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum).wait();
+      },
+      options());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "the mismatch took the deadline";
+  for (std::size_t r = 0; r < errors.size(); ++r) {
+    ASSERT_TRUE(errors[r]) << "rank " << r << " did not fail";
+    Error err(ErrorCode::kInternal, "");
+    ASSERT_NE(as_error(errors[r], err), nullptr) << what_of(errors[r]);
+    EXPECT_EQ(err.code(), ErrorCode::kMismatch) << what_of(errors[r]);
+    EXPECT_NE(what_of(errors[r]).find("count=10"), std::string::npos) << what_of(errors[r]);
+    EXPECT_NE(what_of(errors[r]).find("count=12"), std::string::npos) << what_of(errors[r]);
+  }
+}
+
+// A rank that leaves: the others fail (not hang), and the error names the rank
+// that left.
+TEST_P(Fabric, PeerThatLeavesIsNamed) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = run_ranks_collect(
+      3,
+      [](Communicator& comm) {
+        if (comm.rank() == 2) return;  // destroys its communicator at once
+        std::this_thread::sleep_for(50ms);
+        std::vector<float> buf(1000, 1.0f);
+        comm.all_reduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum)
+            .wait();
+      },
+      options());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 15s) << "a departed peer took too long";
+  EXPECT_FALSE(errors[2]);
+  for (std::size_t r = 0; r < 2; ++r) {
+    ASSERT_TRUE(errors[r]) << "rank " << r << " did not fail";
+    EXPECT_NE(what_of(errors[r]).find("rank 2"), std::string::npos) << what_of(errors[r]);
+  }
+}
+
+// Slices far larger than a staging slot: every message is split into many
+// fragments (kStream reduction and kDirect copies across fragment boundaries),
+// checked element by element.
+TEST_P(Fabric, LargeSlicesSplitIntoFragments) {
+  CommOptions o = options();
+  o.slice_bytes = 1024 * 1024 + 7 * 64;  // several 128 KiB slots per message, uneven
+  o.channels = 2;
+  const int n = 3;
+  run_ranks(
+      n,
+      [&](Communicator& comm) {
+        const int r = comm.rank();
+        for (const auto t : {DataType::kFloat32, DataType::kFloat64, DataType::kInt8}) {
+          const std::size_t count = 300007;  // prime
+          std::vector<char> in(count * dtype_size(t));
+          for (std::size_t i = 0; i < count; ++i) {
+            store(in.data(), i, t, input_value(r, i, t, ReduceOp::kSum));
+          }
+          std::vector<char> out(in.size());
+          comm.all_reduce(in.data(), out.data(), count, t, ReduceOp::kSum).wait();
+          Mismatches bad;
+          for (std::size_t i = 0; i < count; ++i) {
+            const double want = expected_reduce(i, n, t, ReduceOp::kSum);
+            const double got = load(out.data(), i, t);
+            if (!close_enough(got, want, t)) bad.add(i, got, want);
+          }
+          ASSERT_EQ(bad.count, 0u) << to_string(t) << " rank " << r << ": " << bad.first;
+          std::vector<char> all(in.size() * static_cast<std::size_t>(n));
+          comm.all_gather(in.data(), all.data(), count, t).wait();
+          for (int src = 0; src < n; ++src) {
+            for (std::size_t i = 0; i < count; ++i) {
+              const double want = input_value(src, i, t, ReduceOp::kSum);
+              const double got = load(all.data(), static_cast<std::size_t>(src) * count + i, t);
+              if (got != want) bad.add(i, got, want);
+            }
+          }
+          ASSERT_EQ(bad.count, 0u) << "all_gather " << to_string(t) << ": " << bad.first;
+        }
+      },
+      o);
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, Fabric, ::testing::ValuesIn(kProviders),
+                         [](const ::testing::TestParamInfo<std::string>& p) {
+                           std::string s = p.param;
+                           std::replace_if(
+                               s.begin(), s.end(), [](char c) { return !std::isalnum(c); }, '_');
+                           return s;
+                         });
+
+}  // namespace
+}  // namespace dear::testing

@@ -1,0 +1,975 @@
+#include "transport/fabric/fabric_link.h"
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <type_traits>
+
+#include "dear/error.h"
+#include "transport/fabric/slot_window.h"
+#include "transport/socket_util.h"
+
+namespace dear::transport::fabric {
+namespace {
+
+constexpr std::uint32_t kApiVersion = FI_VERSION(1, 9);
+constexpr int kMaxChannels = 16;
+constexpr std::size_t kMaxName = 240;       // endpoint names: sockaddrs, shm paths
+constexpr std::size_t kQueueCapacity = 64;  // messages queued per channel (back-pressure)
+// close() waits at most this long for the provider to take what is queued and
+// the closing message.
+constexpr auto kCloseLinger = std::chrono::milliseconds(200);
+// A destroyed channel's endpoint and memory are kept (see Graveyard) until the
+// peer has said goodbye too, or for this long.
+constexpr auto kRetireFor = std::chrono::seconds(10);
+// Without a wait descriptor (shm) the engine polls on a timer: often while
+// traffic flows, rarely when idle.
+constexpr auto kBusyPoll = std::chrono::microseconds(50);
+constexpr auto kIdlePoll = std::chrono::milliseconds(2);
+constexpr auto kBusyFor = std::chrono::milliseconds(10);
+
+enum class Kind : std::uint8_t { kData = 1, kCredit = 2, kBye = 3 };
+
+// Starts every fragment and control message. 32 bytes keep what follows 32-byte
+// aligned.
+struct Prefix {
+  std::uint64_t tag = 0;      // the communicator's: anything else is a stranger's and dropped
+  std::uint32_t seq = 0;      // kData: fragment sequence; kBye: data fragments sent before it
+  std::uint32_t credits = 0;  // credits returned to the receiver of this message
+  std::uint32_t bytes = 0;    // bytes after the prefix
+  Kind kind = Kind::kData;
+  std::uint8_t first = 0;  // kData: starts a message (a FrameHeader follows the prefix)
+  std::uint16_t reserved = 0;
+  std::uint64_t reserved2 = 0;
+};
+static_assert(sizeof(Prefix) == 32, "the fragment prefix is 32 bytes");
+constexpr std::size_t kPrefix = sizeof(Prefix);
+constexpr std::size_t kHeader = sizeof(FrameHeader);
+
+std::string fi_text(int rc) { return fi_strerror(rc < 0 ? -rc : rc); }
+
+[[noreturn]] void throw_fi(const std::string& call, int rc, int rank, int peer = Error::kNone) {
+  throw Error(ErrorCode::kSystem, call + " failed: " + fi_text(rc), rank, peer, "fabric setup");
+}
+
+template <class T>
+struct FidCloser {
+  void operator()(T* p) const {
+    if (p != nullptr) fi_close(&p->fid);
+  }
+};
+template <class T>
+using FidPtr = std::unique_ptr<T, FidCloser<T>>;
+
+struct InfoDeleter {
+  void operator()(fi_info* i) const { fi_freeinfo(i); }
+};
+using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
+
+InfoPtr make_hints(const std::string& provider) {
+  InfoPtr hints(fi_allocinfo());
+  if (!hints) throw Error(ErrorCode::kSystem, "fi_allocinfo failed: out of memory");
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->caps = FI_MSG;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;
+  hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+  hints->domain_attr->threading = FI_THREAD_SAFE;
+  if (!provider.empty()) hints->fabric_attr->prov_name = ::strdup(provider.c_str());
+  return hints;
+}
+
+// Providers that only reach ranks of this host, skipped by the default choice.
+bool single_host(const std::string& prov) { return prov == "shm" || prov.rfind("shm;", 0) == 0; }
+
+InfoPtr query(const std::string& provider, int* rc_out) {
+  InfoPtr hints = make_hints(provider);
+  fi_info* info = nullptr;
+  const int rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints.get(), &info);
+  if (rc_out != nullptr) *rc_out = rc;
+  return InfoPtr(rc == 0 ? info : nullptr);
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + ("'" + x + "'");
+  return s.empty() ? "none" : s;
+}
+
+// The fabric and domain shared by the channels of one communicator.
+struct Domain {
+  InfoPtr info;
+  FidPtr<fid_fabric> fabric;
+  FidPtr<fid_domain> domain;
+  // One address vector for all channels (some providers, shm among them, expect
+  // one per domain); each channel inserts its peer's endpoint.
+  FidPtr<fid_av> av;
+  std::string provider;
+  ~Domain() {
+    av.reset();
+    domain.reset();
+    fabric.reset();
+  }
+};
+
+struct FreeDeleter {
+  void operator()(char* p) const { std::free(p); }
+};
+
+struct Buf {
+  fi_context2 ctx;  // first: a completion's op_context points here
+  char* data;
+  std::uint32_t index;
+  bool recv;
+};
+static_assert(std::is_standard_layout_v<Buf>, "completions map back to Buf by address");
+
+// Endpoints of destroyed channels, kept until their peer has closed too. Why: a
+// peer may still send before it learns of the close (its engine may be busy
+// closing its other channels), and with some providers (shm, ranks in one
+// process) such a send writes into this endpoint's memory directly, so
+// releasing it at once could crash the peer. Entries are freed once their
+// completion queue shows the peer's goodbye, or after kRetireFor, or at exit.
+class Graveyard {
+ public:
+  struct Entry {
+    std::shared_ptr<Domain> dom;  // first: released last
+    std::unique_ptr<char, FreeDeleter> memory;
+    std::vector<Buf> bufs;
+    FidPtr<fid_mr> mr;
+    FidPtr<fid_cq> cq;
+    FidPtr<fid_ep> ep;
+    std::uint64_t tag = 0;
+    bool peer_bye = false;
+    Clock::time_point until{};
+  };
+  static Graveyard& get() {
+    // Never destroyed: channels may retire during static destruction. What is left at exit is
+    // released by an exit handler, which runs before libfabric's own finalisation.
+    static auto* g = [] {
+      auto* y = new Graveyard;
+      std::atexit([] { get().release_all(); });
+      return y;
+    }();
+    return *g;
+  }
+  void release_all() {
+    std::lock_guard<std::mutex> lock(mu_);
+    entries_.clear();
+  }
+  void retire(Entry e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    reap_locked();
+    if (!e.peer_bye) entries_.push_back(std::move(e));
+  }
+  void reap() {
+    std::lock_guard<std::mutex> lock(mu_);
+    reap_locked();
+  }
+
+ private:
+  void reap_locked() {
+    const auto now = Clock::now();
+    std::erase_if(entries_, [&](Entry& e) {
+      std::array<fi_cq_data_entry, 16> c{};
+      for (int i = 0; i < 16 && !e.peer_bye; ++i) {
+        const ssize_t n = fi_cq_read(e.cq.get(), c.data(), c.size());
+        if (n == -FI_EAVAIL) {
+          fi_cq_err_entry err{};
+          (void)fi_cq_readerr(e.cq.get(), &err, 0);
+          continue;
+        }
+        if (n <= 0) break;
+        for (ssize_t k = 0; k < n; ++k) {
+          const Buf& b = *static_cast<const Buf*>(c[static_cast<std::size_t>(k)].op_context);
+          if (b.recv && c[static_cast<std::size_t>(k)].len >= kPrefix) {
+            Prefix p;
+            std::memcpy(&p, b.data, kPrefix);
+            if (p.tag == e.tag && p.kind == Kind::kBye) e.peer_bye = true;
+          }
+        }
+      }
+      return e.peer_bye || now >= e.until;
+    });
+  }
+  std::mutex mu_;
+  std::list<Entry> entries_;
+};
+
+struct NullSink final : RecvSink {
+  RecvTarget on_header(int, const FrameHeader&) override { return {}; }
+  void on_payload(int, const FrameHeader&, const char*, std::size_t, std::size_t) override {}
+  void on_message(int, const FrameHeader&) override {}
+  void on_sent(int, std::uint64_t) override {}
+  void on_closed(int) override {}
+};
+
+class FabricChannel final : public Channel {
+ public:
+  FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, int index, std::uint64_t tag,
+                const FabricOptions& o);
+  ~FabricChannel() override;
+  FabricChannel(const FabricChannel&) = delete;
+  FabricChannel& operator=(const FabricChannel&) = delete;
+
+  // This endpoint's name, to be given to the peer.
+  [[nodiscard]] std::vector<char> name() const;
+  void set_peer(const char* name, std::size_t len);
+
+  bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
+  std::size_t queued() const override { return count_; }
+  std::size_t queued_bytes() const override { return queued_bytes_; }
+  bool progress(RecvSink& sink, bool may_read) override;
+  pollfd wait_spec() const override;
+  void close() override;
+  bool closed() const override { return closed_ || peer_closed_; }
+  std::string describe() const override;
+
+ private:
+  struct Pending {
+    FrameHeader header;
+    const char* payload;
+    std::uint64_t token;
+  };
+
+  [[noreturn]] void fail(const std::string& why) const {
+    throw Error(ErrorCode::kPeerFailed, why + " on " + describe(), self_, peer_);
+  }
+  void check(const char* call, int rc) const {
+    if (rc != 0) {
+      throw Error(ErrorCode::kSystem,
+                  std::string(call) + " failed: " + fi_text(rc) + " on " + describe(), self_, peer_,
+                  "fabric setup");
+    }
+  }
+  void* desc() const { return mr_ ? fi_mr_desc(mr_.get()) : nullptr; }
+  void post_recv(Buf& b);
+  bool repost_pending();
+  bool poll_cq(RecvSink& sink);
+  void on_arrival(Buf& b, std::size_t len);
+  bool deliver(RecvSink& sink);
+  void payload(RecvSink& sink, const char* data, std::size_t n);
+  bool pump(RecvSink& sink);
+  bool send_control(Kind kind, std::uint32_t seq, std::uint32_t credits);
+
+  std::shared_ptr<Domain> dom_;  // first: outlives the endpoint resources below
+  int self_;
+  int peer_;
+  int index_;
+  std::uint64_t tag_;
+  std::size_t slot_bytes_;
+  std::uint32_t slots_;
+
+  FidPtr<fid_cq> cq_;
+  FidPtr<fid_ep> ep_;
+  FidPtr<fid_mr> mr_;
+  fi_addr_t peer_addr_ = FI_ADDR_UNSPEC;
+  int wait_fd_ = -1;  // the CQ's, owned by the provider; -1 when it has none
+  Fd ready_fd_;       // always readable
+  Fd timer_fd_;       // providers without a wait descriptor
+  bool timer_busy_ = false;
+  Clock::time_point last_moved_{};
+
+  std::unique_ptr<char, FreeDeleter> memory_;
+  std::vector<Buf> bufs_;  // [0, slots + kControlSlots): receive; then data
+                           // sends, control sends
+  std::vector<std::uint32_t> free_data_;
+  std::vector<std::uint32_t> free_ctrl_;
+  std::vector<std::uint32_t> repost_;  // receive buffers the provider refused for now
+  std::uint32_t in_flight_ = 0;        // sends handed to the provider, not yet completed
+
+  SendWindow sendw_;
+  RecvWindow recvw_;
+
+  std::array<Pending, kQueueCapacity> queue_{};
+  std::size_t head_ = 0;
+  std::size_t count_ = 0;
+  std::size_t queued_bytes_ = 0;
+  std::size_t head_offset_ = 0;  // payload bytes of the head message already fragmented
+  bool head_started_ = false;
+
+  bool in_msg_ = false;
+  FrameHeader current_{};
+  RecvTarget target_{};
+  std::size_t done_ = 0;       // payload bytes of the current message received
+  std::size_t delivered_ = 0;  // kStream: bytes handed to on_payload
+  alignas(64) std::array<char, 64> carry_{};
+  std::size_t carry_n_ = 0;
+  std::unique_ptr<char, FreeDeleter> bounce_;  // kStream pieces that arrive misaligned
+
+  bool peer_bye_ = false;
+  std::uint32_t bye_seq_ = 0;
+  bool peer_closed_ = false;
+  bool bye_sent_ = false;
+  bool closed_ = false;
+};
+
+FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, int index,
+                             std::uint64_t tag, const FabricOptions& o)
+    : dom_(std::move(dom)),
+      self_(self),
+      peer_(peer),
+      index_(index),
+      tag_(tag),
+      slot_bytes_(o.slot_bytes),
+      slots_(o.slots),
+      sendw_(o.slots),
+      recvw_(o.slots, std::max<std::uint32_t>(1, o.slots / 2)) {
+  const fi_info* info = dom_->info.get();
+  const std::uint32_t pool = slots_ + kControlSlots;
+
+  fi_cq_attr cq_attr{};
+  cq_attr.size = 4 * pool;
+  cq_attr.format = FI_CQ_FORMAT_DATA;
+  cq_attr.wait_obj = FI_WAIT_FD;
+  cq_attr.wait_cond = FI_CQ_COND_NONE;
+  fid_cq* cq = nullptr;
+  int rc = fi_cq_open(dom_->domain.get(), &cq_attr, &cq, nullptr);
+  if (rc == 0) {
+    cq_.reset(cq);
+    if (fi_control(&cq->fid, FI_GETWAIT, &wait_fd_) != 0) wait_fd_ = -1;
+  } else {
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    check("fi_cq_open", fi_cq_open(dom_->domain.get(), &cq_attr, &cq, nullptr));
+    cq_.reset(cq);
+  }
+  ready_fd_ = Fd(::eventfd(1, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!ready_fd_.valid()) {
+    throw Error(ErrorCode::kSystem, "eventfd: " + std::string(std::strerror(errno)), self_);
+  }
+  if (wait_fd_ < 0) {
+    timer_fd_ = Fd(::timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK));
+    if (!timer_fd_.valid()) {
+      throw Error(ErrorCode::kSystem, "timerfd_create: " + std::string(std::strerror(errno)),
+                  self_);
+    }
+    itimerspec t{};
+    t.it_value.tv_nsec = std::chrono::nanoseconds(kIdlePoll).count();
+    t.it_interval = t.it_value;
+    ::timerfd_settime(timer_fd_.get(), 0, &t, nullptr);
+  }
+
+  fid_ep* ep = nullptr;
+  check("fi_endpoint", fi_endpoint(dom_->domain.get(), dom_->info.get(), &ep, nullptr));
+  ep_.reset(ep);
+  check("fi_ep_bind(av)", fi_ep_bind(ep, &dom_->av->fid, 0));
+  check("fi_ep_bind(cq)", fi_ep_bind(ep, &cq_->fid, FI_TRANSMIT | FI_RECV));
+  check("fi_enable", fi_enable(ep));
+
+  // One allocation for every staging buffer: receive pool, then data and
+  // control send buffers.
+  const std::size_t total = 2 * static_cast<std::size_t>(pool) * slot_bytes_;
+  memory_.reset(static_cast<char*>(std::aligned_alloc(4096, (total + 4095) / 4096 * 4096)));
+  if (!memory_) throw Error(ErrorCode::kSystem, "out of memory for fabric staging", self_);
+  if (info->domain_attr->mr_mode & FI_MR_LOCAL) {
+    fid_mr* mr = nullptr;
+    check("fi_mr_reg", fi_mr_reg(dom_->domain.get(), memory_.get(), total, FI_SEND | FI_RECV, 0, 0,
+                                 0, &mr, nullptr));
+    mr_.reset(mr);
+  }
+  bufs_.resize(2 * static_cast<std::size_t>(pool));
+  for (std::uint32_t i = 0; i < bufs_.size(); ++i) {
+    Buf& b = bufs_[i];
+    b.ctx = {};
+    b.data = memory_.get() + static_cast<std::size_t>(i) * slot_bytes_;
+    b.index = i;
+    b.recv = i < pool;
+  }
+  for (std::uint32_t i = 0; i < slots_; ++i) free_data_.push_back(pool + slots_ - 1 - i);
+  for (std::uint32_t i = 0; i < kControlSlots; ++i) free_ctrl_.push_back(2 * pool - 1 - i);
+  for (std::uint32_t i = 0; i < pool; ++i) post_recv(bufs_[i]);
+  bounce_.reset(static_cast<char*>(std::aligned_alloc(64, slot_bytes_)));
+  if (!bounce_) throw Error(ErrorCode::kSystem, "out of memory for fabric staging", self_);
+}
+
+FabricChannel::~FabricChannel() {
+  close();
+  if (!ep_) return;
+  Graveyard::Entry e;
+  e.dom = dom_;
+  e.memory = std::move(memory_);
+  e.bufs = std::move(bufs_);  // the completions' contexts point into this storage: kept
+  e.mr = std::move(mr_);
+  e.cq = std::move(cq_);
+  e.ep = std::move(ep_);
+  e.tag = tag_;
+  e.peer_bye = peer_bye_;
+  e.until = Clock::now() + kRetireFor;
+  Graveyard::get().retire(std::move(e));
+}
+
+std::vector<char> FabricChannel::name() const {
+  std::vector<char> n(kMaxName);
+  std::size_t len = n.size();
+  const int rc = fi_getname(&ep_->fid, n.data(), &len);
+  if (rc != 0) {
+    throw Error(ErrorCode::kSystem,
+                "fi_getname failed: " + fi_text(rc) + " (endpoint name of " + std::to_string(len) +
+                    " bytes, at most " + std::to_string(kMaxName) + " supported)",
+                self_, peer_, "fabric setup");
+  }
+  n.resize(len);
+  return n;
+}
+
+void FabricChannel::set_peer(const char* name, std::size_t len) {
+  (void)len;
+  const int n = fi_av_insert(dom_->av.get(), name, 1, &peer_addr_, 0, nullptr);
+  if (n != 1) {
+    throw Error(ErrorCode::kSystem,
+                "fi_av_insert of rank " + std::to_string(peer_) + "'s endpoint failed: " +
+                    (n < 0 ? fi_text(n) : std::string("address not accepted")),
+                self_, peer_, "fabric setup");
+  }
+}
+
+std::string FabricChannel::describe() const {
+  return "fabric (" + dom_->provider + ") channel " + std::to_string(index_) + " between rank " +
+         std::to_string(self_) + " and rank " + std::to_string(peer_);
+}
+
+void FabricChannel::post_recv(Buf& b) {
+  const int rc =
+      static_cast<int>(fi_recv(ep_.get(), b.data, slot_bytes_, desc(), FI_ADDR_UNSPEC, &b.ctx));
+  if (rc == -FI_EAGAIN) {
+    repost_.push_back(b.index);
+    return;
+  }
+  if (rc != 0) fail("fi_recv failed: " + fi_text(rc));
+}
+
+bool FabricChannel::repost_pending() {
+  if (repost_.empty()) return false;
+  std::vector<std::uint32_t> again;
+  again.swap(repost_);
+  for (const std::uint32_t i : again) post_recv(bufs_[i]);
+  return repost_.size() < again.size();
+}
+
+bool FabricChannel::try_send(const FrameHeader& h, const void* payload, std::uint64_t token) {
+  if (count_ == kQueueCapacity) return false;
+  if (closed()) fail("send on a closed channel");
+  queue_[(head_ + count_) % kQueueCapacity] = {h, static_cast<const char*>(payload), token};
+  ++count_;
+  queued_bytes_ += h.bytes;
+  return true;
+}
+
+pollfd FabricChannel::wait_spec() const {
+  if (closed()) return {-1, 0, 0};
+  // Sends in the provider's hands may need this side's progress to leave
+  // (manual progress).
+  if (in_flight_ > 0 || !repost_.empty()) return {ready_fd_.get(), POLLIN, 0};
+  if (wait_fd_ < 0) return {timer_fd_.get(), POLLIN, 0};
+  fid* f = &cq_->fid;
+  if (fi_trywait(dom_->fabric.get(), &f, 1) != FI_SUCCESS) return {ready_fd_.get(), POLLIN, 0};
+  return {wait_fd_, POLLIN, 0};
+}
+
+bool FabricChannel::progress(RecvSink& sink, bool may_read) {
+  (void)may_read;  // reading the completion queue is cheap and also completes
+                   // sends
+  if (closed()) return false;
+  bool moved = false;
+  for (int round = 0; round < 8 && !closed(); ++round) {
+    bool m = repost_pending();
+    m |= poll_cq(sink);
+    m |= deliver(sink);
+    if (closed()) return true;
+    m |= pump(sink);
+    if (recvw_.should_return() && send_control(Kind::kCredit, 0, recvw_.owed())) {
+      recvw_.take_owed();
+      m = true;
+    }
+    if (!m) break;
+    moved = true;
+  }
+  if (timer_fd_.valid()) {
+    std::uint64_t ticks = 0;
+    [[maybe_unused]] const ssize_t n = ::read(timer_fd_.get(), &ticks, sizeof(ticks));
+    const auto now = Clock::now();
+    if (moved) last_moved_ = now;
+    const bool busy = now - last_moved_ < kBusyFor;
+    if (busy != timer_busy_) {
+      timer_busy_ = busy;
+      itimerspec t{};
+      t.it_value.tv_nsec = std::chrono::nanoseconds(busy ? std::chrono::nanoseconds(kBusyPoll)
+                                                         : std::chrono::nanoseconds(kIdlePoll))
+                               .count();
+      t.it_interval = t.it_value;
+      ::timerfd_settime(timer_fd_.get(), 0, &t, nullptr);
+    }
+  }
+  return moved;
+}
+
+bool FabricChannel::poll_cq(RecvSink& sink) {
+  (void)sink;
+  bool moved = false;
+  std::array<fi_cq_data_entry, 16> entries{};
+  for (int batch = 0; batch < 64; ++batch) {
+    const ssize_t n = fi_cq_read(cq_.get(), entries.data(), entries.size());
+    if (n == -FI_EAGAIN) break;
+    if (n == -FI_EAVAIL) {
+      fi_cq_err_entry err{};
+      const ssize_t r = fi_cq_readerr(cq_.get(), &err, 0);
+      if (r < 0) fail("fi_cq_readerr failed: " + fi_text(static_cast<int>(r)));
+      char buf[256] = {};
+      const char* detail =
+          fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, buf, sizeof(buf));
+      const bool recv = err.op_context != nullptr && static_cast<Buf*>(err.op_context)->recv;
+      fail(std::string(recv ? "a receive" : "a send") + " to/from rank " + std::to_string(peer_) +
+           " failed: " + fi_text(err.err) +
+           (detail != nullptr && *detail != '\0' ? std::string(" (") + detail + ")" : ""));
+    }
+    if (n < 0) fail("fi_cq_read failed: " + fi_text(static_cast<int>(n)));
+    moved = true;
+    for (ssize_t i = 0; i < n; ++i) {
+      Buf& b = *static_cast<Buf*>(entries[static_cast<std::size_t>(i)].op_context);
+      if (b.recv) {
+        on_arrival(b, entries[static_cast<std::size_t>(i)].len);
+      } else {
+        --in_flight_;
+        if (b.index >= bufs_.size() - kControlSlots) {
+          free_ctrl_.push_back(b.index);
+        } else {
+          free_data_.push_back(b.index);
+        }
+      }
+    }
+    if (static_cast<std::size_t>(n) < entries.size()) break;
+  }
+  return moved;
+}
+
+void FabricChannel::on_arrival(Buf& b, std::size_t len) {
+  Prefix p;
+  if (len < kPrefix) {
+    post_recv(b);  // not one of ours
+    return;
+  }
+  std::memcpy(&p, b.data, kPrefix);
+  if (p.tag != tag_) {
+    std::fprintf(stderr, "dear rank %d: dropped a fabric message of another job on %s\n", self_,
+                 describe().c_str());
+    post_recv(b);
+    return;
+  }
+  if (p.bytes != len - kPrefix) {
+    fail("protocol violation: a message of " + std::to_string(len) + " bytes says it holds " +
+         std::to_string(p.bytes) + " after its prefix");
+  }
+  if (!sendw_.on_returned(p.credits)) {
+    fail("protocol violation: rank " + std::to_string(peer_) + " returned " +
+         std::to_string(p.credits) + " credits with only " +
+         std::to_string(sendw_.unacknowledged()) + " outstanding");
+  }
+  switch (p.kind) {
+    case Kind::kCredit:
+      post_recv(b);
+      return;
+    case Kind::kBye:
+      peer_bye_ = true;
+      bye_seq_ = p.seq;
+      post_recv(b);
+      return;
+    case Kind::kData:
+      if (!recvw_.arrived(p.seq, b.index)) {
+        fail("protocol violation: fragment " + std::to_string(p.seq) +
+             " outside the receive window (next expected " + std::to_string(recvw_.expected()) +
+             ")");
+      }
+      return;
+  }
+  fail("protocol violation: unknown message kind " + std::to_string(static_cast<int>(p.kind)));
+}
+
+bool FabricChannel::deliver(RecvSink& sink) {
+  bool moved = false;
+  while (auto bi = recvw_.next_ready()) {
+    Buf& b = bufs_[*bi];
+    Prefix p;
+    std::memcpy(&p, b.data, kPrefix);
+    const char* data = b.data + kPrefix;
+    std::size_t n = p.bytes;
+    if (!in_msg_) {
+      if (p.first == 0 || n < kHeader) fail("protocol violation: a message starts mid-message");
+      std::memcpy(&current_, data, kHeader);
+      data += kHeader;
+      n -= kHeader;
+      in_msg_ = true;
+      done_ = 0;
+      delivered_ = 0;
+      carry_n_ = 0;
+      target_ = sink.on_header(index_, current_);
+      if (target_.unit == 0) target_.unit = 1;
+      if (target_.mode == RecvTarget::kStream && target_.unit > carry_.size()) {
+        fail("stream unit of " + std::to_string(target_.unit) + " bytes is not supported");
+      }
+    } else if (p.first != 0) {
+      fail("protocol violation: a message starts inside another");
+    }
+    if (n > current_.bytes - done_) {
+      fail("protocol violation: more payload than the header's " + std::to_string(current_.bytes) +
+           " bytes");
+    }
+    payload(sink, data, n);
+    recvw_.consume();
+    post_recv(b);
+    moved = true;
+    if (done_ == current_.bytes) {
+      if (target_.mode == RecvTarget::kStream && carry_n_ > 0) {
+        sink.on_payload(index_, current_, carry_.data(), delivered_, carry_n_);
+        carry_n_ = 0;
+      }
+      in_msg_ = false;
+      sink.on_message(index_, current_);
+    }
+  }
+  if (peer_bye_ && !peer_closed_ && recvw_.expected() == bye_seq_) {
+    if (in_msg_) fail("rank " + std::to_string(peer_) + " closed in the middle of a message");
+    peer_closed_ = true;
+    // Answer, so the peer may release its endpoint now instead of after
+    // kRetireFor. Nothing is sent here after this.
+    if (!bye_sent_) bye_sent_ = send_control(Kind::kBye, sendw_.next_seq(), 0);
+    sink.on_closed(index_);
+    moved = true;
+  }
+  return moved;
+}
+
+void FabricChannel::payload(RecvSink& sink, const char* data, std::size_t n) {
+  const std::size_t total = n;
+  switch (target_.mode) {
+    case RecvTarget::kDirect:
+      if (n > 0) std::memcpy(target_.dst + done_, data, n);
+      break;
+    case RecvTarget::kDiscard:
+      break;
+    case RecvTarget::kStream: {
+      // Pieces must be whole units starting at unit-aligned addresses; fragments
+      // are multiples of 32 bytes, so the carry is only used for units that do
+      // not divide that.
+      const std::size_t unit = target_.unit;
+      if (carry_n_ > 0) {
+        const std::size_t k = std::min(unit - carry_n_, n);
+        std::memcpy(carry_.data() + carry_n_, data, k);
+        carry_n_ += k;
+        data += k;
+        n -= k;
+        if (carry_n_ == unit) {
+          sink.on_payload(index_, current_, carry_.data(), delivered_, unit);
+          delivered_ += unit;
+          carry_n_ = 0;
+        }
+      }
+      const std::size_t whole = n - n % unit;
+      if (whole > 0) {
+        const char* piece = data;
+        if (reinterpret_cast<std::uintptr_t>(data) % unit != 0) {
+          std::memcpy(bounce_.get(), data, whole);
+          piece = bounce_.get();
+        }
+        sink.on_payload(index_, current_, piece, delivered_, whole);
+        delivered_ += whole;
+      }
+      if (n > whole) {
+        std::memcpy(carry_.data() + carry_n_, data + whole, n - whole);
+        carry_n_ += n - whole;
+      }
+      break;
+    }
+  }
+  done_ += total;
+}
+
+bool FabricChannel::pump(RecvSink& sink) {
+  bool moved = false;
+  const std::size_t cap = slot_bytes_ - kPrefix;
+  while (count_ > 0 && sendw_.can_send() && !free_data_.empty()) {
+    const Pending& m = queue_[head_];
+    const bool first = !head_started_;
+    const std::size_t room = first ? cap - kHeader : cap;
+    const std::size_t take = std::min<std::size_t>(room, m.header.bytes - head_offset_);
+    Buf& b = bufs_[free_data_.back()];
+    Prefix p;
+    p.tag = tag_;
+    p.seq = sendw_.next_seq();
+    p.credits = recvw_.owed();
+    p.bytes = static_cast<std::uint32_t>((first ? kHeader : 0) + take);
+    p.kind = Kind::kData;
+    p.first = first ? 1 : 0;
+    std::memcpy(b.data, &p, kPrefix);
+    char* at = b.data + kPrefix;
+    if (first) {
+      std::memcpy(at, &m.header, kHeader);
+      at += kHeader;
+    }
+    if (take > 0) std::memcpy(at, m.payload + head_offset_, take);
+    const auto rc = fi_send(ep_.get(), b.data, kPrefix + p.bytes, desc(), peer_addr_, &b.ctx);
+    if (rc == -FI_EAGAIN) break;
+    if (rc != 0)
+      fail("fi_send to rank " + std::to_string(peer_) +
+           " failed: " + fi_text(static_cast<int>(rc)));
+    free_data_.pop_back();
+    ++in_flight_;
+    sendw_.take();
+    recvw_.take_owed();
+    moved = true;
+    head_started_ = true;
+    head_offset_ += take;
+    if (head_offset_ == m.header.bytes) {
+      const std::uint64_t token = m.token;
+      queued_bytes_ -= m.header.bytes;
+      head_ = (head_ + 1) % kQueueCapacity;
+      --count_;
+      head_offset_ = 0;
+      head_started_ = false;
+      sink.on_sent(index_, token);
+    }
+  }
+  return moved;
+}
+
+bool FabricChannel::send_control(Kind kind, std::uint32_t seq, std::uint32_t credits) {
+  if (free_ctrl_.empty()) return false;
+  Buf& b = bufs_[free_ctrl_.back()];
+  Prefix p;
+  p.tag = tag_;
+  p.seq = seq;
+  p.credits = credits;
+  p.kind = kind;
+  std::memcpy(b.data, &p, kPrefix);
+  const auto rc = fi_send(ep_.get(), b.data, kPrefix, desc(), peer_addr_, &b.ctx);
+  if (rc == -FI_EAGAIN) return false;
+  if (rc != 0)
+    fail("fi_send to rank " + std::to_string(peer_) + " failed: " + fi_text(static_cast<int>(rc)));
+  free_ctrl_.pop_back();
+  ++in_flight_;
+  return true;
+}
+
+void FabricChannel::close() {
+  if (closed_ || !ep_) return;
+  NullSink null_sink;
+  const auto deadline = Clock::now() + kCloseLinger;
+  try {
+    // Hand over what is queued while the peer takes it, then say goodbye once
+    // it is out; what arrives meanwhile is not delivered (its operations are
+    // gone) but credits are honoured.
+    while (!peer_bye_ && count_ > 0 && Clock::now() < deadline) {
+      poll_cq(null_sink);
+      pump(null_sink);
+    }
+    while (!bye_sent_ && Clock::now() < deadline) {
+      bye_sent_ = send_control(Kind::kBye, sendw_.next_seq(), 0);
+      if (!bye_sent_) poll_cq(null_sink);
+    }
+    while (in_flight_ > 0 && Clock::now() < deadline) poll_cq(null_sink);
+  } catch (const Error&) {
+    // Closing anyway.
+  }
+  // The endpoint stays open until the destructor hands it to the Graveyard.
+  closed_ = true;
+  count_ = 0;
+  queued_bytes_ = 0;
+}
+
+std::uint64_t random_u64() {
+  std::uint64_t v = 0;
+  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
+    v = static_cast<std::uint64_t>(Clock::now().time_since_epoch().count());
+  }
+  return v;
+}
+
+struct NameRecord {
+  static constexpr std::uint32_t kMagic = 0x64656166;  // "deaf": dear fabric
+  std::uint32_t magic = kMagic;
+  std::int32_t channels = 0;
+  std::uint64_t tag = 0;
+  char provider[64] = {};
+  struct Name {
+    std::uint32_t len = 0;
+    char bytes[kMaxName] = {};
+  };
+  std::array<Name, kMaxChannels> to_next{};
+  std::array<Name, kMaxChannels> from_prev{};
+};
+
+}  // namespace
+
+bool built() { return true; }
+
+std::vector<std::string> available_providers() {
+  std::vector<std::string> out;
+  InfoPtr info = query("", nullptr);
+  for (const fi_info* i = info.get(); i != nullptr; i = i->next) {
+    const std::string name = i->fabric_attr->prov_name;
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
+  }
+  return out;
+}
+
+std::optional<std::string> unavailable_reason(const std::string& provider) {
+  const auto all = available_providers();
+  if (provider.empty()) {
+    for (const auto& p : all) {
+      if (!single_host(p)) return std::nullopt;
+    }
+    return "no libfabric provider offering reliable-datagram endpoints across "
+           "hosts (available: " +
+           join(all) + ")";
+  }
+  int rc = 0;
+  InfoPtr info = query(provider, &rc);
+  if (info) return std::nullopt;
+  return "libfabric provider '" + provider + "' is not available here (" + fi_text(rc) +
+         "; available: " + join(all) + ")";
+}
+
+RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& options) {
+  const int rank = bootstrap.rank();
+  const int size = bootstrap.size();
+  Graveyard::get().reap();
+  if (channels < 1 || channels > kMaxChannels) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "fabric: channels=" + std::to_string(channels) + " is outside [1, " +
+                    std::to_string(kMaxChannels) + "]",
+                rank);
+  }
+  if (options.slots < 2 || options.slots > 1024) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "fabric: slots=" + std::to_string(options.slots) + " is outside [2, 1024]", rank);
+  }
+  if (options.slot_bytes < 1024 || options.slot_bytes > (64U << 20) ||
+      options.slot_bytes % 64 != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "fabric: slot_bytes=" + std::to_string(options.slot_bytes) +
+                    " must be a multiple of 64 in [1 KiB, 64 MiB]",
+                rank);
+  }
+
+  // Choose the provider: the one asked for, or the first that reaches other
+  // hosts.
+  auto dom = std::make_shared<Domain>();
+  int rc = 0;
+  InfoPtr list = query(options.provider, &rc);
+  const fi_info* chosen = nullptr;
+  for (const fi_info* i = list.get(); i != nullptr; i = i->next) {
+    if (options.provider.empty() && single_host(i->fabric_attr->prov_name)) continue;
+    chosen = i;
+    break;
+  }
+  if (chosen == nullptr) {
+    const std::string asked =
+        options.provider.empty() ? "the default" : "'" + options.provider + "'";
+    throw Error(ErrorCode::kInvalidArgument,
+                "fabric: libfabric provider " + asked + " is not available (" +
+                    (rc != 0 ? fi_text(rc) : "only single-host ones") +
+                    "); available: " + join(available_providers()) +
+                    " (set CommOptions::fabric_provider or DEAR_FABRIC_PROVIDER)",
+                rank);
+  }
+  dom->info.reset(fi_dupinfo(chosen));
+  dom->provider = chosen->fabric_attr->prov_name;
+  FabricOptions o = options;
+  const std::size_t max_msg = chosen->ep_attr->max_msg_size;
+  if (max_msg < o.slot_bytes) o.slot_bytes = max_msg - max_msg % 64;
+  if (o.slot_bytes < kPrefix + kHeader + 64) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "fabric: provider '" + dom->provider + "' limits messages to " +
+                    std::to_string(max_msg) + " bytes, too small for a fragment",
+                rank);
+  }
+  fid_fabric* fabric = nullptr;
+  rc = fi_fabric(dom->info->fabric_attr, &fabric, nullptr);
+  if (rc != 0) throw_fi("fi_fabric(" + dom->provider + ")", rc, rank);
+  dom->fabric.reset(fabric);
+  fid_domain* domain = nullptr;
+  rc = fi_domain(fabric, dom->info.get(), &domain, nullptr);
+  if (rc != 0) throw_fi("fi_domain(" + dom->provider + ")", rc, rank);
+  dom->domain.reset(domain);
+  fi_av_attr av_attr{};
+  av_attr.type = FI_AV_TABLE;
+  av_attr.count = 2 * static_cast<std::size_t>(channels);
+  fid_av* av = nullptr;
+  rc = fi_av_open(domain, &av_attr, &av, nullptr);
+  if (rc != 0) throw_fi("fi_av_open(" + dom->provider + ")", rc, rank);
+  dom->av.reset(av);
+
+  const int next = (rank + 1) % size;
+  const int prev = (rank - 1 + size) % size;
+  NameRecord mine;
+  mine.channels = channels;
+  mine.tag = random_u64();
+  std::snprintf(mine.provider, sizeof(mine.provider), "%s", dom->provider.c_str());
+  std::vector<NameRecord> all(static_cast<std::size_t>(size));
+  // The endpoints exist (with receives posted) before any peer learns their
+  // names.
+  std::vector<std::unique_ptr<FabricChannel>> to_next, from_prev;
+  // Channels stamp rank 0's tag on every message, so it is gathered before they
+  // are made.
+  std::vector<std::uint64_t> tags(static_cast<std::size_t>(size));
+  bootstrap.all_gather(&mine.tag, sizeof(mine.tag), tags.data());
+  const std::uint64_t tag = tags[0];
+  for (int c = 0; c < channels; ++c) {
+    to_next.push_back(std::make_unique<FabricChannel>(dom, rank, next, c, tag, o));
+    from_prev.push_back(std::make_unique<FabricChannel>(dom, rank, prev, c, tag, o));
+    const auto put = [](NameRecord::Name& slot, const std::vector<char>& n) {
+      slot.len = static_cast<std::uint32_t>(n.size());
+      std::memcpy(slot.bytes, n.data(), n.size());
+    };
+    put(mine.to_next[static_cast<std::size_t>(c)], to_next.back()->name());
+    put(mine.from_prev[static_cast<std::size_t>(c)], from_prev.back()->name());
+  }
+  if (Clock::now() >= options.deadline) {
+    throw Error(ErrorCode::kTimeout, "fabric: setup ran past its deadline", rank);
+  }
+  bootstrap.all_gather(&mine, sizeof(mine), all.data());
+  for (int r = 0; r < size; ++r) {
+    const NameRecord& rec = all[static_cast<std::size_t>(r)];
+    if (rec.magic != NameRecord::kMagic) {
+      throw Error(ErrorCode::kMismatch,
+                  "rank " + std::to_string(r) +
+                      " sent no fabric endpoint names (does it use "
+                      "transport 'fabric' too?)",
+                  rank, r, "create");
+    }
+    if (rec.channels != channels || std::strncmp(rec.provider, mine.provider, 64) != 0) {
+      throw Error(ErrorCode::kMismatch,
+                  "rank " + std::to_string(r) + " uses provider '" +
+                      std::string(rec.provider, strnlen(rec.provider, 64)) +
+                      "' with channels=" + std::to_string(rec.channels) + ", rank " +
+                      std::to_string(rank) + " uses provider '" + dom->provider +
+                      "' with channels=" + std::to_string(channels) +
+                      " (DEAR_FABRIC_PROVIDER and DEAR_CHANNELS must agree)",
+                  rank, r, "create");
+    }
+  }
+  RingLinks out;
+  for (int c = 0; c < channels; ++c) {
+    const auto& n = all[static_cast<std::size_t>(next)].from_prev[static_cast<std::size_t>(c)];
+    const auto& p = all[static_cast<std::size_t>(prev)].to_next[static_cast<std::size_t>(c)];
+    to_next[static_cast<std::size_t>(c)]->set_peer(n.bytes, n.len);
+    from_prev[static_cast<std::size_t>(c)]->set_peer(p.bytes, p.len);
+  }
+  for (auto& ch : to_next) out.to_next.push_back(std::move(ch));
+  for (auto& ch : from_prev) out.from_prev.push_back(std::move(ch));
+  return out;
+}
+
+}  // namespace dear::transport::fabric

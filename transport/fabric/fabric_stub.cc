@@ -1,0 +1,23 @@
+// Builds without libfabric: the fabric transport reports itself unavailable.
+#include "dear/error.h"
+#include "transport/fabric/fabric_link.h"
+
+namespace dear::transport::fabric {
+namespace {
+constexpr const char* kWhy =
+    "this build of dear has no libfabric transport (libfabric was not found "
+    "when it was "
+    "configured; install libfabric-dev and reconfigure)";
+}  // namespace
+
+bool built() { return false; }
+
+std::vector<std::string> available_providers() { return {}; }
+
+std::optional<std::string> unavailable_reason(const std::string&) { return std::string(kWhy); }
+
+RingLinks connect_ring(Bootstrap& bootstrap, int, const FabricOptions&) {
+  throw Error(ErrorCode::kInvalidArgument, kWhy, bootstrap.rank());
+}
+
+}  // namespace dear::transport::fabric
