@@ -55,6 +55,10 @@ int main(int argc, char** argv) {
   int iterations = 3;
   double alpha_us = -1;
   double gbps = -1;
+  double gap_us = -1;
+  double time_scale = 1;
+  double param_scale = 1;
+  std::string engine = "policy";
   std::string slice = "";
   bool json_out = false;
   app.add_option("--model,-m", model_name, "profile name in --profiles, or a profile file");
@@ -64,6 +68,14 @@ int main(int argc, char** argv) {
   app.add_option("--alpha-us", alpha_us, "override: latency per ring step, microseconds");
   app.add_option("--gbps", gbps, "override: payload bandwidth per link, Gb/s");
   app.add_option("--slice-bytes", slice, "override: engine slice size in bytes");
+  app.add_option("--gap-us", gap_us, "override: sender-busy part of alpha, microseconds");
+  app.add_option("--engine", engine,
+                 "engine: policy (each policy's own), serial, or interleaved (dear's, for all)")
+      ->check(CLI::IsMember({"policy", "serial", "interleaved"}));
+  app.add_option("--time-scale", time_scale, "multiply every compute time by this (as dear-train)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--param-scale", param_scale, "multiply every tensor's size by this (as dear-train)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--policies", policies_arg, "comma-separated subset of the policies");
   app.add_option("--iterations", iterations, "iterations simulated (>= 2)")
       ->check(CLI::Range(2, 100));
@@ -78,8 +90,13 @@ int main(int argc, char** argv) {
     if (alpha_us >= 0) net->alpha_s = alpha_us * 1e-6;
     if (gbps > 0) net->beta_s_per_byte = 8.0 / (gbps * 1e9);
     if (!slice.empty()) net->slice_bytes = std::stoll(slice);
-    const ds::Model model = ds::load_model(profile_path(model_name, profiles));
+    if (gap_us >= 0) net->gap_s = gap_us * 1e-6;
+    const ds::Model model = ds::scale_model(ds::load_model(profile_path(model_name, profiles)),
+                                            time_scale, param_scale);
     ds::SimConfig config{*net, workers, iterations};
+    config.engine = engine == "serial"        ? ds::EngineChoice::kSerial
+                    : engine == "interleaved" ? ds::EngineChoice::kInterleaved
+                                              : ds::EngineChoice::kPolicy;
     const std::vector<std::string> names =
         policies_arg.empty() ? ds::policy_names() : split(policies_arg);
 
@@ -99,9 +116,11 @@ int main(int argc, char** argv) {
       nlohmann::ordered_json doc;
       doc["model"] = model.name;
       doc["workers"] = workers;
+      doc["engine"] = engine;
       doc["net"] = {{"name", net->name},
                     {"alpha_us", net->alpha_s * 1e6},
                     {"gbps", 8.0 / net->beta_s_per_byte / 1e9},
+                    {"gap_us", net->gap_s * 1e6},
                     {"slice_bytes", net->slice_bytes}};
       doc["compute_ms"] = (model.forward_s() + model.backward_s()) * 1e3;
       doc["bound_ms"] = bound * 1e3;

@@ -133,10 +133,12 @@ int main(int argc, char** argv) {
       ds::ReplayOptions o = options;
       o.record_trace = lead && !trace_file.empty() && name == trace_policy;
       if (lead) {
-        o.progress = [&name](int done, int total, double last_s) {
-          std::fprintf(stderr, "\rdear-train: %-14s %4d/%d iterations, last %.2f ms   ",
-                       name.c_str(), done, total, last_s * 1e3);
-          if (done == total) std::fprintf(stderr, "\n");
+        // One line when warm-up ends and one at the end (dear-run prefixes every line).
+        o.progress = [&name, warmup = o.warmup](int done, int total, double last_s) {
+          if (done != warmup && done != total) return;
+          std::fprintf(stderr, "dear-train: %s %d/%d iterations (%s), last %.2f ms\n",
+                       name.c_str(), done, total, done == total ? "done" : "warm-up done",
+                       last_s * 1e3);
         };
       }
       const ds::ReplayResult r = ds::replay(*comm, model, name, o);

@@ -82,9 +82,10 @@ struct ReplayResult {
                                   const ReplayOptions& options);
 
 // Fits alpha and beta of one ring step on `comm` from timed reduce-scatters and all-gathers
-// of several sizes (least squares on time per step against bytes per step), and returns rank
+// (median of `repeats` timings each) of 16 KiB and 1 MiB per ring step: the line through
+// the two, and returns rank
 // 0's fit on every rank. Collective. gap_s is set to alpha (on loopback the whole step
 // latency is CPU work).
-[[nodiscard]] NetModel calibrate_network(Communicator& comm, int repeats = 5);
+[[nodiscard]] NetModel calibrate_network(Communicator& comm, int repeats = 7);
 
 }  // namespace dear::scheduler
