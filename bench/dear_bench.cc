@@ -129,7 +129,9 @@ int run(int argc, char** argv) {
   std::string algo = "auto";
   int timeout_s = 0;
   std::string device = "host";
-  app.add_option("--transport", transport, "Link transport (tcp); default DEAR_TRANSPORT or tcp");
+  app.add_option("--transport", transport,
+                 "Link transport: tcp, or fabric (libfabric; provider from DEAR_FABRIC_PROVIDER); "
+                 "default DEAR_TRANSPORT or tcp");
   app.add_option("--channels", channels, "Parallel rings (sockets per link); default DEAR_CHANNELS or 1")
       ->check(CLI::Range(1, 16));
   app.add_option("--slice", slice, "Pipelining slice size, e.g. 512K; default DEAR_SLICE_BYTES");
