@@ -12,3 +12,11 @@ option(DEAR_FUZZ "Build the libFuzzer harnesses in tests/fuzz (needs clang)" OFF
 if(DEAR_FUZZ)
   add_subdirectory(${CMAKE_CURRENT_LIST_DIR}/fuzz ${CMAKE_CURRENT_BINARY_DIR}/fuzz)
 endif()
+
+# Ranks as processes killed at random points and stalled (SIGSTOP / SIGCONT).
+dear_test(test_faults SOURCES test_faults.cc LIBS dear_transport LABELS multiproc
+          PROPERTIES TIMEOUT 600)
+if(TARGET test_faults)
+  target_compile_definitions(test_faults PRIVATE DEAR_WORKER_PATH="$<TARGET_FILE:dear-test-worker>")
+  add_dependencies(test_faults dear-test-worker)
+endif()

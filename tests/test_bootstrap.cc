@@ -376,5 +376,41 @@ TEST(Links, FormDespiteGarbageConnections) {
   EXPECT_NE(log.find("wrong secret"), std::string::npos) << log;
 }
 
+TEST(Interface, LoopbackResolvesAndAnUnknownNameIsNamedInTheError) {
+  EXPECT_EQ(interface_address("lo", 0), "127.0.0.1");
+  try {
+    (void)interface_address("no-such-if0", 3);
+    ADD_FAILURE() << "an unknown interface was accepted";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_EQ(e.rank(), 3);
+    EXPECT_NE(what.find("DEAR_SOCKET_IFNAME=no-such-if0"), std::string::npos) << what;
+    EXPECT_NE(what.find("lo"), std::string::npos) << what;  // lists what does exist
+  }
+}
+
+TEST(Welcome, ARefusalIsProvenAndCarriesItsStatus) {
+  const std::array<std::uint8_t, 16> key = transport::random_secret();
+  const auth::Secret secret{key.data(), key.size()};
+  const auto purpose = auth::Purpose::kBootstrap;
+  auth::Claim claim{};
+  claim.rank = 2;
+  claim.world_size = 4;
+  const auth::Nonce nonce = auth::fresh_nonce();
+  const auth::Welcome w = auth::make_welcome(secret, purpose, claim, nonce, 0x101);
+  const auto* wb = reinterpret_cast<const std::uint8_t*>(&w);
+  std::uint32_t status = 0;
+  EXPECT_EQ(auth::check_welcome(wb, sizeof(w), purpose, secret, claim, nonce, &status),
+            auth::Check::kRefused);
+  EXPECT_EQ(status, 0x101U);
+  // A status changed on the way does not verify.
+  auth::Welcome forged = w;
+  forged.status = 0;
+  EXPECT_EQ(auth::check_welcome(reinterpret_cast<const std::uint8_t*>(&forged), sizeof(forged),
+                                purpose, secret, claim, nonce, &status),
+            auth::Check::kBadMac);
+}
+
 }  // namespace
 }  // namespace dear::testing

@@ -16,84 +16,18 @@
 #include <vector>
 
 #include "dear/bootstrap.h"
+#include "proc.h"
 #include "transport/listener_registry.h"
 
 namespace {
 
 using namespace std::chrono_literals;
-
-std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
-
-std::uint16_t free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-struct Proc {
-  pid_t pid = -1;
-  int status = 0;
-  bool exited = false;
-  std::string out_path;
-};
-
-// Starts argv with extra environment, stdout+stderr to a file.
-Proc spawn(const std::vector<std::string>& argv, const std::vector<std::string>& env,
-           const std::string& out_path) {
-  Proc p;
-  p.out_path = out_path;
-  p.pid = ::fork();
-  if (p.pid == 0) {
-    for (const auto& kv : env) ::putenv(const_cast<char*>(kv.c_str()));
-    std::FILE* f = std::fopen(out_path.c_str(), "w");
-    ::dup2(::fileno(f), 1);
-    ::dup2(::fileno(f), 2);
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execv(args[0], args.data());
-    ::_exit(127);
-  }
-  return p;
-}
-
-// Waits for every process until the deadline; kills what is left. True if all exited in time.
-bool wait_all(std::vector<Proc>& procs, std::chrono::seconds limit) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  std::size_t left = procs.size();
-  while (left > 0 && std::chrono::steady_clock::now() < end) {
-    for (auto& p : procs) {
-      if (p.exited) continue;
-      if (::waitpid(p.pid, &p.status, WNOHANG) == p.pid) {
-        p.exited = true;
-        --left;
-      }
-    }
-    std::this_thread::sleep_for(20ms);
-  }
-  for (auto& p : procs) {
-    if (!p.exited) {
-      ::kill(p.pid, SIGKILL);
-      ::waitpid(p.pid, &p.status, 0);
-    }
-  }
-  return left == 0;
-}
-
-std::string tmp_file(const std::string& name) {
-  return ::testing::TempDir() + "dear_" + std::to_string(::getpid()) + "_" + name;
-}
+using dear::test::Proc;
+using dear::test::free_port;
+using dear::test::slurp;
+using dear::test::spawn;
+using dear::test::tmp_file;
+using dear::test::wait_all;
 
 TEST(Processes, FourRanksThroughDearRun) {
   std::vector<Proc> procs{spawn({DEAR_RUN_PATH, "-n", "4", "--timeout", "120", DEAR_WORKER_PATH,

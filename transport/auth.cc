@@ -74,12 +74,14 @@ Mac connector_mac(Secret secret, Purpose purpose, const Nonce& listener_nonce, c
   return hmac(secret, t);
 }
 
-Mac listener_mac(Secret secret, Purpose purpose, const Claim& claim, const Nonce& listener_nonce) {
+Mac listener_mac(Secret secret, Purpose purpose, const Claim& claim, const Nonce& listener_nonce,
+                 std::uint32_t status) {
   Transcript t;
   t.add(kListenerLabel, sizeof(kListenerLabel));
   t.add(&purpose, sizeof(purpose));
   t.add(&claim, sizeof(claim));
   t.add(listener_nonce.data(), listener_nonce.size());
+  t.add(&status, sizeof(status));
   return hmac(secret, t);
 }
 
@@ -94,9 +96,9 @@ Response make_response(Secret secret, Purpose purpose, const Challenge& challeng
 }
 
 Welcome make_welcome(Secret secret, Purpose purpose, const Claim& claim,
-                     const Nonce& listener_nonce) {
-  return {static_cast<std::uint32_t>(purpose), 0,
-          listener_mac(secret, purpose, claim, listener_nonce)};
+                     const Nonce& listener_nonce, std::uint32_t status) {
+  return {static_cast<std::uint32_t>(purpose), status,
+          listener_mac(secret, purpose, claim, listener_nonce, status)};
 }
 
 bool same_mac(const Mac& a, const Mac& b) {
@@ -149,16 +151,16 @@ Check check_challenge(const std::uint8_t* bytes, std::size_t n, Purpose purpose,
 }
 
 Check check_welcome(const std::uint8_t* bytes, std::size_t n, Purpose purpose, Secret secret,
-                    const Claim& sent, const Nonce& listener_nonce) {
+                    const Claim& sent, const Nonce& listener_nonce, std::uint32_t* status) {
   if (const Check c = check_prefix(bytes, n, purpose, false); c != Check::kOk) return c;
   if (n < sizeof(Welcome)) return Check::kIncomplete;
   Welcome w;
   std::memcpy(&w, bytes, sizeof(w));
-  if (w.status != 0) return Check::kRefused;
-  if (!same_mac(w.mac, listener_mac(secret, purpose, sent, listener_nonce))) {
+  if (!same_mac(w.mac, listener_mac(secret, purpose, sent, listener_nonce, w.status))) {
     return Check::kBadMac;
   }
-  return Check::kOk;
+  if (status != nullptr) *status = w.status;
+  return w.status == 0 ? Check::kOk : Check::kRefused;
 }
 
 std::optional<std::string> bootstrap_claim_problem(const Claim& c, int world_size) {

@@ -81,12 +81,13 @@ static_assert(sizeof(Welcome) == 40);
 [[nodiscard]] Challenge make_challenge(Purpose purpose);
 [[nodiscard]] Mac connector_mac(Secret secret, Purpose purpose, const Nonce& listener_nonce,
                                 const Claim& claim);
+// The status (0 = accepted) is part of what the MAC covers, so a refusal cannot be forged.
 [[nodiscard]] Mac listener_mac(Secret secret, Purpose purpose, const Claim& claim,
-                               const Nonce& listener_nonce);
+                               const Nonce& listener_nonce, std::uint32_t status = 0);
 [[nodiscard]] Response make_response(Secret secret, Purpose purpose, const Challenge& challenge,
                                      const Claim& claim);
 [[nodiscard]] Welcome make_welcome(Secret secret, Purpose purpose, const Claim& claim,
-                                   const Nonce& listener_nonce);
+                                   const Nonce& listener_nonce, std::uint32_t status = 0);
 // Constant-time equality of two MACs.
 [[nodiscard]] bool same_mac(const Mac& a, const Mac& b);
 
@@ -110,8 +111,10 @@ enum class Check : std::uint8_t {
 [[nodiscard]] Check check_challenge(const std::uint8_t* bytes, std::size_t n, Purpose purpose,
                                     Challenge* out);
 // A connector's check of the listener's proof, for the claim it sent and the challenge it got.
+// A proven Welcome with a non-zero status is kRefused, its status stored in *status if given.
 [[nodiscard]] Check check_welcome(const std::uint8_t* bytes, std::size_t n, Purpose purpose,
-                                  Secret secret, const Claim& sent, const Nonce& listener_nonce);
+                                  Secret secret, const Claim& sent, const Nonce& listener_nonce,
+                                  std::uint32_t* status = nullptr);
 
 // What is wrong with a verified bootstrap claim for a job of world_size ranks (rank 0
 // listening), or nullopt. A verified claim that is wrong comes from a rank of this very job that

@@ -1,7 +1,12 @@
 #include "dear/bootstrap.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <cstdio>
@@ -24,6 +29,9 @@ using transport::Fd;
 
 namespace auth = transport::auth;
 constexpr auto kPurpose = auth::Purpose::kBootstrap;
+// Welcome status telling a joined rank that rendezvous failed because rank (status - this)
+// never joined.
+constexpr std::uint32_t kWelcomeMissingRank = 0x100;
 // A connection that has not proved the secret this quickly is dropped, so that a scanner or a
 // half-open connection cannot hold rendezvous up.
 constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
@@ -64,34 +72,71 @@ class TcpBootstrap final : public Bootstrap {
     if (size_ == 1) return;
     const Deadline deadline = transport::deadline_after(options_.timeout);
     const std::uint64_t len = bytes;
+    // Rank 0 answers every rank with a status word, then the result: 0, or 1 + the rank whose
+    // failure stopped the collective, so that every rank can name it, not only rank 0.
     if (rank_ == 0) {
       for (int r = 1; r < size_; ++r) {
         const std::string what = "bootstrap all-gather from rank " + std::to_string(r);
         std::uint64_t their = 0;
-        guarded(r, [&] {
-          transport::read_all(peers_[r].get(), &their, sizeof(their), deadline, what);
-          if (their != len) {
-            throw Error(ErrorCode::kMismatch, what + ": rank " + std::to_string(r) + " sent " +
-                                                  std::to_string(their) + " bytes, rank 0 " +
-                                                  std::to_string(len));
-          }
-          transport::read_all(peers_[r].get(), o + static_cast<std::size_t>(r) * bytes, bytes,
-                              deadline, what);
-        });
+        try {
+          guarded(r, [&] {
+            transport::read_all(peers_[r].get(), &their, sizeof(their), deadline, what);
+            if (their != len) {
+              throw Error(ErrorCode::kMismatch, what + ": rank " + std::to_string(r) +
+                                                    " sent " + std::to_string(their) +
+                                                    " bytes, rank 0 " + std::to_string(len));
+            }
+            transport::read_all(peers_[r].get(), o + static_cast<std::size_t>(r) * bytes, bytes,
+                                deadline, what);
+          });
+        } catch (const Error&) {
+          tell_failure(static_cast<std::uint64_t>(r) + 1, r);
+          throw;
+        }
       }
+      const std::uint64_t ok = 0;
       for (int r = 1; r < size_; ++r) {
         guarded(r, [&] {
+          const std::string what = "bootstrap all-gather to rank " + std::to_string(r);
+          transport::write_all(peers_[r].get(), &ok, sizeof(ok), deadline, what);
           transport::write_all(peers_[r].get(), o, bytes * static_cast<std::size_t>(size_),
-                               deadline, "bootstrap all-gather to rank " + std::to_string(r));
+                               deadline, what);
         });
       }
     } else {
-      guarded(0, [&] {
-        transport::write_all(root_.get(), &len, sizeof(len), deadline, "bootstrap all-gather");
-        transport::write_all(root_.get(), in, bytes, deadline, "bootstrap all-gather");
-        transport::read_all(root_.get(), o, bytes * static_cast<std::size_t>(size_), deadline,
-                            "bootstrap all-gather");
-      });
+      std::uint64_t status = 0;
+      try {
+        guarded(0, [&] {
+          transport::write_all(root_.get(), &len, sizeof(len), deadline, "bootstrap all-gather");
+          transport::write_all(root_.get(), in, bytes, deadline, "bootstrap all-gather");
+          transport::read_all(root_.get(), &status, sizeof(status), deadline,
+                              "bootstrap all-gather");
+          if (status == 0) {
+            transport::read_all(root_.get(), o, bytes * static_cast<std::size_t>(size_),
+                                deadline, "bootstrap all-gather");
+          }
+        });
+      } catch (const Error& e) {
+        // Rank 0 may have closed after telling why (a write then fails): read what it said.
+        if (e.code() != ErrorCode::kPeerFailed || status != 0) throw;
+        try {
+          transport::read_all(root_.get(), &status, sizeof(status),
+                              transport::deadline_after(std::chrono::milliseconds(200)),
+                              "bootstrap status");
+        } catch (const Error&) {
+          throw e;
+        }
+        if (status == 0) throw;
+      }
+      if (status != 0) {
+        const auto blame = static_cast<std::int64_t>(status) - 1;
+        const int peer = blame >= 0 && blame < size_ ? static_cast<int>(blame) : 0;
+        throw Error(ErrorCode::kPeerFailed,
+                    "rank 0 reports that rank " + std::to_string(peer) +
+                        " failed during a bootstrap collective (it exited, crashed or lost its "
+                        "connection)",
+                    rank_, peer, "bootstrap");
+      }
     }
   }
 
@@ -102,6 +147,20 @@ class TcpBootstrap final : public Bootstrap {
   }
 
  private:
+  // Best effort, on rank 0: tells every connected rank except `skip` the bootstrap status
+  // word `status` (a failure), without waiting long for any of them.
+  void tell_failure(std::uint64_t status, int skip) {
+    const Deadline soon = transport::deadline_after(std::chrono::milliseconds(500));
+    for (int r = 1; r < size_; ++r) {
+      if (r == skip || !peers_[r].valid()) continue;
+      try {
+        transport::write_all(peers_[r].get(), &status, sizeof(status), soon, "bootstrap status");
+      } catch (const Error&) {
+        // That rank is gone too; it learns nothing more from us.
+      }
+    }
+  }
+
   // Runs f, re-throwing failures with this rank and the peer named.
   template <typename F>
   void guarded(int peer, F&& f) {
@@ -130,6 +189,8 @@ class TcpBootstrap final : public Bootstrap {
     transport::set_nonblocking(listener.get());
     peers_.resize(static_cast<std::size_t>(size_));
     welcomes_.resize(static_cast<std::size_t>(size_));
+    claims_.resize(static_cast<std::size_t>(size_));
+    nonces_.resize(static_cast<std::size_t>(size_));
     int joined = 0;
     std::vector<Pending> pending;
     while (joined < size_ - 1) {
@@ -139,11 +200,30 @@ class TcpBootstrap final : public Bootstrap {
         for (int r = 1; r < size_; ++r) {
           if (!peers_[r].valid()) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
         }
+        int first_missing = Error::kNone;
+        for (int r = size_ - 1; r >= 1; --r) {
+          if (!peers_[r].valid()) first_missing = r;
+        }
+        // The ranks that did join are told who is missing, so that they fail naming it
+        // instead of only learning that rank 0 went away.
+        for (int r = 1; r < size_; ++r) {
+          if (!peers_[r].valid()) continue;
+          const auth::Welcome w =
+              auth::make_welcome(id_.secret, kPurpose, claims_[r], nonces_[r],
+                                 kWelcomeMissingRank + static_cast<std::uint32_t>(first_missing));
+          try {
+            transport::write_all(peers_[r].get(), &w, sizeof(w),
+                                 transport::deadline_after(std::chrono::milliseconds(500)),
+                                 "bootstrap refusal");
+          } catch (const Error&) {
+            // Gone as well.
+          }
+        }
         throw Error(ErrorCode::kTimeout,
                     "rendezvous on " + id_.address() + " timed out after " +
                         std::to_string(options_.timeout.count()) +
                         " ms; ranks that never joined: " + missing,
-                    0, Error::kNone, "bootstrap");
+                    0, first_missing, "bootstrap");
       }
       std::vector<pollfd> fds;
       fds.push_back({listener.get(), POLLIN, 0});
@@ -251,6 +331,8 @@ class TcpBootstrap final : public Bootstrap {
     transport::set_nonblocking(p.fd.get(), false);
     peers_[c.rank] = std::move(p.fd);
     welcomes_[c.rank] = auth::make_welcome(id_.secret, kPurpose, c, p.nonce);
+    claims_[c.rank] = c;
+    nonces_[c.rank] = p.nonce;
     return true;
   }
 
@@ -275,10 +357,24 @@ class TcpBootstrap final : public Bootstrap {
       transport::write_all(root_.get(), &response, sizeof(response), deadline,
                            "bootstrap response to rank 0");
       auth::Welcome w{};
-      read_or_refused(&w, sizeof(w), deadline, "bootstrap welcome");
-      if (const auto c = auth::check_welcome(reinterpret_cast<const std::uint8_t*>(&w), sizeof(w),
-                                             kPurpose, id_.secret, claim, challenge.nonce);
-          c != auth::Check::kOk) {
+      // Rank 0 may give up at its own deadline and then say which rank never came: wait a
+      // little longer than it does, to hear that instead of timing out blind.
+      const Deadline grace = deadline + std::max<std::chrono::milliseconds>(
+                                            std::chrono::seconds(1), options_.timeout / 10);
+      read_or_refused(&w, sizeof(w), grace, "bootstrap welcome");
+      std::uint32_t status = 0;
+      const auto c = auth::check_welcome(reinterpret_cast<const std::uint8_t*>(&w), sizeof(w),
+                                         kPurpose, id_.secret, claim, challenge.nonce, &status);
+      if (c == auth::Check::kRefused && status >= kWelcomeMissingRank) {
+        const auto missing = static_cast<std::int64_t>(status - kWelcomeMissingRank);
+        const int peer = missing > 0 && missing < size_ ? static_cast<int>(missing) : Error::kNone;
+        throw Error(ErrorCode::kTimeout,
+                    "rank 0 gave up waiting for rank " + std::to_string(missing) +
+                        " to join the rendezvous on " + id_.address() +
+                        " (it exited, crashed, or was never started)",
+                    rank_, peer, "bootstrap");
+      }
+      if (c != auth::Check::kOk) {
         throw Error(ErrorCode::kBootstrap, "rank 0 at " + id_.address() +
                                                " did not prove it holds this job's secret: " +
                                                std::string(auth::describe(c)));
@@ -308,6 +404,8 @@ class TcpBootstrap final : public Bootstrap {
   std::string advertise_;
   std::vector<Fd> peers_;  // rank 0: a connection per rank
   std::vector<auth::Welcome> welcomes_;  // rank 0: the proof owed to each rank
+  std::vector<auth::Claim> claims_;      // rank 0: what each rank claimed, and the challenge
+  std::vector<auth::Nonce> nonces_;      // it answered (for a refusal that it can verify)
   Fd root_;                // other ranks: the connection to rank 0
 };
 
@@ -399,7 +497,46 @@ std::unique_ptr<Bootstrap> Bootstrap::from_env(const BootstrapOptions& options) 
       id.secret = derived_secret(seed);
     }
   }
-  return create(id, static_cast<int>(*rank), static_cast<int>(*size), options);
+  BootstrapOptions opts = options;
+  if (auto v = env::get_int("DEAR_TIMEOUT", 1, 365LL * 24 * 3600)) {
+    opts.timeout = std::chrono::seconds(*v);
+  }
+  if (auto ifname = env::get("DEAR_SOCKET_IFNAME")) {
+    opts.advertise_host = interface_address(*ifname, static_cast<int>(*rank));
+  }
+  if (auto host = env::get("DEAR_ADVERTISE_HOST")) opts.advertise_host = *host;
+  return create(id, static_cast<int>(*rank), static_cast<int>(*size), opts);
+}
+
+std::string interface_address(const std::string& ifname, int rank) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) {
+    throw Error(ErrorCode::kSystem, std::string("getifaddrs: ") + std::strerror(errno), rank);
+  }
+  std::string found;
+  std::string names;
+  for (const ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    if (names.find(std::string(" ") + a->ifa_name + ",") == std::string::npos) {
+      names += std::string(" ") + a->ifa_name + ",";
+    }
+    if (found.empty() && ifname == a->ifa_name) {
+      char text[INET_ADDRSTRLEN] = {};
+      const auto* in = reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
+      ::inet_ntop(AF_INET, &in->sin_addr, text, sizeof(text));
+      found = text;
+    }
+  }
+  ::freeifaddrs(list);
+  if (found.empty()) {
+    if (!names.empty()) names.pop_back();
+    throw Error(ErrorCode::kInvalidArgument,
+                "DEAR_SOCKET_IFNAME=" + ifname +
+                    " names no interface with an IPv4 address (interfaces with one:" + names +
+                    ")",
+                rank);
+  }
+  return found;
 }
 
 }  // namespace dear

@@ -46,8 +46,10 @@ struct UniqueId {
 struct BootstrapOptions {
   // How long rendezvous and each bootstrap collective may take before every rank fails.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
-  // Address the other ranks use to reach this rank's link listener; empty = the address this
-  // rank used to reach rank 0 (which is right for one host and for routed clusters).
+  // Address the other ranks use to reach this rank's link listener, and the only address it
+  // listens on (never the wildcard); empty = the address this rank used to reach rank 0
+  // (which is right for one host and for routed clusters). From the environment:
+  // DEAR_ADVERTISE_HOST, or DEAR_SOCKET_IFNAME (an interface name, its IPv4 address).
   std::string advertise_host;
 };
 
@@ -62,7 +64,8 @@ class Bootstrap {
   // Rendezvous from the launcher's environment: dear-run (DEAR_UNIQUE_ID, DEAR_RANK,
   // DEAR_WORLD_SIZE), torchrun (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), Open MPI
   // (OMPI_COMM_WORLD_RANK/SIZE) and Slurm (SLURM_PROCID, SLURM_NTASKS) with DEAR_UNIQUE_ID or
-  // MASTER_ADDR/MASTER_PORT for the address. Throws dear::Error naming the missing variable.
+  // MASTER_ADDR/MASTER_PORT for the address. DEAR_TIMEOUT (seconds), DEAR_SOCKET_IFNAME and
+  // DEAR_ADVERTISE_HOST override `options`. Throws dear::Error naming the missing variable.
   [[nodiscard]] static std::unique_ptr<Bootstrap> from_env(const BootstrapOptions& options = {});
 
   [[nodiscard]] virtual int rank() const = 0;
@@ -76,5 +79,9 @@ class Bootstrap {
   // The host other ranks should use to reach this one (see BootstrapOptions::advertise_host).
   [[nodiscard]] virtual std::string advertise_host() const = 0;
 };
+
+// The IPv4 address of network interface `ifname` (e.g. "eth0"); dear::Error naming the
+// interfaces that have one when it has none. `rank` is for the error.
+[[nodiscard]] std::string interface_address(const std::string& ifname, int rank);
 
 }  // namespace dear

@@ -1,0 +1,146 @@
+// Faults survived, with ranks as processes: a rank killed with SIGKILL at random points
+// (before joining the rendezvous, after joining it, in the middle of an operation, between
+// operations), and a rank stalled with SIGSTOP, resumed before the deadline or not. Every
+// survivor must fail within the deadline with an error naming the rank at fault, or complete
+// correctly when the stalled rank comes back in time.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dear/bootstrap.h"
+#include "proc.h"
+#include "transport/listener_registry.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+using dear::test::Proc;
+using dear::test::slurp;
+using dear::test::spawn;
+using dear::test::tmp_file;
+using dear::test::wait_all;
+
+dear::UniqueId fresh_id() {
+  dear::UniqueId id;
+  id.host = "127.0.0.1";
+  id.port = dear::test::free_port();
+  id.secret = dear::transport::random_secret();
+  return id;
+}
+
+std::vector<Proc> start_ranks(int nranks, const std::vector<std::string>& args, int timeout_s,
+                              const std::string& tag) {
+  const dear::UniqueId id = fresh_id();
+  std::vector<Proc> procs;
+  for (int r = 0; r < nranks; ++r) {
+    std::vector<std::string> argv{DEAR_WORKER_PATH};
+    argv.insert(argv.end(), args.begin(), args.end());
+    procs.push_back(spawn(argv,
+                          {"DEAR_UNIQUE_ID=" + id.to_string(), "DEAR_RANK=" + std::to_string(r),
+                           "DEAR_WORLD_SIZE=" + std::to_string(nranks),
+                           "DEAR_TIMEOUT=" + std::to_string(timeout_s)},
+                          tmp_file(tag + "." + std::to_string(r) + ".out")));
+  }
+  return procs;
+}
+
+// Waits until every rank printed "ready" (connected), or the limit passes.
+bool wait_ready(const std::vector<Proc>& procs, std::chrono::seconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    bool all = true;
+    for (const auto& p : procs) all = all && slurp(p.out_path).find("ready rank") != std::string::npos;
+    if (all) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return false;
+}
+
+// Survivors must exit with the worker's error status, naming `culprit` as the failed peer.
+void expect_survivors_blame(const std::vector<Proc>& procs, int culprit) {
+  for (std::size_t r = 0; r < procs.size(); ++r) {
+    if (static_cast<int>(r) == culprit) continue;
+    const std::string out = slurp(procs[r].out_path);
+    EXPECT_TRUE(WIFEXITED(procs[r].status) && WEXITSTATUS(procs[r].status) == 3)
+        << "rank " << r << ": " << out;
+    EXPECT_NE(out.find("peer=" + std::to_string(culprit) + " "), std::string::npos)
+        << "rank " << r << " does not name rank " << culprit << ": " << out;
+  }
+}
+
+TEST(Faults, FiftyKillsAtRandomPointsEverySurvivorNamesTheDeadRank) {
+  constexpr int kRanks = 3;
+  constexpr int kTrials = 50;
+  constexpr int kDeadlineS = 3;
+  const char* const kPoints[] = {"boot", "link", "mid", "between"};
+  std::mt19937 rng(20261129);
+  for (int t = 0; t < kTrials; ++t) {
+    const int victim = static_cast<int>(rng() % kRanks);
+    const std::string point = kPoints[rng() % 4];
+    const int iters = 1 + static_cast<int>(rng() % 3);
+    SCOPED_TRACE("trial " + std::to_string(t) + ": rank " + std::to_string(victim) +
+                 " killed at " + point + " of iteration " + std::to_string(iters));
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<Proc> procs = start_ranks(
+        kRanks, {"kill", std::to_string(victim), point, std::to_string(iters)}, kDeadlineS,
+        "kill" + std::to_string(t));
+    ASSERT_TRUE(wait_all(procs, 30s)) << "a survivor hung";
+    // Within the deadline, plus the time to start the processes on a busy machine.
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(kDeadlineS) + 5s);
+    const Proc& dead = procs[static_cast<std::size_t>(victim)];
+    EXPECT_TRUE(WIFSIGNALED(dead.status) && WTERMSIG(dead.status) == SIGKILL)
+        << slurp(dead.out_path);
+    expect_survivors_blame(procs, victim);
+    if (::testing::Test::HasFailure()) return;  // one trial's output is enough to debug
+  }
+}
+
+TEST(Faults, StalledRankResumedBeforeTheDeadlineCompletes) {
+  constexpr int kVictim = 1;
+  std::vector<Proc> procs = start_ranks(3, {"slow", "40", "10"}, 6, "stall_ok");
+  ASSERT_TRUE(wait_ready(procs, 30s)) << slurp(procs[0].out_path);
+  std::this_thread::sleep_for(100ms);
+  ::kill(procs[kVictim].pid, SIGSTOP);
+  std::this_thread::sleep_for(1500ms);
+  ::kill(procs[kVictim].pid, SIGCONT);
+  ASSERT_TRUE(wait_all(procs, 60s)) << "a rank hung after the stalled one resumed";
+  for (std::size_t r = 0; r < procs.size(); ++r) {
+    const std::string out = slurp(procs[r].out_path);
+    EXPECT_TRUE(WIFEXITED(procs[r].status) && WEXITSTATUS(procs[r].status) == 0)
+        << "rank " << r << ": " << out;
+    EXPECT_NE(out.find("ok rank " + std::to_string(r)), std::string::npos) << out;
+  }
+}
+
+TEST(Faults, StalledRankPastTheDeadlineIsNamedByEverySurvivor) {
+  constexpr int kVictim = 1;
+  constexpr int kDeadlineS = 2;
+  std::vector<Proc> procs = start_ranks(3, {"slow", "100000", "1"}, kDeadlineS, "stall_dead");
+  ASSERT_TRUE(wait_ready(procs, 30s)) << slurp(procs[0].out_path);
+  std::this_thread::sleep_for(100ms);
+  ::kill(procs[kVictim].pid, SIGSTOP);
+  const auto stopped = std::chrono::steady_clock::now();
+  std::vector<Proc> survivors;
+  for (std::size_t r = 0; r < procs.size(); ++r) {
+    if (static_cast<int>(r) != kVictim) survivors.push_back(procs[r]);
+  }
+  const bool in_time = wait_all(survivors, 30s);
+  const auto took = std::chrono::steady_clock::now() - stopped;
+  ::kill(procs[kVictim].pid, SIGKILL);
+  ::kill(procs[kVictim].pid, SIGCONT);
+  ::waitpid(procs[kVictim].pid, &procs[kVictim].status, 0);
+  ASSERT_TRUE(in_time) << "a survivor hung";
+  EXPECT_LT(took, std::chrono::seconds(kDeadlineS) + 4s);
+  std::size_t s = 0;
+  for (std::size_t r = 0; r < procs.size(); ++r) {
+    if (static_cast<int>(r) != kVictim) procs[r] = survivors[s++];
+  }
+  expect_survivors_blame(procs, kVictim);
+}
+
+}  // namespace
