@@ -541,8 +541,8 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
       }
       buf.resize(h.bytes);
       unexpected_.push_back(Unexpected{h, link, channel, std::move(buf)});
-      ctx.buffer = &unexpected_.back().data;
-      return {RecvTarget::kDirect, ctx.buffer->data(), 1};
+      ctx.pending = &unexpected_.back();
+      return {RecvTarget::kDirect, ctx.pending->data.data(), 1};
     }
   }
   throw Error(ErrorCode::kPeerFailed,
@@ -634,13 +634,20 @@ void Engine::on_message(int link, int channel, const FrameHeader& h) {
   }
   if (ctx.op != nullptr) {
     ++ctx.op->recv_next[static_cast<std::size_t>(ctx.dir)][static_cast<std::size_t>(channel)];
+  } else if (ctx.pending != nullptr) {
+    // Stored whole now. Its operation may have been posted while the payload was arriving:
+    // then it is placed at once (a partial one is never replayed).
+    ctx.pending->complete = true;
+    if (Op* op = find(h.seq)) replay_unexpected(*op);
   }
   ctx = RecvCtx{};
 }
 
 void Engine::replay_unexpected(Op& op) {
   for (auto it = unexpected_.begin(); it != unexpected_.end();) {
-    if (it->header.seq != op.seq) {
+    // An incomplete one (its channel is still reading the payload into it) is the last of its
+    // channel; it is replayed when it completes.
+    if (it->header.seq != op.seq || !it->complete) {
       ++it;
       continue;
     }

@@ -94,6 +94,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
  private:
   class LinkSink;
   friend class LinkSink;
+  struct Unexpected;
   struct RecvCtx {
     Op* op = nullptr;           // null: unexpected or control message
     int dir = 0;                // direction the message travels (collectives::kForward, ...)
@@ -101,13 +102,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
     const char* other = nullptr;  // reduce operand from local memory
     bool final = false;
     bool reduce = false;
-    std::vector<char>* buffer = nullptr;  // unexpected message storage
+    struct Unexpected* pending = nullptr;  // an unexpected message being stored
   };
   struct Unexpected {
     transport::FrameHeader header;
     int link;
     int channel;
     std::vector<char> data;
+    bool complete = false;  // all of its payload has arrived
   };
 
   void run();
