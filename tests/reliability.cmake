@@ -4,7 +4,7 @@
 dear_test(test_bootstrap SOURCES test_bootstrap.cc LIBS dear_collectives LABELS unit
           PROPERTIES TIMEOUT 120)
 # The short soak (1,500 operations); scripts/soak.sh runs the full one.
-dear_test(test_soak SOURCES test_soak.cc LIBS dear_collectives LABELS unit slow
+dear_test(test_soak SOURCES test_soak.cc LIBS dear_collectives LABELS unit
           PROPERTIES TIMEOUT 300)
 
 # libFuzzer harnesses (clang only); scripts/fuzz.sh configures a separate build with this on.
