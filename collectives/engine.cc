@@ -720,19 +720,19 @@ std::string Engine::describe_progress(const Op& op) const {
   return text;
 }
 
-Error Engine::timeout_error(const Op& op, const std::string& prefix) const {
-  // Blame the side we are waiting on: a receive outstanding points at the previous rank.
-  int blame = peer_of(kNext);
+int Engine::blame_link(const Op& op) const {
+  // The side we are waiting on: a receive outstanding points at the previous rank.
+  int link = kNext;
   for (int c = 0; c < op.channels; ++c) {
     const auto ci = static_cast<std::size_t>(c);
-    if (op.recv_next[kForward][ci] < op.messages_received_per_channel(kForward)) {
-      blame = peer_of(kPrev);
-      break;
-    }
-    if (op.recv_next[kBackward][ci] < op.messages_received_per_channel(kBackward)) {
-      blame = peer_of(kNext);
-    }
+    if (op.recv_next[kForward][ci] < op.messages_received_per_channel(kForward)) return kPrev;
+    if (op.recv_next[kBackward][ci] < op.messages_received_per_channel(kBackward)) link = kNext;
   }
+  return link;
+}
+
+Error Engine::timeout_error(const Op& op, const std::string& prefix) const {
+  const int blame = peer_of(blame_link(op));
   return Error(ErrorCode::kTimeout,
                prefix + view_of(op) + " did not complete within " +
                    std::to_string(op.timeout.count()) + " ms: " + describe_progress(op) +
@@ -745,7 +745,25 @@ void Engine::check_deadlines() {
   if (active_.empty()) return;
   const auto now = transport::Clock::now();
   for (const auto& holder : active_) {
-    if (now >= holder->deadline) throw timeout_error(*holder, "");
+    if (now < holder->deadline) continue;
+    const Op& op = *holder;
+    // The neighbour this rank waits on may itself be waiting on a rank further up the ring:
+    // ask it first (a timeout notice naming it), so that it answers with its own view and
+    // every rank ends up naming the rank that is really stuck. A neighbour that does not
+    // answer within the grace period is the one to blame.
+    if (probe_deadline_ == transport::Clock::time_point{}) {
+      const auto grace = std::clamp<std::chrono::milliseconds>(
+          op.timeout / 10, std::chrono::milliseconds(100), std::chrono::milliseconds(2000));
+      probe_deadline_ = now + grace;
+      const int link = blame_link(op);
+      probe_text_ = timeout_error(op, "").what();  // must outlive the send
+      if (probe_text_.size() > kMaxAbortText) probe_text_.resize(kMaxAbortText);
+      send_control(link, FrameType::kAbort, 0, probe_text_, peer_of(link),
+                   static_cast<int>(ErrorCode::kTimeout));
+      flush_links();
+      return;
+    }
+    if (now >= probe_deadline_) throw timeout_error(op, "");
   }
 }
 
@@ -760,6 +778,7 @@ void Engine::wait_for_events(std::unique_lock<std::mutex>& turn) {
   }
   auto deadline = transport::Deadline::max();
   for (const auto& op : active_) deadline = std::min(deadline, op->deadline);
+  if (probe_deadline_ != transport::Clock::time_point{}) deadline = probe_deadline_;
   mode_.store(kActiveSleep);
   // Sleep without the turn lock, so a thread in drive() can run turns meanwhile.
   turn.unlock();

@@ -125,6 +125,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void complete_finished();
   void check_deadlines();
   [[nodiscard]] Error timeout_error(const Op& op, const std::string& prefix) const;
+  [[nodiscard]] int blame_link(const Op& op) const;  // the link this operation waits on
   void wait_for_events(std::unique_lock<std::mutex>& turn);
   bool wake_if(int mode);  // wakes the engine thread if it is in `mode`
   void wake();
@@ -189,7 +190,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<pollfd> pollfds_;
   std::vector<pollfd> ready_fds_;
 
-  transport::Clock::time_point last_moved_{};  // the engine thread's last turn that moved
+  transport::Clock::time_point last_moved_{};
+  // Set when an operation passed its deadline and the neighbour it waits on was asked why.
+  transport::Clock::time_point probe_deadline_{};
+  std::string probe_text_;  // the engine thread's last turn that moved
   std::thread thread_;
 };
 
