@@ -144,4 +144,16 @@ struct Mismatches {
   }
 };
 
+// Mismatches of an all_reduce result over `count` elements of inputs made by input_value().
+inline Mismatches check_all_reduce(const void* out, std::size_t count, int nranks, DataType t,
+                                   ReduceOp op, int salt = 0) {
+  Mismatches bad;
+  for (std::size_t i = 0; i < count; ++i) {
+    const double want = expected_reduce(i, nranks, t, op, salt);
+    const double got = load(out, i, t);
+    if (!close_enough(got, want, t)) bad.add(i, got, want);
+  }
+  return bad;
+}
+
 }  // namespace dear::testing

@@ -200,12 +200,7 @@ TEST_P(Conformance, LargeMultiChannelAllReduceReduceScatterAllGather) {
           auto in = make_input(r, count, t, ReduceOp::kSum);
           std::vector<char> out(in.size());
           comm.all_reduce(in.data(), out.data(), count, t, ReduceOp::kSum).wait();
-          Mismatches bad;
-          for (std::size_t i = 0; i < count; ++i) {
-            const double want = expected_reduce(i, n, t, ReduceOp::kSum);
-            const double got = load(out.data(), i, t);
-            if (!close_enough(got, want, t)) bad.add(i, got, want);
-          }
+          Mismatches bad = check_all_reduce(out.data(), count, n, t, ReduceOp::kSum);
           ASSERT_EQ(bad.count, 0u) << "all_reduce " << to_string(t) << ": " << bad.first;
 
           const std::size_t rc = count / nn + 1;

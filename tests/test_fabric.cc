@@ -304,12 +304,7 @@ TEST_P(Fabric, LargeSlicesSplitIntoFragments) {
           }
           std::vector<char> out(in.size());
           comm.all_reduce(in.data(), out.data(), count, t, ReduceOp::kSum).wait();
-          Mismatches bad;
-          for (std::size_t i = 0; i < count; ++i) {
-            const double want = expected_reduce(i, n, t, ReduceOp::kSum);
-            const double got = load(out.data(), i, t);
-            if (!close_enough(got, want, t)) bad.add(i, got, want);
-          }
+          Mismatches bad = check_all_reduce(out.data(), count, n, t, ReduceOp::kSum);
           ASSERT_EQ(bad.count, 0u) << to_string(t) << " rank " << r << ": " << bad.first;
           std::vector<char> all(in.size() * static_cast<std::size_t>(n));
           comm.all_gather(in.data(), all.data(), count, t).wait();

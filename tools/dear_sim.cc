@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "dear/error.h"
+#include "tools/tool_util.h"
 #include "dear/scheduler/simulator.h"
 
 namespace {
@@ -27,19 +28,8 @@ namespace ds = dear::scheduler;
 #define DEAR_PROFILES_DIR "profiles"
 #endif
 
-std::string profile_path(const std::string& model, const std::string& dir) {
-  if (std::filesystem::exists(model)) return model;
-  return (std::filesystem::path(dir) / (model + ".json")).string();
-}
-
-std::vector<std::string> split(const std::string& list) {
-  std::vector<std::string> out;
-  std::stringstream in(list);
-  for (std::string item; std::getline(in, item, ',');) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
+using dear::tools::profile_path;
+using dear::tools::split;
 
 }  // namespace
 
