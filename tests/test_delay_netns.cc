@@ -1,7 +1,8 @@
-// Ranks on emulated hosts (scripts/netns-cluster.sh): two network namespaces joined by shaped
+// Ranks on emulated hosts (scripts/netns-cluster.sh): network namespaces joined by shaped
 // veth links, one rank in each, the rendezvous at rank 0's namespace address. Checks that
 // collectives give the right results across the namespaces with the link delay the script
-// passes on, that dear-bench produces a row there, and that teardown leaves nothing behind.
+// passes on, that dear-bench produces a row there, that teardown leaves nothing behind, and
+// that a cut link is survived when restored within the deadline and named when it is not.
 // Skips when not root or when this machine cannot make namespaces.
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -105,7 +106,8 @@ class Cluster {
 };
 
 // Starts one process per rank, rank r on host r, and waits for all of them.
-std::vector<Result> run_ranks(Cluster& cluster, int n, const std::vector<std::string>& command) {
+std::vector<Result> run_ranks(Cluster& cluster, int n, const std::vector<std::string>& command,
+                              int timeout_s = 20) {
   dear::UniqueId id;
   id.host = "10.77.0.1";  // host 0, where rank 0 listens
   id.port = 29500;        // a fresh namespace has every port free
@@ -120,8 +122,8 @@ std::vector<Result> run_ranks(Cluster& cluster, int n, const std::vector<std::st
           run(argv,
               {"DEAR_NETNS_PREFIX=" + cluster.prefix(), "DEAR_UNIQUE_ID=" + id.to_string(),
                "DEAR_RANK=" + std::to_string(r), "DEAR_WORLD_SIZE=" + std::to_string(n),
-               "DEAR_TIMEOUT=20"},
-              25s);
+               "DEAR_TIMEOUT=" + std::to_string(timeout_s)},
+              std::chrono::seconds(timeout_s + 15));
     });
   }
   for (auto& t : threads) t.join();
@@ -162,6 +164,66 @@ TEST(EmulatedHosts, TwoRanksInTwoNamespacesWithLinkDelay) {
   const Result left = run({"ip", "netns", "list"}, {}, 10s);
   EXPECT_EQ(left.output.find(cluster.prefix() + "-"), std::string::npos)
       << "namespaces left behind: " << left.output;
+}
+
+// Takes host i's link at the switch down (a cut cable: no reset, no FIN) or back up.
+Result set_link(Cluster& cluster, int i, bool up) {
+  return run({"ip", "-n", cluster.prefix() + "-br", "link", "set", "p" + std::to_string(i),
+              up ? "up" : "down"},
+             {}, 10s);
+}
+
+TEST(EmulatedHosts, ALinkCutAndRestoredWithinTheDeadlineLetsTheJobFinish) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to make network namespaces";
+  Cluster cluster;
+  const Result up = cluster.up({"3"});
+  if (up.status == kUnsupported) GTEST_SKIP() << up.output;
+  ASSERT_EQ(up.status, 0) << up.output;
+  std::vector<Result> ranks;
+  std::thread job([&] { ranks = run_ranks(cluster, 3, {DEAR_WORKER_PATH, "slow", "300", "10"}); });
+  std::this_thread::sleep_for(1500ms);
+  const Result cut = set_link(cluster, 1, false);
+  std::this_thread::sleep_for(1000ms);
+  const Result restored = set_link(cluster, 1, true);
+  job.join();
+  EXPECT_EQ(cut.status, 0) << cut.output;
+  EXPECT_EQ(restored.status, 0) << restored.output;
+  for (int r = 0; r < 3; ++r) {
+    const Result& res = ranks[static_cast<std::size_t>(r)];
+    EXPECT_EQ(res.status, 0) << "rank " << r << ": " << res.output;
+    EXPECT_NE(res.output.find("ok rank " + std::to_string(r)), std::string::npos) << res.output;
+  }
+}
+
+TEST(EmulatedHosts, ACutLinkIsNamedByTheRanksOnTheOtherSide) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to make network namespaces";
+  Cluster cluster;
+  const Result up = cluster.up({"3"});
+  if (up.status == kUnsupported) GTEST_SKIP() << up.output;
+  ASSERT_EQ(up.status, 0) << up.output;
+  constexpr int kDeadlineS = 4;
+  std::vector<Result> ranks;
+  const auto start = std::chrono::steady_clock::now();
+  std::thread job([&] {
+    ranks = run_ranks(cluster, 3, {DEAR_WORKER_PATH, "slow", "100000", "1"}, kDeadlineS);
+  });
+  std::this_thread::sleep_for(1500ms);
+  const Result cut = set_link(cluster, 1, false);
+  const auto cut_at = std::chrono::steady_clock::now();
+  job.join();
+  const auto took = std::chrono::steady_clock::now() - cut_at;
+  EXPECT_EQ(cut.status, 0) << cut.output;
+  EXPECT_LT(took, std::chrono::seconds(kDeadlineS) + 5s) << "after the cut, "
+      << std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now() - start).count() << " ms in all";
+  // Host 1 is cut off; ranks 0 and 2 still reach each other and must both name rank 1.
+  for (int r : {0, 2}) {
+    const Result& res = ranks[static_cast<std::size_t>(r)];
+    EXPECT_EQ(res.status, 3) << "rank " << r << ": " << res.output;
+    EXPECT_NE(res.output.find("peer=1 "), std::string::npos)
+        << "rank " << r << " does not name rank 1: " << res.output;
+  }
+  EXPECT_EQ(ranks[1].status, 3) << "rank 1: " << ranks[1].output;
 }
 
 }  // namespace
