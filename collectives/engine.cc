@@ -492,7 +492,9 @@ bool Engine::progress_links() {
   for (int l = 0; l < 2; ++l) {
     for (auto& ch : links_[l]) {
       const bool ready = ready_fds_[i++].revents != 0;
-      if (!ch->closed() && (ready || ch->queued() > 0)) moved |= ch->progress(*sinks_[l], ready);
+      if (!ch->closed() && (ready || ch->queued() > 0 || ch->polled())) {
+        moved |= ch->progress(*sinks_[l], ready);
+      }
     }
   }
   return moved;
@@ -770,11 +772,19 @@ void Engine::check_deadlines() {
 void Engine::wait_for_events(std::unique_lock<std::mutex>& turn) {
   pollfds_.clear();
   pollfds_.push_back({wake_fd_.get(), POLLIN, 0});
+  bool polled = false;
   for (auto& link : links_) {
     for (auto& ch : link) {
       const pollfd p = ch->wait_spec();
       if (p.fd >= 0) pollfds_.push_back(p);
+      polled = polled || (ch->polled() && !ch->closed());
     }
+  }
+  if (polled) {
+    // A transport that moves data only when asked: keep asking, yielding the CPU in between.
+    turn.unlock();
+    sched_yield();
+    return;
   }
   auto deadline = transport::Deadline::max();
   for (const auto& op : active_) deadline = std::min(deadline, op->deadline);

@@ -58,6 +58,7 @@ class DelayChannel final : public Channel {
   std::size_t queued_bytes() const override { return held_bytes_ + inner_->queued_bytes(); }
   bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
+  bool polled() const override { return inner_->polled(); }
   void close() override;
   bool closed() const override { return inner_->closed(); }
   std::string describe() const override;

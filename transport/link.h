@@ -91,6 +91,10 @@ class Channel {
   virtual bool progress(RecvSink& sink, bool may_read) = 0;
   // What to wait for when idle (fd and events for poll()); fd < 0 = nothing to wait on.
   [[nodiscard]] virtual pollfd wait_spec() const = 0;
+  // True for a transport that moves data only while progress() is called (libfabric's manual
+  // progress): the caller then calls progress() every turn, ready descriptor or not, and does
+  // not sleep for long while it has work in flight.
+  [[nodiscard]] virtual bool polled() const { return false; }
   // Sends what can be sent now and closes; never blocks for long.
   virtual void close() = 0;
   [[nodiscard]] virtual bool closed() const = 0;

@@ -234,6 +234,9 @@ class FabricChannel final : public Channel {
   std::size_t queued_bytes() const override { return queued_bytes_; }
   bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
+  // The providers here progress only inside fi_cq_read() (manual progress), and their wait
+  // descriptors do not signal everything that needs it (rxm's rendezvous steps).
+  bool polled() const override { return true; }
   void close() override;
   bool closed() const override { return closed_ || peer_closed_; }
   std::string describe() const override;
