@@ -1,6 +1,7 @@
 // dear-bench: dear's collectives in the nccl-tests table format.
 //
 //   dear-run -n 4 dear-bench all_reduce -b 8 -e 64M -f 2 -c 1 [--json out.json]
+//   dear-run -n 4 dear-bench --calibrate --json alpha_beta.json   (see calibrate.h)
 //
 // Measured by the same driver as the peer benchmarks (bench/driver.h), so rows from dear,
 // Open MPI and Gloo are comparable line by line. Ranks come from the launcher's environment
@@ -8,11 +9,13 @@
 // to DEAR_* overrides.
 #include <cstdio>
 #include <exception>
+#include <fstream>
 #include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
+#include "calibrate.h"
 #include "common/env.h"
 #include "dear/communicator.h"
 #include "dear/error.h"
@@ -129,6 +132,11 @@ int run(int argc, char** argv) {
   std::string algo = "auto";
   int timeout_s = 0;
   std::string device = "host";
+  bool calibrate_only = false;
+  app.add_flag("--calibrate", calibrate_only,
+               "Measure alpha and beta of a ring step on these ranks instead of a sweep; rank 0 "
+               "prints the fit and writes it to --json FILE (a DEAR_COST_MODEL file)");
+  app.get_option("collective")->required(false);
   app.add_option("--transport", transport,
                  "Link transport: tcp, or fabric (libfabric; provider from DEAR_FABRIC_PROVIDER); "
                  "default DEAR_TRANSPORT or tcp");
@@ -146,6 +154,10 @@ int run(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  if (!calibrate_only && app.count("collective") == 0) {
+    std::fprintf(stderr, "dear-bench: COLLECTIVE is required (or --calibrate)\n");
+    return 2;
   }
 
   auto bootstrap = Bootstrap::from_env();
@@ -167,6 +179,24 @@ int run(int argc, char** argv) {
     options.slice_bytes = *bytes;
   }
   if (timeout_s > 0) options.timeout = std::chrono::seconds(timeout_s);
+  if (calibrate_only) {
+    auto comm = Communicator::create(std::move(bootstrap), calibration_options(options));
+    const collectives::CostModel model = calibrate(*comm, CalibrateOptions{});
+    if (rank == 0) {
+      print_calibration(stdout, model);
+      if (!args.json_path.empty()) {
+        std::ofstream f(args.json_path, std::ios::trunc);
+        f << collectives::to_json_text(model);
+        if (!f.flush()) {
+          throw Error(ErrorCode::kSystem, "--json: cannot write '" + args.json_path + "'", rank);
+        }
+        std::printf("# wrote %s (use it with DEAR_COST_MODEL=%s)\n", args.json_path.c_str(),
+                    args.json_path.c_str());
+      }
+    }
+    comm->barrier().wait();
+    return 0;
+  }
   auto comm = Communicator::create(std::move(bootstrap), options);
   OpOptions op_options;
   op_options.algorithm = *parse_algorithm(algo);
@@ -179,7 +209,8 @@ int run(int argc, char** argv) {
   config.info.meta = {{"channels", used.channels},
                       {"slice_bytes", used.slice_bytes},
                       {"algorithm", algo},
-                      {"gather_reduce_max_bytes", used.gather_reduce_max_bytes}};
+                      {"gather_reduce_max_bytes", used.gather_reduce_max_bytes},
+                      {"cost_model", used.cost_model_file}};
   config.info.meta["device"] = device;
   if (device == "cuda") {
 #ifdef DEAR_HAVE_CUDA

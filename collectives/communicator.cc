@@ -4,9 +4,11 @@
 #include <sys/random.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
+#include "collectives/cost_model.h"
 #include "collectives/device_staging.h"
 #include "collectives/engine.h"
 #include "collectives/ops.h"
@@ -129,6 +131,7 @@ class CommunicatorImpl final : public Communicator {
     rank_ = bootstrap_->rank();
     size_ = bootstrap_->size();
     validate_options();
+    load_cost_model();
     if (size_ > 1) connect();
   }
 
@@ -141,13 +144,9 @@ class CommunicatorImpl final : public Communicator {
     auto o = make(OpKind::kAllReduce, in, out, count, dtype, op, -1, opts);
     check_buffers(*o, "in", count, "out", count, true);
     if (size_ > 1) {
-      Algorithm a = opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
-      if (a == Algorithm::kAuto) {
-        a = count * dtype_size(dtype) <= options_.gather_reduce_max_bytes
-                ? Algorithm::kGatherReduce
-                : Algorithm::kRing;
-      }
-      o->schedule = a == Algorithm::kGatherReduce ? Schedule::kGatherReduce : Schedule::kRing;
+      const Algorithm a =
+          opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
+      o->schedule = select(OpKind::kAllReduce, a, count, dtype, opts);
     }
     return launch(std::move(o), opts);
   }
@@ -171,9 +170,11 @@ class CommunicatorImpl final : public Communicator {
                   false);
     check_in_place_block(o->out, send_count * static_cast<std::size_t>(size_), o->in,
                          send_count, dtype, "in", "out");
-    if (send_count * dtype_size(dtype) * static_cast<std::size_t>(size_) <=
-        options_.gather_reduce_max_bytes) {
-      o->schedule = Schedule::kBiGather;  // latency-bound: half the steps
+    if (size_ > 1) {
+      // Latency-bound sizes gather both ways round the ring: half the steps.
+      const Algorithm a =
+          opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
+      o->schedule = select(OpKind::kAllGather, a, send_count, dtype, opts);
     }
     return launch(std::move(o), opts);
   }
@@ -420,6 +421,50 @@ class CommunicatorImpl final : public Communicator {
     }
   }
 
+  // A file (CommOptions::cost_model_file, DEAR_COST_MODEL) wins over numbers set directly.
+  void load_cost_model() {
+    if (!options_.cost_model_file.empty()) {
+      try {
+        model_ = collectives::load_cost_model(options_.cost_model_file);
+      } catch (const Error& e) {
+        throw Error(e.code(), e.cause() + " (CommOptions::cost_model_file / DEAR_COST_MODEL)",
+                    rank_, Error::kNone, "create");
+      }
+      return;
+    }
+    const double params[] = {options_.alpha_us, options_.beta_us_per_byte,
+                             options_.reduce_us_per_byte};
+    for (double v : params) {
+      if (!std::isfinite(v) || v < 0) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    "CommOptions alpha_us, beta_us_per_byte and reduce_us_per_byte must be "
+                    "finite and >= 0",
+                    rank_, Error::kNone, "create");
+      }
+    }
+    if (options_.alpha_us > 0 || options_.beta_us_per_byte > 0) {
+      collectives::CostModel m;
+      m.alpha_us = options_.alpha_us;
+      m.beta_us_per_byte = options_.beta_us_per_byte;
+      m.reduce_us_per_byte = options_.reduce_us_per_byte;
+      model_ = m;
+    }
+  }
+
+  // The schedule of an all_reduce or all_gather: see collectives::select_schedule.
+  Schedule select(OpKind kind, Algorithm a, std::size_t count, DataType dtype,
+                  const OpOptions& opts) const {
+    collectives::ModelGeometry g;
+    g.nranks = size_;
+    g.channels = opts.channels > 0 ? opts.channels : options_.channels;
+    g.slice_bytes = opts.slice_bytes > 0 ? opts.slice_bytes : options_.slice_bytes;
+    g.min_channel_bytes = collectives::SliceGeometryOptions{}.min_channel_bytes;
+    const std::size_t el = dtype_size(dtype);
+    return collectives::select_schedule(kind, a, count * el, el, g,
+                                        model_ ? &*model_ : nullptr,
+                                        options_.gather_reduce_max_bytes);
+  }
+
   Work launch(std::unique_ptr<Op> o, const OpOptions& opts) {
     o->timeout = opts.timeout.count() > 0 ? opts.timeout : options_.timeout;
     if (size_ == 1) return run_single(*o);
@@ -457,6 +502,7 @@ class CommunicatorImpl final : public Communicator {
   int rank_ = 0;
   int size_ = 1;
   std::uint64_t single_seq_ = 0;
+  std::optional<collectives::CostModel> model_;
   std::shared_ptr<collectives::Engine> engine_;
 };
 
@@ -488,6 +534,7 @@ CommOptions apply_env(CommOptions options) {
   if (auto v = env::get_int("DEAR_LINK_DELAY_US", 0, 10000000)) {
     options.link_delay_us = static_cast<int>(*v);
   }
+  if (auto v = env::get("DEAR_COST_MODEL")) options.cost_model_file = *v;
   if (auto v = env::get("DEAR_ALGO")) {
     const auto a = parse_algorithm(*v);
     if (!a) {

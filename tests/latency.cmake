@@ -20,3 +20,6 @@ endif()
 dear_test(test_delay_run SOURCES test_delay_run.cc LABELS unit)
 target_compile_definitions(test_delay_run PRIVATE DEAR_RUN_PATH="$<TARGET_FILE:dear-run>")
 add_dependencies(test_delay_run dear-run)
+
+# The alpha-beta cost model behind Algorithm::kAuto and dear-bench --calibrate.
+dear_test(test_cost_model SOURCES test_cost_model.cc LIBS dear_collectives LABELS unit)

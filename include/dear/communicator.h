@@ -69,6 +69,15 @@ struct CommOptions {
   // forces one; DEAR_SMALL_BYTES overrides the threshold).
   Algorithm algorithm = Algorithm::kAuto;
   std::size_t gather_reduce_max_bytes = 16 * 1024;
+  // A calibrated alpha-beta cost model (`dear-bench --calibrate --json FILE`) replaces that
+  // threshold: kAuto then runs the schedule with the lowest predicted time (all_reduce: ring or
+  // gather_reduce; all_gather: ring or both directions). A file (DEAR_COST_MODEL), or the
+  // numbers themselves (alpha_us and beta_us_per_byte not both 0). Every rank must use the same
+  // model. See collectives/cost_model.h.
+  std::string cost_model_file;
+  double alpha_us = 0;            // per ring step (message)
+  double beta_us_per_byte = 0;    // per byte through a rank's egress
+  double reduce_us_per_byte = 0;  // local reduction, per byte of an operand
   // Small operations are sent before the receiver has posted them, up to this many bytes per
   // slice and this many operations ahead; larger ones wait for the receiver to be ready.
   std::size_t eager_bytes = 64 * 1024;
@@ -85,7 +94,7 @@ struct CommOptions {
 
 // `options` with the DEAR_* environment overrides applied (DEAR_CHANNELS, DEAR_SLICE_BYTES,
 // DEAR_TIMEOUT, DEAR_EAGER_BYTES, DEAR_SMALL_BYTES, DEAR_SPIN_US, DEAR_TRANSPORT,
-// DEAR_FABRIC_PROVIDER, DEAR_ALGO). Throws
+// DEAR_FABRIC_PROVIDER, DEAR_ALGO, DEAR_COST_MODEL). Throws
 // dear::Error(kInvalidArgument) naming a variable whose value is malformed.
 [[nodiscard]] CommOptions apply_env(CommOptions options);
 

@@ -1,0 +1,135 @@
+#include "calibrate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "collectives/reduce.h"
+#include "dear/error.h"
+
+namespace dear::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double us_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t k = v.size();
+  return k % 2 == 1 ? v[k / 2] : (v[k / 2 - 1] + v[k / 2]) / 2;
+}
+
+double max_over_ranks(Communicator& comm, double v) {
+  comm.all_reduce(&v, &v, 1, DataType::kFloat64, ReduceOp::kMax).wait();
+  return v;
+}
+
+// Median time of `run`, the same iteration count on every rank (the slowest warm-up decides).
+template <typename F>
+double median_us(Communicator& comm, const CalibrateOptions& opts, F&& run) {
+  const auto warm = Clock::now();
+  for (int i = 0; i < opts.warmup; ++i) run();
+  const double per_iter = max_over_ranks(comm, us_since(warm) / std::max(opts.warmup, 1));
+  const int iters = std::clamp(static_cast<int>(opts.min_time_ms * 1000 / std::max(per_iter, 0.01)),
+                               opts.min_iters, 5000);
+  comm.barrier().wait();
+  std::vector<double> t;
+  t.reserve(static_cast<std::size_t>(iters));
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = Clock::now();
+    run();
+    t.push_back(us_since(t0));
+  }
+  return max_over_ranks(comm, median(std::move(t)));
+}
+
+}  // namespace
+
+CommOptions calibration_options(CommOptions options) {
+  options.gather_reduce_max_bytes = 0;  // ring all-gathers at every size
+  options.cost_model_file.clear();
+  options.alpha_us = 0;
+  options.beta_us_per_byte = 0;
+  options.reduce_us_per_byte = 0;
+  options.algorithm = Algorithm::kAuto;
+  return options;
+}
+
+collectives::CostModel calibrate(Communicator& comm, const CalibrateOptions& opts) {
+  const int n = comm.size();
+  if (n < 2) {
+    throw Error(ErrorCode::kInvalidArgument, "--calibrate needs at least 2 ranks, got " +
+                                                 std::to_string(n),
+                comm.rank());
+  }
+  collectives::CostModel m;
+  m.transport = comm.options().transport;
+  m.ranks = n;
+  m.slice_bytes = comm.options().slice_bytes;
+  collectives::ModelGeometry g;
+  g.nranks = n;
+  g.channels = comm.options().channels;
+  g.slice_bytes = comm.options().slice_bytes;
+  const auto nz = static_cast<std::size_t>(n);
+  const std::size_t largest = *std::max_element(opts.sizes.begin(), opts.sizes.end());
+  std::vector<char> out(largest * nz, 1);
+  OpOptions ring;
+  ring.algorithm = Algorithm::kRing;
+  for (const std::size_t bytes : opts.sizes) {
+    char* mine = out.data() + static_cast<std::size_t>(comm.rank()) * bytes;
+    const double t = median_us(comm, opts, [&] {
+      comm.all_gather(mine, out.data(), bytes, DataType::kUint8, ring).wait();
+    });
+    collectives::CalibrationPoint p;
+    p.bytes = static_cast<double>(bytes);
+    p.slices = collectives::slices_for(bytes, 1, g);
+    p.step_us = t / (n - 1);
+    m.points.push_back(p);
+  }
+  collectives::fit_alpha_beta(m);
+
+  // Local reduction: fp32 sum of 1 MiB operands, while the other ranks do the same (as they
+  // would in a collective on a shared host).
+  constexpr std::size_t kElems = 256 * 1024;
+  std::vector<float> a(kElems, 1.0F);
+  std::vector<float> b(kElems, 2.0F);
+  std::vector<float> c(kElems);
+  const double reduce_us = median_us(comm, opts, [&] {
+    collectives::reduce(c.data(), a.data(), b.data(), kElems, DataType::kFloat32, ReduceOp::kSum);
+  });
+  m.reduce_us_per_byte = reduce_us / static_cast<double>(kElems * sizeof(float));
+
+  // Every rank uses rank 0's numbers (they agree already: the times are maxima over ranks).
+  double fit[3] = {m.alpha_us, m.beta_us_per_byte, m.reduce_us_per_byte};
+  comm.broadcast(fit, fit, 3, DataType::kFloat64, 0).wait();
+  m.alpha_us = fit[0];
+  m.beta_us_per_byte = fit[1];
+  m.reduce_us_per_byte = fit[2];
+  return m;
+}
+
+void print_calibration(std::FILE* out, const collectives::CostModel& m) {
+  std::fprintf(out, "# calibration: %s, %d ranks, slice %zu bytes\n", m.transport.c_str(),
+               m.ranks, m.slice_bytes);
+  std::fprintf(out, "# %12s %7s %12s %12s %9s\n", "step_bytes", "slices", "measured_us",
+               "model_us", "rel_err");
+  for (const auto& p : m.points) {
+    std::fprintf(out, "  %12.0f %7d %12.2f %12.2f %8.1f%%\n", p.bytes, p.slices, p.step_us,
+                 p.model_us, 100 * p.rel_error);
+  }
+  std::fprintf(out, "# alpha = %.2f us per step, beta = %.3g us/byte (%.2f GB/s), reduction "
+                    "%.3g us/byte (%.2f GB/s)\n",
+               m.alpha_us, m.beta_us_per_byte,
+               m.beta_us_per_byte > 0 ? 1e-3 / m.beta_us_per_byte : 0.0, m.reduce_us_per_byte,
+               m.reduce_us_per_byte > 0 ? 1e-3 / m.reduce_us_per_byte : 0.0);
+  std::fprintf(out, "# fit error: median %.1f%%, max %.1f%%\n", 100 * m.median_rel_error,
+               100 * std::max_element(m.points.begin(), m.points.end(),
+                                      [](const auto& x, const auto& y) {
+                                        return x.rel_error < y.rel_error;
+                                      })->rel_error);
+}
+
+}  // namespace dear::bench

@@ -1,0 +1,106 @@
+// The alpha-beta cost model: predicted times of dear's schedules, the fit that calibrates it,
+// and the choice Algorithm::kAuto makes from it.
+//
+// Contract
+// - Pure functions of their arguments: no engine, no communicator, no clock. Every rank that
+//   holds the same model computes the same predictions, so ranks agree on the schedule (the
+//   schedule is part of what they must agree on; see ops.h).
+// - The step cost follows what plan() and chunk_sent() in ops.cc send. A ring step moves one
+//   chunk per direction, split over the channels and, within a channel, into `slices`
+//   messages; messages of one channel are sent one after another and every link is busy from
+//   the first step on (each rank starts with its own data), so a schedule of `steps` steps
+//   costs steps * (slices * alpha + chunk_bytes * beta). Schedules that send in both ring
+//   directions at once overlap their alphas but share the rank's egress (the NIC, or on
+//   loopback the CPU that copies), so their bytes add up while their latency does not.
+// - Local reductions (ring: as slices arrive; gather_reduce: N-1 whole inputs at the end) cost
+//   reduce_us_per_byte per byte of the reduced operand.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "collectives/ops.h"
+#include "dear/communicator.h"
+
+namespace dear::collectives {
+
+// One calibration sample: the time of one ring step moving `bytes` in `slices` messages.
+struct CalibrationPoint {
+  double bytes = 0;
+  int slices = 1;
+  double step_us = 0;      // measured
+  double model_us = 0;     // the fit's prediction (filled by fit_alpha_beta)
+  double rel_error = 0;    // |model - measured| / measured (filled by fit_alpha_beta)
+};
+
+struct CostModel {
+  double alpha_us = 0;            // per message: software + wire latency of one ring step
+  double beta_us_per_byte = 0;    // per byte through one rank's egress
+  double reduce_us_per_byte = 0;  // local reduction, per byte of one operand
+  // Where it was measured (informational; the model is used for any rank count).
+  std::string transport;
+  int ranks = 0;
+  std::size_t slice_bytes = 0;
+  std::vector<CalibrationPoint> points;
+  double median_rel_error = 0;
+};
+
+// The geometry plan() uses to split a chunk; defaults as CommOptions'.
+struct ModelGeometry {
+  int nranks = 2;
+  int channels = 1;
+  std::size_t slice_bytes = 512 * 1024;
+  std::size_t min_channel_bytes = 64 * 1024;  // SliceGeometryOptions::min_channel_bytes
+};
+
+// Messages per channel per step for a chunk of `chunk_bytes`, as plan() splits it (el: element
+// size, so that rounding matches).
+[[nodiscard]] int slices_for(std::size_t chunk_bytes, std::size_t el, const ModelGeometry& g);
+
+// The shape of a schedule: steps per direction and bytes per step.
+struct SchedulePlan {
+  int forward_steps = 0;
+  int backward_steps = 0;
+  std::size_t chunk_bytes = 0;   // bytes a step moves in one direction
+  int slices = 1;                // messages per channel per step
+  std::size_t reduced_bytes = 0; // bytes of operand reduced locally on each rank
+  std::size_t copied_bytes = 0;  // bytes copied locally (own block) before the first step
+};
+
+// kind: kAllReduce (kRing, kGatherReduce), kReduceScatter (kRing), kAllGather (kRing,
+// kBiGather), kBroadcast (kChain), kBarrier (kBiGather). `bytes` is the caller's per-rank
+// buffer: count * element size (all_reduce, broadcast: the whole vector; reduce_scatter: the
+// output block; all_gather: the input block). Throws std::invalid_argument for a kind/schedule
+// pair that dear does not run.
+[[nodiscard]] SchedulePlan schedule_plan(OpKind kind, Schedule schedule, std::size_t bytes,
+                                         std::size_t el, const ModelGeometry& g);
+
+// Predicted time in microseconds.
+[[nodiscard]] double predict_us(const CostModel& m, OpKind kind, Schedule schedule,
+                                std::size_t bytes, std::size_t el, const ModelGeometry& g);
+
+// The schedule an all_reduce or all_gather runs. `requested` is the caller's choice (OpOptions
+// over CommOptions). Forced choices are honoured (kRing -> ring; kGatherReduce -> gather_reduce
+// for all_reduce). kAuto, and kGatherReduce for all_gather: with a model, the schedule with the
+// lowest predicted time (ring on a tie); without one (model == nullptr), today's threshold:
+// the small schedule while the operation's total bytes are <= threshold_bytes.
+[[nodiscard]] Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes,
+                                       std::size_t el, const ModelGeometry& g,
+                                       const CostModel* model, std::size_t threshold_bytes);
+
+// Least-squares fit of step_us = alpha * slices + beta * bytes, weighted by 1/step_us^2 so
+// that every point counts by its relative error (small steps are not drowned by large ones).
+// Fills alpha_us, beta_us_per_byte, each point's model_us and rel_error, and
+// median_rel_error. Throws std::invalid_argument with fewer than two distinct points or a
+// non-positive time.
+void fit_alpha_beta(CostModel& m);
+
+// JSON text of a model, and back. parse_cost_model throws dear::Error(kInvalidArgument) whose
+// message names `source` (a file name) and the field that is missing or malformed.
+[[nodiscard]] std::string to_json_text(const CostModel& m);
+[[nodiscard]] CostModel parse_cost_model(const std::string& text, const std::string& source);
+// Reads and parses a file; errors name the file.
+[[nodiscard]] CostModel load_cost_model(const std::string& path);
+
+}  // namespace dear::collectives

@@ -1,0 +1,327 @@
+// The alpha-beta cost model: the calibration fit, the schedules' step counts against hand
+// computation and against plan(), the choice kAuto makes, and the model file.
+#include "collectives/cost_model.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "collectives/ops.h"
+#include "dear/error.h"
+
+namespace dear::collectives {
+namespace {
+
+ModelGeometry geometry(int n, int channels = 1, std::size_t slice = 512 * 1024) {
+  ModelGeometry g;
+  g.nranks = n;
+  g.channels = channels;
+  g.slice_bytes = slice;
+  return g;
+}
+
+CostModel synthetic(double alpha, double beta, double noise) {
+  CostModel m;
+  const ModelGeometry g = geometry(4);
+  int i = 0;
+  for (double bytes : {8.0, 64.0, 512.0, 4096.0, 32768.0, 262144.0, 1048576.0, 4194304.0}) {
+    CalibrationPoint p;
+    p.bytes = bytes;
+    p.slices = slices_for(static_cast<std::size_t>(bytes), 1, g);
+    // Deterministic +-noise, alternating in sign.
+    const double factor = 1 + ((i++ % 2 == 0) ? noise : -noise);
+    p.step_us = (alpha * p.slices + beta * bytes) * factor;
+    m.points.push_back(p);
+  }
+  return m;
+}
+
+TEST(CostModelFit, RecoversExactAlphaBeta) {
+  CostModel m = synthetic(7.5, 0.0008, 0);
+  fit_alpha_beta(m);
+  EXPECT_NEAR(m.alpha_us, 7.5, 1e-9);
+  EXPECT_NEAR(m.beta_us_per_byte, 0.0008, 1e-12);
+  EXPECT_LT(m.median_rel_error, 1e-9);
+  EXPECT_EQ(m.points[7].slices, 8);  // 4 MiB in 512 KiB slices
+}
+
+TEST(CostModelFit, RecoversAlphaBetaFromNoisyPoints) {
+  CostModel m = synthetic(12, 0.002, 0.03);
+  fit_alpha_beta(m);
+  EXPECT_NEAR(m.alpha_us, 12, 12 * 0.05);
+  EXPECT_NEAR(m.beta_us_per_byte, 0.002, 0.002 * 0.05);
+  EXPECT_NEAR(m.median_rel_error, 0.03, 0.01);
+  for (const auto& p : m.points) {
+    EXPECT_NEAR(p.model_us, m.alpha_us * p.slices + m.beta_us_per_byte * p.bytes, 1e-9);
+    EXPECT_NEAR(p.rel_error, std::abs(p.model_us - p.step_us) / p.step_us, 1e-12);
+  }
+}
+
+TEST(CostModelFit, NegativeInterceptIsPinnedAtZero) {
+  // Points on a line through (0, -5): the unconstrained fit would give alpha < 0.
+  CostModel m;
+  for (double bytes : {1000.0, 2000.0, 4000.0}) m.points.push_back({bytes, 1, bytes * 0.01 - 5});
+  fit_alpha_beta(m);
+  EXPECT_EQ(m.alpha_us, 0);
+  EXPECT_GT(m.beta_us_per_byte, 0);
+}
+
+TEST(CostModelFit, RejectsDegenerateInput) {
+  CostModel one;
+  one.points.push_back({64, 1, 10});
+  EXPECT_THROW(fit_alpha_beta(one), std::invalid_argument);
+  CostModel same;
+  same.points = {{64, 1, 10}, {64, 1, 11}};
+  EXPECT_THROW(fit_alpha_beta(same), std::invalid_argument);
+  CostModel bad;
+  bad.points = {{64, 1, 10}, {128, 1, 0}};
+  EXPECT_THROW(fit_alpha_beta(bad), std::invalid_argument);
+}
+
+// Hand-computed step counts per direction for N = 2..8 (non-powers of two included).
+TEST(CostModelSteps, MatchHandComputation) {
+  struct Case {
+    int n;
+    int ring_allreduce;
+    int gr_forward;
+    int gr_backward;
+  };
+  for (const Case c : {Case{2, 2, 1, 0}, Case{3, 4, 1, 1}, Case{4, 6, 2, 1}, Case{5, 8, 2, 2},
+                       Case{6, 10, 3, 2}, Case{7, 12, 3, 3}, Case{8, 14, 4, 3}}) {
+    SCOPED_TRACE("n=" + std::to_string(c.n));
+    const ModelGeometry g = geometry(c.n);
+    const auto ring = schedule_plan(OpKind::kAllReduce, Schedule::kRing, 4000, 4, g);
+    EXPECT_EQ(ring.forward_steps, c.ring_allreduce);
+    EXPECT_EQ(ring.backward_steps, 0);
+    const auto gr = schedule_plan(OpKind::kAllReduce, Schedule::kGatherReduce, 4000, 4, g);
+    EXPECT_EQ(gr.forward_steps, c.gr_forward);
+    EXPECT_EQ(gr.backward_steps, c.gr_backward);
+    EXPECT_EQ(gr.chunk_bytes, 4000U);
+    EXPECT_EQ(gr.reduced_bytes, static_cast<std::size_t>(c.n - 1) * 4000);
+    const auto bi = schedule_plan(OpKind::kAllGather, Schedule::kBiGather, 100, 4, g);
+    EXPECT_EQ(bi.forward_steps + bi.backward_steps, c.n - 1);
+    EXPECT_EQ(schedule_plan(OpKind::kAllGather, Schedule::kRing, 100, 4, g).forward_steps,
+              c.n - 1);
+    EXPECT_EQ(schedule_plan(OpKind::kReduceScatter, Schedule::kRing, 100, 4, g).forward_steps,
+              c.n - 1);
+  }
+  // Ring chunks round up to whole elements: 1003 floats over 5 ranks -> 201 floats a chunk.
+  EXPECT_EQ(schedule_plan(OpKind::kAllReduce, Schedule::kRing, 4012, 4, geometry(5)).chunk_bytes,
+            804U);
+  EXPECT_THROW((void)schedule_plan(OpKind::kReduceScatter, Schedule::kBiGather, 8, 4, geometry(3)),
+               std::invalid_argument);
+}
+
+TEST(CostModelSteps, PredictionsMatchHandComputation) {
+  CostModel m;
+  m.alpha_us = 10;
+  m.beta_us_per_byte = 0.001;
+  m.reduce_us_per_byte = 0.0001;
+  // Ring, N=5, 4000 bytes: 8 steps of 800 bytes, 4 chunks of 800 reduced.
+  EXPECT_NEAR(predict_us(m, OpKind::kAllReduce, Schedule::kRing, 4000, 4, geometry(5)),
+              8 * 10 + 8 * 800 * 0.001 + 4 * 800 * 0.0001, 1e-9);
+  // Gather-reduce, N=5: 2 steps each way (alphas overlap), 4 whole inputs out of each rank,
+  // 4 reductions and one copy of 4000 bytes.
+  EXPECT_NEAR(predict_us(m, OpKind::kAllReduce, Schedule::kGatherReduce, 4000, 4, geometry(5)),
+              2 * 10 + 4 * 4000 * 0.001 + 5 * 4000 * 0.0001, 1e-9);
+  // Ring, N=4, 64 MiB, 512 KiB slices: chunks of 16 MiB, 32 slices a step.
+  const double mib = 1024.0 * 1024;
+  EXPECT_NEAR(predict_us(m, OpKind::kAllReduce, Schedule::kRing, 64 << 20, 4, geometry(4)),
+              6 * (32 * 10 + 16 * mib * 0.001) + 3 * 16 * mib * 0.0001, 1e-6);
+  // Four channels: each carries a quarter of a chunk, 8 slices of 512 KiB.
+  EXPECT_EQ(schedule_plan(OpKind::kAllReduce, Schedule::kRing, 64 << 20, 4, geometry(4, 4)).slices,
+            8);
+  // Broadcast, N=3, 1 MiB in 2 slices: a chain of 2 hops plus 1 slice of pipeline fill.
+  EXPECT_NEAR(predict_us(m, OpKind::kBroadcast, Schedule::kChain, 1 << 20, 1, geometry(3)),
+              3 * (10 + 512 * 1024 * 0.001), 1e-9);
+}
+
+// The model's shapes must be what ops.cc's plan() schedules.
+TEST(CostModelSteps, AgreeWithPlan) {
+  struct Kind {
+    OpKind kind;
+    Schedule schedule;
+  };
+  for (const Kind k : {Kind{OpKind::kAllReduce, Schedule::kRing},
+                       Kind{OpKind::kAllReduce, Schedule::kGatherReduce},
+                       Kind{OpKind::kReduceScatter, Schedule::kRing},
+                       Kind{OpKind::kAllGather, Schedule::kRing},
+                       Kind{OpKind::kAllGather, Schedule::kBiGather}}) {
+    for (int n : {2, 3, 5, 6, 8}) {
+      for (int channels : {1, 3}) {
+        for (std::size_t count : {1UL, 1000UL, 300000UL, 5000001UL}) {
+          SCOPED_TRACE(std::string(to_string(k.kind)) + " " + to_string(k.schedule) +
+                       " n=" + std::to_string(n) + " channels=" + std::to_string(channels) +
+                       " count=" + std::to_string(count));
+          Op op;
+          op.kind = k.kind;
+          op.schedule = k.schedule;
+          op.dtype = DataType::kFloat32;
+          op.user_count = count;
+          SliceGeometryOptions geo;
+          geo.channels = channels;
+          geo.slice_bytes = 256 * 1024;
+          plan(op, 0, n, geo);
+          const auto p = schedule_plan(k.kind, k.schedule, count * 4, 4,
+                                       geometry(n, channels, 256 * 1024));
+          EXPECT_EQ(p.forward_steps, op.send_steps[kForward]);
+          EXPECT_EQ(p.backward_steps, op.send_steps[kBackward]);
+          EXPECT_EQ(p.slices, op.slices);
+        }
+      }
+    }
+  }
+}
+
+TEST(CostModelSelect, ForcedChoicesAreHonoured) {
+  CostModel latency;  // alpha dominates: gather_reduce predicted faster
+  latency.alpha_us = 1000;
+  latency.beta_us_per_byte = 1e-6;
+  CostModel bandwidth;  // beta dominates: ring predicted faster
+  bandwidth.alpha_us = 0.001;
+  bandwidth.beta_us_per_byte = 1;
+  const ModelGeometry g = geometry(6);
+  const CostModel* const models[] = {&latency, &bandwidth, nullptr};
+  for (const CostModel* m : models) {
+    EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kRing, 64, 4, g, m, 1 << 20),
+              Schedule::kRing);
+    EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kGatherReduce, 64 << 20, 4, g, m, 0),
+              Schedule::kGatherReduce);
+    EXPECT_EQ(select_schedule(OpKind::kAllGather, Algorithm::kRing, 8, 4, g, m, 1 << 20),
+              Schedule::kRing);
+  }
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 1 << 20, 4, g, &latency, 0),
+            Schedule::kGatherReduce);
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 65536, 4, g, &bandwidth, 1 << 20),
+            Schedule::kRing);
+}
+
+TEST(CostModelSelect, AutoPicksThePredictedMinimum) {
+  CostModel m;
+  m.alpha_us = 10;
+  m.beta_us_per_byte = 0.001;
+  m.reduce_us_per_byte = 0.0002;
+  int small = 0;
+  int ring = 0;
+  for (int n = 2; n <= 8; ++n) {
+    const ModelGeometry g = geometry(n);
+    for (std::size_t bytes = 8; bytes <= (64U << 20); bytes *= 4) {
+      const double r = predict_us(m, OpKind::kAllReduce, Schedule::kRing, bytes, 4, g);
+      const double gr = predict_us(m, OpKind::kAllReduce, Schedule::kGatherReduce, bytes, 4, g);
+      const Schedule want = gr < r ? Schedule::kGatherReduce : Schedule::kRing;
+      EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, bytes, 4, g, &m, 0), want)
+          << "n=" << n << " bytes=" << bytes;
+      (want == Schedule::kRing ? ring : small)++;
+    }
+  }
+  // The grid must exercise both outcomes, or the test proves nothing.
+  EXPECT_GT(small, 0);
+  EXPECT_GT(ring, 0);
+  // By hand, N=2: the two schedules send the same bytes in the same one step... except that
+  // ring splits it into two steps of half, so gather_reduce wins on alpha while it is cheap.
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 64, 4, geometry(2), &m, 0),
+            Schedule::kGatherReduce);
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 64 << 20, 4, geometry(8), &m,
+                            1 << 30),
+            Schedule::kRing);
+}
+
+TEST(CostModelSelect, WithoutModelKeepsTheThreshold) {
+  const ModelGeometry g = geometry(4);
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 16384, 4, g, nullptr, 16384),
+            Schedule::kGatherReduce);
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 16388, 4, g, nullptr, 16384),
+            Schedule::kRing);
+  // all_gather compares the whole output: 4 ranks x 4096 bytes.
+  EXPECT_EQ(select_schedule(OpKind::kAllGather, Algorithm::kAuto, 4096, 4, g, nullptr, 16384),
+            Schedule::kBiGather);
+  EXPECT_EQ(select_schedule(OpKind::kAllGather, Algorithm::kAuto, 4100, 4, g, nullptr, 16384),
+            Schedule::kRing);
+  // A communicator-wide gather_reduce does not apply to all_gather: threshold as for kAuto.
+  EXPECT_EQ(select_schedule(OpKind::kAllGather, Algorithm::kGatherReduce, 4100, 4, g, nullptr,
+                            16384),
+            Schedule::kRing);
+}
+
+TEST(CostModelFile, JsonRoundTrip) {
+  CostModel m = synthetic(9.25, 0.00125, 0.02);
+  fit_alpha_beta(m);
+  m.reduce_us_per_byte = 0.000125;
+  m.transport = "tcp";
+  m.ranks = 5;
+  m.slice_bytes = 524288;
+  const CostModel back = parse_cost_model(to_json_text(m), "mem.json");
+  EXPECT_DOUBLE_EQ(back.alpha_us, m.alpha_us);
+  EXPECT_DOUBLE_EQ(back.beta_us_per_byte, m.beta_us_per_byte);
+  EXPECT_DOUBLE_EQ(back.reduce_us_per_byte, m.reduce_us_per_byte);
+  EXPECT_DOUBLE_EQ(back.median_rel_error, m.median_rel_error);
+  EXPECT_EQ(back.transport, "tcp");
+  EXPECT_EQ(back.ranks, 5);
+  EXPECT_EQ(back.slice_bytes, 524288U);
+  ASSERT_EQ(back.points.size(), m.points.size());
+  for (std::size_t i = 0; i < m.points.size(); ++i) {
+    EXPECT_DOUBLE_EQ(back.points[i].bytes, m.points[i].bytes);
+    EXPECT_EQ(back.points[i].slices, m.points[i].slices);
+    EXPECT_DOUBLE_EQ(back.points[i].step_us, m.points[i].step_us);
+    EXPECT_DOUBLE_EQ(back.points[i].rel_error, m.points[i].rel_error);
+  }
+}
+
+std::string error_of(const std::string& text, const std::string& source) {
+  try {
+    (void)parse_cost_model(text, source);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    return e.what();
+  }
+  ADD_FAILURE() << "no error for " << text;
+  return {};
+}
+
+TEST(CostModelFile, BadModelNamesFileAndField) {
+  const std::string f = "models/bad.json";
+  auto has = [](const std::string& msg, const std::string& part) {
+    return msg.find(part) != std::string::npos;
+  };
+  std::string e = error_of(R"({"beta_us_per_byte": 0.001})", f);
+  EXPECT_TRUE(has(e, f) && has(e, "'alpha_us'") && has(e, "missing")) << e;
+  e = error_of(R"({"alpha_us": 5, "beta_us_per_byte": "fast"})", f);
+  EXPECT_TRUE(has(e, f) && has(e, "'beta_us_per_byte'") && has(e, "not a number")) << e;
+  e = error_of(R"({"alpha_us": -1, "beta_us_per_byte": 0.001})", f);
+  EXPECT_TRUE(has(e, "'alpha_us'") && has(e, ">= 0")) << e;
+  e = error_of(R"({"alpha_us": 0, "beta_us_per_byte": 0})", f);
+  EXPECT_TRUE(has(e, "both 0")) << e;
+  e = error_of(R"({"alpha_us": 5, "beta_us_per_byte": 0.1, "points": [{"bytes": 8}]})", f);
+  EXPECT_TRUE(has(e, "'points'")) << e;
+  e = error_of("{not json", f);
+  EXPECT_TRUE(has(e, f) && has(e, "not valid JSON")) << e;
+  e = error_of("[1, 2]", f);
+  EXPECT_TRUE(has(e, "not a JSON object")) << e;
+}
+
+TEST(CostModelFile, LoadsAFileAndNamesAMissingOne) {
+  const std::string path =
+      testing::TempDir() + "cost_model_" + std::to_string(::getpid()) + ".json";
+  {
+    std::ofstream out(path);
+    out << R"({"alpha_us": 4.5, "beta_us_per_byte": 0.0005})";
+  }
+  const CostModel m = load_cost_model(path);
+  EXPECT_DOUBLE_EQ(m.alpha_us, 4.5);
+  EXPECT_DOUBLE_EQ(m.beta_us_per_byte, 0.0005);
+  EXPECT_EQ(m.reduce_us_per_byte, 0);
+  std::remove(path.c_str());
+  try {
+    (void)load_cost_model(path);
+    ADD_FAILURE() << "no error for a missing file";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace dear::collectives
