@@ -26,6 +26,11 @@ dear_python_test(python_collectives_4 test_collectives.py 4)
 dear_python_test(python_training_2 test_training.py 2)
 dear_python_test(python_training_4 test_training.py 4)
 dear_python_test(python_features_2 test_features.py 2)
+# DDP over the "dear" torch.distributed backend vs DDP over Gloo and a local reference, and
+# dear.DistributedOptimizer vs DDP over Gloo.
+dear_python_test(python_ddp_2 test_ddp.py 2)
+dear_python_test(python_ddp_4 test_ddp.py 4)
+dear_python_test(python_vs_ddp_2 test_vs_ddp.py 2)
 
 # The example must keep running: a short smoke run (its own checks are the loss and accuracy
 # it prints; this only proves it starts, trains and exits cleanly).

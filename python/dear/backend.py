@@ -1,29 +1,47 @@
-"""EXPERIMENTAL torch.distributed backend "dear" (torch 1.13): dear's engine under
-torch.distributed.
+"""torch.distributed backend "dear" (torch 1.13): dear's engine under torch.distributed, and
+under DistributedDataParallel.
 
     import dear.backend, torch.distributed as dist
-    dear.backend.register()
-    dist.init_process_group("dear", store=dist.FileStore(path, n), rank=r, world_size=n)
+    dear.backend.init_process_group()        # or, with a store of your own:
+    # dear.backend.register(); dist.init_process_group("dear", store=..., rank=r, world_size=n)
+    model = torch.nn.parallel.DistributedDataParallel(model)
 
 torch 1.13's Backend.register_backend accepts a creator that returns a Python subclass of c10d's
-ProcessGroup, and its methods return Python subclasses of Work. dear rendezvous from the
-launcher's environment itself; torch still needs a store that all ranks share for its own
-start-up barrier, but not the env:// one: under dear-run, MASTER_PORT is dear's own listening
-port, which env:// would try to bind a second time. Use a FileStore or a TCPStore elsewhere.
+ProcessGroup. dear rendezvous from the launcher's environment itself; torch still needs a store
+that all ranks share (its start-up barrier, and other backends' groups made with
+dist.new_group), but not the env:// one: under dear-run, MASTER_PORT is dear's own listening
+port, which env:// would try to bind a second time. init_process_group() makes a TCPStore on a
+port rank 0's system chooses and tells the other ranks over dear.
 
-Status: torch.distributed's collectives called from Python (dist.all_reduce, broadcast, ...)
-work. DistributedDataParallel does not yet: it hangs in its first C++-issued collective
-(_verify_params_across_processes), which calls this class from C++; not investigated further.
-Use dear.DistributedOptimizer for training.
+Why the Work objects are not Python subclasses: DDP calls this process group from C++
+(parameter checks, broadcasts, the reducer's all-reduces) and keeps only the C++ half of the
+Work it gets back. The Python half of a Python-subclassed Work dies as soon as the call returns,
+and with it the overrides of wait() and get_future(): C++ then waits on c10d's base Work, which
+nothing ever completes (DDP hung there, in _verify_params_across_processes). So every method
+returns torch's own future-backed Work (_create_work_from_future), and one completion thread per
+process group waits for dear's handles (the GIL released while it waits) and completes the
+futures, in issue order, as Gloo's worker threads do. Callbacks chained on the futures (DDP's)
+run on that thread.
+
+Supported: allreduce (sum, product, min, max, avg), broadcast, allgather, reduce_scatter,
+barrier, each over a list of tensors; DistributedDataParallel on CPU tensors. Not supported:
+send/recv, reduce, gather, scatter, all-to-all (they raise). Timeouts are dear's (DEAR_TIMEOUT),
+not the process group's.
 """
 from __future__ import annotations
 
+import atexit
+import os
+import queue
+import socket
+import threading
+import weakref
 from datetime import timedelta
-from typing import List
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup, ReduceOp, Work
+from torch._C._distributed_c10d import ProcessGroup, ReduceOp, Work, _create_work_from_future
 
 import dear
 
@@ -33,45 +51,46 @@ if hasattr(ReduceOp, "AVG"):
     _OPS[ReduceOp.AVG] = "avg"
 
 
-class _DearWork(Work):
-    """A torch Work over dear Handles; its future completes when they all have."""
+class _Completer:
+    """Completes each Work's future once its dear handles are done, in issue order.
 
-    def __init__(self, handles: List[dear.Handle], result: List[torch.Tensor],
-                 after=None) -> None:
-        super().__init__()
-        self._handles = handles
-        self._result = result
-        self._after = after  # copies out of staging buffers once the operation is done
-        self._done = False
+    Issue order is also the engine's completion order for operations of equal priority (all of
+    this backend's), so waiting for the oldest first costs no latency.
+    """
 
-    def _complete(self) -> None:
-        if not self._done:
-            for h in self._handles:
-                h.wait()
-            if self._after is not None:
-                self._after()
-            self._done = True
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="dear-backend-completer",
+                                        daemon=True)
+        self._thread.start()
 
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        self._complete()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done or all(h.is_completed() for h in self._handles)
-
-    def is_success(self) -> bool:
-        return self.is_completed()
-
-    def result(self) -> List[torch.Tensor]:
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        # torch's callbacks expect a future; dear's handles have none, so completion is
-        # awaited here (DDP waits for every bucket before the optimizer step anyway).
-        self._complete()
+    def submit(self, handles: List[dear.Handle], result: List[torch.Tensor],
+               after: Optional[Callable[[], None]] = None) -> Work:
         future: torch.futures.Future = torch.futures.Future()
-        future.set_result(self._result)
-        return future
+        self._queue.put((handles, result, after, future))
+        return _create_work_from_future(future)
+
+    def close(self, join: bool = False) -> None:
+        self._queue.put(None)
+        # Not from __del__: the last reference may be dropped on the thread itself.
+        if join and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            handles, result, after, future = item
+            try:
+                for h in handles:
+                    h.wait()  # releases the GIL
+                if after is not None:
+                    after()
+            except BaseException as e:  # noqa: BLE001 (every failure goes to the waiter)
+                future.set_exception(e)
+            else:
+                future.set_result(result)
 
 
 def _op(opts) -> str:
@@ -81,9 +100,25 @@ def _op(opts) -> str:
         raise ValueError(f"dear backend: unsupported reduction {opts.reduceOp}") from None
 
 
+# Completion threads still running. At exit they are stopped before the interpreter goes down
+# (a thread completing a future while modules are torn down can crash it).
+_completers: "weakref.WeakSet[_Completer]" = weakref.WeakSet()
+
+
+def _stop_completers() -> None:
+    dear.shutdown()  # fails whatever is still in flight, so no thread stays blocked on it
+    for completer in list(_completers):
+        completer.close(join=True)
+
+
+atexit.register(_stop_completers)  # runs before dear's own handler (registered earlier)
+
+
 class ProcessGroupDear(ProcessGroup):
     def __init__(self, rank: int, size: int) -> None:
         super().__init__(rank, size)
+        self._completer = _Completer()
+        _completers.add(self._completer)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return "dear"
@@ -93,18 +128,22 @@ class ProcessGroupDear(ProcessGroup):
 
     def allreduce(self, tensors: List[torch.Tensor], opts=None) -> Work:
         op = _op(opts) if opts is not None else "sum"
-        return _DearWork([dear.all_reduce_async(t, op=op) for t in tensors], tensors)
+        return self._completer.submit([dear.all_reduce_async(t, op=op) for t in tensors],
+                                      tensors)
 
     def broadcast(self, tensors: List[torch.Tensor], opts=None) -> Work:
         root = opts.rootRank if opts is not None else 0
-        return _DearWork([dear.broadcast_async(t, root) for t in tensors], tensors)
+        return self._completer.submit([dear.broadcast_async(t, root) for t in tensors], tensors)
 
     def allgather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                   opts=None) -> Work:
         handles, copies = [], []
         for outputs, t in zip(output_lists, inputs):
+            if len(outputs) != self.size():
+                raise ValueError(f"dear backend: allgather needs {self.size()} outputs per "
+                                 f"input, got {len(outputs)}")
             # torch hands separate output tensors; dear gathers into one contiguous buffer.
-            flat = torch.empty(t.numel() * len(outputs), dtype=t.dtype)
+            flat = torch.empty(t.numel() * len(outputs), dtype=t.dtype, device=t.device)
             handles.append(dear.all_gather_async(flat, t.contiguous()))
             copies.append((flat, outputs))
 
@@ -112,19 +151,37 @@ class ProcessGroupDear(ProcessGroup):
             for flat, outputs in copies:
                 for out, part in zip(outputs, flat.chunk(len(outputs))):
                     out.copy_(part.view_as(out))
-        return _DearWork(handles, [o for outs in output_lists for o in outs], scatter_out)
+        return self._completer.submit(handles, [o for outs in output_lists for o in outs],
+                                      scatter_out)
 
     def reduce_scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
                        opts=None) -> Work:
         op = _op(opts) if opts is not None else "sum"
-        handles = []
+        handles, copies = [], []
         for out, inputs in zip(outputs, input_lists):
+            if len(inputs) != self.size():
+                raise ValueError(f"dear backend: reduce_scatter needs {self.size()} inputs per "
+                                 f"output, got {len(inputs)}")
             flat = torch.cat([i.reshape(-1) for i in inputs])
-            handles.append(dear.reduce_scatter_async(out, flat, op=op))
-        return _DearWork(handles, outputs)
+            if out.is_contiguous():
+                handles.append(dear.reduce_scatter_async(out, flat, op=op))
+            else:
+                staged = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
+                handles.append(dear.reduce_scatter_async(staged, flat, op=op))
+                copies.append((out, staged))
+
+        def copy_out() -> None:
+            for out, staged in copies:
+                out.copy_(staged.view_as(out))
+        return self._completer.submit(handles, outputs, copy_out if copies else None)
 
     def barrier(self, opts=None) -> Work:
-        return _DearWork([dear.barrier_async()], [])
+        return self._completer.submit([dear.barrier_async()], [])
+
+    def __del__(self) -> None:
+        completer = getattr(self, "_completer", None)
+        if completer is not None:
+            completer.close()
 
 
 def _create(store, rank: int, size: int, timeout: timedelta) -> ProcessGroup:
@@ -139,3 +196,34 @@ def register() -> None:
     """Registers "dear" with torch.distributed (once)."""
     if "DEAR" not in getattr(dist.Backend, "_plugins", {}):
         dist.Backend.register_backend("dear", _create)
+
+
+def _store(timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore served by rank 0 on a free port; its address travels over dear."""
+    rank, size = dear.rank(), dear.size()
+    server = None
+    address = torch.zeros(256, dtype=torch.uint8)
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        server = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
+        text = f"{host} {server.port}".encode()
+        if len(text) > address.numel():
+            raise RuntimeError(f"dear backend: store address {text!r} is too long")
+        address[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    dear.broadcast(address, root=0)
+    if server is not None:
+        return server
+    host, port = bytes(address.tolist()).rstrip(b"\0").decode().rsplit(" ", 1)
+    return dist.TCPStore(host, int(port), size, False, timeout=timeout)
+
+
+def init_process_group(timeout: timedelta = timedelta(minutes=5)) -> None:
+    """dear.init(), then torch.distributed's default group on the "dear" backend.
+
+    The store is a TCPStore that rank 0 serves (at MASTER_ADDR, or its host name); groups of
+    other backends can be made next to it with dist.new_group(backend="gloo").
+    """
+    register()
+    dear.init()
+    dist.init_process_group("dear", store=_store(timeout), rank=dear.rank(),
+                            world_size=dear.size(), timeout=timeout)

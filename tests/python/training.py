@@ -114,3 +114,42 @@ def assert_same(name: str, got: nn.Module, want: nn.Module, atol: float = 1e-5) 
         if diff > atol:
             raise AssertionError(f"rank {dear.rank()}: {name}: parameter {pname} differs from "
                                  f"local training by {diff:.3g} (tolerance {atol})")
+
+
+def train_averaged(optimizer: str, steps: int, ranks: int) -> Net:
+    """Non-distributed training that does what data parallelism promises, literally: each
+    rank's gradient computed on its own slice, their average applied. Independent of
+    train_reference's "average of per-rank means = mean of the whole batch" argument."""
+    model = make_model()
+    params = list(model.parameters())
+    opt = OPTIMIZERS[optimizer](params)
+    for step in range(steps):
+        total: List[Optional[torch.Tensor]] = [None] * len(params)
+        for r in range(ranks):
+            model.zero_grad(set_to_none=True)
+            x, y = local_batch(step, r, ranks)
+            F.cross_entropy(model(x), y).backward()
+            for i, p in enumerate(params):
+                if p.grad is not None:
+                    total[i] = p.grad.clone() if total[i] is None else total[i] + p.grad
+        for p, g in zip(params, total):
+            p.grad = None if g is None else g / ranks
+        opt.step()
+    return model
+
+
+def train_ddp(optimizer: str, steps: int, group, bucket_cap_mb: float = 25) -> Net:
+    """torch's DistributedDataParallel over `group` (a torch.distributed process group)."""
+    model = make_model()
+    # The never-used layer and the frozen one need find_unused_parameters.
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
+                                                    bucket_cap_mb=bucket_cap_mb,
+                                                    find_unused_parameters=True)
+    opt = OPTIMIZERS[optimizer](list(model.parameters()))
+    rank, ranks = group.rank(), group.size()
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        x, y = local_batch(step, rank, ranks)
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return model
