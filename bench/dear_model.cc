@@ -1,0 +1,120 @@
+// dear-model: what the cost model predicts, without running anything.
+//
+//   dear-model --model alpha_beta.json --ranks 2,4,8 -b 8 -e 64M -f 4 [--csv out.csv]
+//
+// One row per rank count, all_reduce size and algorithm (ring, gather_reduce) with the
+// predicted time, plus the algorithm kAuto would pick from the same model: the model lines of
+// scripts/latency-study.sh's plots and the "predicted" column of scripts/check-auto.sh.
+#include <algorithm>
+#include <cstdio>
+#include <exception>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "collectives/cost_model.h"
+#include "common/env.h"
+#include "dear/communicator.h"
+
+namespace {
+
+using dear::collectives::OpKind;
+using dear::collectives::Schedule;
+
+int run(int argc, char** argv) {
+  CLI::App app{"dear-model: predicted all_reduce times from a dear-bench --calibrate model"};
+  std::string model_path;
+  std::string ranks_text = "2,4,8";
+  std::string min = "8";
+  std::string max = "64M";
+  std::uint64_t factor = 4;
+  std::string slice;
+  int channels = 0;
+  std::string csv_path;
+  app.add_option("--model", model_path, "Model file (dear-bench --calibrate --json)")->required();
+  app.add_option("--ranks", ranks_text, "Rank counts, comma-separated, e.g. 2,3,4");
+  app.add_option("-b,--minbytes", min, "Smallest size (K/M/G suffixes)");
+  app.add_option("-e,--maxbytes", max, "Largest size");
+  app.add_option("-f,--stepfactor", factor, "Multiply the size by this each step")
+      ->check(CLI::Range(std::uint64_t{2}, std::uint64_t{1} << 20));
+  app.add_option("--slice", slice, "Pipelining slice size; default DEAR_SLICE_BYTES or 512K");
+  app.add_option("--channels", channels, "Channels; default DEAR_CHANNELS or 1")
+      ->check(CLI::Range(1, 16));
+  app.add_option("--csv", csv_path, "Write the rows to FILE instead of stdout");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  std::vector<int> ranks;
+  for (std::size_t at = 0; at <= ranks_text.size();) {
+    const std::size_t end = std::min(ranks_text.find(',', at), ranks_text.size());
+    const std::string item = ranks_text.substr(at, end - at);
+    const auto n = dear::env::parse_bytes(item);  // a plain number
+    if (!n || *n < 2 || *n > (1U << 20) || item.find_first_not_of("0123456789") != item.npos) {
+      std::fprintf(stderr, "dear-model: --ranks: '%s' is not a rank count >= 2\n", item.c_str());
+      return 2;
+    }
+    ranks.push_back(static_cast<int>(*n));
+    at = end + 1;
+  }
+  const auto lo = dear::env::parse_bytes(min);
+  const auto hi = dear::env::parse_bytes(max);
+  if (!lo || !hi || *lo == 0 || *hi < *lo) {
+    std::fprintf(stderr, "dear-model: -b '%s' and -e '%s' must be sizes with 0 < b <= e\n",
+                 min.c_str(), max.c_str());
+    return 2;
+  }
+  const dear::CommOptions options = dear::apply_env(dear::CommOptions{});
+  dear::collectives::ModelGeometry g;
+  g.channels = channels > 0 ? channels : options.channels;
+  g.slice_bytes = options.slice_bytes;
+  if (!slice.empty()) {
+    const auto s = dear::env::parse_bytes(slice);
+    if (!s) {
+      std::fprintf(stderr, "dear-model: --slice '%s' is not a size\n", slice.c_str());
+      return 2;
+    }
+    g.slice_bytes = *s;
+  }
+  const auto model = dear::collectives::load_cost_model(model_path);
+  std::string text = "nranks,size,algo,predicted_us,auto_choice\n";
+  constexpr std::size_t kEl = 4;  // float, as dear-bench's default
+  for (const int n : ranks) {
+    g.nranks = n;
+    for (std::uint64_t bytes = *lo; bytes <= *hi; bytes *= factor) {
+      const std::size_t b = bytes / kEl * kEl;
+      const Schedule pick = dear::collectives::select_schedule(
+          OpKind::kAllReduce, dear::Algorithm::kAuto, b, kEl, g, &model, 0);
+      for (const Schedule s : {Schedule::kRing, Schedule::kGatherReduce}) {
+        const double t = dear::collectives::predict_us(model, OpKind::kAllReduce, s, b, kEl, g);
+        text += std::to_string(n) + "," + std::to_string(b) + "," + to_string(s) + "," +
+                std::to_string(t) + "," + to_string(pick) + "\n";
+      }
+    }
+  }
+  if (csv_path.empty()) {
+    std::fputs(text.c_str(), stdout);
+  } else {
+    std::ofstream f(csv_path, std::ios::trunc);
+    f << text;
+    if (!f.flush()) {
+      std::fprintf(stderr, "dear-model: cannot write '%s'\n", csv_path.c_str());
+      return 1;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dear-model: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# Checks Algorithm::kAuto's choice against measurement: for each rank count, calibrates the cost
+# model on loopback (dear-bench --calibrate), then times all_reduce with every forced algorithm
+# and with auto (DEAR_COST_MODEL set) over a grid of sizes, and prints a grid marking where auto
+# is within the tolerance of the best forced algorithm, and the fraction of such points.
+#
+#   scripts/check-auto.sh [options]
+#     --build DIR          build with tools/dear-run, bench/dear-bench, bench/dear-model
+#                          (default: build)
+#     --ranks "2 3 4 5 6 7 8"  rank counts
+#     -b 8 -e 64M -f 4     smallest size, largest size, step factor
+#     -n 3 -w 1            timed and warm-up iterations per size
+#     --min_time_ms 20     time at least this long per size (small sizes get more iterations)
+#     --tolerance 10       auto passes within this many percent of the best forced algorithm
+#     --repeats 2          runs of each algorithm, in alternating order; a point keeps its best
+#     --metric time        time: dear-bench's time column (the slowest rank's mean); p50: rank
+#                          0's median
+#     --grid-only          recompute the grid from an earlier run's --out DIR, measuring nothing
+#     --out DIR            where the models, CSV and grid go (default: check-auto)
+#
+# A point's time is the smaller of dear-bench's out-of-place and in-place times (--metric).
+# The grid cell is auto's time over the best forced one, with '*' where it is within the
+# tolerance; the letter after it is what the model picked (R ring, G gather_reduce) and the
+# letter before it the measured winner. Exits 0 whatever the fraction: it reports, it does not
+# judge, because on a shared machine the spread between runs is often larger than 10%.
+set -euo pipefail
+DEAR_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+build=$DEAR_ROOT/build
+ranks="2 3 4 5 6 7 8"
+min=8
+max=64M
+factor=4
+iters=3
+warmup=1
+min_time=20
+tolerance=10
+metric=time
+repeats=2
+grid_only=0
+out=check-auto
+
+usage() {
+  sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  exit 2
+}
+while [ $# -gt 0 ]; do
+  case $1 in
+    --build) build=$2 ;;
+    --ranks) ranks=$2 ;;
+    -b) min=$2 ;;
+    -e) max=$2 ;;
+    -f) factor=$2 ;;
+    -n) iters=$2 ;;
+    -w) warmup=$2 ;;
+    --min_time_ms) min_time=$2 ;;
+    --tolerance) tolerance=$2 ;;
+    --out) out=$2 ;;
+    --metric) metric=$2 ;;
+    --repeats) repeats=$2 ;;
+    --grid-only)
+      grid_only=1
+      shift
+      continue
+      ;;
+    -h | --help) usage ;;
+    *)
+      printf 'check-auto: unknown option %s\n' "$1" >&2
+      usage
+      ;;
+  esac
+  shift 2 || usage
+done
+case $metric in
+  time) columns="11 17" ;;
+  p50) columns="14 20" ;;
+  *)
+    printf 'check-auto: --metric %s is not time or p50\n' "$metric" >&2
+    exit 2
+    ;;
+esac
+run=$build/tools/dear-run
+bench=$build/bench/dear-bench
+model_tool=$build/bench/dear-model
+for tool in "$run" "$bench" "$model_tool"; do
+  [ -x "$tool" ] || {
+    printf 'check-auto: %s is missing; build first (cmake --build %s)\n' "$tool" "$build" >&2
+    exit 1
+  }
+done
+mkdir -p "$out"
+csv=$out/check-auto.csv
+pred=$out/predicted.csv
+start=$SECONDS
+if [ "$grid_only" = 0 ]; then
+printf 'check-auto: ranks %s, all_reduce %s..%s x%s, on %d cores -> %s\n' \
+  "$ranks" "$min" "$max" "$factor" "$(nproc)" "$out" >&2
+
+: >"$csv"
+: >"$pred"
+header=0
+for n in $ranks; do
+  model=$out/model-$n.json
+  printf '\r\033[K[ranks=%s] calibrating' "$n" >&2
+  if ! "$run" -n "$n" --timeout 600 -- "$bench" --calibrate --json "$model" \
+    >"$out/calibrate-$n.log" 2>&1; then
+    printf '\ncheck-auto: calibration on %s ranks failed:\n' "$n" >&2
+    tail -20 "$out/calibrate-$n.log" >&2
+    exit 1
+  fi
+  "$model_tool" --model "$model" --ranks "$n" -b "$min" -e "$max" -f "$factor" |
+    tail -n +2 >>"$pred"
+  # Alternating order, so that a slow spell of the shared machine does not hit one algorithm.
+  order=()
+  for ((r = 1; r <= repeats; r++)); do
+    if ((r % 2)); then order+=(ring gather_reduce auto); else order+=(auto gather_reduce ring); fi
+  done
+  for a in "${order[@]}"; do
+    printf '\r\033[K[ranks=%s] algo=%s' "$n" "$a" >&2
+    point=$out/point.csv
+    rm -f "$point"
+    if ! DEAR_COST_MODEL=$model "$run" -n "$n" --timeout 600 -- "$bench" all_reduce \
+      -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --min_time_ms "$min_time" \
+      -c 0 --algo "$a" --csv "$point" >"$out/point.log" 2>&1; then
+      printf '\ncheck-auto: ranks=%s algo=%s failed:\n' "$n" "$a" >&2
+      tail -20 "$out/point.log" >&2
+      exit 1
+    fi
+    if [ "$header" = 0 ]; then
+      printf 'algo,%s\n' "$(head -1 "$point")" >"$csv"
+      header=1
+    fi
+    tail -n +2 "$point" | sed "s/^/$a,/" >>"$csv"
+  done
+done
+printf '\r\033[Kcheck-auto: measured in %d s; calibrations:\n' $((SECONDS - start)) >&2
+fi
+for n in $ranks; do
+  grep -E '^(\[0\] )?# (alpha|fit error)' "$out/calibrate-$n.log" | sed "s/^/  ranks=$n /" >&2
+done
+
+# algo,library,collective,nranks(4),size(5),...,oop_time_us(11),...,oop_p50_us(14),...,
+# ip_time_us(17),...,ip_p50_us(20)
+read -r c_oop c_ip <<<"$columns"
+awk -F, -v tol="$tolerance" -v pred="$pred" -v co="$c_oop" -v ci="$c_ip" -v metric="$metric" '
+  BEGIN {
+    while ((getline line < pred) > 0) {
+      split(line, f, ",")
+      choice[f[1] "," f[2]] = (f[5] == "ring") ? "R" : "G"
+    }
+  }
+  NR == 1 { next }
+  {
+    t = ($co + 0 < $ci + 0) ? $co + 0 : $ci + 0
+    key = $4 "," $5
+    if (!(($1 "," key) in time) || t < time[$1 "," key]) time[$1 "," key] = t
+    if (!(($4) in seen_n)) { seen_n[$4] = 1; ns[++nn] = $4 }
+    if (!(($5) in seen_s)) { seen_s[$5] = 1; ss[++ns_] = $5 }
+  }
+  END {
+    printf "\nauto / best forced all_reduce time (%s); * = within %s%%; measured winner, then model choice\n", metric, tol
+    printf "%10s", "bytes"
+    for (i = 1; i <= nn; i++) printf " %12s", "n=" ns[i]
+    printf "\n"
+    pass = 0; total = 0
+    for (j = 1; j <= ns_; j++) {
+      printf "%10s", ss[j]
+      for (i = 1; i <= nn; i++) {
+        key = ns[i] "," ss[j]
+        r = time["ring," key]; g = time["gather_reduce," key]; a = time["auto," key]
+        if (r == "" || g == "" || a == "") { printf " %12s", "-"; continue }
+        best = (r < g) ? r : g
+        win = (r < g) ? "R" : "G"
+        ratio = a / best
+        ok = ratio <= 1 + tol / 100
+        total++; pass += ok
+        printf " %s %5.2f%s %s ", win, ratio, ok ? "*" : " ", choice[key]
+      }
+      printf "\n"
+    }
+    agree = 0
+    for (j = 1; j <= ns_; j++) for (i = 1; i <= nn; i++) {
+      key = ns[i] "," ss[j]
+      r = time["ring," key]; g = time["gather_reduce," key]
+      if (r == "" || g == "") continue
+      agree += ((r < g) ? "R" : "G") == choice[key]
+    }
+    printf "\nauto within %s%% of the best forced algorithm: %d of %d points (%.0f%%)\n", \
+      tol, pass, total, total ? 100 * pass / total : 0
+    printf "model picked the measured winner: %d of %d points (%.0f%%)\n", \
+      agree, total, total ? 100 * agree / total : 0
+  }' "$csv" | tee "$out/grid.txt"
