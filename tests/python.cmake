@@ -31,6 +31,8 @@ dear_python_test(python_features_2 test_features.py 2)
 dear_python_test(python_ddp_2 test_ddp.py 2)
 dear_python_test(python_ddp_4 test_ddp.py 4)
 dear_python_test(python_vs_ddp_2 test_vs_ddp.py 2)
+# CUDA tensors: skipped (77, with the reason) without a CUDA build of dear and a GPU torch sees.
+dear_python_test(python_cuda_2 test_cuda.py 2)
 
 # The example must keep running: a short smoke run (its own checks are the loss and accuracy
 # it prints; this only proves it starts, trains and exits cleanly).

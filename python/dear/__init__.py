@@ -6,9 +6,14 @@
     opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
 
 Tensors are passed zero-copy: the library reads and writes their memory directly, so they must
-be contiguous CPU tensors of a supported dtype, and must not be touched until the operation
+be contiguous tensors of a supported dtype, and must not be touched until the operation
 completes (the async forms return a `Handle` that keeps them alive until then). Collectives are
 issued in the same order on every rank, as with NCCL and MPI.
+
+CUDA tensors are accepted when dear was built with CUDA (`HAVE_CUDA`): the operation is ordered
+after the work already queued on the tensor's current stream (as NCCL's are), and the
+communicator stages device memory through pinned host buffers. Builds without CUDA reject them
+with a ValueError. (Compiled, not yet run on a GPU by the tests.)
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from . import _dear
 from ._dear import Error
 
 __all__ = [
-    "Error", "Handle", "init", "is_initialized", "shutdown", "rank", "size",
+    "HAVE_CUDA", "Error", "Handle", "init", "is_initialized", "shutdown", "rank", "size",
     "all_reduce", "all_reduce_async", "reduce_scatter", "reduce_scatter_async",
     "all_gather", "all_gather_async", "broadcast", "broadcast_async", "barrier",
     "barrier_async", "broadcast_parameters", "DistributedOptimizer",
@@ -45,6 +50,9 @@ _OPS = {
     "avg": _dear.ReduceOp.avg,
     "mean": _dear.ReduceOp.avg,
 }
+
+# True when this build takes CUDA tensors (dear compiled with CUDA).
+HAVE_CUDA: bool = bool(_dear.HAVE_CUDA)
 
 _comm: Optional[_dear.Communicator] = None
 
@@ -129,10 +137,15 @@ def size() -> int:
 def _dtype(t: torch.Tensor, name: str) -> _dear.DataType:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
-    if t.device.type != "cpu":
-        # The engine reads host memory only in this build; copying silently would hide a
-        # device-to-host transfer per call.
-        raise ValueError(f"{name} is on {t.device}; dear here takes CPU tensors only")
+    if t.device.type == "cuda":
+        if not HAVE_CUDA:
+            # Copying silently would hide a device-to-host transfer per call.
+            raise ValueError(f"{name} is on {t.device}, but this dear was built without CUDA "
+                             "(rebuild with a CUDA toolkit, DEAR_CUDA=ON), so it takes CPU "
+                             "tensors only")
+    elif t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}; dear takes CPU tensors"
+                         + (" and CUDA tensors" if HAVE_CUDA else " only"))
     if not t.is_contiguous():
         raise ValueError(f"{name} is not contiguous; pass tensor.contiguous() and copy back")
     dtype = _DTYPES.get(t.dtype)
@@ -152,13 +165,22 @@ def _op(op: str) -> _dear.ReduceOp:
 def _same_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype != b.dtype:
         raise TypeError(f"output has dtype {a.dtype} but input has {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"output is on {a.device} but input is on {b.device}")
+
+
+def _stream(t: torch.Tensor) -> int:
+    """The tensor's current CUDA stream as an integer (cudaStream_t); 0 for CPU tensors."""
+    if t.device.type != "cuda":
+        return 0
+    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 def all_reduce_async(tensor: torch.Tensor, op: str = "sum", priority: int = 0) -> Handle:
     """In place: every rank's `tensor` becomes `op` over all ranks' tensors."""
     dtype = _dtype(tensor, "tensor")
     work = _communicator().all_reduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                                      dtype, _op(op), priority)
+                                      dtype, _op(op), priority, _stream(tensor))
     return Handle(work, tensor)
 
 
@@ -176,7 +198,7 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, op: str = "s
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
                          f"size() * output.numel() = {comm.size} * {output.numel()}")
     work = comm.reduce_scatter(input.data_ptr(), output.data_ptr(), output.numel(), dtype,
-                               _op(op), priority)
+                               _op(op), priority, _stream(output))
     return Handle(work, output, input)
 
 
@@ -192,7 +214,8 @@ def all_gather_async(output: torch.Tensor, input: torch.Tensor, priority: int = 
     if output.numel() != input.numel() * comm.size:
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                          f"size() * input.numel() = {comm.size} * {input.numel()}")
-    work = comm.all_gather(input.data_ptr(), output.data_ptr(), input.numel(), dtype, priority)
+    work = comm.all_gather(input.data_ptr(), output.data_ptr(), input.numel(), dtype, priority,
+                           _stream(output))
     return Handle(work, output, input)
 
 
@@ -200,7 +223,7 @@ def broadcast_async(tensor: torch.Tensor, root: int = 0, priority: int = 0) -> H
     """In place: `root`'s tensor is copied into every rank's."""
     dtype = _dtype(tensor, "tensor")
     work = _communicator().broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                                     dtype, root, priority)
+                                     dtype, root, priority, _stream(tensor))
     return Handle(work, tensor)
 
 

@@ -58,7 +58,8 @@ class _Group:
         self.flags_at = total
         padded = -(-(total + len(params)) // ranks) * ranks
         self.shard = padded // ranks
-        self.buffer = torch.zeros(padded, dtype=params[0].dtype)
+        # On the parameters' device: CUDA parameters get a device buffer (builds with CUDA).
+        self.buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
         self.ready = 0
         self.state = _State.IDLE
         self.handle = None
@@ -429,10 +430,10 @@ def _rank() -> int:
 
 
 def _split_by_dtype(params: Iterable[torch.nn.Parameter]) -> List[List[torch.nn.Parameter]]:
-    """One buffer has one dtype: a fused run is cut where the dtype changes."""
+    """One buffer has one dtype and device: a fused run is cut where either changes."""
     runs: List[List[torch.nn.Parameter]] = []
     for p in params:
-        if runs and runs[-1][0].dtype == p.dtype:
+        if runs and runs[-1][0].dtype == p.dtype and runs[-1][0].device == p.device:
             runs[-1].append(p)
         else:
             runs.append([p])

@@ -6,6 +6,11 @@
 // libtorch out of the link lets the module build against any Python that has pybind11, and a
 // torch upgrade cannot break its ABI.
 //
+// CUDA tensors (builds with CUDA only; HAVE_CUDA says which): the Python half passes the device
+// pointer and the tensor's current stream (torch.cuda.current_stream().cuda_stream) as an
+// integer. The communicator finds device buffers itself and stages them through pinned host
+// memory, ordered on that stream (OpOptions::cuda_stream, collectives/device_staging.h).
+//
 // Threading: operations are issued with the GIL held (issuing never blocks); everything that
 // can block (rendezvous, Work::wait, tearing the engine down) releases it, so other Python
 // threads, and autograd's, keep running while a rank waits for its peers.
@@ -62,9 +67,11 @@ std::chrono::milliseconds to_timeout(std::optional<double> seconds) {
   return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(*seconds * 1000.0)));
 }
 
-dear::OpOptions op_options(int priority) {
+// `stream` is a cudaStream_t as an integer (0: none), used by builds with CUDA only.
+dear::OpOptions op_options(int priority, std::uintptr_t stream) {
   dear::OpOptions o;
   o.priority = priority;
+  o.cuda_stream = reinterpret_cast<void*>(stream);
   return o;
 }
 
@@ -185,42 +192,42 @@ PYBIND11_MODULE(_dear, m) {
       .def(
           "all_reduce",
           [](PyCommunicator& c, std::uintptr_t in, std::uintptr_t out, std::size_t count,
-             dear::DataType dtype, dear::ReduceOp op, int priority) {
+             dear::DataType dtype, dear::ReduceOp op, int priority, std::uintptr_t stream) {
             return c.get().all_reduce(as_ptr(in), as_ptr(out), count, dtype, op,
-                                      op_options(priority));
+                                      op_options(priority, stream));
           },
           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"),
-          py::arg("op"), py::arg("priority") = 0)
+          py::arg("op"), py::arg("priority") = 0, py::arg("cuda_stream") = 0)
       .def(
           "reduce_scatter",
           [](PyCommunicator& c, std::uintptr_t in, std::uintptr_t out, std::size_t recv_count,
-             dear::DataType dtype, dear::ReduceOp op, int priority) {
+             dear::DataType dtype, dear::ReduceOp op, int priority, std::uintptr_t stream) {
             return c.get().reduce_scatter(as_ptr(in), as_ptr(out), recv_count, dtype, op,
-                                          op_options(priority));
+                                          op_options(priority, stream));
           },
           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("recv_count"), py::arg("dtype"),
-          py::arg("op"), py::arg("priority") = 0)
+          py::arg("op"), py::arg("priority") = 0, py::arg("cuda_stream") = 0)
       .def(
           "all_gather",
           [](PyCommunicator& c, std::uintptr_t in, std::uintptr_t out, std::size_t send_count,
-             dear::DataType dtype, int priority) {
+             dear::DataType dtype, int priority, std::uintptr_t stream) {
             return c.get().all_gather(as_ptr(in), as_ptr(out), send_count, dtype,
-                                      op_options(priority));
+                                      op_options(priority, stream));
           },
           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("send_count"), py::arg("dtype"),
-          py::arg("priority") = 0)
+          py::arg("priority") = 0, py::arg("cuda_stream") = 0)
       .def(
           "broadcast",
           [](PyCommunicator& c, std::uintptr_t in, std::uintptr_t out, std::size_t count,
-             dear::DataType dtype, int root, int priority) {
+             dear::DataType dtype, int root, int priority, std::uintptr_t stream) {
             return c.get().broadcast(as_ptr(in), as_ptr(out), count, dtype, root,
-                                     op_options(priority));
+                                     op_options(priority, stream));
           },
           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"),
-          py::arg("root"), py::arg("priority") = 0)
+          py::arg("root"), py::arg("priority") = 0, py::arg("cuda_stream") = 0)
       .def(
           "barrier",
-          [](PyCommunicator& c, int priority) { return c.get().barrier(op_options(priority)); },
+          [](PyCommunicator& c, int priority) { return c.get().barrier(op_options(priority, 0)); },
           py::arg("priority") = 0)
       .def("abort", [](PyCommunicator& c, const std::string& reason) { c.get().abort(reason); });
 
@@ -228,4 +235,9 @@ PYBIND11_MODULE(_dear, m) {
         py::arg("threshold_bytes"), py::arg("element_bytes"),
         "DeAR's threshold fusion (dear::scheduler::plan_threshold): (first, last) layer ranges.");
   m.attr("ALL_GATHER_PRIORITY") = dear::scheduler::kAllGatherPriority;
+#ifdef DEAR_HAVE_CUDA
+  m.attr("HAVE_CUDA") = true;  // device pointers are accepted (and staged by the communicator)
+#else
+  m.attr("HAVE_CUDA") = false;
+#endif
 }
