@@ -8,6 +8,8 @@ DEAR_BUILD_PACKAGES=(build-essential cmake ninja-build pkg-config libasio-dev li
 DEAR_PEER_PACKAGES=(libopenmpi-dev openmpi-bin libgloo-dev)
 # The Python package and its tests (Debian's interpreter with its PyTorch).
 DEAR_PYTHON_PACKAGES=(pybind11-dev python3-dev python3-torch python3-numpy)
+# Plots of the studies (scripts/latency-study.sh); without them the studies write CSV/JSON only.
+DEAR_STUDY_PACKAGES=(gnuplot-nox)
 
 dear_log() { printf '[dear] %s\n' "$*" >&2; }
 
