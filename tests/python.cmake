@@ -43,3 +43,13 @@ add_test(NAME python_example_synthetic
 set_tests_properties(python_example_synthetic PROPERTIES
                      LABELS python SKIP_RETURN_CODE 77 TIMEOUT 180
                      ENVIRONMENT "PYTHONPATH=${DEAR_PYTHON_DIR};DEAR_SPIN_US=0;OMP_NUM_THREADS=1")
+
+# The DDP comparison example: a short smoke run of all three modes (its timings mean nothing
+# here; the same loss in every mode is printed for a human to read).
+add_test(NAME python_example_compare_ddp
+         COMMAND $<TARGET_FILE:dear-run> -n 2 --timeout 120 --
+                 ${DEAR_TORCH_PYTHON} ${PROJECT_SOURCE_DIR}/examples/compare_ddp.py
+                 --model convnet --steps 2 --warmup 1 --batch 2)
+set_tests_properties(python_example_compare_ddp PROPERTIES
+                     LABELS python SKIP_RETURN_CODE 77 TIMEOUT 180
+                     ENVIRONMENT "PYTHONPATH=${DEAR_PYTHON_DIR};DEAR_SPIN_US=0;OMP_NUM_THREADS=1")

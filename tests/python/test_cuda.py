@@ -84,6 +84,7 @@ def run_on_gpu(rank: int, n: int) -> None:
 def main() -> None:
     dear.init()
     check_refused()
+    dear.barrier()  # ranks leave together, skipped or not
     if not dear.HAVE_CUDA:
         print("SKIP: dear was built without CUDA; CUDA tensors are refused (checked)", flush=True)
         sys.exit(SKIP)
