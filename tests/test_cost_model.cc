@@ -5,12 +5,19 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <fstream>
+#include <functional>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "collectives/ops.h"
+#include "dear/bootstrap.h"
+#include "dear/communicator.h"
 #include "dear/error.h"
 
 namespace dear::collectives {
@@ -320,6 +327,103 @@ TEST(CostModelFile, LoadsAFileAndNamesAMissingOne) {
     ADD_FAILURE() << "no error for a missing file";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+}
+
+// Ranks as threads over loopback, each with its own options; returns each rank's failure.
+std::vector<std::exception_ptr> run_with(const std::vector<CommOptions>& options,
+                                         const std::function<void(Communicator&)>& fn) {
+  const int n = static_cast<int>(options.size());
+  const UniqueId id = UniqueId::create("127.0.0.1");
+  std::vector<std::exception_ptr> errors(options.size());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto comm = Communicator::create(Bootstrap::create(id, r, n),
+                                         options[static_cast<std::size_t>(r)]);
+        fn(*comm);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+std::string message(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  }
+}
+
+CommOptions latency_bound_model() {
+  CommOptions o;
+  o.timeout = std::chrono::seconds(20);
+  o.alpha_us = 1000;  // alpha dominates: gather_reduce at 64 KiB, where the threshold says ring
+  o.beta_us_per_byte = 1e-6;
+  return o;
+}
+
+// The communicator chooses from its model: a rank with one and ranks without it pick different
+// schedules for the same all_reduce, which every rank reports as a mismatch naming both.
+TEST(CostModelCommunicator, AutoUsesTheModel) {
+  CommOptions plain;
+  plain.timeout = std::chrono::seconds(20);
+  const auto errors = run_with({latency_bound_model(), plain, plain}, [](Communicator& c) {
+    std::vector<float> v(16384, 1.0F);
+    c.all_reduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum).wait();
+  });
+  for (const auto& e : errors) {
+    ASSERT_TRUE(e) << "a rank completed an all_reduce whose schedule the ranks disagreed on";
+    const std::string m = message(e);
+    EXPECT_NE(m.find("gather_reduce"), std::string::npos) << m;
+    EXPECT_NE(m.find("mismatch"), std::string::npos) << m;
+  }
+}
+
+// With the same model everywhere the choice agrees and results are right, forced or not.
+TEST(CostModelCommunicator, SameModelEverywhereGivesCorrectResults) {
+  const int n = 3;
+  const auto errors = run_with(std::vector<CommOptions>(n, latency_bound_model()),
+                               [n](Communicator& c) {
+    for (const Algorithm a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kGatherReduce}) {
+      OpOptions o;
+      o.algorithm = a;
+      std::vector<float> v(16384, static_cast<float>(c.rank() + 1));
+      c.all_reduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, o).wait();
+      for (float x : v) ASSERT_EQ(x, static_cast<float>(n * (n + 1) / 2));
+      std::vector<std::int32_t> mine(100, c.rank());
+      std::vector<std::int32_t> all(100 * n, -1);
+      c.all_gather(mine.data(), all.data(), 100, DataType::kInt32,
+                   a == Algorithm::kGatherReduce ? OpOptions{} : o)
+          .wait();
+      for (int i = 0; i < 100 * n; ++i) ASSERT_EQ(all[static_cast<std::size_t>(i)], i / 100);
+    }
+  });
+  for (const auto& e : errors) EXPECT_FALSE(e) << message(e);
+}
+
+TEST(CostModelCommunicator, BadModelFileFailsCreateNamingFileFieldAndRank) {
+  const std::string path =
+      testing::TempDir() + "bad_model_" + std::to_string(::getpid()) + ".json";
+  {
+    std::ofstream out(path);
+    out << R"({"alpha_us": 3})";
+  }
+  CommOptions o;
+  o.cost_model_file = path;
+  const auto errors = run_with({o, o}, [](Communicator&) {});
+  std::remove(path.c_str());
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(errors[static_cast<std::size_t>(r)]) << "rank " << r;
+    const std::string m = message(errors[static_cast<std::size_t>(r)]);
+    EXPECT_NE(m.find(path), std::string::npos) << m;
+    EXPECT_NE(m.find("beta_us_per_byte"), std::string::npos) << m;
+    EXPECT_NE(m.find("rank " + std::to_string(r)), std::string::npos) << m;
   }
 }
 
