@@ -61,9 +61,8 @@ CommOptions calibration_options(CommOptions options) {
 collectives::CostModel calibrate(Communicator& comm, const CalibrateOptions& opts) {
   const int n = comm.size();
   if (n < 2) {
-    throw Error(ErrorCode::kInvalidArgument, "--calibrate needs at least 2 ranks, got " +
-                                                 std::to_string(n),
-                comm.rank());
+    throw Error(ErrorCode::kInvalidArgument,
+                "--calibrate needs at least 2 ranks, got " + std::to_string(n), comm.rank());
   }
   collectives::CostModel m;
   m.transport = comm.options().transport;
@@ -112,24 +111,25 @@ collectives::CostModel calibrate(Communicator& comm, const CalibrateOptions& opt
 }
 
 void print_calibration(std::FILE* out, const collectives::CostModel& m) {
-  std::fprintf(out, "# calibration: %s, %d ranks, slice %zu bytes\n", m.transport.c_str(),
-               m.ranks, m.slice_bytes);
-  std::fprintf(out, "# %12s %7s %12s %12s %9s\n", "step_bytes", "slices", "measured_us",
-               "model_us", "rel_err");
+  std::fprintf(out, "# calibration: %s, %d ranks, slice %zu bytes\n", m.transport.c_str(), m.ranks,
+               m.slice_bytes);
+  std::fprintf(out, "# %12s %7s %12s %12s %9s\n", "step_bytes", "slices", "measured_us", "model_us",
+               "rel_err");
   for (const auto& p : m.points) {
     std::fprintf(out, "  %12.0f %7d %12.2f %12.2f %8.1f%%\n", p.bytes, p.slices, p.step_us,
                  p.model_us, 100 * p.rel_error);
   }
-  std::fprintf(out, "# alpha = %.2f us per step, beta = %.3g us/byte (%.2f GB/s), reduction "
-                    "%.3g us/byte (%.2f GB/s)\n",
+  std::fprintf(out,
+               "# alpha = %.2f us per step, beta = %.3g us/byte (%.2f GB/s), reduction "
+               "%.3g us/byte (%.2f GB/s)\n",
                m.alpha_us, m.beta_us_per_byte,
                m.beta_us_per_byte > 0 ? 1e-3 / m.beta_us_per_byte : 0.0, m.reduce_us_per_byte,
                m.reduce_us_per_byte > 0 ? 1e-3 / m.reduce_us_per_byte : 0.0);
-  std::fprintf(out, "# fit error: median %.1f%%, max %.1f%%\n", 100 * m.median_rel_error,
-               100 * std::max_element(m.points.begin(), m.points.end(),
-                                      [](const auto& x, const auto& y) {
-                                        return x.rel_error < y.rel_error;
-                                      })->rel_error);
+  std::fprintf(
+      out, "# fit error: median %.1f%%, max %.1f%%\n", 100 * m.median_rel_error,
+      100 * std::max_element(m.points.begin(), m.points.end(), [](const auto& x, const auto& y) {
+              return x.rel_error < y.rel_error;
+            })->rel_error);
 }
 
 }  // namespace dear::bench

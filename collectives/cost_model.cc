@@ -26,8 +26,8 @@ int slices_for(std::size_t chunk_bytes, std::size_t el, const ModelGeometry& g) 
   const std::size_t chunk_elems = ceil_div(chunk_bytes, el);
   const std::size_t wanted =
       std::max<std::size_t>(1, chunk_elems * el / std::max<std::size_t>(1, g.min_channel_bytes));
-  const auto channels = std::clamp<std::size_t>(wanted, 1,
-                                                static_cast<std::size_t>(std::max(1, g.channels)));
+  const auto channels =
+      std::clamp<std::size_t>(wanted, 1, static_cast<std::size_t>(std::max(1, g.channels)));
   const std::size_t part_bytes = ceil_div(chunk_elems, channels) * el;
   return static_cast<int>(
       std::max<std::size_t>(1, ceil_div(part_bytes, std::max<std::size_t>(1, g.slice_bytes))));
@@ -95,12 +95,11 @@ SchedulePlan schedule_plan(OpKind kind, Schedule schedule, std::size_t bytes, st
 double predict_us(const CostModel& m, OpKind kind, Schedule schedule, std::size_t bytes,
                   std::size_t el, const ModelGeometry& g) {
   const SchedulePlan p = schedule_plan(kind, schedule, bytes, el, g);
-  const double local =
-      static_cast<double>(p.reduced_bytes + p.copied_bytes) * m.reduce_us_per_byte;
+  const double local = static_cast<double>(p.reduced_bytes + p.copied_bytes) * m.reduce_us_per_byte;
   if (kind == OpKind::kBroadcast) {
     if (p.forward_steps == 0) return local;
-    const double message = m.alpha_us + static_cast<double>(p.chunk_bytes) / p.slices *
-                                            m.beta_us_per_byte;
+    const double message =
+        m.alpha_us + static_cast<double>(p.chunk_bytes) / p.slices * m.beta_us_per_byte;
     return (p.forward_steps + p.slices - 1) * message + local;
   }
   // Both directions at once: latencies overlap, bytes share the egress.
@@ -226,8 +225,7 @@ CostModel parse_cost_model(const std::string& text, const std::string& source) {
     if (!it->is_number()) fail(std::string("field '") + field + "' is not a number");
     const double v = it->get<double>();
     if (!std::isfinite(v) || v < 0) {
-      fail(std::string("field '") + field + "' = " + it->dump() +
-           " is not a finite number >= 0");
+      fail(std::string("field '") + field + "' = " + it->dump() + " is not a finite number >= 0");
     }
     return v;
   };

@@ -29,9 +29,9 @@ namespace dear::collectives {
 struct CalibrationPoint {
   double bytes = 0;
   int slices = 1;
-  double step_us = 0;      // measured
-  double model_us = 0;     // the fit's prediction (filled by fit_alpha_beta)
-  double rel_error = 0;    // |model - measured| / measured (filled by fit_alpha_beta)
+  double step_us = 0;    // measured
+  double model_us = 0;   // the fit's prediction (filled by fit_alpha_beta)
+  double rel_error = 0;  // |model - measured| / measured (filled by fit_alpha_beta)
 };
 
 struct CostModel {
@@ -62,10 +62,10 @@ struct ModelGeometry {
 struct SchedulePlan {
   int forward_steps = 0;
   int backward_steps = 0;
-  std::size_t chunk_bytes = 0;   // bytes a step moves in one direction
-  int slices = 1;                // messages per channel per step
-  std::size_t reduced_bytes = 0; // bytes of operand reduced locally on each rank
-  std::size_t copied_bytes = 0;  // bytes copied locally (own block) before the first step
+  std::size_t chunk_bytes = 0;    // bytes a step moves in one direction
+  int slices = 1;                 // messages per channel per step
+  std::size_t reduced_bytes = 0;  // bytes of operand reduced locally on each rank
+  std::size_t copied_bytes = 0;   // bytes copied locally (own block) before the first step
 };
 
 // kind: kAllReduce (kRing, kGatherReduce), kReduceScatter (kRing), kAllGather (kRing,

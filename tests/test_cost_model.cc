@@ -1,7 +1,5 @@
 // The alpha-beta cost model: the calibration fit, the schedules' step counts against hand
 // computation and against plan(), the choice kAuto makes, and the model file.
-#include "collectives/cost_model.h"
-
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -15,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "collectives/cost_model.h"
 #include "collectives/ops.h"
 #include "dear/bootstrap.h"
 #include "dear/communicator.h"
@@ -111,8 +110,7 @@ TEST(CostModelSteps, MatchHandComputation) {
     EXPECT_EQ(gr.reduced_bytes, static_cast<std::size_t>(c.n - 1) * 4000);
     const auto bi = schedule_plan(OpKind::kAllGather, Schedule::kBiGather, 100, 4, g);
     EXPECT_EQ(bi.forward_steps + bi.backward_steps, c.n - 1);
-    EXPECT_EQ(schedule_plan(OpKind::kAllGather, Schedule::kRing, 100, 4, g).forward_steps,
-              c.n - 1);
+    EXPECT_EQ(schedule_plan(OpKind::kAllGather, Schedule::kRing, 100, 4, g).forward_steps, c.n - 1);
     EXPECT_EQ(schedule_plan(OpKind::kReduceScatter, Schedule::kRing, 100, 4, g).forward_steps,
               c.n - 1);
   }
@@ -153,11 +151,11 @@ TEST(CostModelSteps, AgreeWithPlan) {
     OpKind kind;
     Schedule schedule;
   };
-  for (const Kind k : {Kind{OpKind::kAllReduce, Schedule::kRing},
-                       Kind{OpKind::kAllReduce, Schedule::kGatherReduce},
-                       Kind{OpKind::kReduceScatter, Schedule::kRing},
-                       Kind{OpKind::kAllGather, Schedule::kRing},
-                       Kind{OpKind::kAllGather, Schedule::kBiGather}}) {
+  for (const Kind k :
+       {Kind{OpKind::kAllReduce, Schedule::kRing},
+        Kind{OpKind::kAllReduce, Schedule::kGatherReduce},
+        Kind{OpKind::kReduceScatter, Schedule::kRing}, Kind{OpKind::kAllGather, Schedule::kRing},
+        Kind{OpKind::kAllGather, Schedule::kBiGather}}) {
     for (int n : {2, 3, 5, 6, 8}) {
       for (int channels : {1, 3}) {
         for (std::size_t count : {1UL, 1000UL, 300000UL, 5000001UL}) {
@@ -173,8 +171,8 @@ TEST(CostModelSteps, AgreeWithPlan) {
           geo.channels = channels;
           geo.slice_bytes = 256 * 1024;
           plan(op, 0, n, geo);
-          const auto p = schedule_plan(k.kind, k.schedule, count * 4, 4,
-                                       geometry(n, channels, 256 * 1024));
+          const auto p =
+              schedule_plan(k.kind, k.schedule, count * 4, 4, geometry(n, channels, 256 * 1024));
           EXPECT_EQ(p.forward_steps, op.send_steps[kForward]);
           EXPECT_EQ(p.backward_steps, op.send_steps[kBackward]);
           EXPECT_EQ(p.slices, op.slices);
@@ -232,9 +230,9 @@ TEST(CostModelSelect, AutoPicksThePredictedMinimum) {
   // ring splits it into two steps of half, so gather_reduce wins on alpha while it is cheap.
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 64, 4, geometry(2), &m, 0),
             Schedule::kGatherReduce);
-  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 64 << 20, 4, geometry(8), &m,
-                            1 << 30),
-            Schedule::kRing);
+  EXPECT_EQ(
+      select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 64 << 20, 4, geometry(8), &m, 1 << 30),
+      Schedule::kRing);
 }
 
 TEST(CostModelSelect, WithoutModelKeepsTheThreshold) {
@@ -249,9 +247,9 @@ TEST(CostModelSelect, WithoutModelKeepsTheThreshold) {
   EXPECT_EQ(select_schedule(OpKind::kAllGather, Algorithm::kAuto, 4100, 4, g, nullptr, 16384),
             Schedule::kRing);
   // A communicator-wide gather_reduce does not apply to all_gather: threshold as for kAuto.
-  EXPECT_EQ(select_schedule(OpKind::kAllGather, Algorithm::kGatherReduce, 4100, 4, g, nullptr,
-                            16384),
-            Schedule::kRing);
+  EXPECT_EQ(
+      select_schedule(OpKind::kAllGather, Algorithm::kGatherReduce, 4100, 4, g, nullptr, 16384),
+      Schedule::kRing);
 }
 
 TEST(CostModelFile, JsonRoundTrip) {
@@ -340,8 +338,8 @@ std::vector<std::exception_ptr> run_with(const std::vector<CommOptions>& options
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       try {
-        auto comm = Communicator::create(Bootstrap::create(id, r, n),
-                                         options[static_cast<std::size_t>(r)]);
+        auto comm =
+            Communicator::create(Bootstrap::create(id, r, n), options[static_cast<std::size_t>(r)]);
         fn(*comm);
       } catch (...) {
         errors[static_cast<std::size_t>(r)] = std::current_exception();
@@ -388,28 +386,27 @@ TEST(CostModelCommunicator, AutoUsesTheModel) {
 // With the same model everywhere the choice agrees and results are right, forced or not.
 TEST(CostModelCommunicator, SameModelEverywhereGivesCorrectResults) {
   const int n = 3;
-  const auto errors = run_with(std::vector<CommOptions>(n, latency_bound_model()),
-                               [n](Communicator& c) {
-    for (const Algorithm a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kGatherReduce}) {
-      OpOptions o;
-      o.algorithm = a;
-      std::vector<float> v(16384, static_cast<float>(c.rank() + 1));
-      c.all_reduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, o).wait();
-      for (float x : v) ASSERT_EQ(x, static_cast<float>(n * (n + 1) / 2));
-      std::vector<std::int32_t> mine(100, c.rank());
-      std::vector<std::int32_t> all(100 * n, -1);
-      c.all_gather(mine.data(), all.data(), 100, DataType::kInt32,
-                   a == Algorithm::kGatherReduce ? OpOptions{} : o)
-          .wait();
-      for (int i = 0; i < 100 * n; ++i) ASSERT_EQ(all[static_cast<std::size_t>(i)], i / 100);
-    }
-  });
+  const auto errors =
+      run_with(std::vector<CommOptions>(n, latency_bound_model()), [n](Communicator& c) {
+        for (const Algorithm a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kGatherReduce}) {
+          OpOptions o;
+          o.algorithm = a;
+          std::vector<float> v(16384, static_cast<float>(c.rank() + 1));
+          c.all_reduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, o).wait();
+          for (float x : v) ASSERT_EQ(x, static_cast<float>(n * (n + 1) / 2));
+          std::vector<std::int32_t> mine(100, c.rank());
+          std::vector<std::int32_t> all(100 * n, -1);
+          c.all_gather(mine.data(), all.data(), 100, DataType::kInt32,
+                       a == Algorithm::kGatherReduce ? OpOptions{} : o)
+              .wait();
+          for (int i = 0; i < 100 * n; ++i) ASSERT_EQ(all[static_cast<std::size_t>(i)], i / 100);
+        }
+      });
   for (const auto& e : errors) EXPECT_FALSE(e) << message(e);
 }
 
 TEST(CostModelCommunicator, BadModelFileFailsCreateNamingFileFieldAndRank) {
-  const std::string path =
-      testing::TempDir() + "bad_model_" + std::to_string(::getpid()) + ".json";
+  const std::string path = testing::TempDir() + "bad_model_" + std::to_string(::getpid()) + ".json";
   {
     std::ofstream out(path);
     out << R"({"alpha_us": 3})";
