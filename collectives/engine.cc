@@ -248,13 +248,18 @@ void Engine::sleep_idle() {
   // While it may soon be needed again, the engine does not watch the sockets: what arrives
   // meanwhile (slices of operations not posted here yet, announcements) waits in the kernel
   // until there is an operation to progress, and a thread in drive() reads the sockets
-  // itself, so arrivals cost no wake-ups here. The engine wakes every tick for a while, in
-  // case an operation was started by its caller (Engine::submit) and nobody waits for it;
-  // then it sleeps on the sockets too, so that an abort or a closed link is noticed while idle.
+  // itself, so arrivals cost no wake-ups here. It wakes every tick in case an operation was
+  // started by its caller (Engine::submit) and nobody waits for it: often while no thread
+  // drives, rarely while one does (the last driver to leave wakes it if work is left). After
+  // enough quiet ticks it sleeps on the sockets too, so that an abort or a closed link is
+  // noticed while idle. (No timer is armed per operation: on virtual machines that costs more
+  // than the operation.)
   constexpr int kTicks = 50;
   constexpr auto kTick = std::chrono::microseconds(200);
+  constexpr auto kDrivenTick = std::chrono::milliseconds(1);
   std::unique_lock<std::mutex> lock(turn_mu_, std::defer_lock);
-  const bool deep = idle_ticks_ >= kTicks && drivers_.load() == 0 && lock.try_lock();
+  const bool driven = drivers_.load() > 0;
+  const bool deep = idle_ticks_ >= kTicks && !driven && lock.try_lock();
   pollfds_.clear();
   pollfds_.push_back({wake_fd_.get(), POLLIN, 0});
   if (deep) {
@@ -269,14 +274,16 @@ void Engine::sleep_idle() {
   mode_.store(deep ? kDeepSleep : kIdleSleep);
   const bool work = drivers_.load() == 0 && (pending_submissions_.load() > 0 || has_active_.load());
   if (!work && !stop_.load() && !abort_requested_.load()) {
-    const timespec tick{0, static_cast<long>(std::chrono::nanoseconds(kTick).count())};
+    const auto wait = driven ? std::chrono::nanoseconds(kDrivenTick) : std::chrono::nanoseconds(kTick);
+    const timespec tick{0, static_cast<long>(wait.count())};
     const int rc = ::ppoll(pollfds_.data(), pollfds_.size(), deep ? nullptr : &tick, nullptr);
     if (rc > 0 && (pollfds_[0].revents & POLLIN) != 0) {
       std::uint64_t v = 0;
       [[maybe_unused]] const ssize_t n = ::read(wake_fd_.get(), &v, sizeof(v));
     }
     // Something arrived on a socket while deep asleep: let the next turn read it.
-    idle_ticks_ = deep && rc > 0 && (pollfds_[0].revents & POLLIN) == 0 ? 0 : idle_ticks_ + 1;
+    const bool socket = deep && rc > 0 && (pollfds_[0].revents & POLLIN) == 0;
+    idle_ticks_ = socket ? 0 : idle_ticks_ + (driven ? 0 : 1);
   }
   mode_.store(kRunning);
 }
