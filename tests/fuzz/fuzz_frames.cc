@@ -108,7 +108,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         ::shutdown(writer.get(), SHUT_WR);
         eof_sent = true;
       }
-      if (channel.progress(sink)) {
+      if (channel.progress(sink, true)) {
         idle = 0;
       } else if (eof_sent) {
         ++idle;
