@@ -130,10 +130,11 @@ class Attacker {
       claim.nonce = auth::fresh_nonce();
       const auth::Response r = auth::make_response(wrong, purpose_, c, claim);
       send_bytes(fd.get(), &r, sizeof(r));
-      // The listener must close on us rather than welcome us.
+      // The listener must close on us (a FIN, or a reset if it dropped us before reading all
+      // we sent) rather than welcome us (a welcome is bytes to read).
       char b;
       pollfd pfd{fd.get(), POLLIN, 0};
-      if (::poll(&pfd, 1, 3000) == 1 && ::recv(fd.get(), &b, 1, 0) == 0) ++rejected_;
+      if (::poll(&pfd, 1, 3000) == 1 && ::recv(fd.get(), &b, 1, 0) <= 0) ++rejected_;
     } catch (const Error&) {
     }
   }
