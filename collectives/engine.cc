@@ -232,7 +232,6 @@ bool Engine::turn() {
     }
     complete_finished();
     check_deadlines();
-    has_active_.store(!active_.empty());
   } catch (const Error& e) {
     fail(e);
     moved = true;
@@ -274,7 +273,8 @@ void Engine::sleep_idle() {
   mode_.store(deep ? kDeepSleep : kIdleSleep);
   const bool work = drivers_.load() == 0 && (pending_submissions_.load() > 0 || has_active_.load());
   if (!work && !stop_.load() && !abort_requested_.load()) {
-    const auto wait = driven ? std::chrono::nanoseconds(kDrivenTick) : std::chrono::nanoseconds(kTick);
+    const std::chrono::nanoseconds wait =
+        driven ? std::chrono::nanoseconds(kDrivenTick) : std::chrono::nanoseconds(kTick);
     const timespec tick{0, static_cast<long>(wait.count())};
     const int rc = ::ppoll(pollfds_.data(), pollfds_.size(), deep ? nullptr : &tick, nullptr);
     if (rc > 0 && (pollfds_[0].revents & POLLIN) != 0) {
