@@ -21,6 +21,7 @@
 
 #include "dear/error.h"
 #include "transport/fabric/slot_window.h"
+#include "transport/peer_exchange.h"
 #include "transport/socket_util.h"
 
 namespace dear::transport::fabric {
@@ -767,6 +768,13 @@ bool FabricChannel::send_control(Kind kind, std::uint32_t seq, std::uint32_t cre
 
 void FabricChannel::close() {
   if (closed_ || !ep_) return;
+  if (peer_addr_ == FI_ADDR_UNSPEC) {
+    // Setup failed before the peer's address was known: there is no one to say goodbye to.
+    closed_ = true;
+    count_ = 0;
+    queued_bytes_ = 0;
+    return;
+  }
   NullSink null_sink;
   const auto deadline = Clock::now() + kCloseLinger;
   try {
@@ -844,16 +852,9 @@ std::optional<std::string> unavailable_reason(const std::string& provider) {
          "; available: " + join(all) + ")";
 }
 
-RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& options) {
-  const int rank = bootstrap.rank();
-  const int size = bootstrap.size();
-  Graveyard::get().reap();
-  if (channels < 1 || channels > kMaxChannels) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "fabric: channels=" + std::to_string(channels) + " is outside [1, " +
-                    std::to_string(kMaxChannels) + "]",
-                rank);
-  }
+namespace {
+
+void check_options(const FabricOptions& options, int rank) {
   if (options.slots < 2 || options.slots > 1024) {
     throw Error(ErrorCode::kInvalidArgument,
                 "fabric: slots=" + std::to_string(options.slots) + " is outside [2, 1024]", rank);
@@ -865,9 +866,13 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
                     " must be a multiple of 64 in [1 KiB, 64 MiB]",
                 rank);
   }
+}
 
-  // Choose the provider: the one asked for, or the first that reaches other
-  // hosts.
+// Chooses the provider (the one asked for, or the first that reaches other hosts) and opens
+// its fabric, domain and an address vector for `endpoints` peers. `o` gets the slot size the
+// provider allows.
+std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank, std::size_t endpoints,
+                                    FabricOptions& o) {
   auto dom = std::make_shared<Domain>();
   int rc = 0;
   InfoPtr list = query(options.provider, &rc);
@@ -889,7 +894,7 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
   }
   dom->info.reset(fi_dupinfo(chosen));
   dom->provider = chosen->fabric_attr->prov_name;
-  FabricOptions o = options;
+  o = options;
   const std::size_t max_msg = chosen->ep_attr->max_msg_size;
   if (max_msg < o.slot_bytes) o.slot_bytes = max_msg - max_msg % 64;
   if (o.slot_bytes < kPrefix + kHeader + 64) {
@@ -908,27 +913,49 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
   dom->domain.reset(domain);
   fi_av_attr av_attr{};
   av_attr.type = FI_AV_TABLE;
-  av_attr.count = 2 * static_cast<std::size_t>(channels);
+  av_attr.count = std::max<std::size_t>(1, endpoints);
   fid_av* av = nullptr;
   rc = fi_av_open(domain, &av_attr, &av, nullptr);
   if (rc != 0) throw_fi("fi_av_open(" + dom->provider + ")", rc, rank);
   dom->av.reset(av);
+  return dom;
+}
+
+// Channels stamp rank 0's tag on every message, so it is gathered before they are made.
+std::uint64_t gather_tag(Bootstrap& bootstrap) {
+  const std::uint64_t mine = random_u64();
+  std::vector<std::uint64_t> tags(static_cast<std::size_t>(bootstrap.size()));
+  bootstrap.all_gather(&mine, sizeof(mine), tags.data());
+  return tags[0];
+}
+
+}  // namespace
+
+RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& options) {
+  const int rank = bootstrap.rank();
+  const int size = bootstrap.size();
+  Graveyard::get().reap();
+  if (channels < 1 || channels > kMaxChannels) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "fabric: channels=" + std::to_string(channels) + " is outside [1, " +
+                    std::to_string(kMaxChannels) + "]",
+                rank);
+  }
+  check_options(options, rank);
+  FabricOptions o;
+  auto dom = open_domain(options, rank, 2 * static_cast<std::size_t>(channels), o);
 
   const int next = (rank + 1) % size;
   const int prev = (rank - 1 + size) % size;
   NameRecord mine;
   mine.channels = channels;
-  mine.tag = random_u64();
   std::snprintf(mine.provider, sizeof(mine.provider), "%s", dom->provider.c_str());
   std::vector<NameRecord> all(static_cast<std::size_t>(size));
   // The endpoints exist (with receives posted) before any peer learns their
   // names.
   std::vector<std::unique_ptr<FabricChannel>> to_next, from_prev;
-  // Channels stamp rank 0's tag on every message, so it is gathered before they
-  // are made.
-  std::vector<std::uint64_t> tags(static_cast<std::size_t>(size));
-  bootstrap.all_gather(&mine.tag, sizeof(mine.tag), tags.data());
-  const std::uint64_t tag = tags[0];
+  const std::uint64_t tag = gather_tag(bootstrap);
+  mine.tag = tag;
   for (int c = 0; c < channels; ++c) {
     to_next.push_back(std::make_unique<FabricChannel>(dom, rank, next, c, tag, o));
     from_prev.push_back(std::make_unique<FabricChannel>(dom, rank, prev, c, tag, o));
@@ -972,6 +999,63 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
   }
   for (auto& ch : to_next) out.to_next.push_back(std::move(ch));
   for (auto& ch : from_prev) out.from_prev.push_back(std::move(ch));
+  return out;
+}
+
+std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
+                                                    const std::vector<int>& peers,
+                                                    const FabricOptions& options) {
+  const int rank = bootstrap.rank();
+  Graveyard::get().reap();
+  check_peer_list(peers, rank, bootstrap.size(), "fabric connect_peers");
+  check_options(options, rank);
+  FabricOptions o;
+  auto dom = open_domain(options, rank, peers.size(), o);
+  const std::uint64_t tag = gather_tag(bootstrap);
+
+  // What each end tells the other: its provider (both must agree) and its endpoint's name.
+  struct PeerName {
+    char provider[64] = {};
+    NameRecord::Name name;
+  };
+  std::vector<std::unique_ptr<FabricChannel>> chans;
+  std::vector<std::vector<char>> mine;
+  for (std::size_t i = 0; i < peers.size(); ++i) {
+    chans.push_back(
+        std::make_unique<FabricChannel>(dom, rank, peers[i], static_cast<int>(i), tag, o));
+    PeerName rec;
+    std::snprintf(rec.provider, sizeof(rec.provider), "%s", dom->provider.c_str());
+    const std::vector<char> n = chans.back()->name();
+    rec.name.len = static_cast<std::uint32_t>(n.size());
+    std::memcpy(rec.name.bytes, n.data(), n.size());
+    const char* raw = reinterpret_cast<const char*>(&rec);
+    mine.emplace_back(raw, raw + sizeof(rec));
+  }
+  if (Clock::now() >= options.deadline) {
+    throw Error(ErrorCode::kTimeout, "fabric: setup ran past its deadline", rank);
+  }
+  const auto theirs =
+      exchange_with_peers(bootstrap, peers, mine, sizeof(PeerName), "fabric connect_peers");
+  std::vector<std::unique_ptr<Channel>> out;
+  for (std::size_t i = 0; i < peers.size(); ++i) {
+    PeerName rec;
+    std::memcpy(&rec, theirs[i].data(), sizeof(rec));
+    if (std::strncmp(rec.provider, dom->provider.c_str(), sizeof(rec.provider)) != 0) {
+      throw Error(ErrorCode::kMismatch,
+                  "rank " + std::to_string(peers[i]) + " uses provider '" +
+                      std::string(rec.provider, strnlen(rec.provider, sizeof(rec.provider))) +
+                      "', rank " + std::to_string(rank) + " uses provider '" + dom->provider +
+                      "' (DEAR_FABRIC_PROVIDER must agree)",
+                  rank, peers[i], "create");
+    }
+    if (rec.name.len > kMaxName) {
+      throw Error(ErrorCode::kMismatch,
+                  "rank " + std::to_string(peers[i]) + " sent a malformed endpoint name", rank,
+                  peers[i], "create");
+    }
+    chans[i]->set_peer(rec.name.bytes, rec.name.len);
+    out.push_back(std::move(chans[i]));
+  }
   return out;
 }
 

@@ -85,4 +85,16 @@ struct RingLinks {
 [[nodiscard]] RingLinks connect_ring(Bootstrap& bootstrap, int channels,
                                      const FabricOptions& options);
 
+// Builds one channel to each rank in `peers` (links beyond the ring neighbours, e.g. for
+// recursive doubling), returned in the order of `peers`; channel i reports itself to a
+// RecvSink as channel i. Peers are distinct and never this rank, and the lists are symmetric:
+// if rank a lists b, then b lists a (at any position). Collective over the bootstrap: every
+// rank calls it, each with its own list (possibly empty); endpoints are matched by the pair of
+// ranks (see transport/peer_exchange.h). Independent of connect_ring: its channels use their
+// own endpoints. Throws dear::Error as connect_ring, plus kInvalidArgument for a bad list
+// (naming the entry) and kMismatch when a listed peer does not list this rank.
+[[nodiscard]] std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
+                                                                  const std::vector<int>& peers,
+                                                                  const FabricOptions& options);
+
 }  // namespace dear::transport::fabric

@@ -20,4 +20,9 @@ RingLinks connect_ring(Bootstrap& bootstrap, int, const FabricOptions&) {
   throw Error(ErrorCode::kInvalidArgument, kWhy, bootstrap.rank());
 }
 
+std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap, const std::vector<int>&,
+                                                    const FabricOptions&) {
+  throw Error(ErrorCode::kInvalidArgument, kWhy, bootstrap.rank());
+}
+
 }  // namespace dear::transport::fabric
