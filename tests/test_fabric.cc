@@ -17,15 +17,15 @@
 #include "harness.h"
 #include "reference.h"
 #include "transport/fabric/fabric_link.h"
-#include "transport/fabric/slot_window.h"
+#include "transport/rma/slot_window.h"
 
 namespace dear::testing {
 namespace {
 
 using namespace std::chrono_literals;
-using transport::fabric::kControlSlots;
-using transport::fabric::RecvWindow;
-using transport::fabric::SendWindow;
+using transport::rma::kControlSlots;
+using transport::rma::RecvWindow;
+using transport::rma::SendWindow;
 
 // ---- slot/credit bookkeeping
 // -------------------------------------------------------------

@@ -34,7 +34,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace dear::transport {
 
@@ -99,6 +101,13 @@ class Channel {
   virtual void close() = 0;
   [[nodiscard]] virtual bool closed() const = 0;
   [[nodiscard]] virtual std::string describe() const = 0;
+};
+
+// What a back-end's connect_ring() returns: `channels` channels to each ring neighbour. In a
+// ring of two both lists join the same two ranks, over separate channels.
+struct RingLinks {
+  std::vector<std::unique_ptr<Channel>> to_next;    // channels to rank (rank + 1) % size
+  std::vector<std::unique_ptr<Channel>> from_prev;  // channels to rank (rank - 1 + size) % size
 };
 
 }  // namespace dear::transport

@@ -20,12 +20,16 @@
 #include <type_traits>
 
 #include "dear/error.h"
-#include "transport/fabric/slot_window.h"
+#include "transport/rma/slot_window.h"
 #include "transport/peer_exchange.h"
 #include "transport/socket_util.h"
 
 namespace dear::transport::fabric {
 namespace {
+
+using rma::kControlSlots;
+using rma::RecvWindow;
+using rma::SendWindow;
 
 constexpr std::uint32_t kApiVersion = FI_VERSION(1, 9);
 constexpr int kMaxChannels = 16;

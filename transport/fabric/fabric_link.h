@@ -6,7 +6,7 @@
 // of two) keep the two links apart. Endpoint names are exchanged over the
 // bootstrap; an RDM endpoint needs no connection handshake.
 //
-// Data path (see slot_window.h for the protocol): the receiver keeps data slots
+// Data path (see transport/rma/slot_window.h for the protocol): the receiver keeps data slots
 // and a few control buffers posted; the sender copies each message into send
 // staging buffers in fragments of at most one slot (the provider's message size
 // limit included), spends one credit per fragment, and reports the message sent
@@ -60,10 +60,7 @@ struct FabricOptions {
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 };
 
-struct RingLinks {
-  std::vector<std::unique_ptr<Channel>> to_next;    // channels to rank (rank + 1) % size
-  std::vector<std::unique_ptr<Channel>> from_prev;  // channels to rank (rank - 1 + size) % size
-};
+using RingLinks = transport::RingLinks;
 
 // True when this build has the libfabric back-end.
 [[nodiscard]] bool built();

@@ -1,11 +1,11 @@
-#include "transport/fabric/slot_window.h"
+#include "transport/rma/slot_window.h"
 
 #include <algorithm>
 #include <string>
 
 #include "dear/error.h"
 
-namespace dear::transport::fabric {
+namespace dear::transport::rma {
 
 SendWindow::SendWindow(std::uint32_t slots, std::uint32_t first_seq)
     : slots_(slots), credits_(slots), next_seq_(first_seq) {
@@ -64,4 +64,4 @@ std::uint32_t RecvWindow::take_owed() {
   return n;
 }
 
-}  // namespace dear::transport::fabric
+}  // namespace dear::transport::rma

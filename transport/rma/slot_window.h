@@ -47,7 +47,7 @@
 #include <optional>
 #include <vector>
 
-namespace dear::transport::fabric {
+namespace dear::transport::rma {
 
 // Control buffers each side keeps posted besides its data slots (see the bound
 // above).
@@ -119,4 +119,4 @@ class RecvWindow {
   std::vector<std::uint32_t> buffer_of_;  // indexed by seq % slots; kEmpty when not arrived
 };
 
-}  // namespace dear::transport::fabric
+}  // namespace dear::transport::rma
