@@ -143,8 +143,11 @@ int run(int argc, char** argv) {
   app.add_option("--channels", channels, "Parallel rings (sockets per link); default DEAR_CHANNELS or 1")
       ->check(CLI::Range(1, 16));
   app.add_option("--slice", slice, "Pipelining slice size, e.g. 512K; default DEAR_SLICE_BYTES");
-  app.add_option("--algo", algo, "all_reduce algorithm: auto, ring, gather_reduce")
-      ->check(CLI::IsMember({"auto", "ring", "gather_reduce"}));
+  app.add_option("--algo", algo,
+                 "Algorithm: auto, ring, gather_reduce (all_reduce), halving_doubling, "
+                 "recursive_doubling, tree (all_reduce)")
+      ->check(CLI::IsMember({"auto", "ring", "gather_reduce", "halving_doubling",
+                             "recursive_doubling", "tree"}));
   app.add_option("--timeout", timeout_s, "Per-operation deadline in seconds; default DEAR_TIMEOUT");
   app.add_option("--device", device,
                  "Where the buffers live: host, or cuda (device memory, staged through pinned "

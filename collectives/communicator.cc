@@ -11,6 +11,7 @@
 #include "collectives/cost_model.h"
 #include "collectives/device_staging.h"
 #include "collectives/engine.h"
+#include "collectives/steps.h"
 #include "collectives/ops.h"
 #include "collectives/reduce.h"
 #include "common/env.h"
@@ -26,12 +27,17 @@ const char* to_string(Algorithm a) noexcept {
     case Algorithm::kAuto: return "auto";
     case Algorithm::kRing: return "ring";
     case Algorithm::kGatherReduce: return "gather_reduce";
+    case Algorithm::kHalvingDoubling: return "halving_doubling";
+    case Algorithm::kRecursiveDoubling: return "recursive_doubling";
+    case Algorithm::kTree: return "tree";
   }
   return "invalid";
 }
 
 std::optional<Algorithm> parse_algorithm(std::string_view name) noexcept {
-  for (const auto a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kGatherReduce}) {
+  for (const auto a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kGatherReduce,
+                       Algorithm::kHalvingDoubling, Algorithm::kRecursiveDoubling,
+                       Algorithm::kTree}) {
     if (name == to_string(a)) return a;
   }
   return std::nullopt;
@@ -102,11 +108,12 @@ using collectives::Op;
 using collectives::OpKind;
 using collectives::Schedule;
 
-constexpr std::uint32_t kAddressVersion = 1;
+constexpr std::uint32_t kAddressVersion = 2;
 
 struct AddressRecord {
   char host[64];
   std::uint16_t port;
+  std::uint16_t mesh_port;
   std::int32_t channels;
   std::uint32_t version;
   std::uint64_t tag;
@@ -159,6 +166,11 @@ class CommunicatorImpl final : public Communicator {
                   false);
     check_in_place_block(o->in, recv_count * static_cast<std::size_t>(size_), o->out,
                          recv_count, dtype, "out", "in");
+    if (size_ > 1) {
+      const Algorithm a =
+          opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
+      o->schedule = select(OpKind::kReduceScatter, a, recv_count, dtype, opts);
+    }
     return launch(std::move(o), opts);
   }
 
@@ -254,6 +266,9 @@ class CommunicatorImpl final : public Communicator {
     const auto deadline = tr::deadline_after(options_.timeout);
     std::vector<std::unique_ptr<tr::Channel>> to_next;
     std::vector<std::vector<std::unique_ptr<tr::Channel>>> from(1);
+    // Direct links to the ranks the log-step schedules exchange with (steps.h).
+    std::vector<int> mesh_peers = collectives::step_peers(rank_, size_);
+    std::vector<std::unique_ptr<tr::Channel>> mesh;
     if (options_.transport == "fabric") {
       tr::fabric::FabricOptions fo;
       fo.provider = options_.fabric_provider;
@@ -261,14 +276,21 @@ class CommunicatorImpl final : public Communicator {
       auto ring = tr::fabric::connect_ring(*bootstrap_, options_.channels, fo);
       to_next = std::move(ring.to_next);
       from[0] = std::move(ring.from_prev);
+      mesh = tr::fabric::connect_peers(*bootstrap_, mesh_peers, fo);
     } else {
-      connect_tcp(deadline, to_next, from);
+      connect_tcp(deadline, to_next, from, mesh_peers, mesh);
     }
+    if (mesh.size() != mesh_peers.size()) {
+      mesh.clear();
+      mesh_peers.clear();
+    }
+    mesh_ = !mesh_peers.empty();
     // Emulated latency wraps the channels of both links, so every message a rank sends is
     // held once, whichever direction it travels.
     const std::chrono::microseconds delay(options_.link_delay_us);
     to_next = tr::with_delay(std::move(to_next), delay);
     from[0] = tr::with_delay(std::move(from[0]), delay);
+    mesh = tr::with_delay(std::move(mesh), delay);
     collectives::EngineConfig cfg;
     cfg.rank = rank_;
     cfg.size = size_;
@@ -276,18 +298,25 @@ class CommunicatorImpl final : public Communicator {
     cfg.eager_bytes = options_.eager_bytes;
     cfg.eager_window = options_.eager_window;
     cfg.spin_us = options_.spin_us;
-    engine_ = std::make_shared<collectives::Engine>(cfg, std::move(to_next), std::move(from[0]));
+    engine_ = std::make_shared<collectives::Engine>(cfg, std::move(to_next), std::move(from[0]),
+                                                    std::move(mesh_peers), std::move(mesh));
   }
 
   void connect_tcp(transport::Deadline deadline,
                    std::vector<std::unique_ptr<transport::Channel>>& to_next,
-                   std::vector<std::vector<std::unique_ptr<transport::Channel>>>& from) {
+                   std::vector<std::vector<std::unique_ptr<transport::Channel>>>& from,
+                   const std::vector<int>& mesh_peers,
+                   std::vector<std::unique_ptr<transport::Channel>>& mesh) {
     namespace tr = transport;
     const std::string host = bootstrap_->advertise_host();
     tr::Fd listener = tr::listen_on(tr::resolve(host, 0));
+    // The mesh has a listener of its own: a rank still accepting its ring links must not be
+    // offered a mesh connection it would take for a stranger.
+    tr::Fd mesh_listener = tr::listen_on(tr::resolve(host, 0));
     AddressRecord mine{};
     std::snprintf(mine.host, sizeof(mine.host), "%s", host.c_str());
     mine.port = tr::local_address(listener.get()).port();
+    mine.mesh_port = tr::local_address(mesh_listener.get()).port();
     mine.channels = options_.channels;
     mine.version = kAddressVersion;
     mine.tag = random_u64();
@@ -312,6 +341,27 @@ class CommunicatorImpl final : public Communicator {
                                     bootstrap_->id().secret.data(), tag, deadline);
     from = tr::tcp::accept_links(listener.get(), rank_, {prev}, options_.channels,
                                  bootstrap_->id().secret.data(), tag, deadline);
+    // Mesh: connect to the higher peers, accept from the lower ones (one channel each).
+    const std::uint64_t mesh_tag = tag ^ 0x6d657368ULL;  // "mesh": apart from the ring's
+    std::vector<int> lower;
+    std::vector<std::unique_ptr<tr::Channel>> higher;
+    for (int p : mesh_peers) {
+      if (p < rank_) {
+        lower.push_back(p);
+        continue;
+      }
+      const auto& rec = all[static_cast<std::size_t>(p)];
+      auto ch = tr::tcp::connect_link(tr::resolve(rec.host, rec.mesh_port), rank_, p, 1,
+                                      bootstrap_->id().secret.data(), mesh_tag, deadline);
+      higher.push_back(std::move(ch.at(0)));
+    }
+    auto accepted = tr::tcp::accept_links(mesh_listener.get(), rank_, lower, 1,
+                                          bootstrap_->id().secret.data(), mesh_tag, deadline);
+    std::size_t li = 0;
+    std::size_t hi = 0;
+    for (int p : mesh_peers) {
+      mesh.push_back(p < rank_ ? std::move(accepted.at(li++).at(0)) : std::move(higher.at(hi++)));
+    }
   }
 
   std::unique_ptr<Op> make(OpKind kind, const void* in, void* out, std::size_t count,
@@ -349,11 +399,7 @@ class CommunicatorImpl final : public Communicator {
       throw Error(ErrorCode::kInvalidArgument, "OpOptions::timeout is negative", rank_,
                   Error::kNone, name);
     }
-    if (opts.algorithm == Algorithm::kGatherReduce && kind != OpKind::kAllReduce) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "OpOptions::algorithm=gather_reduce applies to all_reduce only", rank_,
-                  Error::kNone, name);
-    }
+    check_algorithm(opts.algorithm, kind, "OpOptions::algorithm");
     if (opts.cuda_stream != nullptr) {
       // With CUDA the device wrapper consumes the stream before this point.
       throw Error(ErrorCode::kInvalidArgument,
@@ -451,10 +497,53 @@ class CommunicatorImpl final : public Communicator {
     }
   }
 
-  // The schedule of an all_reduce or all_gather: see collectives::select_schedule.
+  // Whether `kind` can run `a`: throws kInvalidArgument naming `what` when it cannot.
+  void check_algorithm(Algorithm a, OpKind kind, const char* what) const {
+    if (!algorithm_fits(a, kind)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string(what) + "=" + to_string(a) + " does not apply to " +
+                      collectives::to_string(kind) +
+                      (a == Algorithm::kGatherReduce || a == Algorithm::kTree
+                           ? " (all_reduce only)"
+                           : " (all_reduce, reduce_scatter and all_gather only)"),
+                  rank_, Error::kNone, collectives::to_string(kind));
+    }
+    const bool log_step = a == Algorithm::kHalvingDoubling ||
+                          a == Algorithm::kRecursiveDoubling || a == Algorithm::kTree;
+    if (log_step && size_ > 1 && !mesh_) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string(what) + "=" + to_string(a) +
+                      " needs direct links between ranks 2^k apart, which transport '" +
+                      options_.transport + "' does not build",
+                  rank_, Error::kNone, collectives::to_string(kind));
+    }
+  }
+
+  static bool algorithm_fits(Algorithm a, OpKind kind) {
+    switch (a) {
+      case Algorithm::kAuto:
+      case Algorithm::kRing: return true;
+      case Algorithm::kGatherReduce:
+      case Algorithm::kTree: return kind == OpKind::kAllReduce;
+      case Algorithm::kHalvingDoubling:
+      case Algorithm::kRecursiveDoubling:
+        return kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter ||
+               kind == OpKind::kAllGather;
+    }
+    return false;
+  }
+
+  // The schedule of an all_reduce, reduce_scatter or all_gather: see
+  // collectives::select_schedule. The communicator-wide choice (CommOptions::algorithm) falls
+  // back to kAuto for collectives it does not apply to; a per-operation one was checked.
   Schedule select(OpKind kind, Algorithm a, std::size_t count, DataType dtype,
                   const OpOptions& opts) const {
+    if (!algorithm_fits(a, kind) || (a != Algorithm::kRing && a != Algorithm::kAuto &&
+                                     a != Algorithm::kGatherReduce && !mesh_)) {
+      a = Algorithm::kAuto;
+    }
     collectives::ModelGeometry g;
+    g.log_steps = mesh_;
     g.nranks = size_;
     g.channels = opts.channels > 0 ? opts.channels : options_.channels;
     g.slice_bytes = opts.slice_bytes > 0 ? opts.slice_bytes : options_.slice_bytes;
@@ -504,6 +593,7 @@ class CommunicatorImpl final : public Communicator {
   std::uint64_t single_seq_ = 0;
   std::optional<collectives::CostModel> model_;
   std::shared_ptr<collectives::Engine> engine_;
+  bool mesh_ = false;  // the engine has the log-step schedules' direct links
 };
 
 }  // namespace
@@ -540,7 +630,8 @@ CommOptions apply_env(CommOptions options) {
     if (!a) {
       throw Error(ErrorCode::kInvalidArgument,
                   "environment variable DEAR_ALGO='" + *v +
-                      "' is not one of auto, ring, gather_reduce");
+                      "' is not one of auto, ring, gather_reduce, halving_doubling, "
+                      "recursive_doubling, tree");
     }
     options.algorithm = *a;
   }

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "collectives/steps.h"
 #include "dear/error.h"
 
 namespace dear::collectives {
@@ -94,6 +95,12 @@ SchedulePlan schedule_plan(OpKind kind, Schedule schedule, std::size_t bytes, st
 
 double predict_us(const CostModel& m, OpKind kind, Schedule schedule, std::size_t bytes,
                   std::size_t el, const ModelGeometry& g) {
+  if (is_log_step(schedule)) {
+    el = std::max<std::size_t>(el, 1);
+    const StepCost c = step_cost(kind, schedule, std::max(g.nranks, 1), bytes / el, el);
+    return c.steps * m.alpha_us + static_cast<double>(c.wire_bytes) * m.beta_us_per_byte +
+           static_cast<double>(c.reduced_bytes + c.copied_bytes) * m.reduce_us_per_byte;
+  }
   const SchedulePlan p = schedule_plan(kind, schedule, bytes, el, g);
   const double local = static_cast<double>(p.reduced_bytes + p.copied_bytes) * m.reduce_us_per_byte;
   if (kind == OpKind::kBroadcast) {
@@ -112,24 +119,62 @@ double predict_us(const CostModel& m, OpKind kind, Schedule schedule, std::size_
 Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, std::size_t el,
                          const ModelGeometry& g, const CostModel* model,
                          std::size_t threshold_bytes) {
-  Schedule small;
+  const int n = std::max(g.nranks, 1);
+  std::vector<Schedule> candidates{Schedule::kRing};
   std::size_t total = bytes;  // what the threshold compares: the operation's whole buffer
-  if (kind == OpKind::kAllReduce) {
-    small = Schedule::kGatherReduce;
-    if (requested == Algorithm::kRing) return Schedule::kRing;
-    if (requested == Algorithm::kGatherReduce) return Schedule::kGatherReduce;
-  } else if (kind == OpKind::kAllGather) {
-    small = Schedule::kBiGather;
-    if (requested == Algorithm::kRing) return Schedule::kRing;
-    total = bytes * static_cast<std::size_t>(std::max(g.nranks, 1));
-  } else {
-    throw std::invalid_argument(std::string("select_schedule: ") + to_string(kind) +
-                                " has one schedule");
+  Schedule small = Schedule::kRing;
+  const Schedule log_small =
+      kind == OpKind::kReduceScatter ? Schedule::kHalvingDoubling : Schedule::kRecursiveDoubling;
+  switch (kind) {
+    case OpKind::kAllReduce:
+      small = Schedule::kGatherReduce;
+      if (requested == Algorithm::kGatherReduce) return Schedule::kGatherReduce;
+      candidates.push_back(Schedule::kGatherReduce);
+      break;
+    case OpKind::kAllGather:
+      small = Schedule::kBiGather;
+      candidates.push_back(Schedule::kBiGather);
+      total = bytes * static_cast<std::size_t>(n);
+      break;
+    case OpKind::kReduceScatter:
+      total = bytes * static_cast<std::size_t>(n);
+      break;
+    default:
+      throw std::invalid_argument(std::string("select_schedule: ") + to_string(kind) +
+                                  " has one schedule");
+  }
+  if (requested == Algorithm::kRing) return Schedule::kRing;
+  const auto forced = [&](Schedule s) {
+    if (!g.log_steps || !log_step_supports(kind, s)) {
+      throw std::invalid_argument(std::string("select_schedule: ") + to_string(kind) +
+                                  " cannot run " + to_string(s) + " here");
+    }
+    return s;
+  };
+  if (requested == Algorithm::kHalvingDoubling) return forced(Schedule::kHalvingDoubling);
+  if (requested == Algorithm::kRecursiveDoubling) {
+    return forced(kind == OpKind::kAllGather || kind == OpKind::kAllReduce
+                      ? Schedule::kRecursiveDoubling
+                      : Schedule::kHalvingDoubling);
+  }
+  if (requested == Algorithm::kTree) return forced(Schedule::kTree);
+  if (g.log_steps && n > 1) {
+    for (Schedule s : {Schedule::kRecursiveDoubling, Schedule::kHalvingDoubling, Schedule::kTree}) {
+      if (log_step_supports(kind, s)) candidates.push_back(s);
+    }
+    if (n >= 8) small = log_small;
   }
   if (model == nullptr) return total <= threshold_bytes ? small : Schedule::kRing;
-  const double ring = predict_us(*model, kind, Schedule::kRing, bytes, el, g);
-  const double other = predict_us(*model, kind, small, bytes, el, g);
-  return other < ring ? small : Schedule::kRing;
+  Schedule best = Schedule::kRing;
+  double best_us = 0;
+  for (Schedule s : candidates) {
+    const double t = predict_us(*model, kind, s, bytes, el, g);
+    if (s == Schedule::kRing || t < best_us) {
+      best = s;
+      best_us = t;
+    }
+  }
+  return best;
 }
 
 void fit_alpha_beta(CostModel& m) {

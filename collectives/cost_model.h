@@ -52,6 +52,8 @@ struct ModelGeometry {
   int channels = 1;
   std::size_t slice_bytes = 512 * 1024;
   std::size_t min_channel_bytes = 64 * 1024;  // SliceGeometryOptions::min_channel_bytes
+  // Whether the log-step schedules (steps.h) can run: the communicator has its mesh links.
+  bool log_steps = false;
 };
 
 // Messages per channel per step for a chunk of `chunk_bytes`, as plan() splits it (el: element
@@ -76,15 +78,20 @@ struct SchedulePlan {
 [[nodiscard]] SchedulePlan schedule_plan(OpKind kind, Schedule schedule, std::size_t bytes,
                                          std::size_t el, const ModelGeometry& g);
 
-// Predicted time in microseconds.
+// Predicted time in microseconds. Log-step schedules (steps.h) cost, along their critical
+// path, alpha per step, beta per byte of the larger of a step's send and receive, and
+// reduce_us_per_byte per byte reduced or copied locally.
 [[nodiscard]] double predict_us(const CostModel& m, OpKind kind, Schedule schedule,
                                 std::size_t bytes, std::size_t el, const ModelGeometry& g);
 
-// The schedule an all_reduce or all_gather runs. `requested` is the caller's choice (OpOptions
-// over CommOptions). Forced choices are honoured (kRing -> ring; kGatherReduce -> gather_reduce
-// for all_reduce). kAuto, and kGatherReduce for all_gather: with a model, the schedule with the
-// lowest predicted time (ring on a tie); without one (model == nullptr), today's threshold:
-// the small schedule while the operation's total bytes are <= threshold_bytes.
+// The schedule an all_reduce, reduce_scatter or all_gather runs. `requested` is the caller's
+// choice (OpOptions over CommOptions). Forced choices are honoured (kRing -> ring;
+// kGatherReduce -> gather_reduce for all_reduce; the log-step algorithms -> their schedule,
+// when g.log_steps and the kind supports it; the caller rejects the other pairs). kAuto, and
+// kGatherReduce for all_gather: with a model, the candidate with the lowest predicted time
+// (ring on a tie); without one (model == nullptr), a threshold: the small schedule while the
+// operation's total bytes are <= threshold_bytes (below 8 ranks, or without log steps, the
+// ring's two-way gather; from 8 ranks on, recursive doubling, or halving for reduce_scatter).
 [[nodiscard]] Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes,
                                        std::size_t el, const ModelGeometry& g,
                                        const CostModel* model, std::size_t threshold_bytes);

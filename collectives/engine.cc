@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "collectives/reduce.h"
+#include "collectives/steps.h"
 
 namespace dear {
 
@@ -74,38 +75,60 @@ std::uint8_t kind_byte(const Op& op) {
 
 }  // namespace
 
-// Routes a link's callbacks to the engine with the link's index.
+// Routes a link's callbacks to the engine with the link's index. A mesh link has one channel,
+// whatever index its back-end gave it.
 class Engine::LinkSink final : public transport::RecvSink {
  public:
-  LinkSink(Engine& e, int link) : e_(e), link_(link) {}
+  LinkSink(Engine& e, int link) : e_(e), link_(link), mesh_(link >= 2) {}
   RecvTarget on_header(int channel, const FrameHeader& h) override {
-    return e_.on_header(link_, channel, h);
+    return e_.on_header(link_, ch(channel), h);
   }
   void on_payload(int channel, const FrameHeader&, const char* data, std::size_t offset,
                   std::size_t len) override {
-    e_.on_payload(link_, channel, data, offset, len);
+    e_.on_payload(link_, ch(channel), data, offset, len);
   }
   void on_message(int channel, const FrameHeader& h) override {
-    e_.on_message(link_, channel, h);
+    e_.on_message(link_, ch(channel), h);
   }
-  void on_sent(int channel, std::uint64_t token) override { e_.on_sent(link_, channel, token); }
-  void on_closed(int channel) override { e_.on_closed(link_, channel); }
+  void on_sent(int channel, std::uint64_t token) override {
+    e_.on_sent(link_, ch(channel), token);
+  }
+  void on_closed(int channel) override { e_.on_closed(link_, ch(channel)); }
 
  private:
+  [[nodiscard]] int ch(int channel) const { return mesh_ ? 0 : channel; }
   Engine& e_;
   int link_;
+  bool mesh_;
 };
 
 Engine::Engine(EngineConfig config, std::vector<std::unique_ptr<transport::Channel>> to_next,
-               std::vector<std::unique_ptr<transport::Channel>> from_prev)
-    : cfg_(config), wake_fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
+               std::vector<std::unique_ptr<transport::Channel>> from_prev,
+               std::vector<int> mesh_peers,
+               std::vector<std::unique_ptr<transport::Channel>> mesh)
+    : cfg_(config),
+      mesh_peers_(std::move(mesh_peers)),
+      link_of_peer_(static_cast<std::size_t>(std::max(config.size, 1)), -1),
+      wake_fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
   if (!wake_fd_.valid()) {
     throw Error(ErrorCode::kSystem, std::string("eventfd: ") + std::strerror(errno), cfg_.rank);
   }
+  if (mesh.size() != mesh_peers_.size()) {
+    throw Error(ErrorCode::kInternal, "Engine: mesh channels and peers differ in number",
+                cfg_.rank);
+  }
+  links_.resize(2 + mesh.size());
   links_[kNext] = std::move(to_next);
   links_[kPrev] = std::move(from_prev);
-  for (int l = 0; l < 2; ++l) {
-    sinks_[l] = std::make_unique<LinkSink>(*this, l);
+  for (std::size_t i = 0; i < mesh.size(); ++i) {
+    links_[2 + i].push_back(std::move(mesh[i]));
+    link_of_peer_.at(static_cast<std::size_t>(mesh_peers_[i])) = static_cast<int>(2 + i);
+  }
+  sinks_.resize(links_.size());
+  recv_ctx_.resize(links_.size());
+  abort_text_.resize(links_.size());
+  for (std::size_t l = 0; l < links_.size(); ++l) {
+    sinks_[l] = std::make_unique<LinkSink>(*this, static_cast<int>(l));
     recv_ctx_[l].resize(links_[l].size());
   }
   thread_ = std::thread([this] { run(); });
@@ -170,7 +193,18 @@ void Engine::wake() {
 
 int Engine::peer_of(int link) const {
   const int n = cfg_.size;
+  if (link >= 2) return mesh_peers_[static_cast<std::size_t>(link - 2)];
   return link == kNext ? (cfg_.rank + 1) % n : (cfg_.rank - 1 + n) % n;
+}
+
+int Engine::mesh_link(int peer) const {
+  const int l = peer >= 0 && peer < cfg_.size ? link_of_peer_[static_cast<std::size_t>(peer)] : -1;
+  if (l < 0) {
+    throw Error(ErrorCode::kInternal,
+                "no mesh link to rank " + std::to_string(peer) + " for a log-step schedule",
+                cfg_.rank, peer);
+  }
+  return l;
 }
 
 void Engine::run() {
@@ -351,9 +385,18 @@ void Engine::start(std::unique_ptr<Op> op) {
     }
   }
   op->deadline = transport::deadline_after(op->timeout);
-  const bool needs_scratch = op->schedule == Schedule::kGatherReduce ||
-                             (op->kind == OpKind::kReduceScatter && op->nranks > 2);
-  if (needs_scratch) {
+  const bool log_step = is_log_step(op->schedule);
+  const bool needs_scratch =
+      op->schedule == Schedule::kGatherReduce ||
+      (op->kind == OpKind::kReduceScatter && op->nranks > 2 && !log_step);
+  if (log_step) {
+    // The work buffer (reduce_scatter: a copy of the input) and the staging area.
+    const std::size_t work = op->log.work_is_scratch ? op->log.work_bytes : 0;
+    op->scratch_owner = scratch_.acquire(work + op->log.stage_bytes, &op->scratch_capacity);
+    op->scratch = op->scratch_owner.get();
+    if (op->log.work_is_scratch) op->work = op->scratch;
+    op->stage = op->scratch + work;
+  } else if (needs_scratch) {
     const std::size_t bytes = op->total * op->el;
     op->scratch_owner = scratch_.acquire(bytes, &op->scratch_capacity);
     op->scratch = op->scratch_owner.get();
@@ -370,21 +413,33 @@ void Engine::start(std::unique_ptr<Op> op) {
   replay_unexpected(*raw);
   // A neighbour that finished everything and left is fine as long as this operation has
   // nothing more to exchange with it (its slices may all have arrived before it closed).
-  for (int l = 0; l < 2; ++l) {
+  for (std::size_t l = 0; l < links_.size(); ++l) {
     for (std::size_t c = 0; c < links_[l].size(); ++c) {
-      if (links_[l][c]->closed()) check_link_needed(*raw, l, static_cast<int>(c));
+      if (links_[l][c]->closed()) check_link_needed(*raw, static_cast<int>(l), static_cast<int>(c));
     }
   }
 }
 
 void Engine::check_link_needed(const Op& op, int link, int channel) {
-  if (channel >= op.channels) return;
-  // A link carries the sends of direction `link` and the receives of the other direction.
-  const auto i = static_cast<std::size_t>(channel);
-  const auto send_dir = static_cast<std::size_t>(link);
-  const auto recv_dir = static_cast<std::size_t>(1 - link);
-  const bool needs = op.send_done[send_dir][i] < op.messages_sent_per_channel(link) ||
-                     op.recv_next[recv_dir][i] < op.messages_received_per_channel(1 - link);
+  bool needs = false;
+  if (is_log_step(op.schedule)) {
+    if (link < 2) return;
+    const int peer = peer_of(link);
+    for (std::size_t k = 0; k < op.log.steps.size(); ++k) {
+      const Step& s = op.log.steps[k];
+      const std::uint8_t st = op.step_state[k];
+      needs = needs || (s.send_peer == peer && (st & Op::kStepSendDone) == 0) ||
+              (s.recv_peer == peer && (st & Op::kStepReceived) == 0);
+    }
+  } else {
+    if (link >= 2 || channel >= op.channels) return;
+    // A link carries the sends of direction `link` and the receives of the other direction.
+    const auto i = static_cast<std::size_t>(channel);
+    const auto send_dir = static_cast<std::size_t>(link);
+    const auto recv_dir = static_cast<std::size_t>(1 - link);
+    needs = op.send_done[send_dir][i] < op.messages_sent_per_channel(link) ||
+            op.recv_next[recv_dir][i] < op.messages_received_per_channel(1 - link);
+  }
   if (!needs) return;
   const int peer = peer_of(link);
   throw Error(ErrorCode::kPeerFailed,
@@ -427,6 +482,7 @@ bool Engine::schedule_sends() {
   for (int d = 0; d < 2; ++d) {
     moved |= schedule_sends(d);
   }
+  if (links_.size() > 2) moved |= advance_log_steps();
   return moved;
 }
 
@@ -471,9 +527,93 @@ bool Engine::schedule_sends(int dir) {
   return moved;
 }
 
+bool Engine::advance_log_steps() {
+  bool moved = false;
+  for (auto& holder : active_) {
+    if (is_log_step(holder->schedule)) moved |= advance_log_steps(*holder);
+  }
+  return moved;
+}
+
+bool Engine::advance_log_steps(Op& op) {
+  // Steps run one after another (steps.h): a step's send leaves once the steps before it are
+  // complete, and the step completes when its receive has arrived and is applied.
+  bool moved = false;
+  auto& steps = op.log.steps;
+  while (op.step_next < steps.size()) {
+    const std::size_t k = op.step_next;
+    const Step& s = steps[k];
+    std::uint8_t& st = op.step_state[k];
+    if (s.send_peer >= 0 && (st & Op::kStepSent) == 0) {
+      if (!may_send(op)) break;
+      transport::Channel& ch = *links_[static_cast<std::size_t>(mesh_link(s.send_peer))][0];
+      if (ch.closed() || ch.queued() >= kQueueMessagesPerChannel) break;
+      FrameHeader h;
+      h.bytes = static_cast<std::uint32_t>(s.send_bytes);
+      h.type = FrameType::kData;
+      h.kind = kind_byte(op);
+      h.dtype = static_cast<std::uint8_t>(op.dtype);
+      h.redop = static_cast<std::uint8_t>(op.redop);
+      h.seq = op.seq;
+      h.index = static_cast<std::uint32_t>(s.tag);
+      h.root = op.root;
+      h.count = op.user_count;
+      if (!ch.try_send(h, op.work + s.send_offset, (op.seq << 8) | k)) break;
+      st |= Op::kStepSent;
+      ++op.sends_in_flight;
+      moved = true;
+    }
+    if (s.recv_peer >= 0) {
+      if ((st & Op::kStepReceived) == 0) break;
+      if (s.wait_send && (st & Op::kStepSendDone) == 0) break;
+      if (s.reduce) {
+        char* dst = op.work + s.recv_offset;
+        const char* operand = op.stage + s.stage_offset;
+        const std::size_t n = s.recv_bytes / op.el;
+        if (s.final) {
+          reduce_final(dst, dst, operand, n, op.dtype, op.redop, op.nranks);
+        } else {
+          reduce(dst, dst, operand, n, op.dtype, op.redop);
+        }
+      }
+    }
+    ++op.step_next;
+    moved = true;
+  }
+  return moved;
+}
+
+RecvTarget Engine::log_step_target(Op& op, int link, const FrameHeader& h, RecvCtx& ctx) {
+  const int peer = peer_of(link);
+  if (!is_log_step(op.schedule)) {
+    throw Error(ErrorCode::kMismatch,
+                "a log-step message of operation #" + std::to_string(op.seq) +
+                    " arrived from rank " + std::to_string(peer) + " but this rank runs it as " +
+                    view_of(op),
+                cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+  }
+  check_header(op, peer, h);
+  const auto& steps = op.log.steps;
+  for (std::size_t k = 0; k < steps.size(); ++k) {
+    const Step& s = steps[k];
+    if (s.recv_peer != peer || s.tag != static_cast<int>(h.index)) continue;
+    if ((op.step_state[k] & Op::kStepReceived) != 0 || s.recv_bytes != h.bytes) break;
+    ctx.op = &op;
+    ctx.step = static_cast<int>(k);
+    char* dst = s.reduce ? op.stage + s.stage_offset : op.work + s.recv_offset;
+    return {RecvTarget::kDirect, dst, 1};
+  }
+  throw Error(ErrorCode::kMismatch,
+              "message " + std::to_string(h.index) + " (" + std::to_string(h.bytes) +
+                  " bytes) of " + view_of(op) + " from rank " + std::to_string(peer) +
+                  " matches no step this rank expects from it: the ranks disagree about the "
+                  "operation",
+              cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+}
+
 void Engine::flush_links() {
   // Only sends: the sockets were read a moment ago, in this turn's progress_links().
-  for (int l = 0; l < 2; ++l) {
+  for (std::size_t l = 0; l < links_.size(); ++l) {
     for (auto& ch : links_[l]) {
       if (!ch->closed() && ch->queued() > 0) ch->progress(*sinks_[l], false);
     }
@@ -484,7 +624,7 @@ bool Engine::progress_links() {
   // One poll() tells which channels have something to read, instead of a read attempt on
   // every channel each turn: on a small operation those system calls are the latency.
   ready_fds_.clear();
-  for (int l = 0; l < 2; ++l) {
+  for (std::size_t l = 0; l < links_.size(); ++l) {
     for (auto& ch : links_[l]) {
       pollfd p = ch->wait_spec();
       p.events = POLLIN;
@@ -496,7 +636,7 @@ bool Engine::progress_links() {
   }
   bool moved = false;
   std::size_t i = 0;
-  for (int l = 0; l < 2; ++l) {
+  for (std::size_t l = 0; l < links_.size(); ++l) {
     for (auto& ch : links_[l]) {
       const bool ready = ready_fds_[i++].revents != 0;
       if (!ch->closed() && (ready || ch->queued() > 0 || ch->polled())) {
@@ -523,7 +663,10 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
     }
     case FrameType::kData: {
       Op* op = find(h.seq);
-      if (op != nullptr) return target_for(*op, 1 - link, channel, h, ctx);
+      if (op != nullptr) {
+        if (link >= 2) return log_step_target(*op, link, h, ctx);
+        return target_for(*op, 1 - link, channel, h, ctx);
+      }
       if (static_cast<std::int64_t>(h.seq) <= posted_) {
         throw Error(ErrorCode::kMismatch,
                     "received a slice of operation #" + std::to_string(h.seq) + " (" +
@@ -561,9 +704,7 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
               cfg_.rank, peer);
 }
 
-RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h, RecvCtx& ctx) {
-  const int peer = peer_of(1 - dir);
-  const auto di = static_cast<std::size_t>(dir);
+void Engine::check_header(const Op& op, int peer, const FrameHeader& h) const {
   if (h.kind != kind_byte(op) || h.count != op.user_count || h.root != op.root ||
       (op.kind != OpKind::kBarrier && h.dtype != static_cast<std::uint8_t>(op.dtype)) ||
       ((op.kind == OpKind::kAllReduce || op.kind == OpKind::kReduceScatter) &&
@@ -574,6 +715,18 @@ RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h
                     std::to_string(cfg_.rank) + " has " + view_of(op),
                 cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
   }
+}
+
+RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h, RecvCtx& ctx) {
+  const int peer = peer_of(1 - dir);
+  const auto di = static_cast<std::size_t>(dir);
+  if (is_log_step(op.schedule)) {
+    throw Error(ErrorCode::kMismatch,
+                "a ring slice of operation #" + std::to_string(op.seq) + " arrived from rank " +
+                    std::to_string(peer) + " but this rank runs it as " + view_of(op),
+                cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+  }
+  check_header(op, peer, h);
   const auto c = static_cast<std::size_t>(channel);
   if (channel >= op.channels || h.index != op.recv_next[di][c] ||
       h.index >= op.messages_received_per_channel(dir)) {
@@ -641,7 +794,9 @@ void Engine::on_message(int link, int channel, const FrameHeader& h) {
     throw Error(code, "rank " + std::to_string(peer_of(link)) + " reported: " + text, cfg_.rank,
                 blame);
   }
-  if (ctx.op != nullptr) {
+  if (ctx.op != nullptr && ctx.step >= 0) {
+    ctx.op->step_state[static_cast<std::size_t>(ctx.step)] |= Op::kStepReceived;
+  } else if (ctx.op != nullptr) {
     ++ctx.op->recv_next[static_cast<std::size_t>(ctx.dir)][static_cast<std::size_t>(channel)];
   } else if (ctx.pending != nullptr) {
     // Stored whole now. Its operation may have been posted while the payload was arriving:
@@ -661,6 +816,15 @@ void Engine::replay_unexpected(Op& op) {
       continue;
     }
     RecvCtx ctx;
+    if (it->link >= 2) {
+      const RecvTarget t = log_step_target(op, it->link, it->header, ctx);
+      if (it->header.bytes > 0) std::memcpy(t.dst, it->data.data(), it->header.bytes);
+      op.step_state[static_cast<std::size_t>(ctx.step)] |= Op::kStepReceived;
+      unexpected_bytes_ -= it->header.bytes;
+      spare_buffers_.push_back(std::move(it->data));
+      it = unexpected_.erase(it);
+      continue;
+    }
     const int dir = 1 - it->link;
     const RecvTarget t = target_for(op, dir, it->channel, it->header, ctx);
     if (t.mode == RecvTarget::kDirect) {
@@ -682,6 +846,15 @@ void Engine::replay_unexpected(Op& op) {
 
 void Engine::on_sent(int link, int channel, std::uint64_t token) {
   if (token == kControlToken) return;
+  if (link >= 2) {
+    // Mesh sends carry (sequence, step).
+    Op* op = find(token >> 8);
+    if (op != nullptr) {
+      op->step_state[static_cast<std::size_t>(token & 0xff)] |= Op::kStepSendDone;
+      --op->sends_in_flight;
+    }
+    return;
+  }
   Op* op = find(token);
   // Link l carries the sends of direction l.
   if (op != nullptr) ++op->send_done[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
@@ -709,6 +882,23 @@ void Engine::complete_finished() {
 
 std::string Engine::describe_progress(const Op& op) const {
   std::string text;
+  if (is_log_step(op.schedule)) {
+    const auto k = static_cast<std::size_t>(op.step_next);
+    text = "completed " + std::to_string(op.step_next) + "/" +
+           std::to_string(op.log.steps.size()) + " steps of " + to_string(op.schedule);
+    if (k < op.log.steps.size()) {
+      const Step& s = op.log.steps[k];
+      const std::uint8_t st = op.step_state[k];
+      if (s.recv_peer >= 0 && (st & Op::kStepReceived) == 0) {
+        text += ", waiting for " + std::to_string(s.recv_bytes) + " bytes from rank " +
+                std::to_string(s.recv_peer);
+      } else if (s.send_peer >= 0) {
+        text += ", sending " + std::to_string(s.send_bytes) + " bytes to rank " +
+                std::to_string(s.send_peer);
+      }
+    }
+    return text;
+  }
   for (int d = 0; d < 2; ++d) {
     const auto di = static_cast<std::size_t>(d);
     if (op.send_steps[di] == 0 && op.recv_steps[di] == 0) continue;
@@ -730,6 +920,14 @@ std::string Engine::describe_progress(const Op& op) const {
 }
 
 int Engine::blame_link(const Op& op) const {
+  if (is_log_step(op.schedule)) {
+    const auto k = static_cast<std::size_t>(op.step_next);
+    if (k >= op.log.steps.size()) return 2;
+    const Step& s = op.log.steps[k];
+    const bool waiting = s.recv_peer >= 0 && (op.step_state[k] & Op::kStepReceived) == 0;
+    const int peer = waiting || s.send_peer < 0 ? s.recv_peer : s.send_peer;
+    return peer >= 0 ? mesh_link(peer) : 2;
+  }
   // The side we are waiting on: a receive outstanding points at the previous rank.
   int link = kNext;
   for (int c = 0; c < op.channels; ++c) {
@@ -853,7 +1051,8 @@ void Engine::fail(const Error& e) {
     static thread_local std::string text;
     text = e.what();
     if (text.size() > kMaxAbortText) text.resize(kMaxAbortText);
-    for (int l = 0; l < 2; ++l) {
+    for (std::size_t li = 0; li < links_.size(); ++li) {
+      const int l = static_cast<int>(li);
       try {
         send_control(l, FrameType::kAbort, 0, text, blame, static_cast<int>(e.code()));
         for (auto& ch : links_[l]) {

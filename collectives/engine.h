@@ -67,10 +67,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
  public:
   // links[0] = channels to the next rank, links[1] = channels to the previous rank. Data of
   // direction kForward goes out on links[0] and comes in on links[1]; kBackward the other way;
-  // announcements (kPosted) go to the previous rank.
+  // announcements (kPosted) go to the previous rank. `mesh[i]` is one channel to rank
+  // `mesh_peers[i]`, for the log-step schedules (steps.h); they need every rank of
+  // step_peers(rank, size) and cannot run without them.
   Engine(EngineConfig config,
          std::vector<std::unique_ptr<transport::Channel>> to_next,
-         std::vector<std::unique_ptr<transport::Channel>> from_prev);
+         std::vector<std::unique_ptr<transport::Channel>> from_prev,
+         std::vector<int> mesh_peers = {},
+         std::vector<std::unique_ptr<transport::Channel>> mesh = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -102,6 +106,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
     const char* other = nullptr;  // reduce operand from local memory
     bool final = false;
     bool reduce = false;
+    int step = -1;              // log-step schedules: the local step being received
     struct Unexpected* pending = nullptr;  // an unexpected message being stored
   };
   struct Unexpected {
@@ -140,6 +145,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   transport::RecvTarget target_for(Op& op, int dir, int channel,
                                    const transport::FrameHeader& h, RecvCtx& ctx);
   void replay_unexpected(Op& op);
+  // Log-step schedules (steps.h) on the mesh links.
+  bool advance_log_steps();
+  bool advance_log_steps(Op& op);
+  transport::RecvTarget log_step_target(Op& op, int link, const transport::FrameHeader& h,
+                                        RecvCtx& ctx);
+  void check_header(const Op& op, int peer, const transport::FrameHeader& h) const;
+  [[nodiscard]] int mesh_link(int peer) const;  // link index of the mesh channel to `peer`
 
   void fail(const Error& e);
   void fail_all(std::exception_ptr e);
@@ -151,9 +163,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   [[nodiscard]] std::string describe_progress(const Op& op) const;
 
   EngineConfig cfg_;
-  std::vector<std::unique_ptr<transport::Channel>> links_[2];
-  std::unique_ptr<LinkSink> sinks_[2];
-  std::vector<RecvCtx> recv_ctx_[2];
+  // Links 0 and 1 are the ring's (each `channels` channels); links 2.. the mesh's (one each).
+  std::vector<std::vector<std::unique_ptr<transport::Channel>>> links_;
+  std::vector<std::unique_ptr<LinkSink>> sinks_;
+  std::vector<std::vector<RecvCtx>> recv_ctx_;
+  std::vector<int> mesh_peers_;      // peer of link 2 + i
+  std::vector<int> link_of_peer_;    // mesh link index per rank, -1 for none
 
   // Submission queue, shared with caller threads.
   std::mutex submit_mu_;
@@ -186,7 +201,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::size_t unexpected_bytes_ = 0;
   std::vector<std::vector<char>> spare_buffers_;
   ScratchPool scratch_;
-  std::vector<char> abort_text_[2];
+  std::vector<std::vector<char>> abort_text_;
   std::vector<pollfd> pollfds_;
   std::vector<pollfd> ready_fds_;
 

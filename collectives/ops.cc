@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "collectives/reduce.h"
+#include "collectives/steps.h"
 
 namespace dear::collectives {
 namespace {
@@ -60,6 +61,9 @@ const char* to_string(Schedule s) noexcept {
     case Schedule::kGatherReduce: return "gather_reduce";
     case Schedule::kChain: return "chain";
     case Schedule::kBiGather: return "bi_gather";
+    case Schedule::kRecursiveDoubling: return "recursive_doubling";
+    case Schedule::kHalvingDoubling: return "halving_doubling";
+    case Schedule::kTree: return "tree";
   }
   return "unknown";
 }
@@ -94,6 +98,7 @@ void ScratchPool::release(std::unique_ptr<char[]> buf, std::size_t capacity) {
 }
 
 bool Op::finished() const {
+  if (is_log_step(schedule)) return step_next == log.steps.size() && sends_in_flight == 0;
   for (int d = 0; d < 2; ++d) {
     const auto di = static_cast<std::size_t>(d);
     const std::uint32_t ns = messages_sent_per_channel(d);
@@ -112,6 +117,18 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
   op.el = op.kind == OpKind::kBarrier ? 1 : dtype_size(op.dtype);
   const int n = nranks;
   op.forwards = true;
+  if (is_log_step(op.schedule)) {
+    // Whole messages over the mesh links; the ring counters stay at zero.
+    op.log = plan_steps(op.kind, op.schedule, rank, nranks, op.user_count, op.el);
+    op.step_state.assign(op.log.steps.size(), 0);
+    op.total = op.log.work_bytes / op.el;
+    op.nchunks = 1;
+    op.channels = 1;
+    op.slices = 1;
+    op.eager = op.log.work_bytes <= geo.eager_bytes;
+    op.work = op.out;
+    return;
+  }
   switch (op.kind) {
     case OpKind::kAllReduce:
       if (op.schedule == Schedule::kGatherReduce) {
@@ -248,6 +265,15 @@ RecvPlace recv_place(const Op& op, const MessagePlan& m) {
 
 void start_local(Op& op) {
   const std::size_t block = op.user_count * op.el;
+  if (is_log_step(op.schedule)) {
+    // Steps read and reduce in the work buffer: it starts as the input.
+    if (op.kind == OpKind::kAllReduce && op.out != op.in && block > 0) {
+      std::memcpy(op.out, op.in, block);
+    }
+    if (op.log.work_is_scratch && op.log.work_bytes > 0) {
+      std::memcpy(op.work, op.in, op.log.work_bytes);
+    }
+  }
   switch (op.kind) {
     case OpKind::kAllReduce:
       if (op.schedule == Schedule::kGatherReduce && block > 0) {
@@ -269,6 +295,13 @@ void start_local(Op& op) {
 }
 
 void finish_local(Op& op) {
+  if (op.log.work_is_scratch) {
+    const std::size_t block = op.user_count * op.el;
+    if (block > 0) {
+      std::memcpy(op.out, op.work + static_cast<std::size_t>(op.rank) * block, block);
+    }
+    return;
+  }
   if (op.kind != OpKind::kAllReduce || op.schedule != Schedule::kGatherReduce) return;
   // Every rank reduces the same blocks in the same order, so all get identical bits.
   const std::size_t n = op.user_count;

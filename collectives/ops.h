@@ -45,6 +45,12 @@ enum class Schedule : std::uint8_t {
   kChain = 3,         // pipelined chain from the root along the ring (broadcast)
   kBiGather = 4,      // all_gather / barrier around the ring in both directions at once
                       // (ceil((N-1)/2) steps; small sizes)
+  // Log-step schedules over the mesh links (steps.h).
+  kRecursiveDoubling = 5,  // all_reduce: whole vectors exchanged, log2(N) steps;
+                           // all_gather: recursive doubling of blocks
+  kHalvingDoubling = 6,    // recursive halving (reduce_scatter) then doubling (all_gather):
+                           // Rabenseifner's all_reduce, 2 log2(N) steps
+  kTree = 7,               // all_reduce: binomial tree reduce to rank 0, then broadcast
 };
 [[nodiscard]] const char* to_string(Schedule s) noexcept;
 
@@ -60,6 +66,29 @@ class ScratchPool {
 
  private:
   std::vector<std::pair<std::size_t, std::unique_ptr<char[]>>> free_;
+};
+
+// One step of a log-step schedule (steps.h), from one rank's point of view. Offsets are bytes
+// in the operation's work buffer.
+struct Step {
+  int tag = 0;                  // schedule-wide id of the message (the frame's index)
+  int send_peer = -1;           // -1: this step sends nothing
+  std::size_t send_offset = 0;
+  std::size_t send_bytes = 0;
+  int recv_peer = -1;           // -1: this step receives nothing
+  std::size_t recv_offset = 0;  // where the received bytes go (or are reduced into)
+  std::size_t recv_bytes = 0;
+  bool reduce = false;          // reduce into the work buffer (else copy)
+  bool final = false;           // the last reduction of these elements (avg divides here)
+  std::size_t stage_offset = 0;  // reduce: where the operand waits in the staging area
+  bool wait_send = false;        // the send must have left before the receive is applied
+};
+
+struct StepPlan {
+  std::vector<Step> steps;
+  std::size_t work_bytes = 0;    // the work buffer: the vector (all_reduce) or all N blocks
+  std::size_t stage_bytes = 0;   // staging area for operands that arrive before their step
+  bool work_is_scratch = false;  // reduce_scatter: works on a copy of the input
 };
 
 struct Op {
@@ -94,12 +123,21 @@ struct Op {
   std::unique_ptr<char[]> scratch_owner;
   std::size_t scratch_capacity = 0;
   std::vector<char> tiny;        // barrier payloads
+  StepPlan log;                  // log-step schedules only
+  char* stage = nullptr;         // log-step: where early operands wait (in scratch)
 
   // Progress (engine thread).
   using Counters = std::array<std::array<std::uint32_t, kMaxChannels>, 2>;  // [direction][ch]
   Counters send_next{};
   Counters send_done{};
   Counters recv_next{};
+  // Log-step progress: steps before step_next are complete; per step, kStep* flags.
+  static constexpr std::uint8_t kStepSent = 1;      // its send is queued
+  static constexpr std::uint8_t kStepSendDone = 2;  // the transport is done with it
+  static constexpr std::uint8_t kStepReceived = 4;  // its receive arrived (and was copied)
+  std::vector<std::uint8_t> step_state;
+  std::uint32_t step_next = 0;
+  std::uint32_t sends_in_flight = 0;
   std::chrono::steady_clock::time_point deadline{};
   std::shared_ptr<dear::Work::State> state;
 

@@ -35,6 +35,16 @@ std::vector<char> make_input(int rank, std::size_t count, DataType t, ReduceOp o
   return buf;
 }
 
+// Algorithms per collective. The log-step ones run over the mesh links, which every transport
+// of these suites builds.
+const std::vector<Algorithm> kAllReduceAlgorithms{Algorithm::kRing, Algorithm::kGatherReduce,
+                                                  Algorithm::kHalvingDoubling,
+                                                  Algorithm::kRecursiveDoubling, Algorithm::kTree};
+const std::vector<Algorithm> kReduceScatterAlgorithms{Algorithm::kRing,
+                                                      Algorithm::kHalvingDoubling};
+const std::vector<Algorithm> kAllGatherAlgorithms{Algorithm::kRing,
+                                                  Algorithm::kRecursiveDoubling};
+
 class Conformance : public ::testing::TestWithParam<int> {
  protected:
   void SetUp() override { DEAR_SKIP_UNLESS_SUITE_TRANSPORT(); }
@@ -44,7 +54,7 @@ TEST_P(Conformance, AllReduceEveryTypeOpSizeAndAlgorithm) {
   const int n = GetParam();
   run_ranks(n, [&](Communicator& comm) {
     const int r = comm.rank();
-    for (const auto algo : {Algorithm::kRing, Algorithm::kGatherReduce}) {
+    for (const auto algo : kAllReduceAlgorithms) {
       for (const auto t : kAllTypes) {
         for (const auto op : kAllOps) {
           for (const auto count : kCounts) {
@@ -77,6 +87,7 @@ TEST_P(Conformance, ReduceScatterEveryTypeOpAndSize) {
   run_ranks(n, [&](Communicator& comm) {
     const int r = comm.rank();
     const auto nn = static_cast<std::size_t>(n);
+    for (const auto algo : kReduceScatterAlgorithms) {
     for (const auto t : kAllTypes) {
       for (const auto op : kAllOps) {
         for (const std::size_t rc : {std::size_t{0}, std::size_t{1}, std::size_t{7},
@@ -88,6 +99,7 @@ TEST_P(Conformance, ReduceScatterEveryTypeOpAndSize) {
                                  : out_buf.data();
             OpOptions o;
             o.slice_bytes = 128;
+            o.algorithm = algo;
             comm.reduce_scatter(in.data(), out, rc, t, op, o).wait();
             Mismatches bad;
             for (std::size_t i = 0; i < rc; ++i) {
@@ -95,11 +107,12 @@ TEST_P(Conformance, ReduceScatterEveryTypeOpAndSize) {
               const double got = load(out, i, t);
               if (!close_enough(got, want, t)) bad.add(i, got, want);
             }
-            ASSERT_EQ(bad.count, 0u) << label("reduce_scatter", t, op, rc, in_place, r) << ": "
-                                     << bad.first;
+            ASSERT_EQ(bad.count, 0u) << label("reduce_scatter", t, op, rc, in_place, r) << " "
+                                     << to_string(algo) << ": " << bad.first;
           }
         }
       }
+    }
     }
   });
 }
@@ -109,6 +122,7 @@ TEST_P(Conformance, AllGatherEveryTypeAndSize) {
   run_ranks(n, [&](Communicator& comm) {
     const int r = comm.rank();
     const auto nn = static_cast<std::size_t>(n);
+    for (const auto algo : kAllGatherAlgorithms) {
     for (const auto t : kAllTypes) {
       for (const std::size_t sc : {std::size_t{0}, std::size_t{1}, std::size_t{13},
                                    std::size_t{1031}}) {
@@ -123,6 +137,7 @@ TEST_P(Conformance, AllGatherEveryTypeAndSize) {
           }
           OpOptions o;
           o.slice_bytes = 256;
+          o.algorithm = algo;
           comm.all_gather(in, out.data(), sc, t, o).wait();
           Mismatches bad;
           for (int src = 0; src < n; ++src) {
@@ -133,9 +148,10 @@ TEST_P(Conformance, AllGatherEveryTypeAndSize) {
             }
           }
           ASSERT_EQ(bad.count, 0u) << label("all_gather", t, ReduceOp::kSum, sc, in_place, r)
-                                   << ": " << bad.first;
+                                   << " " << to_string(algo) << ": " << bad.first;
         }
       }
+    }
     }
   });
 }

@@ -35,6 +35,12 @@ enum class Algorithm : std::uint8_t {
   kRing,          // ring reduce-scatter + all-gather: bandwidth-optimal, 2(N-1) steps
   kGatherReduce,  // all_reduce only: ring all-gather of whole inputs, then a local reduction:
                   // N-1 steps, for small messages
+  // Log-step algorithms over direct links between ranks (2^k apart), for small messages:
+  kHalvingDoubling,    // recursive halving (reduce_scatter), recursive doubling (all_gather),
+                       // both in turn for all_reduce (Rabenseifner): 2 log2(N) steps
+  kRecursiveDoubling,  // all_reduce: whole vectors exchanged, log2(N) steps (the fewest);
+                       // all_gather: as kHalvingDoubling
+  kTree,               // all_reduce only: binomial tree reduce then broadcast, 2 log2(N) steps
 };
 [[nodiscard]] const char* to_string(Algorithm a) noexcept;
 [[nodiscard]] std::optional<Algorithm> parse_algorithm(std::string_view name) noexcept;

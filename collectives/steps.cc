@@ -1,0 +1,307 @@
+#include "collectives/steps.h"
+
+#include <algorithm>
+#include <bit>
+#include <stdexcept>
+#include <string>
+
+namespace dear::collectives {
+namespace {
+
+// Ranks beyond the largest power of two are folded into their odd neighbours (see steps.h).
+struct Fold {
+  int n;
+  int p;    // largest power of two <= n
+  int rem;  // n - p: the first 2 * rem ranks pair up
+  int levels;
+
+  explicit Fold(int nranks)
+      : n(nranks),
+        p(static_cast<int>(std::bit_floor(static_cast<unsigned>(nranks)))),
+        rem(nranks - p),
+        levels(std::countr_zero(static_cast<unsigned>(p))) {}
+  [[nodiscard]] bool folded(int r) const { return r < 2 * rem; }
+  // Virtual rank of real rank r; -1 for the even ranks that hand their data over.
+  [[nodiscard]] int vrank(int r) const {
+    if (!folded(r)) return r - rem;
+    return r % 2 == 1 ? r / 2 : -1;
+  }
+  [[nodiscard]] int real(int v) const { return v < rem ? 2 * v + 1 : v + rem; }
+  // First real rank whose block virtual rank v holds (v = p gives n): contiguous and rising.
+  [[nodiscard]] int first_block(int v) const { return v < rem ? 2 * v : v + rem; }
+};
+
+constexpr int kTagFoldIn = 0;
+constexpr int kTagCore = 1;  // core step j carries tag kTagCore + j
+[[nodiscard]] int tag_fold_out(const Fold& f) { return kTagCore + 2 * f.levels; }
+
+struct Range {
+  std::size_t offset;
+  std::size_t bytes;
+};
+
+class Builder {
+ public:
+  explicit Builder(StepPlan& plan) : plan_(plan) {}
+
+  void send(int tag, int peer, Range r) { add(tag, peer, r, -1, {0, 0}, false, false, false); }
+  void recv(int tag, int peer, Range r, bool reduce, bool final = false) {
+    add(tag, -1, {0, 0}, peer, r, reduce, final, false);
+  }
+  void exchange(int tag, int peer, Range out, Range in, bool reduce, bool final,
+                bool wait_send) {
+    add(tag, peer, out, peer, in, reduce, final, wait_send);
+  }
+  // Marks the last reducing step final (the tree's root).
+  void finalize_last_reduce() {
+    for (auto it = plan_.steps.rbegin(); it != plan_.steps.rend(); ++it) {
+      if (it->reduce) {
+        it->final = true;
+        return;
+      }
+    }
+  }
+
+ private:
+  void add(int tag, int send_peer, Range out, int recv_peer, Range in, bool reduce, bool final,
+           bool wait_send) {
+    // Both ends compute the same byte counts, so an empty half is dropped on both.
+    if (out.bytes == 0) send_peer = -1;
+    if (in.bytes == 0) recv_peer = -1;
+    if (send_peer < 0 && recv_peer < 0) return;
+    Step s;
+    s.tag = tag;
+    s.send_peer = send_peer;
+    s.send_offset = send_peer >= 0 ? out.offset : 0;
+    s.send_bytes = send_peer >= 0 ? out.bytes : 0;
+    s.recv_peer = recv_peer;
+    if (recv_peer >= 0) {
+      s.recv_offset = in.offset;
+      s.recv_bytes = in.bytes;
+      s.reduce = reduce;
+      s.final = reduce && final;
+      s.wait_send = wait_send && send_peer >= 0;
+      if (reduce) {
+        s.stage_offset = plan_.stage_bytes;
+        plan_.stage_bytes += in.bytes;
+      }
+    }
+    plan_.steps.push_back(s);
+  }
+
+  StepPlan& plan_;
+};
+
+// Byte boundaries of the virtual ranks' parts of the work buffer: bound(v) .. bound(v + 1).
+class Bounds {
+ public:
+  // all_reduce: the vector split into p nearly equal parts.
+  static Bounds of_vector(const Fold& f, std::size_t count, std::size_t el) {
+    return Bounds(f, count, el, false);
+  }
+  // reduce_scatter / all_gather: virtual rank v holds the blocks of real ranks
+  // first_block(v) .. first_block(v + 1).
+  static Bounds of_blocks(const Fold& f, std::size_t count, std::size_t el) {
+    return Bounds(f, count, el, true);
+  }
+  [[nodiscard]] std::size_t at(int v) const {
+    const auto uv = static_cast<std::size_t>(v);
+    if (blocks_) return static_cast<std::size_t>(f_.first_block(v)) * count_ * el_;
+    const auto p = static_cast<std::size_t>(f_.p);
+    const std::size_t base = count_ / p;
+    const std::size_t extra = count_ % p;
+    return (uv * base + std::min(uv, extra)) * el_;
+  }
+  [[nodiscard]] Range range(int lo, int hi) const { return {at(lo), at(hi) - at(lo)}; }
+
+ private:
+  Bounds(const Fold& f, std::size_t count, std::size_t el, bool blocks)
+      : f_(f), count_(count), el_(el), blocks_(blocks) {}
+  Fold f_;
+  std::size_t count_;
+  std::size_t el_;
+  bool blocks_;
+};
+
+// Recursive halving over the virtual ranks: each step keeps the half of the current range that
+// holds this rank's part, sends the other half to the partner and reduces what it sends back.
+void halving(Builder& b, const Fold& f, const Bounds& bounds, int v) {
+  int lo = 0;
+  int hi = f.p;
+  for (int k = 0; k < f.levels; ++k) {
+    const int d = f.p >> (k + 1);
+    const int mid = lo + d;
+    const bool low = v < mid;
+    const Range keep = low ? bounds.range(lo, mid) : bounds.range(mid, hi);
+    const Range give = low ? bounds.range(mid, hi) : bounds.range(lo, mid);
+    b.exchange(kTagCore + k, f.real(v ^ d), give, keep, true, k == f.levels - 1, false);
+    if (low) {
+      hi = mid;
+    } else {
+      lo = mid;
+    }
+  }
+}
+
+// Recursive doubling of ranges: after step k this rank holds its group of 2^(k+1) parts.
+void doubling(Builder& b, const Fold& f, const Bounds& bounds, int v, int first_tag) {
+  for (int k = 0; k < f.levels; ++k) {
+    const int d = 1 << k;
+    const int mine = (v / d) * d;
+    const int theirs = ((v ^ d) / d) * d;
+    b.exchange(first_tag + k, f.real(v ^ d), bounds.range(mine, mine + d),
+               bounds.range(theirs, theirs + d), false, false, false);
+  }
+}
+
+void plan_all_reduce(Builder& b, Schedule s, int r, int n, std::size_t count, std::size_t el) {
+  const Range whole{0, count * el};
+  if (s == Schedule::kTree) {
+    // Binomial tree rooted at rank 0: reduce up, then broadcast down the same edges.
+    const int levels = static_cast<int>(std::bit_width(static_cast<unsigned>(n - 1)));
+    const int low = r == 0 ? levels : std::countr_zero(static_cast<unsigned>(r));
+    for (int k = 0; k < low; ++k) {
+      if (r + (1 << k) < n) b.recv(k, r + (1 << k), whole, true);
+    }
+    if (r == 0) {
+      b.finalize_last_reduce();
+    } else {
+      b.send(low, r - (1 << low), whole);
+      b.recv(levels + low, r - (1 << low), whole, false);
+    }
+    for (int k = low - 1; k >= 0; --k) {
+      if (r + (1 << k) < n) b.send(levels + k, r + (1 << k), whole);
+    }
+    return;
+  }
+  const Fold f(n);
+  if (f.folded(r) && r % 2 == 0) {
+    b.send(kTagFoldIn, r + 1, whole);
+    b.recv(tag_fold_out(f), r + 1, whole, false);
+    return;
+  }
+  if (f.folded(r)) b.recv(kTagFoldIn, r - 1, whole, true);
+  const int v = f.vrank(r);
+  if (s == Schedule::kRecursiveDoubling) {
+    for (int k = 0; k < f.levels; ++k) {
+      b.exchange(kTagCore + k, f.real(v ^ (1 << k)), whole, whole, true, k == f.levels - 1,
+                 true);
+    }
+  } else {
+    const Bounds bounds = Bounds::of_vector(f, count, el);
+    halving(b, f, bounds, v);
+    doubling(b, f, bounds, v, kTagCore + f.levels);
+  }
+  if (f.folded(r)) b.send(tag_fold_out(f), r - 1, whole);
+}
+
+void plan_reduce_scatter(Builder& b, int r, int n, std::size_t count, std::size_t el) {
+  const Fold f(n);
+  const std::size_t block = count * el;
+  const Range whole{0, static_cast<std::size_t>(n) * block};
+  const auto own = [&](int rank) { return Range{static_cast<std::size_t>(rank) * block, block}; };
+  if (f.folded(r) && r % 2 == 0) {
+    b.send(kTagFoldIn, r + 1, whole);
+    b.recv(tag_fold_out(f), r + 1, own(r), false);
+    return;
+  }
+  if (f.folded(r)) b.recv(kTagFoldIn, r - 1, whole, true);
+  halving(b, f, Bounds::of_blocks(f, count, el), f.vrank(r));
+  if (f.folded(r)) b.send(tag_fold_out(f), r - 1, own(r - 1));
+}
+
+void plan_all_gather(Builder& b, int r, int n, std::size_t count, std::size_t el) {
+  const Fold f(n);
+  const std::size_t block = count * el;
+  const Range whole{0, static_cast<std::size_t>(n) * block};
+  const auto own = [&](int rank) { return Range{static_cast<std::size_t>(rank) * block, block}; };
+  if (f.folded(r) && r % 2 == 0) {
+    b.send(kTagFoldIn, r + 1, own(r));
+    b.recv(tag_fold_out(f), r + 1, whole, false);
+    return;
+  }
+  if (f.folded(r)) b.recv(kTagFoldIn, r - 1, own(r - 1), false);
+  doubling(b, f, Bounds::of_blocks(f, count, el), f.vrank(r), kTagCore);
+  if (f.folded(r)) b.send(tag_fold_out(f), r - 1, whole);
+}
+
+}  // namespace
+
+bool is_log_step(Schedule s) noexcept {
+  return s == Schedule::kRecursiveDoubling || s == Schedule::kHalvingDoubling ||
+         s == Schedule::kTree;
+}
+
+bool log_step_supports(OpKind kind, Schedule s) noexcept {
+  switch (kind) {
+    case OpKind::kAllReduce: return is_log_step(s);
+    case OpKind::kReduceScatter: return s == Schedule::kHalvingDoubling;
+    case OpKind::kAllGather:
+      return s == Schedule::kRecursiveDoubling || s == Schedule::kHalvingDoubling;
+    default: return false;
+  }
+}
+
+StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t count,
+                    std::size_t el) {
+  if (!log_step_supports(kind, s) || nranks < 2 || rank < 0 || rank >= nranks) {
+    throw std::invalid_argument(std::string("plan_steps: ") + to_string(kind) + " with " +
+                                to_string(s) + " on rank " + std::to_string(rank) + " of " +
+                                std::to_string(nranks));
+  }
+  StepPlan plan;
+  Builder b(plan);
+  switch (kind) {
+    case OpKind::kAllReduce:
+      plan.work_bytes = count * el;
+      plan_all_reduce(b, s, rank, nranks, count, el);
+      break;
+    case OpKind::kReduceScatter:
+      plan.work_bytes = static_cast<std::size_t>(nranks) * count * el;
+      plan.work_is_scratch = true;
+      plan_reduce_scatter(b, rank, nranks, count, el);
+      break;
+    default:
+      plan.work_bytes = static_cast<std::size_t>(nranks) * count * el;
+      plan_all_gather(b, rank, nranks, count, el);
+      break;
+  }
+  return plan;
+}
+
+std::vector<int> step_peers(int rank, int nranks) {
+  std::vector<int> peers;
+  // The tree's edges and the fold's pairs: rank ^ 2^k.
+  for (int d = 1; d < nranks; d <<= 1) {
+    if ((rank ^ d) < nranks) peers.push_back(rank ^ d);
+  }
+  // The core's partners among the virtual ranks.
+  const Fold f(nranks);
+  const int v = f.vrank(rank);
+  if (v >= 0) {
+    for (int d = 1; d < f.p; d <<= 1) peers.push_back(f.real(v ^ d));
+  }
+  std::sort(peers.begin(), peers.end());
+  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+  return peers;
+}
+
+StepCost step_cost(OpKind kind, Schedule s, int nranks, std::size_t count, std::size_t el) {
+  StepCost c;
+  if (nranks < 2) return c;
+  // The critical path runs through an odd folded rank (it waits for the fold, runs the core
+  // and sends the result back) or, without folding and for the tree, through rank 0.
+  const Fold f(nranks);
+  const int r = s != Schedule::kTree && f.rem > 0 ? 1 : 0;
+  const StepPlan plan = plan_steps(kind, s, r, nranks, count, el);
+  for (const Step& st : plan.steps) {
+    ++c.steps;
+    c.wire_bytes += std::max(st.send_bytes, st.recv_bytes);
+    if (st.reduce) c.reduced_bytes += st.recv_bytes;
+  }
+  if (plan.work_is_scratch || kind == OpKind::kAllGather) c.copied_bytes = count * el;
+  if (plan.work_is_scratch) c.copied_bytes = plan.work_bytes + count * el;
+  return c;
+}
+
+}  // namespace dear::collectives

@@ -1,0 +1,282 @@
+// The log-step schedules (collectives/steps.h) executed by a simulator, all ranks in memory,
+// under random interleavings, and checked against an independent reference.
+//
+// The simulator keeps the engine's rules: a send reads the sender's work buffer when it is
+// delivered (not when queued), so a step that overwrites what an in-flight send still reads
+// shows up as a wrong result unless the step says wait_send; a copy lands in the receiver's work
+// buffer as soon as it arrives, even before its step, as the engine places it; a reduce operand
+// waits until its step. Each element carries (sum, number of final reductions), so the test also
+// checks that every element of the result was finalised exactly once (where avg divides).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <random>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "collectives/steps.h"
+
+namespace dear::collectives {
+namespace {
+
+struct Elem {
+  std::int64_t sum;
+  std::int64_t finals;
+};
+constexpr std::size_t kEl = sizeof(Elem);
+
+struct InFlight {
+  int src;
+  int dst;
+  int tag;
+  std::size_t src_step;
+};
+
+struct RankState {
+  StepPlan plan;
+  std::vector<Elem> work;
+  std::vector<Elem> stage;
+  std::size_t next = 0;
+  std::vector<bool> sent, delivered, received;
+};
+
+std::int64_t input(int rank, std::size_t i) {
+  return static_cast<std::int64_t>(rank) * 1000 + static_cast<std::int64_t>(i) + 1;
+}
+
+Elem* at(std::vector<Elem>& v, std::size_t byte_offset) {
+  return v.data() + byte_offset / kEl;
+}
+
+// Runs one collective on n simulated ranks; returns every rank's final work buffer.
+std::vector<std::vector<Elem>> simulate(OpKind kind, Schedule s, int n, std::size_t count,
+                                        std::mt19937& rng) {
+  std::vector<RankState> ranks(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    auto& st = ranks[static_cast<std::size_t>(r)];
+    st.plan = plan_steps(kind, s, r, n, count, kEl);
+    const std::size_t elems = st.plan.work_bytes / kEl;
+    st.work.assign(elems, Elem{0, 0});
+    st.stage.assign(st.plan.stage_bytes / kEl, Elem{-1, -1});
+    // Initial contents, as start_local() leaves them.
+    if (kind == OpKind::kAllGather) {
+      for (std::size_t i = 0; i < count; ++i) {
+        st.work[static_cast<std::size_t>(r) * count + i] = {input(r, i), 0};
+      }
+    } else {
+      for (std::size_t i = 0; i < elems; ++i) st.work[i] = {input(r, i), 0};
+    }
+    const std::size_t k = st.plan.steps.size();
+    st.sent.assign(k, false);
+    st.delivered.assign(k, false);
+    st.received.assign(k, false);
+    for (const Step& step : st.plan.steps) {
+      // Every peer a schedule uses is a mesh peer, in both directions.
+      for (int p : {step.send_peer, step.recv_peer}) {
+        if (p < 0) continue;
+        const auto peers = step_peers(r, n);
+        EXPECT_TRUE(std::binary_search(peers.begin(), peers.end(), p)) << "rank " << r << " -> " << p;
+        const auto back = step_peers(p, n);
+        EXPECT_TRUE(std::binary_search(back.begin(), back.end(), r)) << "rank " << p << " -> " << r;
+      }
+    }
+  }
+  std::vector<InFlight> flight;
+  const auto find_recv = [&](int dst, int src, int tag) -> std::size_t {
+    const auto& steps = ranks[static_cast<std::size_t>(dst)].plan.steps;
+    for (std::size_t k = 0; k < steps.size(); ++k) {
+      if (steps[k].recv_peer == src && steps[k].tag == tag) return k;
+    }
+    ADD_FAILURE() << "rank " << dst << " expects no message " << tag << " from rank " << src;
+    return steps.size();
+  };
+  const auto deliver = [&](std::size_t i) {
+    const InFlight m = flight[i];
+    flight.erase(flight.begin() + static_cast<std::ptrdiff_t>(i));
+    auto& from = ranks[static_cast<std::size_t>(m.src)];
+    auto& to = ranks[static_cast<std::size_t>(m.dst)];
+    const Step& ss = from.plan.steps[m.src_step];
+    const std::size_t k = find_recv(m.dst, m.src, m.tag);
+    if (k >= to.plan.steps.size()) return;
+    const Step& rs = to.plan.steps[k];
+    ASSERT_EQ(ss.send_bytes, rs.recv_bytes) << "message " << m.tag << " " << m.src << "->" << m.dst;
+    ASSERT_FALSE(to.received[k]) << "message " << m.tag << " delivered twice";
+    // The sender's memory is read now: what it holds at delivery time.
+    const Elem* src = at(from.work, ss.send_offset);
+    Elem* dst = rs.reduce ? at(to.stage, rs.stage_offset) : at(to.work, rs.recv_offset);
+    std::memcpy(dst, src, rs.recv_bytes);
+    from.delivered[m.src_step] = true;
+    to.received[k] = true;
+  };
+  const auto advance = [&](int r) {
+    auto& st = ranks[static_cast<std::size_t>(r)];
+    bool moved = false;
+    while (st.next < st.plan.steps.size()) {
+      const std::size_t k = st.next;
+      const Step& step = st.plan.steps[k];
+      if (step.send_peer >= 0 && !st.sent[k]) {
+        flight.push_back({r, step.send_peer, step.tag, k});
+        st.sent[k] = true;
+        moved = true;
+      }
+      if (step.recv_peer >= 0) {
+        if (!st.received[k]) break;
+        if (step.wait_send && !st.delivered[k]) break;
+        if (step.reduce) {
+          Elem* dst = at(st.work, step.recv_offset);
+          const Elem* op = at(st.stage, step.stage_offset);
+          for (std::size_t i = 0; i < step.recv_bytes / kEl; ++i) {
+            dst[i].sum += op[i].sum;
+            dst[i].finals += op[i].finals + (step.final ? 1 : 0);
+          }
+        }
+      }
+      ++st.next;
+      moved = true;
+    }
+    return moved;
+  };
+  for (int guard = 0; guard < 100000; ++guard) {
+    bool moved = false;
+    // A random rank advances, or a random message is delivered.
+    std::uniform_int_distribution<int> pick(0, n + static_cast<int>(flight.size()) - 1);
+    const int choice = pick(rng);
+    if (choice < n) {
+      moved = advance(choice);
+    } else {
+      deliver(static_cast<std::size_t>(choice - n));
+      moved = true;
+    }
+    if (::testing::Test::HasFatalFailure()) return {};
+    if (!moved) {
+      bool done = flight.empty();
+      for (int r = 0; r < n && done; ++r) {
+        done = ranks[static_cast<std::size_t>(r)].next == ranks[static_cast<std::size_t>(r)].plan.steps.size();
+      }
+      if (done) break;
+      // Nothing here could move: make sure some rank or message still can.
+      bool any = !flight.empty();
+      for (int r = 0; r < n && !any; ++r) any = advance(r);
+      if (!any) {
+        ADD_FAILURE() << "deadlock: no rank can advance and no message is in flight";
+        return {};
+      }
+    }
+  }
+  std::vector<std::vector<Elem>> out;
+  for (auto& st : ranks) {
+    EXPECT_EQ(st.next, st.plan.steps.size()) << "a rank did not finish";
+    out.push_back(st.work);
+  }
+  return out;
+}
+
+void check(OpKind kind, Schedule s, int n, std::size_t count, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  const auto work = simulate(kind, s, n, count, rng);
+  if (::testing::Test::HasFailure()) return;
+  const auto total = [&](std::size_t i) {
+    std::int64_t t = 0;
+    for (int r = 0; r < n; ++r) t += input(r, i);
+    return t;
+  };
+  const std::string what = std::string(to_string(kind)) + " " + to_string(s) + " n=" +
+                           std::to_string(n) + " count=" + std::to_string(count) + " seed=" +
+                           std::to_string(seed);
+  for (int r = 0; r < n; ++r) {
+    const auto& w = work[static_cast<std::size_t>(r)];
+    switch (kind) {
+      case OpKind::kAllReduce:
+        for (std::size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(w[i].sum, total(i)) << what << " rank " << r << " element " << i;
+          ASSERT_EQ(w[i].finals, 1) << what << " rank " << r << " element " << i;
+        }
+        break;
+      case OpKind::kReduceScatter:
+        for (std::size_t i = 0; i < count; ++i) {
+          const std::size_t g = static_cast<std::size_t>(r) * count + i;
+          ASSERT_EQ(w[g].sum, total(g)) << what << " rank " << r << " element " << i;
+          ASSERT_EQ(w[g].finals, 1) << what << " rank " << r << " element " << i;
+        }
+        break;
+      default:
+        for (int src = 0; src < n; ++src) {
+          for (std::size_t i = 0; i < count; ++i) {
+            ASSERT_EQ(w[static_cast<std::size_t>(src) * count + i].sum, input(src, i))
+                << what << " rank " << r << " block " << src << " element " << i;
+          }
+        }
+        break;
+    }
+  }
+}
+
+TEST(LogStepSchedules, EveryKindRankCountAndSizeUnderRandomInterleavings) {
+  const std::vector<std::pair<OpKind, Schedule>> cases{
+      {OpKind::kAllReduce, Schedule::kRecursiveDoubling},
+      {OpKind::kAllReduce, Schedule::kHalvingDoubling},
+      {OpKind::kAllReduce, Schedule::kTree},
+      {OpKind::kReduceScatter, Schedule::kHalvingDoubling},
+      {OpKind::kAllGather, Schedule::kRecursiveDoubling},
+      {OpKind::kAllGather, Schedule::kHalvingDoubling},
+  };
+  for (const auto& [kind, s] : cases) {
+    for (int n = 2; n <= 17; ++n) {
+      for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{37}}) {
+        for (std::uint32_t seed = 1; seed <= 4; ++seed) {
+          check(kind, s, n, count, seed * 7919U + static_cast<std::uint32_t>(n));
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+TEST(LogStepSchedules, StepCountsAreLogarithmic) {
+  for (int n : {2, 4, 8, 16, 64, 1024}) {
+    const int lg = std::countr_zero(static_cast<unsigned>(n));
+    EXPECT_EQ(step_cost(OpKind::kAllReduce, Schedule::kRecursiveDoubling, n, 1, 4).steps, lg);
+    EXPECT_EQ(step_cost(OpKind::kAllReduce, Schedule::kHalvingDoubling, n, 1024, 4).steps,
+              2 * lg);
+    EXPECT_EQ(step_cost(OpKind::kAllReduce, Schedule::kTree, n, 1, 4).steps, 2 * lg);
+    EXPECT_EQ(step_cost(OpKind::kAllGather, Schedule::kRecursiveDoubling, n, 1, 4).steps, lg);
+  }
+  // Folding adds one step before and one after the core.
+  EXPECT_EQ(step_cost(OpKind::kAllReduce, Schedule::kRecursiveDoubling, 6, 1, 4).steps, 2 + 2);
+  // Rabenseifner moves 2 (N-1)/N of the vector per rank; recursive doubling log2(N) vectors.
+  EXPECT_EQ(step_cost(OpKind::kAllReduce, Schedule::kHalvingDoubling, 8, 800, 4).wire_bytes,
+            2U * 7U * 400U);
+  EXPECT_EQ(step_cost(OpKind::kAllReduce, Schedule::kRecursiveDoubling, 8, 800, 4).wire_bytes,
+            3U * 3200U);
+}
+
+TEST(LogStepSchedules, PeersAreFewAndSymmetric) {
+  for (int n = 1; n <= 64; ++n) {
+    for (int r = 0; r < n; ++r) {
+      const auto peers = step_peers(r, n);
+      EXPECT_LE(peers.size(), 2U * static_cast<std::size_t>(std::bit_width(static_cast<unsigned>(n))));
+      for (int p : peers) {
+        EXPECT_NE(p, r);
+        const auto back = step_peers(p, n);
+        EXPECT_TRUE(std::binary_search(back.begin(), back.end(), r)) << n << ": " << r << "," << p;
+      }
+    }
+  }
+}
+
+TEST(LogStepSchedules, RejectsWhatItDoesNotRun) {
+  EXPECT_THROW((void)plan_steps(OpKind::kReduceScatter, Schedule::kTree, 0, 4, 1, 4),
+               std::invalid_argument);
+  EXPECT_THROW((void)plan_steps(OpKind::kBroadcast, Schedule::kRecursiveDoubling, 0, 4, 1, 4),
+               std::invalid_argument);
+  EXPECT_THROW((void)plan_steps(OpKind::kAllReduce, Schedule::kTree, 4, 4, 1, 4),
+               std::invalid_argument);
+  EXPECT_FALSE(is_log_step(Schedule::kRing));
+  EXPECT_TRUE(log_step_supports(OpKind::kAllGather, Schedule::kRecursiveDoubling));
+}
+
+}  // namespace
+}  // namespace dear::collectives
