@@ -1,0 +1,96 @@
+#include "transport/verbs/reg_cache.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "dear/error.h"
+
+namespace dear::transport::verbs {
+namespace {
+
+std::uintptr_t end_of(std::uintptr_t b, std::size_t bytes) {
+  // Ranges that would wrap the address space end at its top.
+  return bytes > std::numeric_limits<std::uintptr_t>::max() - b
+             ? std::numeric_limits<std::uintptr_t>::max()
+             : b + bytes;
+}
+
+}  // namespace
+
+RegistrationCache::RegistrationCache(std::size_t capacity) : capacity_(capacity) {
+  if (capacity == 0) {
+    throw Error(ErrorCode::kInvalidArgument, "RegistrationCache: capacity must be > 0");
+  }
+}
+
+std::optional<RegistrationCache::Entry> RegistrationCache::lookup(const void* addr,
+                                                                  std::size_t bytes) {
+  const auto b = reinterpret_cast<std::uintptr_t>(addr);
+  const auto e = end_of(b, bytes);
+  auto it = entries_.upper_bound(b);  // first entry starting after b
+  if (it == entries_.begin()) return std::nullopt;
+  --it;  // the last entry starting at or before b; entries do not overlap, so the only one
+  if (it->second.end < e || (bytes == 0 && it->second.end == b)) return std::nullopt;
+  it->second.used = ++tick_;
+  return Entry{it->first, it->second.end, it->second.handle};
+}
+
+void RegistrationCache::remove_overlapping(std::uintptr_t b, std::uintptr_t e,
+                                           std::vector<std::uint64_t>& out) {
+  auto it = entries_.upper_bound(b);
+  if (it != entries_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->second.end > b) it = prev;
+  }
+  while (it != entries_.end() && it->first < e) {
+    out.push_back(it->second.handle);
+    it = entries_.erase(it);
+  }
+}
+
+std::vector<std::uint64_t> RegistrationCache::insert(const void* addr, std::size_t bytes,
+                                                     std::uint64_t handle) {
+  if (bytes == 0) {
+    throw Error(ErrorCode::kInvalidArgument, "RegistrationCache::insert of an empty range");
+  }
+  const auto b = reinterpret_cast<std::uintptr_t>(addr);
+  const auto e = end_of(b, bytes);
+  std::vector<std::uint64_t> out;
+  remove_overlapping(b, e, out);
+  while (entries_.size() >= capacity_) {
+    auto oldest = std::min_element(
+        entries_.begin(), entries_.end(),
+        [](const auto& x, const auto& y) { return x.second.used < y.second.used; });
+    out.push_back(oldest->second.handle);
+    entries_.erase(oldest);
+  }
+  entries_.emplace(b, Value{e, handle, ++tick_});
+  return out;
+}
+
+std::vector<std::uint64_t> RegistrationCache::invalidate(const void* addr, std::size_t bytes) {
+  std::vector<std::uint64_t> out;
+  if (bytes == 0) return out;
+  const auto b = reinterpret_cast<std::uintptr_t>(addr);
+  remove_overlapping(b, end_of(b, bytes), out);
+  return out;
+}
+
+std::vector<std::uint64_t> RegistrationCache::clear() {
+  std::vector<std::uint64_t> out;
+  out.reserve(entries_.size());
+  for (const auto& [b, v] : entries_) out.push_back(v.handle);
+  entries_.clear();
+  return out;
+}
+
+RegistrationCache::Entry RegistrationCache::page_span(const void* addr, std::size_t bytes,
+                                                      std::size_t page) {
+  const auto b = reinterpret_cast<std::uintptr_t>(addr);
+  const std::uintptr_t lo = b - b % page;
+  std::uintptr_t hi = end_of(b, bytes);
+  if (hi % page != 0) hi = end_of(hi - hi % page, page);
+  return Entry{lo, hi, 0};
+}
+
+}  // namespace dear::transport::verbs

@@ -1,0 +1,1080 @@
+// Compiled, not run on RDMA hardware: see verbs_link.h.
+#include "transport/verbs/verbs_link.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <infiniband/verbs.h>
+#include <sys/random.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "dear/error.h"
+#include "transport/peer_exchange.h"
+#include "transport/rma/slot_window.h"
+#include "transport/socket_util.h"
+#include "transport/verbs/qp_plan.h"
+#include "transport/verbs/reg_cache.h"
+
+namespace dear::transport::verbs {
+namespace {
+
+using rma::kControlSlots;
+using rma::RecvWindow;
+using rma::SendWindow;
+
+constexpr int kMaxChannels = 16;
+constexpr std::size_t kQueueCapacity = 64;  // messages queued per channel (back-pressure)
+constexpr std::uint32_t kSignalEvery = 16;  // at most this many unsignalled WRs in a row
+constexpr std::size_t kControlBytes = 64;   // control message buffers (a Prefix fits)
+constexpr int kMaxGids = 256;               // GID table entries looked at
+constexpr auto kCloseLinger = std::chrono::milliseconds(200);
+// Receive work requests carry this bit in their id (send ids count up from 0), because an
+// error completion reports no opcode, only the id.
+constexpr std::uint64_t kRecvId = 1ULL << 63;
+
+enum class Kind : std::uint8_t { kData = 1, kCredit = 2, kBye = 3 };
+
+// Starts every fragment (in the slot) and every control message.
+struct Prefix {
+  std::uint32_t seq = 0;      // kData: fragment sequence; kBye: data fragments sent before it
+  std::uint32_t credits = 0;  // credits returned to the receiver of this message
+  std::uint32_t bytes = 0;    // bytes after the prefix
+  Kind kind = Kind::kData;
+  std::uint8_t first = 0;  // kData: starts a message (a FrameHeader follows the prefix)
+  std::uint16_t reserved = 0;
+  std::uint64_t reserved2 = 0;
+  std::uint64_t reserved3 = 0;
+};
+static_assert(sizeof(Prefix) == 32, "the fragment prefix is 32 bytes");
+constexpr std::size_t kPrefix = sizeof(Prefix);
+constexpr std::size_t kHeader = sizeof(FrameHeader);
+
+std::string errno_text(int e) { return std::strerror(e); }
+
+std::string hex(std::uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%x", v);
+  return buf;
+}
+
+[[noreturn]] void throw_sys(const std::string& call, int err, int rank, int peer = Error::kNone) {
+  throw Error(ErrorCode::kSystem, call + " failed: " + errno_text(err), rank, peer, "verbs setup");
+}
+
+struct DeviceListDeleter {
+  void operator()(ibv_device** l) const { ibv_free_device_list(l); }
+};
+using DeviceList = std::unique_ptr<ibv_device*, DeviceListDeleter>;
+
+LinkLayer link_of(const ibv_port_attr& a) {
+  return a.link_layer == IBV_LINK_LAYER_ETHERNET ? LinkLayer::kEthernet : LinkLayer::kInfiniBand;
+}
+
+// One opened device and port, shared by the channels of one connect call.
+struct Context {
+  ibv_context* ctx = nullptr;
+  ibv_pd* pd = nullptr;
+  std::string device;
+  std::uint8_t port = 1;
+  LinkLayer link = LinkLayer::kInfiniBand;
+  std::uint16_t lid = 0;
+  std::uint32_t mtu = 0;
+  int gid_index = 0;
+  Gid gid{};
+  RegistrationCache cache;
+
+  Context() = default;
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+  ~Context() {
+    for (const std::uint64_t h : cache.clear()) ibv_dereg_mr(reinterpret_cast<ibv_mr*>(h));
+    if (pd != nullptr) ibv_dealloc_pd(pd);
+    if (ctx != nullptr) ibv_close_device(ctx);
+  }
+};
+
+std::vector<GidEntry> gid_table(ibv_context* ctx, std::uint8_t port, int len) {
+  std::vector<GidEntry> out;
+  for (int i = 0; i < std::min(len, kMaxGids); ++i) {
+    ibv_gid_entry e{};
+    if (ibv_query_gid_ex(ctx, port, static_cast<std::uint32_t>(i), &e, 0) != 0) continue;
+    GidEntry g;
+    g.index = i;
+    g.type = e.gid_type == IBV_GID_TYPE_ROCE_V2   ? GidType::kRoceV2
+             : e.gid_type == IBV_GID_TYPE_ROCE_V1 ? GidType::kRoceV1
+                                                  : GidType::kInfiniBand;
+    std::memcpy(g.gid.data(), e.gid.raw, 16);
+    if (std::all_of(g.gid.begin(), g.gid.end(), [](std::uint8_t b) { return b == 0; })) continue;
+    out.push_back(g);
+  }
+  return out;
+}
+
+std::vector<std::string> device_names() {
+  int n = 0;
+  DeviceList list(ibv_get_device_list(&n));
+  std::vector<std::string> out;
+  for (int i = 0; list && i < n; ++i) out.emplace_back(ibv_get_device_name(list.get()[i]));
+  return out;
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + ("'" + x + "'");
+  return s.empty() ? "none" : s;
+}
+
+// Opens the device and port `o` asks for (or the first with an active port) and chooses the
+// GID. Throws dear::Error(kInvalidArgument) when there is none, naming what there is.
+std::shared_ptr<Context> open_context(const VerbsOptions& o, int rank) {
+  const DeviceSpec spec = parse_device_spec(o.device, rank);
+  int n = 0;
+  errno = 0;
+  DeviceList list(ibv_get_device_list(&n));
+  if (!list) {
+    const int e = errno;
+    throw Error(ErrorCode::kInvalidArgument,
+                "no RDMA device found (ibv_get_device_list failed: " + errno_text(e) + ")", rank);
+  }
+  if (n == 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "no RDMA device found (ibv_get_device_list returned 0 devices)", rank);
+  }
+  std::string tried;
+  for (int i = 0; i < n; ++i) {
+    ibv_device* dev = list.get()[i];
+    const std::string name = ibv_get_device_name(dev);
+    if (!spec.name.empty() && name != spec.name) continue;
+    auto c = std::make_shared<Context>();
+    c->ctx = ibv_open_device(dev);
+    if (c->ctx == nullptr) {
+      tried += (tried.empty() ? "" : "; ") + name + ": ibv_open_device: " + errno_text(errno);
+      continue;
+    }
+    ibv_device_attr da{};
+    if (ibv_query_device(c->ctx, &da) != 0) {
+      tried += (tried.empty() ? "" : "; ") + name + ": ibv_query_device: " + errno_text(errno);
+      continue;
+    }
+    for (int port = 1; port <= da.phys_port_cnt; ++port) {
+      if (spec.port != 0 && port != spec.port) continue;
+      ibv_port_attr pa{};
+      if (ibv_query_port(c->ctx, static_cast<std::uint8_t>(port), &pa) != 0) continue;
+      if (pa.state != IBV_PORT_ACTIVE) {
+        tried += (tried.empty() ? "" : "; ") + name + ":" + std::to_string(port) + " is " +
+                 ibv_port_state_str(pa.state);
+        continue;
+      }
+      c->device = name;
+      c->port = static_cast<std::uint8_t>(port);
+      c->link = link_of(pa);
+      c->lid = pa.lid;
+      c->mtu = mtu_bytes(static_cast<int>(pa.active_mtu));
+      const auto table = gid_table(c->ctx, c->port, pa.gid_tbl_len);
+      c->gid_index = choose_gid_index(table, c->link, o.gid_index, rank);
+      ibv_gid g{};
+      if (ibv_query_gid(c->ctx, c->port, c->gid_index, &g) == 0) {
+        std::memcpy(c->gid.data(), g.raw, 16);
+      }
+      c->pd = ibv_alloc_pd(c->ctx);
+      if (c->pd == nullptr) throw_sys("ibv_alloc_pd(" + name + ")", errno, rank);
+      return c;
+    }
+    if (spec.port != 0 && spec.port > da.phys_port_cnt) {
+      tried += (tried.empty() ? "" : "; ") + name + " has " + std::to_string(da.phys_port_cnt) +
+               " port(s), not port " + std::to_string(spec.port);
+    }
+  }
+  const std::string asked = o.device.empty() ? "any device" : "device '" + o.device + "'";
+  throw Error(ErrorCode::kInvalidArgument,
+              "verbs: no active port on " + asked + " (" + (tried.empty() ? "not found" : tried) +
+                  "); devices: " + join(device_names()) +
+                  " (set CommOptions::ib_device or DEAR_IB_DEVICE)",
+              rank);
+}
+
+std::uint32_t random_psn() {
+  std::uint32_t v = 0;
+  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
+    v = static_cast<std::uint32_t>(Clock::now().time_since_epoch().count());
+  }
+  return v & 0xffffffU;
+}
+
+// What each end publishes about one queue pair.
+struct QpRecord {
+  static constexpr std::uint32_t kMagic = 0x64656176;  // "deav": dear verbs
+  std::uint32_t magic = kMagic;
+  std::uint32_t qpn = 0;
+  std::uint32_t psn = 0;
+  std::uint32_t mtu = 0;
+  std::uint16_t lid = 0;
+  std::uint8_t link = 0;
+  std::uint8_t gid_index = 0;
+  std::uint32_t rkey = 0;
+  std::uint8_t gid[16] = {};
+  std::uint64_t addr = 0;  // the receive slots
+  std::uint64_t slot_bytes = 0;
+  std::uint32_t slots = 0;
+  std::uint32_t reserved = 0;
+};
+
+struct FreeDeleter {
+  void operator()(char* p) const { std::free(p); }
+};
+
+struct NullSink final : RecvSink {
+  RecvTarget on_header(int, const FrameHeader&) override { return {}; }
+  void on_payload(int, const FrameHeader&, const char*, std::size_t, std::size_t) override {}
+  void on_message(int, const FrameHeader&) override {}
+  void on_sent(int, std::uint64_t) override {}
+  void on_closed(int) override {}
+};
+
+class VerbsChannel final : public Channel {
+ public:
+  VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int index, const VerbsOptions& o);
+  ~VerbsChannel() override;
+  VerbsChannel(const VerbsChannel&) = delete;
+  VerbsChannel& operator=(const VerbsChannel&) = delete;
+
+  [[nodiscard]] QpRecord record() const;
+  // Moves the queue pair to RTR and RTS towards `remote`.
+  void connect(const QpRecord& remote, const VerbsOptions& o);
+
+  bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
+  std::size_t queued() const override { return count_; }
+  std::size_t queued_bytes() const override { return queued_bytes_; }
+  bool progress(RecvSink& sink, bool may_read) override;
+  pollfd wait_spec() const override;
+  bool polled() const override { return true; }
+  void close() override;
+  bool closed() const override { return closed_ || peer_closed_; }
+  std::string describe() const override;
+
+ private:
+  struct Pending {
+    FrameHeader header;
+    const char* payload;
+    std::uint64_t token;
+  };
+  // A posted send work request, until a signalled completion at or after it retires it.
+  struct Posted {
+    std::uint32_t buf = 0;  // staging buffer it holds
+    bool control = false;
+  };
+
+  [[noreturn]] void fail(const std::string& why) const {
+    throw Error(ErrorCode::kPeerFailed, why + " on " + describe(), self_, peer_);
+  }
+  char* data_staging(std::uint32_t i) const { return send_mem_.get() + i * slot_bytes_; }
+  char* ctrl_staging(std::uint32_t i) const {
+    return send_mem_.get() + slots_ * slot_bytes_ + i * kControlBytes;
+  }
+  char* ctrl_recv(std::uint32_t i) const {
+    return send_mem_.get() + slots_ * slot_bytes_ + (kControlSlots + i) * kControlBytes;
+  }
+  char* slot(std::uint32_t i) const { return recv_mem_.get() + i * slot_bytes_; }
+  void post_recv(std::uint32_t i);
+  void add_wr(const ibv_sge& sge, ibv_wr_opcode op, std::uint32_t imm, std::uint64_t raddr,
+              Posted what);
+  bool flush_chain();
+  void arm();
+  bool poll_cq();
+  void retire(std::uint64_t id);
+  void on_control(const Prefix& p);
+  bool deliver(RecvSink& sink);
+  void payload(RecvSink& sink, const char* data, std::size_t n);
+  bool pump(RecvSink& sink);
+  bool send_control(Kind kind, std::uint32_t seq, std::uint32_t credits);
+
+  std::shared_ptr<Context> ctx_;  // first: outlives the resources below
+  int self_;
+  int peer_;
+  int index_;
+  std::size_t slot_bytes_;
+  std::uint32_t slots_;
+  std::uint32_t psn_;
+
+  ibv_comp_channel* cc_ = nullptr;
+  ibv_cq* cq_ = nullptr;
+  ibv_qp* qp_ = nullptr;
+  ibv_mr* recv_mr_ = nullptr;
+  ibv_mr* send_mr_ = nullptr;
+  std::unique_ptr<char, FreeDeleter> recv_mem_;  // data slots the peer writes into
+  std::unique_ptr<char, FreeDeleter> send_mem_;  // data staging, control staging, control recv
+  std::uint64_t remote_addr_ = 0;
+  std::uint32_t remote_rkey_ = 0;
+  std::uint32_t max_inline_ = 0;
+  bool armed_ = false;
+  bool connected_ = false;
+
+  std::vector<std::uint32_t> free_data_;
+  std::vector<std::uint32_t> free_ctrl_;
+  // Send queue: ids are consecutive; [sq_head_, sq_next_) posted and not retired.
+  std::vector<Posted> sq_;
+  std::uint64_t sq_head_ = 0;
+  std::uint64_t sq_next_ = 0;
+  std::uint32_t unsignalled_ = 0;
+  // The chain being built, posted by flush_chain() with one ibv_post_send.
+  std::vector<ibv_send_wr> chain_;
+  std::vector<ibv_sge> chain_sge_;
+  std::size_t chain_n_ = 0;
+
+  SendWindow sendw_;
+  RecvWindow recvw_;
+
+  std::array<Pending, kQueueCapacity> queue_{};
+  std::size_t head_ = 0;
+  std::size_t count_ = 0;
+  std::size_t queued_bytes_ = 0;
+  std::size_t head_offset_ = 0;
+  bool head_started_ = false;
+
+  bool in_msg_ = false;
+  FrameHeader current_{};
+  RecvTarget target_{};
+  std::size_t done_ = 0;
+  std::size_t delivered_ = 0;
+  alignas(64) std::array<char, 64> carry_{};
+  std::size_t carry_n_ = 0;
+  std::unique_ptr<char, FreeDeleter> bounce_;
+
+  bool peer_bye_ = false;
+  std::uint32_t bye_seq_ = 0;
+  bool peer_closed_ = false;
+  bool bye_sent_ = false;
+  bool closed_ = false;
+};
+
+VerbsChannel::VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int index,
+                           const VerbsOptions& o)
+    : ctx_(std::move(ctx)),
+      self_(self),
+      peer_(peer),
+      index_(index),
+      slot_bytes_(o.slot_bytes),
+      slots_(o.slots),
+      psn_(random_psn()),
+      sendw_(o.slots),
+      recvw_(o.slots, std::max<std::uint32_t>(1, o.slots / 2)) {
+  const std::uint32_t sq_depth = slots_ + kControlSlots;
+  const std::uint32_t rq_depth = slots_ + kControlSlots;
+  const auto sys = [&](const std::string& call) { throw_sys(call, errno, self_, peer_); };
+
+  cc_ = ibv_create_comp_channel(ctx_->ctx);
+  if (cc_ == nullptr) sys("ibv_create_comp_channel");
+  const int fl = ::fcntl(cc_->fd, F_GETFL);
+  if (fl < 0 || ::fcntl(cc_->fd, F_SETFL, fl | O_NONBLOCK) != 0) sys("fcntl(O_NONBLOCK)");
+  cq_ = ibv_create_cq(ctx_->ctx, static_cast<int>(sq_depth + rq_depth), nullptr, cc_, 0);
+  if (cq_ == nullptr) sys("ibv_create_cq");
+
+  ibv_qp_init_attr qa{};
+  qa.send_cq = cq_;
+  qa.recv_cq = cq_;
+  qa.qp_type = IBV_QPT_RC;
+  qa.sq_sig_all = 0;
+  qa.cap.max_send_wr = sq_depth;
+  qa.cap.max_recv_wr = rq_depth;
+  qa.cap.max_send_sge = 1;
+  qa.cap.max_recv_sge = 1;
+  qa.cap.max_inline_data = kControlBytes;
+  qp_ = ibv_create_qp(ctx_->pd, &qa);
+  if (qp_ == nullptr) {
+    qa.cap.max_inline_data = 0;  // some devices offer no inline data
+    qp_ = ibv_create_qp(ctx_->pd, &qa);
+  }
+  if (qp_ == nullptr) sys("ibv_create_qp");
+  max_inline_ = qa.cap.max_inline_data;
+
+  const std::size_t recv_bytes = static_cast<std::size_t>(slots_) * slot_bytes_;
+  const std::size_t send_bytes = recv_bytes + (2 * kControlSlots + rq_depth) * kControlBytes;
+  const auto alloc = [&](std::size_t n) {
+    char* p = static_cast<char*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096));
+    if (p == nullptr) throw Error(ErrorCode::kSystem, "out of memory for verbs slots", self_);
+    return p;
+  };
+  recv_mem_.reset(alloc(recv_bytes));
+  send_mem_.reset(alloc(send_bytes));
+  recv_mr_ = ibv_reg_mr(ctx_->pd, recv_mem_.get(), recv_bytes,
+                        IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  if (recv_mr_ == nullptr) sys("ibv_reg_mr(receive slots)");
+  send_mr_ = ibv_reg_mr(ctx_->pd, send_mem_.get(), send_bytes, IBV_ACCESS_LOCAL_WRITE);
+  if (send_mr_ == nullptr) sys("ibv_reg_mr(staging)");
+
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_INIT;
+  a.pkey_index = 0;
+  a.port_num = ctx_->port;
+  a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+  if (ibv_modify_qp(qp_, &a,
+                    IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) != 0) {
+    sys("ibv_modify_qp(INIT)");
+  }
+
+  sq_.resize(sq_depth);
+  chain_.resize(sq_depth);
+  chain_sge_.resize(sq_depth);
+  for (std::uint32_t i = 0; i < slots_; ++i) free_data_.push_back(slots_ - 1 - i);
+  for (std::uint32_t i = 0; i < kControlSlots; ++i) free_ctrl_.push_back(kControlSlots - 1 - i);
+  // Receives are posted in INIT, before the peer learns this queue pair exists.
+  for (std::uint32_t i = 0; i < rq_depth; ++i) post_recv(i);
+  bounce_.reset(static_cast<char*>(std::aligned_alloc(64, (slot_bytes_ + 63) / 64 * 64)));
+  if (!bounce_) throw Error(ErrorCode::kSystem, "out of memory for verbs staging", self_);
+}
+
+VerbsChannel::~VerbsChannel() {
+  close();
+  if (qp_ != nullptr) ibv_destroy_qp(qp_);
+  if (recv_mr_ != nullptr) ibv_dereg_mr(recv_mr_);
+  if (send_mr_ != nullptr) ibv_dereg_mr(send_mr_);
+  if (cq_ != nullptr) {
+    // Events taken from the channel were acknowledged one by one in arm().
+    ibv_destroy_cq(cq_);
+  }
+  if (cc_ != nullptr) ibv_destroy_comp_channel(cc_);
+}
+
+QpRecord VerbsChannel::record() const {
+  QpRecord r;
+  r.qpn = qp_->qp_num;
+  r.psn = psn_;
+  r.mtu = ctx_->mtu;
+  r.lid = ctx_->lid;
+  r.link = static_cast<std::uint8_t>(ctx_->link);
+  r.gid_index = static_cast<std::uint8_t>(ctx_->gid_index);
+  r.rkey = recv_mr_->rkey;
+  std::memcpy(r.gid, ctx_->gid.data(), 16);
+  r.addr = reinterpret_cast<std::uintptr_t>(recv_mem_.get());
+  r.slot_bytes = slot_bytes_;
+  r.slots = slots_;
+  return r;
+}
+
+void VerbsChannel::connect(const QpRecord& remote, const VerbsOptions& o) {
+  if (remote.magic != QpRecord::kMagic) {
+    throw Error(ErrorCode::kMismatch,
+                "rank " + std::to_string(peer_) +
+                    " sent no verbs connection record (does it use transport 'verbs' too?)",
+                self_, peer_, "create");
+  }
+  if (remote.slot_bytes != slot_bytes_ || remote.slots != slots_) {
+    throw Error(ErrorCode::kMismatch,
+                "rank " + std::to_string(peer_) + " uses " + std::to_string(remote.slots) +
+                    " slots of " + std::to_string(remote.slot_bytes) + " bytes, rank " +
+                    std::to_string(self_) + " " + std::to_string(slots_) + " of " +
+                    std::to_string(slot_bytes_),
+                self_, peer_, "create");
+  }
+  QpEndpoint local;
+  local.link_layer = ctx_->link;
+  local.lid = ctx_->lid;
+  local.mtu = ctx_->mtu;
+  local.qpn = qp_->qp_num;
+  local.psn = psn_;
+  local.gid = ctx_->gid;
+  local.gid_index = ctx_->gid_index;
+  QpEndpoint peer;
+  peer.link_layer = static_cast<LinkLayer>(remote.link);
+  peer.lid = remote.lid;
+  peer.mtu = remote.mtu;
+  peer.qpn = remote.qpn;
+  peer.psn = remote.psn;
+  std::memcpy(peer.gid.data(), remote.gid, 16);
+  peer.gid_index = remote.gid_index;
+  const ConnectionPlan p = plan_connection(local, peer, ctx_->port, o, self_, peer_);
+
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_RTR;
+  a.path_mtu = static_cast<ibv_mtu>(mtu_code(p.path_mtu));
+  a.dest_qp_num = p.dest_qpn;
+  a.rq_psn = p.rq_psn;
+  a.max_dest_rd_atomic = p.max_dest_rd_atomic;
+  a.min_rnr_timer = p.min_rnr_timer;
+  a.ah_attr.dlid = p.dlid;
+  a.ah_attr.sl = p.service_level;
+  a.ah_attr.src_path_bits = 0;
+  a.ah_attr.port_num = p.port;
+  a.ah_attr.is_global = p.use_grh ? 1 : 0;
+  if (p.use_grh) {
+    std::memcpy(a.ah_attr.grh.dgid.raw, p.dgid.data(), 16);
+    a.ah_attr.grh.sgid_index = p.sgid_index;
+    a.ah_attr.grh.hop_limit = p.hop_limit;
+    a.ah_attr.grh.traffic_class = p.traffic_class;
+    a.ah_attr.grh.flow_label = 0;
+  }
+  if (ibv_modify_qp(qp_, &a,
+                    IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                        IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) != 0) {
+    throw_sys("ibv_modify_qp(RTR) towards rank " + std::to_string(peer_), errno, self_, peer_);
+  }
+  a = {};
+  a.qp_state = IBV_QPS_RTS;
+  a.timeout = p.timeout;
+  a.retry_cnt = p.retry_count;
+  a.rnr_retry = p.rnr_retry;
+  a.sq_psn = p.sq_psn;
+  a.max_rd_atomic = p.max_rd_atomic;
+  if (ibv_modify_qp(qp_, &a,
+                    IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                        IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) != 0) {
+    throw_sys("ibv_modify_qp(RTS) towards rank " + std::to_string(peer_), errno, self_, peer_);
+  }
+  remote_addr_ = remote.addr;
+  remote_rkey_ = remote.rkey;
+  connected_ = true;
+}
+
+std::string VerbsChannel::describe() const {
+  return "verbs (" + ctx_->device + ":" + std::to_string(ctx_->port) + ") channel " +
+         std::to_string(index_) + " between rank " + std::to_string(self_) + " and rank " +
+         std::to_string(peer_);
+}
+
+void VerbsChannel::post_recv(std::uint32_t i) {
+  ibv_sge sge{};
+  sge.addr = reinterpret_cast<std::uintptr_t>(ctrl_recv(i));
+  sge.length = kControlBytes;
+  sge.lkey = send_mr_->lkey;
+  ibv_recv_wr wr{};
+  wr.wr_id = kRecvId | i;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  ibv_recv_wr* bad = nullptr;
+  const int rc = ibv_post_recv(qp_, &wr, &bad);
+  if (rc != 0) fail("ibv_post_recv failed: " + errno_text(rc));
+}
+
+void VerbsChannel::add_wr(const ibv_sge& sge, ibv_wr_opcode op, std::uint32_t imm,
+                          std::uint64_t raddr, Posted what) {
+  const std::size_t k = chain_n_++;
+  chain_sge_[k] = sge;
+  ibv_send_wr& wr = chain_[k];
+  wr = {};
+  wr.wr_id = sq_next_;
+  wr.sg_list = &chain_sge_[k];
+  wr.num_sge = 1;
+  wr.opcode = op;
+  if (sge.length <= max_inline_) wr.send_flags |= IBV_SEND_INLINE;
+  if (op == IBV_WR_RDMA_WRITE_WITH_IMM) {
+    wr.imm_data = htonl(imm);
+    wr.wr.rdma.remote_addr = raddr;
+    wr.wr.rdma.rkey = remote_rkey_;
+  }
+  sq_[sq_next_ % sq_.size()] = what;
+  ++sq_next_;
+}
+
+bool VerbsChannel::flush_chain() {
+  if (chain_n_ == 0) return false;
+  // Signal every kSignalEvery-th request and always the last, so every posted request is
+  // retired by some completion and staging buffers come back.
+  for (std::size_t k = 0; k < chain_n_; ++k) {
+    chain_[k].next = k + 1 < chain_n_ ? &chain_[k + 1] : nullptr;
+    if (++unsignalled_ >= kSignalEvery || k + 1 == chain_n_) {
+      chain_[k].send_flags |= IBV_SEND_SIGNALED;
+      unsignalled_ = 0;
+    }
+  }
+  ibv_send_wr* bad = nullptr;
+  const int rc = ibv_post_send(qp_, chain_.data(), &bad);
+  chain_n_ = 0;
+  if (rc != 0)
+    fail("ibv_post_send to rank " + std::to_string(peer_) + " failed: " + errno_text(rc));
+  return true;
+}
+
+void VerbsChannel::arm() {
+  // Take (and acknowledge) what the completion channel signalled, then ask for the next
+  // event before polling, so nothing that completes afterwards goes unsignalled.
+  ibv_cq* ev_cq = nullptr;
+  void* ev_ctx = nullptr;
+  while (ibv_get_cq_event(cc_, &ev_cq, &ev_ctx) == 0) {
+    ibv_ack_cq_events(ev_cq, 1);
+    armed_ = false;
+  }
+  if (!armed_) {
+    if (ibv_req_notify_cq(cq_, 0) != 0) fail("ibv_req_notify_cq failed: " + errno_text(errno));
+    armed_ = true;
+  }
+}
+
+void VerbsChannel::retire(std::uint64_t id) {
+  while (sq_head_ <= id && sq_head_ < sq_next_) {
+    const Posted& p = sq_[sq_head_ % sq_.size()];
+    (p.control ? free_ctrl_ : free_data_).push_back(p.buf);
+    ++sq_head_;
+  }
+}
+
+void VerbsChannel::on_control(const Prefix& p) {
+  switch (p.kind) {
+    case Kind::kCredit:
+      return;
+    case Kind::kBye:
+      peer_bye_ = true;
+      bye_seq_ = p.seq;
+      return;
+    case Kind::kData:
+      break;
+  }
+  fail("protocol violation: control message of kind " + std::to_string(static_cast<int>(p.kind)));
+}
+
+bool VerbsChannel::poll_cq() {
+  bool moved = false;
+  std::array<ibv_wc, 16> wc{};
+  for (int batch = 0; batch < 64; ++batch) {
+    const int n = ibv_poll_cq(cq_, static_cast<int>(wc.size()), wc.data());
+    if (n < 0) fail("ibv_poll_cq failed");
+    if (n == 0) break;
+    moved = true;
+    const ibv_wc* failed = nullptr;
+    for (int i = 0; i < n; ++i) {
+      const ibv_wc& c = wc[static_cast<std::size_t>(i)];
+      if (c.status != IBV_WC_SUCCESS) {
+        // The first error is the cause; flushed requests behind it only follow from it.
+        if (failed == nullptr ||
+            (failed->status == IBV_WC_WR_FLUSH_ERR && c.status != IBV_WC_WR_FLUSH_ERR)) {
+          failed = &c;
+        }
+        continue;
+      }
+      const auto recv_index = static_cast<std::uint32_t>(c.wr_id & ~kRecvId);
+      if (c.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+        const std::uint32_t seq = ntohl(c.imm_data);
+        const std::uint32_t s = seq % slots_;
+        Prefix p;
+        std::memcpy(&p, slot(s), kPrefix);
+        if (p.kind != Kind::kData || kPrefix + p.bytes != c.byte_len) {
+          fail("protocol violation: fragment " + std::to_string(seq) + " of " +
+               std::to_string(c.byte_len) + " bytes says it holds " + std::to_string(p.bytes));
+        }
+        if (!sendw_.on_returned(p.credits)) {
+          fail("protocol violation: rank " + std::to_string(peer_) + " returned " +
+               std::to_string(p.credits) + " credits with only " +
+               std::to_string(sendw_.unacknowledged()) + " outstanding");
+        }
+        if (!recvw_.arrived(seq, s)) {
+          fail("protocol violation: fragment " + std::to_string(seq) +
+               " outside the receive window (next expected " + std::to_string(recvw_.expected()) +
+               ")");
+        }
+        post_recv(recv_index);
+      } else if (c.opcode == IBV_WC_RECV) {
+        Prefix p;
+        std::memcpy(&p, ctrl_recv(recv_index), kPrefix);
+        if (c.byte_len < kPrefix) fail("protocol violation: a short control message");
+        if (!sendw_.on_returned(p.credits)) {
+          fail("protocol violation: rank " + std::to_string(peer_) + " returned " +
+               std::to_string(p.credits) + " credits with only " +
+               std::to_string(sendw_.unacknowledged()) + " outstanding");
+        }
+        post_recv(recv_index);
+        on_control(p);
+      } else {
+        retire(c.wr_id);
+      }
+    }
+    if (failed != nullptr) {
+      // A peer that said goodbye may have torn its queue pair down under our last writes.
+      if (peer_bye_ || closed_) {
+        peer_closed_ = peer_closed_ || peer_bye_;
+        return true;
+      }
+      const bool recv = (failed->wr_id & kRecvId) != 0;
+      fail(std::string(recv ? "a receive from" : "a write or send to") + " rank " +
+           std::to_string(peer_) + " failed: " + ibv_wc_status_str(failed->status) +
+           " (vendor error 0x" + hex(failed->vendor_err) + ")");
+    }
+    if (static_cast<std::size_t>(n) < wc.size()) break;
+  }
+  return moved;
+}
+
+bool VerbsChannel::try_send(const FrameHeader& h, const void* payload, std::uint64_t token) {
+  if (count_ == kQueueCapacity) return false;
+  if (closed()) fail("send on a closed channel");
+  queue_[(head_ + count_) % kQueueCapacity] = {h, static_cast<const char*>(payload), token};
+  ++count_;
+  queued_bytes_ += h.bytes;
+  return true;
+}
+
+pollfd VerbsChannel::wait_spec() const {
+  if (closed()) return {-1, 0, 0};
+  return {cc_->fd, POLLIN, 0};
+}
+
+bool VerbsChannel::progress(RecvSink& sink, bool may_read) {
+  (void)may_read;  // polling the completion queue is cheap and also completes sends
+  if (closed()) return false;
+  bool moved = false;
+  arm();
+  for (int round = 0; round < 8 && !closed(); ++round) {
+    bool m = poll_cq();
+    m |= deliver(sink);
+    if (closed()) break;
+    m |= pump(sink);
+    if (recvw_.should_return() && send_control(Kind::kCredit, 0, recvw_.owed())) {
+      recvw_.take_owed();
+      m = true;
+    }
+    flush_chain();
+    if (!m) break;
+    moved = true;
+  }
+  flush_chain();
+  return moved;
+}
+
+bool VerbsChannel::deliver(RecvSink& sink) {
+  bool moved = false;
+  while (auto si = recvw_.next_ready()) {
+    const char* base = slot(*si);
+    Prefix p;
+    std::memcpy(&p, base, kPrefix);
+    const char* data = base + kPrefix;
+    std::size_t n = p.bytes;
+    if (!in_msg_) {
+      if (p.first == 0 || n < kHeader) fail("protocol violation: a message starts mid-message");
+      std::memcpy(&current_, data, kHeader);
+      data += kHeader;
+      n -= kHeader;
+      in_msg_ = true;
+      done_ = 0;
+      delivered_ = 0;
+      carry_n_ = 0;
+      target_ = sink.on_header(index_, current_);
+      if (target_.unit == 0) target_.unit = 1;
+      if (target_.mode == RecvTarget::kStream && target_.unit > carry_.size()) {
+        fail("stream unit of " + std::to_string(target_.unit) + " bytes is not supported");
+      }
+    } else if (p.first != 0) {
+      fail("protocol violation: a message starts inside another");
+    }
+    if (n > current_.bytes - done_) {
+      fail("protocol violation: more payload than the header's " + std::to_string(current_.bytes) +
+           " bytes");
+    }
+    payload(sink, data, n);
+    recvw_.consume();  // the slot is free again: one more credit owed
+    moved = true;
+    if (done_ == current_.bytes) {
+      if (target_.mode == RecvTarget::kStream && carry_n_ > 0) {
+        sink.on_payload(index_, current_, carry_.data(), delivered_, carry_n_);
+        carry_n_ = 0;
+      }
+      in_msg_ = false;
+      sink.on_message(index_, current_);
+    }
+  }
+  if (peer_bye_ && !peer_closed_ && recvw_.expected() == bye_seq_) {
+    if (in_msg_) fail("rank " + std::to_string(peer_) + " closed in the middle of a message");
+    peer_closed_ = true;
+    sink.on_closed(index_);
+    moved = true;
+  }
+  return moved;
+}
+
+void VerbsChannel::payload(RecvSink& sink, const char* data, std::size_t n) {
+  const std::size_t total = n;
+  switch (target_.mode) {
+    case RecvTarget::kDirect:
+      if (n > 0) std::memcpy(target_.dst + done_, data, n);
+      break;
+    case RecvTarget::kDiscard:
+      break;
+    case RecvTarget::kStream: {
+      // Whole units at unit-aligned addresses, as the link contract promises.
+      const std::size_t unit = target_.unit;
+      if (carry_n_ > 0) {
+        const std::size_t k = std::min(unit - carry_n_, n);
+        std::memcpy(carry_.data() + carry_n_, data, k);
+        carry_n_ += k;
+        data += k;
+        n -= k;
+        if (carry_n_ == unit) {
+          sink.on_payload(index_, current_, carry_.data(), delivered_, unit);
+          delivered_ += unit;
+          carry_n_ = 0;
+        }
+      }
+      const std::size_t whole = n - n % unit;
+      if (whole > 0) {
+        const char* piece = data;
+        if (reinterpret_cast<std::uintptr_t>(data) % unit != 0) {
+          std::memcpy(bounce_.get(), data, whole);
+          piece = bounce_.get();
+        }
+        sink.on_payload(index_, current_, piece, delivered_, whole);
+        delivered_ += whole;
+      }
+      if (n > whole) {
+        std::memcpy(carry_.data() + carry_n_, data + whole, n - whole);
+        carry_n_ += n - whole;
+      }
+      break;
+    }
+  }
+  done_ += total;
+}
+
+bool VerbsChannel::pump(RecvSink& sink) {
+  bool moved = false;
+  const std::size_t cap = slot_bytes_ - kPrefix;
+  while (count_ > 0 && sendw_.can_send() && !free_data_.empty() && chain_n_ + 1 < chain_.size()) {
+    const Pending& m = queue_[head_];
+    const bool first = !head_started_;
+    const std::size_t room = first ? cap - kHeader : cap;
+    const std::size_t take = std::min<std::size_t>(room, m.header.bytes - head_offset_);
+    const std::uint32_t b = free_data_.back();
+    free_data_.pop_back();
+    char* buf = data_staging(b);
+    Prefix p;
+    p.seq = sendw_.take();
+    p.credits = recvw_.take_owed();
+    p.bytes = static_cast<std::uint32_t>((first ? kHeader : 0) + take);
+    p.kind = Kind::kData;
+    p.first = first ? 1 : 0;
+    std::memcpy(buf, &p, kPrefix);
+    char* at = buf + kPrefix;
+    if (first) {
+      std::memcpy(at, &m.header, kHeader);
+      at += kHeader;
+    }
+    if (take > 0) std::memcpy(at, m.payload + head_offset_, take);
+    ibv_sge sge{};
+    sge.addr = reinterpret_cast<std::uintptr_t>(buf);
+    sge.length = static_cast<std::uint32_t>(kPrefix + p.bytes);
+    sge.lkey = send_mr_->lkey;
+    add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, p.seq,
+           remote_addr_ + static_cast<std::uint64_t>(p.seq % slots_) * slot_bytes_,
+           Posted{b, false});
+    moved = true;
+    head_started_ = true;
+    head_offset_ += take;
+    if (head_offset_ == m.header.bytes) {
+      const std::uint64_t token = m.token;
+      queued_bytes_ -= m.header.bytes;
+      head_ = (head_ + 1) % kQueueCapacity;
+      --count_;
+      head_offset_ = 0;
+      head_started_ = false;
+      sink.on_sent(index_, token);
+    }
+  }
+  return moved;
+}
+
+bool VerbsChannel::send_control(Kind kind, std::uint32_t seq, std::uint32_t credits) {
+  if (free_ctrl_.empty() || chain_n_ >= chain_.size()) return false;
+  const std::uint32_t b = free_ctrl_.back();
+  free_ctrl_.pop_back();
+  Prefix p;
+  p.seq = seq;
+  p.credits = credits;
+  p.kind = kind;
+  std::memcpy(ctrl_staging(b), &p, kPrefix);
+  ibv_sge sge{};
+  sge.addr = reinterpret_cast<std::uintptr_t>(ctrl_staging(b));
+  sge.length = kPrefix;
+  sge.lkey = send_mr_->lkey;
+  add_wr(sge, IBV_WR_SEND, 0, 0, Posted{b, true});
+  return true;
+}
+
+void VerbsChannel::close() {
+  if (closed_ || qp_ == nullptr) return;
+  if (!connected_) {
+    closed_ = true;
+    count_ = 0;
+    queued_bytes_ = 0;
+    return;
+  }
+  NullSink null_sink;
+  const auto deadline = Clock::now() + kCloseLinger;
+  try {
+    while (!peer_bye_ && count_ > 0 && Clock::now() < deadline) {
+      poll_cq();
+      pump(null_sink);
+      flush_chain();
+    }
+    // A peer that said goodbye first has nothing left to hear (its queue pair may be gone).
+    while (!peer_bye_ && !bye_sent_ && Clock::now() < deadline) {
+      bye_sent_ = send_control(Kind::kBye, sendw_.next_seq(), 0);
+      flush_chain();
+      if (!bye_sent_) poll_cq();
+    }
+    // The goodbye must have reached the peer before the queue pair is destroyed.
+    while (sq_head_ < sq_next_ && Clock::now() < deadline) poll_cq();
+  } catch (const Error&) {
+    // Closing anyway.
+  }
+  closed_ = true;
+  count_ = 0;
+  queued_bytes_ = 0;
+}
+
+void check_options(const VerbsOptions& o, int rank) {
+  if (o.slots < 2 || o.slots > 1024) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "verbs: slots=" + std::to_string(o.slots) + " is outside [2, 1024]", rank);
+  }
+  if (o.slot_bytes < 1024 || o.slot_bytes > (64U << 20) || o.slot_bytes % 64 != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "verbs: slot_bytes=" + std::to_string(o.slot_bytes) +
+                    " must be a multiple of 64 in [1 KiB, 64 MiB]",
+                rank);
+  }
+}
+
+struct RingRecord {
+  static constexpr std::uint32_t kMagic = 0x64657672;  // "devr"
+  std::uint32_t magic = kMagic;
+  std::int32_t channels = 0;
+  std::array<QpRecord, kMaxChannels> to_next{};
+  std::array<QpRecord, kMaxChannels> from_prev{};
+};
+
+}  // namespace
+
+bool built() { return true; }
+
+std::vector<std::string> devices() { return device_names(); }
+
+std::optional<std::string> unavailable_reason(const VerbsOptions& options) {
+  try {
+    auto ctx = open_context(options, Error::kNone);
+  } catch (const Error& e) {
+    return e.cause();
+  }
+  return std::nullopt;
+}
+
+RingLinks connect_ring(Bootstrap& bootstrap, int channels, const VerbsOptions& options) {
+  const int rank = bootstrap.rank();
+  const int size = bootstrap.size();
+  if (channels < 1 || channels > kMaxChannels) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "verbs: channels=" + std::to_string(channels) + " is outside [1, " +
+                    std::to_string(kMaxChannels) + "]",
+                rank);
+  }
+  check_options(options, rank);
+  auto ctx = open_context(options, rank);
+  const int next = (rank + 1) % size;
+  const int prev = (rank - 1 + size) % size;
+  std::vector<std::unique_ptr<VerbsChannel>> to_next, from_prev;
+  RingRecord mine;
+  mine.channels = channels;
+  for (int c = 0; c < channels; ++c) {
+    to_next.push_back(std::make_unique<VerbsChannel>(ctx, rank, next, c, options));
+    from_prev.push_back(std::make_unique<VerbsChannel>(ctx, rank, prev, c, options));
+    mine.to_next[static_cast<std::size_t>(c)] = to_next.back()->record();
+    mine.from_prev[static_cast<std::size_t>(c)] = from_prev.back()->record();
+  }
+  if (Clock::now() >= options.deadline) {
+    throw Error(ErrorCode::kTimeout, "verbs: setup ran past its deadline", rank);
+  }
+  std::vector<RingRecord> all(static_cast<std::size_t>(size));
+  bootstrap.all_gather(&mine, sizeof(mine), all.data());
+  for (int r = 0; r < size; ++r) {
+    const RingRecord& rec = all[static_cast<std::size_t>(r)];
+    if (rec.magic != RingRecord::kMagic || rec.channels != channels) {
+      throw Error(ErrorCode::kMismatch,
+                  "rank " + std::to_string(r) + " uses channels=" + std::to_string(rec.channels) +
+                      " over verbs, rank " + std::to_string(rank) + " channels=" +
+                      std::to_string(channels) + " (DEAR_TRANSPORT and DEAR_CHANNELS must agree)",
+                  rank, r, "create");
+    }
+  }
+  for (int c = 0; c < channels; ++c) {
+    const auto k = static_cast<std::size_t>(c);
+    to_next[k]->connect(all[static_cast<std::size_t>(next)].from_prev[k], options);
+    from_prev[k]->connect(all[static_cast<std::size_t>(prev)].to_next[k], options);
+  }
+  // No rank writes before every queue pair it writes to is ready to receive.
+  bootstrap.barrier();
+  RingLinks out;
+  for (auto& ch : to_next) out.to_next.push_back(std::move(ch));
+  for (auto& ch : from_prev) out.from_prev.push_back(std::move(ch));
+  return out;
+}
+
+std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
+                                                    const std::vector<int>& peers,
+                                                    const VerbsOptions& options) {
+  const int rank = bootstrap.rank();
+  check_peer_list(peers, rank, bootstrap.size(), "verbs connect_peers");
+  check_options(options, rank);
+  auto ctx = open_context(options, rank);
+  std::vector<std::unique_ptr<VerbsChannel>> chans;
+  std::vector<std::vector<char>> mine;
+  for (std::size_t i = 0; i < peers.size(); ++i) {
+    chans.push_back(
+        std::make_unique<VerbsChannel>(ctx, rank, peers[i], static_cast<int>(i), options));
+    const QpRecord r = chans.back()->record();
+    const char* raw = reinterpret_cast<const char*>(&r);
+    mine.emplace_back(raw, raw + sizeof(r));
+  }
+  if (Clock::now() >= options.deadline) {
+    throw Error(ErrorCode::kTimeout, "verbs: setup ran past its deadline", rank);
+  }
+  const auto theirs =
+      exchange_with_peers(bootstrap, peers, mine, sizeof(QpRecord), "verbs connect_peers");
+  for (std::size_t i = 0; i < peers.size(); ++i) {
+    QpRecord r;
+    std::memcpy(&r, theirs[i].data(), sizeof(r));
+    chans[i]->connect(r, options);
+  }
+  bootstrap.barrier();
+  std::vector<std::unique_ptr<Channel>> out;
+  for (auto& ch : chans) out.push_back(std::move(ch));
+  return out;
+}
+
+GpuRegistration register_gpu_memory(ibv_pd* pd, void* addr, std::size_t bytes, int dmabuf_fd,
+                                    std::uint64_t offset) {
+  GpuRegistration r;
+  const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+  if (pd == nullptr || addr == nullptr || bytes == 0) {
+    r.why = "nothing to register (no protection domain, address or length)";
+    return r;
+  }
+  if (dmabuf_fd >= 0) {
+    r.mr = ibv_reg_dmabuf_mr(pd, offset, bytes, reinterpret_cast<std::uintptr_t>(addr), dmabuf_fd,
+                             access);
+    if (r.mr != nullptr) {
+      r.path = GpuPath::kDmaBuf;
+      return r;
+    }
+    r.why = "ibv_reg_dmabuf_mr: " + errno_text(errno);
+  } else {
+    r.why = "no dma-buf descriptor given";
+  }
+  // Peer memory: works where the nvidia-peermem module lets the NIC driver pin GPU pages.
+  r.mr = ibv_reg_mr(pd, addr, bytes, access);
+  if (r.mr != nullptr) {
+    r.path = GpuPath::kPeerMemory;
+    r.why.clear();
+    return r;
+  }
+  r.why += "; ibv_reg_mr on the device pointer: " + errno_text(errno) +
+           " (is nvidia-peermem loaded?); using host staging";
+  r.path = GpuPath::kHostStaging;
+  return r;
+}
+
+void deregister(GpuRegistration& registration) {
+  if (registration.mr != nullptr) ibv_dereg_mr(registration.mr);
+  registration = {};
+}
+
+}  // namespace dear::transport::verbs
