@@ -12,6 +12,7 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -59,11 +60,22 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
   const void* send = r.in_place ? r.recv : r.send;
   BoundOp bound;
   bound.output = recv;
+  // -m: issue k operations, then wait for them all; the engine overlaps their steps.
+  const auto many = [](auto issue) {
+    return [issue](int k) {
+      std::vector<Work> works;
+      works.reserve(static_cast<std::size_t>(k));
+      for (int i = 0; i < k; ++i) works.push_back(issue());
+      for (auto& w : works) w.wait();
+    };
+  };
   switch (r.collective) {
     case Collective::kAllReduce:
       bound.run = [&comm, send, recv, count, t, op, o] {
         comm.all_reduce(send, recv, count, t, op, o).wait();
       };
+      bound.run_many =
+          many([&comm, send, recv, count, t, op, o] { return comm.all_reduce(send, recv, count, t, op, o); });
       bound.input = const_cast<void*>(send);
       return bound;
     case Collective::kReduceScatter: {
@@ -74,6 +86,8 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
       bound.run = [&comm, send, out, count, t, op, o] {
         comm.reduce_scatter(send, out, count, t, op, o).wait();
       };
+      bound.run_many = many(
+          [&comm, send, out, count, t, op, o] { return comm.reduce_scatter(send, out, count, t, op, o); });
       bound.input = const_cast<void*>(send);
       bound.output = out;
       return bound;
@@ -83,6 +97,7 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
                                         static_cast<std::size_t>(comm.rank()) * count * el
                                   : send;
       bound.run = [&comm, in, recv, count, t, o] { comm.all_gather(in, recv, count, t, o).wait(); };
+      bound.run_many = many([&comm, in, recv, count, t, o] { return comm.all_gather(in, recv, count, t, o); });
       bound.input = const_cast<void*>(in);
       return bound;
     }
@@ -90,6 +105,9 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
       bound.run = [&comm, send, recv, count, t, root = r.root, o] {
         comm.broadcast(send, recv, count, t, root, o).wait();
       };
+      bound.run_many = many([&comm, send, recv, count, t, root = r.root, o] {
+        return comm.broadcast(send, recv, count, t, root, o);
+      });
       bound.input = const_cast<void*>(send);
       return bound;
   }

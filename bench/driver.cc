@@ -107,10 +107,17 @@ Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bo
   comm.barrier();
   Samples samples;
   samples.reserve(static_cast<std::size_t>(iters));
+  const int agg = args.agg_iters;
   for (int i = 0; i < iters; ++i) {
     const Stopwatch watch;
-    op->run();
-    samples.add(watch.elapsed_us());
+    if (agg == 1) {
+      op->run();
+    } else if (op->run_many) {
+      op->run_many(agg);
+    } else {
+      for (int k = 0; k < agg; ++k) op->run();
+    }
+    samples.add(watch.elapsed_us() / agg);
   }
   const double time_us = comm.max_over_ranks(samples.mean());
 

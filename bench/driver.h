@@ -6,7 +6,8 @@
 // sweep, the timing and the check, so every peer is measured exactly the same way:
 //   1. bind the call to fresh buffers, fill the input with the check pattern;
 //   2. warm-up iterations, then a barrier;
-//   3. `iters` iterations, each completed before the next starts, each timed on its own;
+//   3. `iters` iterations, each completed before the next starts, each timed on its own
+//      (with -m k: k operations issued back to back, waited for together, time / k);
 //   4. outside the timed region: time = max over ranks of the per-rank mean; p50/p99 are
 //      rank 0's;
 //   5. with -c, refill the input, zero the rest, one more run, and the sum over ranks of
@@ -49,6 +50,9 @@ struct OpRequest {
 // A call bound to its buffers, run many times.
 struct BoundOp {
   std::function<void()> run;
+  // Issues k calls back to back and waits for all of them (-m/--agg_iters); unset: a library
+  // with blocking calls only, which runs them one after another.
+  std::function<void(int k)> run_many;
   void* input = nullptr;         // where this rank's contribution lives
   const void* output = nullptr;  // where this rank's result lands
 };

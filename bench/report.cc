@@ -328,6 +328,11 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
   app.add_option("-w,--warmup_iters", args.warmup_iters, "Untimed iterations before timing")
       ->check(CLI::Range(0, 1 << 24))
       ->capture_default_str();
+  app.add_option("-m,--agg_iters", args.agg_iters,
+                 "Operations issued back to back per timed iteration, then waited for "
+                 "together (same buffers); times are per operation")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
   app.add_option("--min_time_ms", args.min_time_ms,
                  "Time at least this long per size and placement: sizes where -n iterations "
                  "would take less get more (estimated from the warm-up; 0: exactly -n)")
@@ -399,6 +404,7 @@ void validate(const BenchArgs& args, int nranks) {
   }
   if (args.iters < 1) invalid("--iters must be at least 1");
   if (args.warmup_iters < 0) invalid("--warmup_iters must not be negative");
+  if (args.agg_iters < 1) invalid("--agg_iters must be at least 1");
 }
 
 // ---- sizes ----------------------------------------------------------------------------------
@@ -528,8 +534,8 @@ void print_preamble(std::FILE* out, const RunInfo& info, const BenchArgs& args) 
                  static_cast<unsigned long long>(args.max_bytes),
                  static_cast<unsigned long long>(args.step_factor));
   }
-  std::fprintf(out, " warmup iters: %d iters: %d validation: %d\n", args.warmup_iters,
-               args.iters, args.check);
+  std::fprintf(out, " warmup iters: %d iters: %d agg iters: %d validation: %d\n",
+               args.warmup_iters, args.iters, args.agg_iters, args.check);
   if (args.min_time_ms > 0) {
     std::fprintf(out, "# iters raised per size to fill at least %g ms (up to %d)\n",
                  args.min_time_ms, kMaxAutoIters);

@@ -62,6 +62,9 @@ struct BenchArgs {
   std::uint64_t step_bytes = 0;                    // -i/--stepbytes (additive step when > 0)
   int iters = 20;                                  // -n/--iters (timed iterations per size)
   int warmup_iters = 5;                            // -w/--warmup_iters
+  // -m/--agg_iters: operations issued back to back per timed iteration, then waited for
+  // together; the time reported is per operation (nccl-tests' convention).
+  int agg_iters = 1;
   double min_time_ms = 0;  // --min_time_ms: more iterations where -n would take less (0: off)
   int check = 1;                                   // -c/--check (0: no checked iteration)
   DataType dtype = DataType::kFloat32;             // -d/--datatype
