@@ -156,7 +156,8 @@ int run(int argc, char** argv) {
                "prints the fit and writes it to --json FILE (a DEAR_COST_MODEL file)");
   app.get_option("collective")->required(false);
   app.add_option("--transport", transport,
-                 "Link transport: tcp, or fabric (libfabric; provider from DEAR_FABRIC_PROVIDER); "
+                 "Link transport: tcp, fabric (libfabric; provider from DEAR_FABRIC_PROVIDER) or verbs "
+                 "(ibverbs; device from DEAR_IB_DEVICE); "
                  "default DEAR_TRANSPORT or tcp");
   app.add_option("--channels", channels, "Parallel rings (sockets per link); default DEAR_CHANNELS or 1")
       ->check(CLI::Range(1, 16));

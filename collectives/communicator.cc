@@ -17,6 +17,7 @@
 #include "common/env.h"
 #include "transport/delay_channel.h"
 #include "transport/fabric/fabric_link.h"
+#include "transport/verbs/verbs_link.h"
 #include "transport/socket_util.h"
 #include "transport/tcp/tcp_channel.h"
 
@@ -241,12 +242,14 @@ class CommunicatorImpl final : public Communicator {
                       " is outside [64, 1 GiB]",
                   rank_);
     }
-    if (options_.transport != "tcp" &&
-        (options_.transport != "fabric" || !transport::fabric::built())) {
+    const bool fabric = options_.transport == "fabric" && transport::fabric::built();
+    const bool verbs = options_.transport == "verbs" && transport::verbs::built();
+    if (options_.transport != "tcp" && !fabric && !verbs) {
       throw Error(ErrorCode::kInvalidArgument,
                   "CommOptions::transport='" + options_.transport +
                       "' is not available in this build (available: tcp" +
-                      (transport::fabric::built() ? ", fabric" : "") + ")",
+                      (transport::fabric::built() ? ", fabric" : "") +
+                      (transport::verbs::built() ? ", verbs" : "") + ")",
                   rank_);
     }
     if (options_.eager_window < 1) {
@@ -277,6 +280,15 @@ class CommunicatorImpl final : public Communicator {
       to_next = std::move(ring.to_next);
       from[0] = std::move(ring.from_prev);
       mesh = tr::fabric::connect_peers(*bootstrap_, mesh_peers, fo);
+    } else if (options_.transport == "verbs") {
+      tr::verbs::VerbsOptions vo;
+      vo.device = options_.ib_device;
+      vo.gid_index = options_.ib_gid_index;
+      vo.deadline = deadline;
+      auto ring = tr::verbs::connect_ring(*bootstrap_, options_.channels, vo);
+      to_next = std::move(ring.to_next);
+      from[0] = std::move(ring.from_prev);
+      mesh = tr::verbs::connect_peers(*bootstrap_, mesh_peers, vo);
     } else {
       connect_tcp(deadline, to_next, from, mesh_peers, mesh);
     }
@@ -621,6 +633,10 @@ CommOptions apply_env(CommOptions options) {
   if (auto v = env::get_bytes("DEAR_SMALL_BYTES")) options.gather_reduce_max_bytes = *v;
   if (auto v = env::get("DEAR_TRANSPORT")) options.transport = *v;
   if (auto v = env::get("DEAR_FABRIC_PROVIDER")) options.fabric_provider = *v;
+  if (auto v = env::get("DEAR_IB_DEVICE")) options.ib_device = *v;
+  if (auto v = env::get_int("DEAR_IB_GID_INDEX", 0, 255)) {
+    options.ib_gid_index = static_cast<int>(*v);
+  }
   if (auto v = env::get_int("DEAR_LINK_DELAY_US", 0, 10000000)) {
     options.link_delay_us = static_cast<int>(*v);
   }

@@ -19,6 +19,7 @@
 #include <optional>
 
 #include "transport/fabric/fabric_link.h"
+#include "transport/verbs/verbs_link.h"
 #endif
 
 namespace dear::testing {
@@ -38,6 +39,7 @@ inline void use_suite_transport([[maybe_unused]] CommOptions& options) {
 #if defined(DEAR_TEST_TRANSPORT)
 // Why the suite's transport cannot run on this host (its tests then skip), or nullopt.
 inline std::optional<std::string> suite_transport_unavailable() {
+  if (std::string(DEAR_TEST_TRANSPORT) == "verbs") return transport::verbs::unavailable_reason();
   if (std::string(DEAR_TEST_TRANSPORT) != "fabric") return std::nullopt;
 #if defined(DEAR_TEST_FABRIC_PROVIDER)
   return transport::fabric::unavailable_reason(DEAR_TEST_FABRIC_PROVIDER);

@@ -65,12 +65,19 @@ struct CommOptions {
   int channels = 1;
   std::size_t slice_bytes = 512 * 1024;
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
-  // "tcp", or "fabric" (libfabric; builds with it only) (DEAR_TRANSPORT).
+  // "tcp", "fabric" (libfabric) or "verbs" (ibverbs RC; needs an RDMA device); the last two in
+  // builds with their libraries only (DEAR_TRANSPORT).
   std::string transport = "tcp";
   // transport "fabric": the libfabric provider, e.g. "tcp;ofi_rxm", "shm", "sockets",
   // "verbs;ofi_rxm"; empty = the first one libfabric offers that reaches other hosts
   // (DEAR_FABRIC_PROVIDER).
   std::string fabric_provider;
+  // transport "verbs": the RDMA device, optionally with its port ("mlx5_0", "mlx5_0:1"); empty
+  // = the first with an active port (DEAR_IB_DEVICE).
+  std::string ib_device;
+  // transport "verbs": GID table index; -1 = automatic (RoCE v2 with an IPv4 address)
+  // (DEAR_IB_GID_INDEX).
+  int ib_gid_index = -1;
   // kAuto picks kGatherReduce for all_reduce up to this many bytes, kRing above (DEAR_ALGO
   // forces one; DEAR_SMALL_BYTES overrides the threshold).
   Algorithm algorithm = Algorithm::kAuto;
@@ -100,7 +107,7 @@ struct CommOptions {
 
 // `options` with the DEAR_* environment overrides applied (DEAR_CHANNELS, DEAR_SLICE_BYTES,
 // DEAR_TIMEOUT, DEAR_EAGER_BYTES, DEAR_SMALL_BYTES, DEAR_SPIN_US, DEAR_TRANSPORT,
-// DEAR_FABRIC_PROVIDER, DEAR_ALGO, DEAR_COST_MODEL). Throws
+// DEAR_FABRIC_PROVIDER, DEAR_IB_DEVICE, DEAR_IB_GID_INDEX, DEAR_ALGO, DEAR_COST_MODEL). Throws
 // dear::Error(kInvalidArgument) naming a variable whose value is malformed.
 [[nodiscard]] CommOptions apply_env(CommOptions options);
 
