@@ -15,13 +15,16 @@
 #     --repeats 2          runs of each algorithm, in alternating order; a point keeps its best
 #     --metric time        time: dear-bench's time column (the slowest rank's mean); p50: rank
 #                          0's median
+#     --forced "ring gather_reduce recursive_doubling halving_doubling tree"
+#                          the forced algorithms auto is compared with (dear-bench --algo)
 #     --grid-only          recompute the grid from an earlier run's --out DIR, measuring nothing
 #     --out DIR            where the models, CSV and grid go (default: check-auto)
 #
 # A point's time is the smaller of dear-bench's out-of-place and in-place times (--metric).
 # The grid cell is auto's time over the best forced one, with '*' where it is within the
-# tolerance; the letter after it is what the model picked (R ring, G gather_reduce) and the
-# letter before it the measured winner. Exits 0 whatever the fraction: it reports, it does not
+# tolerance; the letter after it is what the model picked and the letter before it the
+# measured winner among the forced algorithms: R ring, G gather_reduce, D recursive_doubling,
+# H halving_doubling, T tree. Exits 0 whatever the fraction: it reports, it does not
 # judge, because on a shared machine the spread between runs is often larger than 10%.
 set -euo pipefail
 DEAR_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -37,11 +40,12 @@ min_time=20
 tolerance=10
 metric=time
 repeats=2
+forced="ring gather_reduce recursive_doubling halving_doubling tree"
 grid_only=0
 out=check-auto
 
 usage() {
-  sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 while [ $# -gt 0 ]; do
@@ -58,6 +62,7 @@ while [ $# -gt 0 ]; do
     --out) out=$2 ;;
     --metric) metric=$2 ;;
     --repeats) repeats=$2 ;;
+    --forced) forced=$2 ;;
     --grid-only)
       grid_only=1
       shift
@@ -111,9 +116,12 @@ for n in $ranks; do
   "$model_tool" --model "$model" --ranks "$n" -b "$min" -e "$max" -f "$factor" |
     tail -n +2 >>"$pred"
   # Alternating order, so that a slow spell of the shared machine does not hit one algorithm.
+  read -r -a forward <<<"$forced auto"
+  backward=()
+  for ((i = ${#forward[@]} - 1; i >= 0; i--)); do backward+=("${forward[$i]}"); done
   order=()
   for ((r = 1; r <= repeats; r++)); do
-    if ((r % 2)); then order+=(ring gather_reduce auto); else order+=(auto gather_reduce ring); fi
+    if ((r % 2)); then order+=("${forward[@]}"); else order+=("${backward[@]}"); fi
   done
   for a in "${order[@]}"; do
     printf '\r\033[K[ranks=%s] algo=%s' "$n" "$a" >&2
@@ -142,11 +150,15 @@ done
 # algo,library,collective,nranks(4),size(5),...,oop_time_us(11),...,oop_p50_us(14),...,
 # ip_time_us(17),...,ip_p50_us(20)
 read -r c_oop c_ip <<<"$columns"
-awk -F, -v tol="$tolerance" -v pred="$pred" -v co="$c_oop" -v ci="$c_ip" -v metric="$metric" '
+awk -F, -v tol="$tolerance" -v pred="$pred" -v co="$c_oop" -v ci="$c_ip" -v metric="$metric" \
+  -v forced="$forced" '
   BEGIN {
+    letter["ring"] = "R"; letter["gather_reduce"] = "G"; letter["recursive_doubling"] = "D"
+    letter["halving_doubling"] = "H"; letter["tree"] = "T"
+    nf = split(forced, algo, " ")
     while ((getline line < pred) > 0) {
       split(line, f, ",")
-      choice[f[1] "," f[2]] = (f[5] == "ring") ? "R" : "G"
+      choice[f[1] "," f[2]] = (f[5] in letter) ? letter[f[5]] : "?"
     }
   }
   NR == 1 { next }
@@ -167,10 +179,15 @@ awk -F, -v tol="$tolerance" -v pred="$pred" -v co="$c_oop" -v ci="$c_ip" -v metr
       printf "%10s", ss[j]
       for (i = 1; i <= nn; i++) {
         key = ns[i] "," ss[j]
-        r = time["ring," key]; g = time["gather_reduce," key]; a = time["auto," key]
-        if (r == "" || g == "" || a == "") { printf " %12s", "-"; continue }
-        best = (r < g) ? r : g
-        win = (r < g) ? "R" : "G"
+        a = time["auto," key]
+        best = ""; win = ""
+        for (k = 1; k <= nf; k++) {
+          t = time[algo[k] "," key]
+          if (t == "") { best = ""; break }
+          if (best == "" || t < best) { best = t; win = letter[algo[k]] }
+        }
+        if (best == "" || a == "") { printf " %12s", "-"; continue }
+        winner[key] = win
         ratio = a / best
         ok = ratio <= 1 + tol / 100
         total++; pass += ok
@@ -179,12 +196,7 @@ awk -F, -v tol="$tolerance" -v pred="$pred" -v co="$c_oop" -v ci="$c_ip" -v metr
       printf "\n"
     }
     agree = 0
-    for (j = 1; j <= ns_; j++) for (i = 1; i <= nn; i++) {
-      key = ns[i] "," ss[j]
-      r = time["ring," key]; g = time["gather_reduce," key]
-      if (r == "" || g == "") continue
-      agree += ((r < g) ? "R" : "G") == choice[key]
-    }
+    for (key in winner) agree += winner[key] == choice[key]
     printf "\nauto within %s%% of the best forced algorithm: %d of %d points (%.0f%%)\n", \
       tol, pass, total, total ? 100 * pass / total : 0
     printf "model picked the measured winner: %d of %d points (%.0f%%)\n", \
