@@ -35,6 +35,7 @@ struct Spec {
   int root;
   int priority;
   int salt;
+  Algorithm algo;
 };
 
 std::int64_t env_int(const char* name, std::int64_t fallback) {
@@ -63,6 +64,8 @@ long rss_kib() {
 // The same list on every rank, from one seed: collectives must be issued in the same order.
 std::vector<Spec> make_plan(std::size_t ops, std::size_t max_bytes, int ranks, unsigned seed) {
   std::mt19937_64 rng(seed);
+  // Algorithms come from a stream of their own, so a seed keeps its sequence of operations.
+  std::mt19937_64 algo_rng(seed ^ 0x5eedf00dULL);
   std::vector<Spec> plan;
   plan.reserve(ops);
   for (std::size_t i = 0; i < ops; ++i) {
@@ -82,6 +85,16 @@ std::vector<Spec> make_plan(std::size_t ops, std::size_t max_bytes, int ranks, u
     s.root = static_cast<int>(rng() % static_cast<unsigned>(ranks));
     s.priority = static_cast<int>(rng() % 4);
     s.salt = static_cast<int>(rng() % 1000);
+    static const std::vector<Algorithm> kAllReduce{Algorithm::kAuto, Algorithm::kRing,
+                                                   Algorithm::kGatherReduce,
+                                                   Algorithm::kHalvingDoubling,
+                                                   Algorithm::kRecursiveDoubling, Algorithm::kTree};
+    static const std::vector<Algorithm> kOthers{Algorithm::kAuto, Algorithm::kRing,
+                                                Algorithm::kHalvingDoubling};
+    const auto& algos = s.kind == Kind::kAllReduce ? kAllReduce
+                        : s.kind == Kind::kBroadcast ? std::vector<Algorithm>{Algorithm::kAuto}
+                                                     : kOthers;
+    s.algo = algos[algo_rng() % algos.size()];
     plan.push_back(s);
   }
   return plan;
@@ -110,6 +123,7 @@ void start(Communicator& comm, const Spec& s, Slot& slot) {
   std::memset(slot.out.data(), 0x7f, out_count * elem);  // nothing stale passes the check
   OpOptions o;
   o.priority = s.priority;
+  o.algorithm = s.algo;
   switch (s.kind) {
     case Kind::kAllReduce:
       slot.work = comm.all_reduce(slot.in.data(), slot.out.data(), s.count, s.dtype, s.op, o);
