@@ -272,23 +272,24 @@ class CommunicatorImpl final : public Communicator {
     // Direct links to the ranks the log-step schedules exchange with (steps.h).
     std::vector<int> mesh_peers = collectives::step_peers(rank_, size_);
     std::vector<std::unique_ptr<tr::Channel>> mesh;
+    // The RDMA back-ends share one shape: ring links, then the mesh.
+    const auto connect_rdma = [&](auto connect_ring, auto connect_peers, const auto& opts) {
+      auto ring = connect_ring(*bootstrap_, options_.channels, opts);
+      to_next = std::move(ring.to_next);
+      from[0] = std::move(ring.from_prev);
+      mesh = connect_peers(*bootstrap_, mesh_peers, opts);
+    };
     if (options_.transport == "fabric") {
       tr::fabric::FabricOptions fo;
       fo.provider = options_.fabric_provider;
       fo.deadline = deadline;
-      auto ring = tr::fabric::connect_ring(*bootstrap_, options_.channels, fo);
-      to_next = std::move(ring.to_next);
-      from[0] = std::move(ring.from_prev);
-      mesh = tr::fabric::connect_peers(*bootstrap_, mesh_peers, fo);
+      connect_rdma(tr::fabric::connect_ring, tr::fabric::connect_peers, fo);
     } else if (options_.transport == "verbs") {
       tr::verbs::VerbsOptions vo;
       vo.device = options_.ib_device;
       vo.gid_index = options_.ib_gid_index;
       vo.deadline = deadline;
-      auto ring = tr::verbs::connect_ring(*bootstrap_, options_.channels, vo);
-      to_next = std::move(ring.to_next);
-      from[0] = std::move(ring.from_prev);
-      mesh = tr::verbs::connect_peers(*bootstrap_, mesh_peers, vo);
+      connect_rdma(tr::verbs::connect_ring, tr::verbs::connect_peers, vo);
     } else {
       connect_tcp(deadline, to_next, from, mesh_peers, mesh);
     }
