@@ -5,3 +5,19 @@ dear_test(test_scheduler SOURCES test_scheduler.cc LIBS dear_scheduler nlohmann_
 # Profile replay on real collectives (ranks as threads over loopback).
 dear_test(test_replay SOURCES test_replay.cc LIBS dear_scheduler dear_collectives LABELS unit
           PROPERTIES TIMEOUT 300)
+
+# The policies on MPI (scheduler/mpi_comm.h): the MPI communicator against the reference and
+# profile replay on it, under mpirun with 2, 3 and 4 ranks over loopback TCP.
+find_program(DEAR_MPIRUN NAMES mpirun)
+if(DEAR_HAVE_MPI AND DEAR_MPIRUN)
+  add_executable(test_mpi_comm test_mpi_comm.cc)
+  target_link_libraries(test_mpi_comm PRIVATE dear_scheduler GTest::gtest dear_warnings)
+  foreach(n IN ITEMS 2 3 4)
+    add_test(NAME mpi.communicator_${n}ranks
+             COMMAND ${DEAR_MPIRUN} --oversubscribe -np ${n} --mca pml ob1 --mca btl tcp,self
+                     --mca btl_tcp_if_include lo $<TARGET_FILE:test_mpi_comm>)
+    # Open MPI refuses to run as root unless told; CI runs as root.
+    set_tests_properties(mpi.communicator_${n}ranks PROPERTIES LABELS multiproc TIMEOUT 300
+                         ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
+  endforeach()
+endif()

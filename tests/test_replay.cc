@@ -13,52 +13,15 @@
 #include "dear/scheduler/comm_backend.h"
 #include "dear/scheduler/replay.h"
 #include "harness.h"
+#include "replay_reference.h"
 
 namespace ds = dear::scheduler;
+using dear::testing::loopback_net;
+using dear::testing::reference_params;
 using dear::testing::run_ranks;
+using dear::testing::tiny_model;
 
 namespace {
-
-// Uneven layers, several tensors per layer, sizes that do not divide by 3 or 4 (padding).
-ds::Model tiny_model(double fwd_s, double bwd_s) {
-  const std::vector<std::vector<std::int64_t>> tensors = {
-      {300, 7}, {50}, {701, 3}, {20}, {401, 11}, {83}};
-  ds::Model m;
-  m.name = "tiny";
-  m.batch_size = 4;
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    m.layers.push_back({"l" + std::to_string(i), tensors[i], fwd_s, bwd_s});
-  }
-  return m;
-}
-
-ds::NetModel loopback_net() {
-  ds::NetModel n;
-  n.name = "test";
-  n.alpha_s = 30e-6;
-  n.gap_s = 30e-6;
-  n.beta_s_per_byte = 1e-9;
-  return n;
-}
-
-// The reference, written out from the formulas in replay.h, in double precision.
-std::vector<double> reference_params(std::int64_t count, int ranks, int iterations, double lr) {
-  std::vector<double> p(static_cast<std::size_t>(count));
-  for (std::int64_t i = 0; i < count; ++i) {
-    p[static_cast<std::size_t>(i)] = static_cast<double>((i * 37) % 101 - 50) / 128.0;
-  }
-  for (int k = 0; k < iterations; ++k) {
-    for (std::int64_t i = 0; i < count; ++i) {
-      double& x = p[static_cast<std::size_t>(i)];
-      double sum = 0;
-      for (int r = 0; r < ranks; ++r) {
-        sum += 0.25 * x + static_cast<double>((i + 13 * k + 29 * r) % 61 - 30) / 64.0;
-      }
-      x -= lr * sum / ranks;
-    }
-  }
-  return p;
-}
 
 struct Case {
   std::string policy;

@@ -1,6 +1,7 @@
 // dear-train: training iterations of a model profile on real collectives.
 //
 //   dear-run -n 4 dear-train --model resnet50 --policy dear --time-scale 0.1
+//   mpirun -np 4 dear-train --backend mpi --model resnet50 --policy dear --time-scale 0.1
 //
 // Each rank replays the profile's compute (sleeping or busy), issues the policy's collectives
 // on a dear::Communicator, applies SGD to synthetic gradients where the policy says, and rank 0
@@ -21,6 +22,7 @@
 #include "dear/error.h"
 #include "tools/tool_util.h"
 #include "dear/scheduler/replay.h"
+#include "scheduler/mpi_comm.h"
 #include "dear/scheduler/simulator.h"
 
 namespace {
@@ -44,6 +46,7 @@ int main(int argc, char** argv) {
   std::string compute = "sleep";
   std::string net_name = "10gbe";
   std::string algo = "auto";
+  std::string backend = "dear";
   std::string json_file;
   std::string trace_file;
   std::string trace_policy = "dear";
@@ -72,7 +75,13 @@ int main(int argc, char** argv) {
   app.add_option("--gbps", gbps, "override: payload bandwidth per link, Gb/s");
   app.add_flag("--calibrate", calibrate,
                "measure alpha and beta on this communicator first and plan with them");
-  app.add_option("--algo", algo, "all_reduce algorithm: auto, ring or gather_reduce");
+  app.add_option("--algo", algo,
+                 "all_reduce algorithm: auto, ring, gather_reduce, halving_doubling, "
+                 "recursive_doubling or tree");
+  app.add_option("--backend", backend,
+                 "collectives library: dear (launch with dear-run), or mpi (MPI-3 non-blocking "
+                 "collectives, whole operation by whole operation; launch with mpirun)")
+      ->check(CLI::IsMember({"dear", "mpi"}));
   app.add_option("--json", json_file, "write the results as JSON here (rank 0)");
   app.add_option("--trace", trace_file, "write a Chrome trace of --trace-policy here (rank 0)");
   app.add_option("--trace-policy", trace_policy, "policy whose run --trace records");
@@ -94,7 +103,9 @@ int main(int argc, char** argv) {
         policy_arg == "all" ? ds::policy_names() : split(policy_arg);
     if (names.empty()) throw dear::Error(dear::ErrorCode::kInvalidArgument, "--policy: empty");
 
-    auto comm = dear::Communicator::create_from_env(dear::Bootstrap::from_env());
+    auto comm = backend == "mpi"
+                    ? ds::make_mpi_communicator(dear::apply_env({}))
+                    : dear::Communicator::create_from_env(dear::Bootstrap::from_env());
     rank = comm->rank();
     const int n = comm->size();
     const bool lead = rank == 0;
@@ -156,6 +167,7 @@ int main(int argc, char** argv) {
       nlohmann::ordered_json doc;
       doc["model"] = model.name;
       doc["workers"] = n;
+      doc["backend"] = backend;
       doc["time_scale"] = time_scale;
       doc["param_scale"] = param_scale;
       doc["params"] = model.params();

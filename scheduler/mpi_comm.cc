@@ -1,0 +1,404 @@
+#include "scheduler/mpi_comm.h"
+
+#include <mpi.h>
+
+#include <array>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/engine.h"  // Work::State
+#include "collectives/reduce.h"
+#include "dear/error.h"
+
+namespace dear::scheduler {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// MPI is initialised once per process; the last communicator made here finalises it if this
+// file initialised it.
+std::mutex g_init_mu;
+int g_live = 0;
+bool g_initialised_here = false;
+
+std::string mpi_error_text(int rc) {
+  std::array<char, MPI_MAX_ERROR_STRING> text{};
+  int len = 0;
+  if (MPI_Error_string(rc, text.data(), &len) != MPI_SUCCESS) return "MPI error " + std::to_string(rc);
+  return std::string(text.data(), static_cast<std::size_t>(len));
+}
+
+MPI_Datatype mpi_type(DataType t) {
+  switch (t) {
+    case DataType::kInt8: return MPI_INT8_T;
+    case DataType::kUint8: return MPI_UINT8_T;
+    case DataType::kInt32: return MPI_INT32_T;
+    case DataType::kInt64: return MPI_INT64_T;
+    case DataType::kFloat16:
+    case DataType::kBFloat16: return MPI_UINT16_T;  // reduced by user operations below
+    case DataType::kFloat32: return MPI_FLOAT;
+    case DataType::kFloat64: return MPI_DOUBLE;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+// 16-bit floats have no MPI type: MPI moves them as 16-bit integers and reduces them with
+// dear's own kernels (fp32 arithmetic, rounded once), so results match dear's engine.
+template <DataType T, ReduceOp Op>
+void reduce_16(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
+  collectives::reduce(inout, inout, in, static_cast<std::size_t>(*len), T, Op);
+}
+
+constexpr ReduceOp kBaseOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax};
+
+template <DataType T>
+MPI_User_function* user_function(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kProd: return &reduce_16<T, ReduceOp::kProd>;
+    case ReduceOp::kMin: return &reduce_16<T, ReduceOp::kMin>;
+    case ReduceOp::kMax: return &reduce_16<T, ReduceOp::kMax>;
+    default: return &reduce_16<T, ReduceOp::kSum>;
+  }
+}
+
+class MpiCommunicator final : public Communicator {
+ public:
+  explicit MpiCommunicator(CommOptions options) : options_(std::move(options)) {
+    {
+      std::lock_guard<std::mutex> lock(g_init_mu);
+      int initialised = 0;
+      MPI_Initialized(&initialised);
+      if (initialised == 0) {
+        int provided = 0;
+        check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+        g_initialised_here = true;
+        if (provided < MPI_THREAD_SERIALIZED) {
+          throw Error(ErrorCode::kSystem,
+                      "MPI provides thread level " + std::to_string(provided) +
+                          ", below MPI_THREAD_SERIALIZED, which the progress thread needs");
+        }
+      }
+      ++g_live;
+    }
+    check(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup");
+    check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+    check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+    for (std::size_t i = 0; i < std::size(kBaseOps); ++i) {
+      check(MPI_Op_create(user_function<DataType::kFloat16>(kBaseOps[i]), 1, &half_ops_[i]),
+            "MPI_Op_create");
+      check(MPI_Op_create(user_function<DataType::kBFloat16>(kBaseOps[i]), 1, &bf16_ops_[i]),
+            "MPI_Op_create");
+    }
+    progress_ = std::thread([this] { progress_loop(); });
+  }
+
+  ~MpiCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    if (progress_.joinable()) progress_.join();
+    // A communicator that failed may have requests MPI still holds: it cannot be freed
+    // safely then, so it is left to the end of the process.
+    if (!failed_) {
+      for (auto& op : half_ops_) MPI_Op_free(&op);
+      for (auto& op : bf16_ops_) MPI_Op_free(&op);
+      MPI_Comm_free(&comm_);
+    }
+    std::lock_guard<std::mutex> lock(g_init_mu);
+    if (--g_live == 0 && g_initialised_here && !failed_) {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (finalized == 0) MPI_Finalize();
+      g_initialised_here = false;
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const CommOptions& options() const override { return options_; }
+
+  Work all_reduce(const void* in, void* out, std::size_t count, DataType dtype, ReduceOp op,
+                  const OpOptions& opts) override {
+    const int n = int_count(count, "all_reduce");
+    check_pointers(in, out, count, "all_reduce");
+    Pending p = pending("all_reduce", count, dtype, op, opts);
+    p.avg_at = op == ReduceOp::kAvg ? out : nullptr;
+    const void* send = in == out ? MPI_IN_PLACE : in;
+    return submit(std::move(p), [&](MPI_Request* req) {
+      return MPI_Iallreduce(send, out, n, mpi_type(dtype), mpi_op(dtype, op), comm_, req);
+    });
+  }
+
+  Work reduce_scatter(const void* in, void* out, std::size_t recv_count, DataType dtype,
+                      ReduceOp op, const OpOptions& opts) override {
+    const int n = int_count(recv_count * static_cast<std::size_t>(size_), "reduce_scatter");
+    check_pointers(in, out, recv_count, "reduce_scatter");
+    Pending p = pending("reduce_scatter", recv_count, dtype, op, opts);
+    const std::size_t bytes = recv_count * dtype_size(dtype);
+    void* dst = out;
+    // In place, dear's result lands in this rank's block of the input; MPI's would land at its
+    // start, so the result goes through a buffer of its own and is copied on completion.
+    if (out == static_cast<const char*>(in) + static_cast<std::size_t>(rank_) * bytes &&
+        bytes > 0) {
+      p.scratch.resize(bytes);
+      dst = p.scratch.data();
+      p.copy_to = out;
+    }
+    p.avg_at = op == ReduceOp::kAvg ? out : nullptr;
+    (void)n;
+    return submit(std::move(p), [&](MPI_Request* req) {
+      return MPI_Ireduce_scatter_block(in, dst, static_cast<int>(recv_count), mpi_type(dtype),
+                                       mpi_op(dtype, op), comm_, req);
+    });
+  }
+
+  Work all_gather(const void* in, void* out, std::size_t send_count, DataType dtype,
+                  const OpOptions& opts) override {
+    (void)int_count(send_count * static_cast<std::size_t>(size_), "all_gather");
+    check_pointers(in, out, send_count, "all_gather");
+    Pending p = pending("all_gather", send_count, dtype, ReduceOp::kSum, opts);
+    const std::size_t bytes = send_count * dtype_size(dtype);
+    const bool in_place = in == static_cast<const char*>(out) + static_cast<std::size_t>(rank_) * bytes;
+    const void* send = in_place ? MPI_IN_PLACE : in;
+    const int n = static_cast<int>(send_count);
+    return submit(std::move(p), [&](MPI_Request* req) {
+      return MPI_Iallgather(send, n, mpi_type(dtype), out, n, mpi_type(dtype), comm_, req);
+    });
+  }
+
+  Work broadcast(const void* in, void* out, std::size_t count, DataType dtype, int root,
+                 const OpOptions& opts) override {
+    const int n = int_count(count, "broadcast");
+    if (root < 0 || root >= size_) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "root=" + std::to_string(root) + " is outside [0, " + std::to_string(size_) + ")",
+                  rank_, Error::kNone, "broadcast");
+    }
+    if (count > 0 && out == nullptr) null_arg("out", count, "broadcast");
+    if (rank_ == root && count > 0 && in == nullptr) null_arg("in", count, "broadcast");
+    if (rank_ == root && in != out && count > 0) std::memcpy(out, in, count * dtype_size(dtype));
+    Pending p = pending("broadcast", count, dtype, ReduceOp::kSum, opts);
+    return submit(std::move(p), [&](MPI_Request* req) {
+      return MPI_Ibcast(out, n, mpi_type(dtype), root, comm_, req);
+    });
+  }
+
+  Work barrier(const OpOptions& opts) override {
+    Pending p = pending("barrier", 0, DataType::kUint8, ReduceOp::kSum, opts);
+    return submit(std::move(p), [&](MPI_Request* req) { return MPI_Ibarrier(comm_, req); });
+  }
+
+  void abort(const std::string& reason) override {
+    std::vector<std::shared_ptr<Work::State>> done;
+    std::exception_ptr e;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fail_locked(Error(ErrorCode::kAborted, "Communicator::abort(): " + reason, rank_), done);
+      e = failed_;
+    }
+    for (auto& s : done) s->complete(e);
+  }
+
+ private:
+  struct Pending {
+    std::shared_ptr<Work::State> state;
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::string what;
+    Clock::time_point deadline;
+    std::size_t count = 0;
+    DataType dtype = DataType::kFloat32;
+    void* avg_at = nullptr;       // kAvg: divide these `count` elements on completion
+    std::vector<char> scratch;    // in-place reduce_scatter: where MPI writes the block
+    void* copy_to = nullptr;      // ... and where it goes on completion
+  };
+
+  void check(int rc, const char* call) const {
+    if (rc != MPI_SUCCESS) {
+      throw Error(ErrorCode::kSystem, std::string(call) + ": " + mpi_error_text(rc), rank_);
+    }
+  }
+
+  int int_count(std::size_t count, const char* what) const {
+    if (count > static_cast<std::size_t>(INT_MAX)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "count=" + std::to_string(count) + " exceeds MPI's int counts (" +
+                      std::to_string(INT_MAX) + ")",
+                  rank_, Error::kNone, what);
+    }
+    return static_cast<int>(count);
+  }
+
+  [[noreturn]] void null_arg(const char* arg, std::size_t count, const char* what) const {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(arg) + " is null but count=" + std::to_string(count), rank_,
+                Error::kNone, what);
+  }
+
+  void check_pointers(const void* in, const void* out, std::size_t count, const char* what) const {
+    if (count == 0) return;
+    if (in == nullptr) null_arg("in", count, what);
+    if (out == nullptr) null_arg("out", count, what);
+  }
+
+  MPI_Op mpi_op(DataType t, ReduceOp op) const {
+    const ReduceOp base = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+    if (t == DataType::kFloat16 || t == DataType::kBFloat16) {
+      const auto& ops = t == DataType::kFloat16 ? half_ops_ : bf16_ops_;
+      for (std::size_t i = 0; i < std::size(kBaseOps); ++i) {
+        if (kBaseOps[i] == base) return ops[i];
+      }
+    }
+    switch (base) {
+      case ReduceOp::kProd: return MPI_PROD;
+      case ReduceOp::kMin: return MPI_MIN;
+      case ReduceOp::kMax: return MPI_MAX;
+      default: return MPI_SUM;
+    }
+  }
+
+  Pending pending(const char* name, std::size_t count, DataType dtype, ReduceOp op,
+                  const OpOptions& opts) const {
+    if (!is_valid(dtype)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "dtype=" + std::to_string(static_cast<int>(dtype)) + " is not a DataType", rank_,
+                  Error::kNone, name);
+    }
+    if (!is_valid(op)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "op=" + std::to_string(static_cast<int>(op)) + " is not a ReduceOp", rank_,
+                  Error::kNone, name);
+    }
+    Pending p;
+    p.what = std::string(name) + " count=" + std::to_string(count) + " dtype=" +
+             std::string(to_string(dtype));
+    p.count = count;
+    p.dtype = dtype;
+    const auto timeout = opts.timeout.count() > 0 ? opts.timeout : options_.timeout;
+    p.deadline = Clock::now() + timeout;
+    return p;
+  }
+
+  template <typename Issue>
+  Work submit(Pending p, Issue issue) {
+    auto state = std::make_shared<Work::State>();
+    p.state = state;
+    std::exception_ptr failed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      state->seq = next_seq_++;
+      if (failed_) {
+        failed = failed_;
+      } else {
+        const int rc = issue(&p.request);
+        if (rc != MPI_SUCCESS) {
+          failed = std::make_exception_ptr(
+              Error(ErrorCode::kPeerFailed, p.what + ": " + mpi_error_text(rc), rank_));
+        } else {
+          pending_.push_back(std::move(p));
+        }
+      }
+    }
+    if (failed) {
+      state->complete(failed);
+    } else {
+      work_cv_.notify_one();
+    }
+    return Work(state);
+  }
+
+  // Under mu_: records the failure and hands back every pending operation's state.
+  void fail_locked(const Error& e, std::vector<std::shared_ptr<Work::State>>& done) {
+    if (!failed_) failed_ = std::make_exception_ptr(e);
+    for (auto& p : pending_) done.push_back(p.state);
+    pending_.clear();
+  }
+
+  void finish(Pending& p) const {
+    if (p.copy_to != nullptr) std::memcpy(p.copy_to, p.scratch.data(), p.scratch.size());
+    if (p.avg_at != nullptr) {
+      collectives::finish_single(p.avg_at, p.avg_at, p.count, p.dtype, ReduceOp::kAvg, size_);
+    }
+  }
+
+  void progress_loop() {
+    std::vector<std::shared_ptr<Work::State>> succeeded;
+    std::vector<std::shared_ptr<Work::State>> failed;
+    for (;;) {
+      std::exception_ptr error;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        work_cv_.wait(lock, [&] { return stop_ || !pending_.empty(); });
+        if (stop_ && (pending_.empty() || failed_)) return;
+        // MPI completes collectives in issue order on every rank; testing them in that
+        // order keeps each MPI_Test call's progress useful.
+        for (auto it = pending_.begin(); it != pending_.end();) {
+          int flag = 0;
+          const int rc = MPI_Test(&it->request, &flag, MPI_STATUS_IGNORE);
+          if (rc != MPI_SUCCESS) {
+            fail_locked(Error(ErrorCode::kPeerFailed, it->what + ": " + mpi_error_text(rc), rank_),
+                        failed);
+            break;
+          }
+          if (flag == 0) {
+            ++it;
+            continue;
+          }
+          finish(*it);
+          succeeded.push_back(it->state);
+          it = pending_.erase(it);
+        }
+        if (!pending_.empty() && Clock::now() >= pending_.front().deadline) {
+          const Pending& p = pending_.front();
+          fail_locked(Error(ErrorCode::kTimeout,
+                            p.what + " did not complete within its deadline over MPI; a rank is "
+                                     "dead, stalled, or did not issue it",
+                            rank_),
+                      failed);
+        }
+        error = failed_;
+      }
+      for (auto& s : succeeded) s->complete(nullptr);
+      for (auto& s : failed) s->complete(error);
+      succeeded.clear();
+      failed.clear();
+      // MPI moves a collective forward only inside its calls: test again soon, without
+      // spinning a core that the ranks' compute needs.
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  CommOptions options_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  std::array<MPI_Op, std::size(kBaseOps)> half_ops_{};
+  std::array<MPI_Op, std::size(kBaseOps)> bf16_ops_{};
+
+  std::mutex mu_;  // every MPI call after construction, and the fields below
+  std::condition_variable work_cv_;
+  std::deque<Pending> pending_;
+  std::uint64_t next_seq_ = 0;
+  std::exception_ptr failed_;
+  bool stop_ = false;
+  std::thread progress_;
+};
+
+}  // namespace
+
+bool mpi_built() noexcept { return true; }
+
+std::unique_ptr<Communicator> make_mpi_communicator(CommOptions options) {
+  return std::make_unique<MpiCommunicator>(std::move(options));
+}
+
+}  // namespace dear::scheduler

@@ -1,0 +1,203 @@
+// The MPI communicator (scheduler/mpi_comm.h), run under mpirun (tests/scheduler.cmake): every
+// collective, dtype and op against the independent reference of reference.h, in place and out
+// of place; then profile replay of the policies on MPI against the single-process SGD
+// reference, as tests/test_replay.cc does on dear's engine.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "dear/scheduler/replay.h"
+#include "reference.h"
+#include "replay_reference.h"
+#include "scheduler/mpi_comm.h"
+
+namespace dear::testing {
+namespace {
+
+// One communicator for the whole process: MPI is initialised once and finalised at the end.
+Communicator* g_comm = nullptr;
+
+class MpiEnvironment final : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    comm_ = scheduler::make_mpi_communicator();
+    g_comm = comm_.get();
+  }
+  void TearDown() override {
+    g_comm = nullptr;
+    comm_.reset();
+  }
+
+ private:
+  std::unique_ptr<Communicator> comm_;
+};
+
+constexpr DataType kAllTypes[] = {DataType::kInt8,    DataType::kUint8,    DataType::kInt32,
+                                  DataType::kInt64,   DataType::kFloat16,  DataType::kBFloat16,
+                                  DataType::kFloat32, DataType::kFloat64};
+constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax,
+                                ReduceOp::kAvg};
+constexpr std::size_t kCounts[] = {0, 1, 7, 1031};
+
+std::vector<char> make_input(int rank, std::size_t count, DataType t, ReduceOp op, int salt = 0) {
+  std::vector<char> buf(std::max<std::size_t>(1, count * dtype_size(t)));
+  for (std::size_t i = 0; i < count; ++i) store(buf.data(), i, t, input_value(rank, i, t, op, salt));
+  return buf;
+}
+
+std::string what(const char* name, DataType t, ReduceOp op, std::size_t count, bool in_place) {
+  return std::string(name) + " dtype=" + std::string(to_string(t)) + " op=" +
+         std::string(to_string(op)) + " count=" + std::to_string(count) +
+         (in_place ? " in-place" : "") + " rank=" + std::to_string(g_comm->rank());
+}
+
+TEST(MpiCommunicator, AllReduceEveryTypeOpAndSize) {
+  Communicator& comm = *g_comm;
+  const int n = comm.size();
+  for (const auto t : kAllTypes) {
+    for (const auto op : kAllOps) {
+      for (const auto count : kCounts) {
+        for (const bool in_place : {false, true}) {
+          auto in = make_input(comm.rank(), count, t, op);
+          std::vector<char> out_buf(in.size(), 0x5a);
+          char* out = in_place ? in.data() : out_buf.data();
+          comm.all_reduce(in.data(), out, count, t, op).wait();
+          Mismatches bad;
+          for (std::size_t i = 0; i < count; ++i) {
+            const double want = expected_reduce(i, n, t, op);
+            const double got = load(out, i, t);
+            if (!close_enough(got, want, t)) bad.add(i, got, want);
+          }
+          ASSERT_EQ(bad.count, 0U) << what("all_reduce", t, op, count, in_place) << ": " << bad.first;
+        }
+      }
+    }
+  }
+}
+
+TEST(MpiCommunicator, ReduceScatterEveryTypeOpAndSize) {
+  Communicator& comm = *g_comm;
+  const int n = comm.size();
+  const int r = comm.rank();
+  const auto nn = static_cast<std::size_t>(n);
+  for (const auto t : kAllTypes) {
+    for (const auto op : kAllOps) {
+      for (const std::size_t rc : {std::size_t{0}, std::size_t{1}, std::size_t{257}}) {
+        for (const bool in_place : {false, true}) {
+          auto in = make_input(r, rc * nn, t, op);
+          std::vector<char> out_buf(std::max<std::size_t>(1, rc * dtype_size(t)), 0x5a);
+          char* out = in_place ? in.data() + static_cast<std::size_t>(r) * rc * dtype_size(t)
+                               : out_buf.data();
+          comm.reduce_scatter(in.data(), out, rc, t, op).wait();
+          Mismatches bad;
+          for (std::size_t i = 0; i < rc; ++i) {
+            const double want = expected_reduce(static_cast<std::size_t>(r) * rc + i, n, t, op);
+            const double got = load(out, i, t);
+            if (!close_enough(got, want, t)) bad.add(i, got, want);
+          }
+          ASSERT_EQ(bad.count, 0U) << what("reduce_scatter", t, op, rc, in_place) << ": "
+                                   << bad.first;
+        }
+      }
+    }
+  }
+}
+
+TEST(MpiCommunicator, AllGatherBroadcastAndBarrier) {
+  Communicator& comm = *g_comm;
+  const int n = comm.size();
+  const int r = comm.rank();
+  const auto nn = static_cast<std::size_t>(n);
+  for (const auto t : kAllTypes) {
+    const std::size_t el = dtype_size(t);
+    for (const std::size_t sc : kCounts) {
+      for (const bool in_place : {false, true}) {
+        std::vector<char> out(std::max<std::size_t>(1, sc * nn * el), 0x5a);
+        std::vector<char> own = make_input(r, sc, t, ReduceOp::kSum, 3);
+        const char* in = own.data();
+        if (in_place) {
+          std::memcpy(out.data() + static_cast<std::size_t>(r) * sc * el, own.data(), sc * el);
+          in = out.data() + static_cast<std::size_t>(r) * sc * el;
+        }
+        comm.all_gather(in, out.data(), sc, t).wait();
+        Mismatches bad;
+        for (int src = 0; src < n; ++src) {
+          for (std::size_t i = 0; i < sc; ++i) {
+            const double want = input_value(src, i, t, ReduceOp::kSum, 3);
+            const double got = load(out.data(), static_cast<std::size_t>(src) * sc + i, t);
+            if (got != want) bad.add(static_cast<std::size_t>(src) * sc + i, got, want);
+          }
+        }
+        ASSERT_EQ(bad.count, 0U) << what("all_gather", t, ReduceOp::kSum, sc, in_place) << ": "
+                                 << bad.first;
+      }
+      for (int root = 0; root < n; ++root) {
+        std::vector<char> in = make_input(root, sc, t, ReduceOp::kSum, 5);
+        std::vector<char> out(in.size(), 0x5a);
+        comm.broadcast(in.data(), out.data(), sc, t, root).wait();
+        for (std::size_t i = 0; i < sc; ++i) {
+          ASSERT_EQ(load(out.data(), i, t), input_value(root, i, t, ReduceOp::kSum, 5))
+              << what("broadcast", t, ReduceOp::kSum, sc, false) << " root=" << root;
+        }
+      }
+    }
+  }
+  comm.barrier().wait();
+}
+
+TEST(MpiCommunicator, BadArgumentsNameTheArgumentAndRank) {
+  Communicator& comm = *g_comm;
+  float x = 0;
+  try {
+    (void)comm.broadcast(&x, &x, 1, DataType::kFloat32, comm.size());
+    FAIL() << "an out-of-range root was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("root="), std::string::npos) << e.what();
+  }
+  try {
+    (void)comm.all_reduce(nullptr, &x, 4, DataType::kFloat32, ReduceOp::kSum);
+    FAIL() << "a null input was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("in is null"), std::string::npos) << e.what();
+  }
+}
+
+// The policies on MPI end where single-process SGD ends (the replay also checks, as it runs,
+// that no forward pass uses parameters missing an update).
+TEST(MpiCommunicator, ReplayedPoliciesMatchSingleProcessSgd) {
+  Communicator& comm = *g_comm;
+  const scheduler::Model model = tiny_model(0, 0);
+  scheduler::ReplayOptions opt;
+  opt.warmup = 1;
+  opt.iterations = 3;
+  opt.compute = scheduler::ComputeMode::kNone;
+  opt.learning_rate = 0.125F;
+  opt.net = loopback_net();
+  const auto ref = reference_params(model.params(), comm.size(), opt.warmup + opt.iterations,
+                                    opt.learning_rate);
+  for (const auto& policy : scheduler::policy_names()) {
+    const scheduler::ReplayResult r = scheduler::replay(comm, model, policy, opt);
+    ASSERT_EQ(r.params.size(), ref.size()) << policy;
+    int wrong = 0;
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      if (std::fabs(static_cast<double>(r.params[i]) - ref[i]) > 2e-5 && ++wrong <= 5) {
+        ADD_FAILURE() << policy << " rank " << comm.rank() << " element " << i << ": got "
+                      << r.params[i] << ", expected " << ref[i];
+      }
+    }
+    EXPECT_EQ(wrong, 0) << policy << " rank " << comm.rank();
+  }
+}
+
+}  // namespace
+}  // namespace dear::testing
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  ::testing::AddGlobalTestEnvironment(new dear::testing::MpiEnvironment);
+  return RUN_ALL_TESTS();
+}
