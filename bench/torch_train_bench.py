@@ -1,0 +1,257 @@
+"""PyTorch training throughput per synchronisation policy: dear's DeAR, WFBP and bucketed
+policies (dear.DistributedOptimizer) against torch DDP over Gloo, in one job.
+
+    dear-run -n 2 /usr/bin/python3 bench/torch_train_bench.py --model mlp --batch 4
+    scripts/torch-train-bench.sh --netns 1gbit -n 2 -- --model mlp --batch 4   # shaped hosts
+
+Needs the dear package on PYTHONPATH (<build>/python). Every policy trains its own copy of the
+same model on the same synthetic data; the copies live for the whole run, so each round only
+needs a short warm-up. Policies are interleaved: round r runs them in the given order when r is
+even and in reverse when r is odd (A B C D, D C B A, ...), so that drift in the machine's load
+falls on all of them alike. Each (round, policy) segment runs --warmup untimed steps, lines the
+ranks up with a Gloo barrier, then times --steps steps on every rank; the slowest rank's time is
+the segment's. samples/s = --batch x ranks x steps / that time. A policy's ratio to DDP is taken
+within each round (same load), then the median over rounds is printed.
+
+Timing is steady-state: under DeAR, step() returns with the all-gathers of the update still in
+flight (the next forward pass consumes them), so a segment starts with the previous step's
+all-gathers pending and ends with its own pending, one step's worth each; synchronize() runs
+after the clock stops. The other policies finish their communication inside step().
+
+Policies: ``dear``, ``wfbp``, ``bucket`` (dear.DistributedOptimizer), ``ddp-gloo`` (torch DDP on
+a Gloo group, default bucket size), ``ddp-dear`` (torch DDP on dear's torch.distributed
+backend) and ``local`` (no communication at all: each rank trains alone; the compute-only bound
+under the same CPU sharing).
+
+Models: ``mlp`` (--depth Linear layers of --width x --width with ReLU: many parameters and little
+compute per sample, so communication dominates on slow links at small batches) and ``convnet``
+(a small ResNet-style CNN on 32x32 images, 1.2 M parameters: compute dominates).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Tuple
+
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+except ImportError as e:
+    print(f"{sys.executable} cannot import torch ({e}); use a Python with torch", flush=True)
+    sys.exit(77)
+
+import dear
+import dear.backend
+
+POLICIES = ("local", "dear", "wfbp", "bucket", "ddp-gloo", "ddp-dear")
+BASELINE = "ddp-gloo"
+Batch = Tuple[torch.Tensor, torch.Tensor]
+
+
+class Block(nn.Module):
+    """A ResNet basic block: two 3x3 convolutions with batch norm and a shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                          nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+class ConvNet(nn.Module):
+    """ResNet-style: 3 stages of 2 blocks (32, 64, 128 channels), 10 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32),
+                                  nn.ReLU())
+        layers, cin = [], 32
+        for cout, stride in ((32, 1), (64, 2), (128, 2)):
+            layers += [Block(cin, cout, stride), Block(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(self.stem(x))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def mlp(width: int, depth: int) -> nn.Module:
+    """`depth` Linear layers width -> width with ReLU, then a 10-class head."""
+    layers: List[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def workload(args: argparse.Namespace) -> Tuple[Callable[[], nn.Module],
+                                                Callable[[int, int], Batch]]:
+    """(model factory, batch(step, rank)) for --model; data are synthetic and cheap to make."""
+    shape = (args.width,) if args.model == "mlp" else (3, 32, 32)
+
+    def batch(step: int, rank: int) -> Batch:
+        g = torch.Generator().manual_seed(step * 1000 + rank)
+        return (torch.randn(args.batch, *shape, generator=g),
+                torch.randint(0, 10, (args.batch,), generator=g))
+
+    if args.model == "mlp":
+        return (lambda: mlp(args.width, args.depth)), batch
+    return ConvNet, batch
+
+
+class Trainer:
+    """One policy's model copy, optimizer and step."""
+
+    def __init__(self, policy: str, args: argparse.Namespace, gloo) -> None:
+        make_model, self.batch = workload(args)
+        torch.manual_seed(0)
+        self.policy = policy
+        self.model = make_model()
+        base = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
+        self.dear_opt = None
+        if policy in ("dear", "wfbp", "bucket"):
+            dear.broadcast_parameters(self.model)
+            self.dear_opt = dear.DistributedOptimizer(base, self.model, policy=policy,
+                                                      threshold_mb=args.threshold_mb)
+            self.net, self.opt = self.model, self.dear_opt
+        elif policy in ("ddp-gloo", "ddp-dear"):
+            group = gloo if policy == "ddp-gloo" else dist.group.WORLD
+            self.net = torch.nn.parallel.DistributedDataParallel(
+                self.model, process_group=group, bucket_cap_mb=args.ddp_bucket_mb)
+            self.opt = base
+        else:  # local: no communication
+            self.net, self.opt = self.model, base
+        self.steps = 0
+        self.loss = float("nan")
+
+    def step(self) -> None:
+        x, y = self.batch(self.steps, dear.rank())
+        self.opt.zero_grad()
+        loss = F.cross_entropy(self.net(x), y)
+        loss.backward()
+        self.opt.step()
+        self.steps += 1
+        self.loss = float(loss.detach())
+
+    def settle(self) -> None:
+        """Outside the clock: applies DeAR's deferred update."""
+        if self.dear_opt is not None:
+            self.dear_opt.synchronize()
+
+
+def segment(trainer: Trainer, args: argparse.Namespace, warmup: int, gloo) -> float:
+    """Seconds for --steps steps on the slowest rank."""
+    for _ in range(warmup):
+        trainer.step()
+    dist.barrier(group=gloo)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        trainer.step()
+    elapsed = time.perf_counter() - start
+    trainer.settle()
+    slowest = torch.tensor([elapsed], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=gloo)
+    return float(slowest)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mlp", choices=["mlp", "convnet"])
+    parser.add_argument("--width", type=int, default=2048, help="mlp: layer width")
+    parser.add_argument("--depth", type=int, default=4, help="mlp: width x width layers")
+    parser.add_argument("--batch", type=int, default=4, help="samples per rank per step")
+    parser.add_argument("--policies", default="dear,wfbp,bucket,ddp-gloo",
+                        help=f"comma-separated, of: {', '.join(POLICIES)}")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per segment")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed steps before each segment (the first round: at least 2)")
+    parser.add_argument("--threshold-mb", type=float, default=25,
+                        help="dear: fusion threshold / bucket size (MiB)")
+    parser.add_argument("--ddp-bucket-mb", type=float, default=25, help="DDP bucket_cap_mb")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--link", default="loopback", help="label of the link, for the table")
+    parser.add_argument("--json", help="rank 0 writes the results here")
+    args = parser.parse_args()
+    policies = args.policies.split(",")
+    for p in policies:
+        if p not in POLICIES:
+            parser.error(f"unknown policy {p!r}; use {', '.join(POLICIES)}")
+
+    torch.set_num_threads(args.threads)
+    dear.backend.init_process_group()
+    gloo = dist.new_group(backend="gloo")
+    rank, ranks = dear.rank(), dear.size()
+    trainers: Dict[str, Trainer] = {p: Trainer(p, args, gloo) for p in policies}
+    model = trainers[policies[0]].model
+    params = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        print(f"# {args.model}: {params / 1e6:.2f} M parameters ({params * 4 / 2**20:.0f} MiB of "
+              f"fp32 gradients), {ranks} ranks, batch {args.batch}/rank, link {args.link}, "
+              f"{args.rounds} rounds x {args.steps} timed steps, {args.threads} thread(s)/rank",
+              flush=True)
+
+    rates: Dict[str, List[float]] = {p: [] for p in policies}
+    for r in range(args.rounds):
+        order = policies if r % 2 == 0 else policies[::-1]
+        for p in order:
+            warmup = max(args.warmup, 2) if r == 0 else args.warmup
+            seconds = segment(trainers[p], args, warmup, gloo)
+            rates[p].append(args.batch * ranks * args.steps / seconds)
+            if rank == 0:
+                print(f"round {r} {p:<9} {seconds / args.steps * 1e3:9.1f} ms/step "
+                      f"{rates[p][-1]:9.2f} samples/s", flush=True)
+
+    rows = []
+    for p in policies:
+        row = {"policy": p, "ranks": ranks, "link": args.link, "model": args.model,
+               "params": params, "batch": args.batch, "samples_per_s": rates[p],
+               "median_samples_per_s": statistics.median(rates[p])}
+        if BASELINE in rates:
+            ratios = [a / b for a, b in zip(rates[p], rates[BASELINE])]
+            row["ratio_to_ddp_gloo"] = ratios
+            row["median_ratio"] = statistics.median(ratios)
+        if trainers[p].dear_opt is not None:
+            row["groups"] = trainers[p].dear_opt.num_groups
+        loss = torch.tensor([trainers[p].loss], dtype=torch.float64)
+        dist.all_reduce(loss, group=gloo)
+        row["last_loss"] = float(loss) / ranks
+        rows.append(row)
+    if rank == 0:
+        print(f"{'policy':<9} {'ranks':>5} {'link':<10} {'samples/s (median, min-max)':>28} "
+              f"{'vs ddp-gloo (median, min-max)':>30} {'loss':>7}")
+        for row in rows:
+            s = row["samples_per_s"]
+            text = f"{row['median_samples_per_s']:.2f} ({min(s):.2f}-{max(s):.2f})"
+            ratio = "-"
+            if "ratio_to_ddp_gloo" in row:
+                q = row["ratio_to_ddp_gloo"]
+                ratio = f"{row['median_ratio']:.2f} ({min(q):.2f}-{max(q):.2f})"
+            print(f"{row['policy']:<9} {ranks:>5} {args.link:<10} {text:>28} {ratio:>30} "
+                  f"{row['last_loss']:7.4f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        sys.stdout.flush()
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
