@@ -1,15 +1,13 @@
-// The libfabric transport: the slot/credit protocol on its own (no libfabric
-// needed), then setup errors, rank disagreement, a peer that leaves, and
-// messages split into many fragments, over every provider this host offers. The
-// collectives themselves are checked over fabric by the conformance suite
-// (test_collectives.cc, built once per provider).
+// The libfabric transport: setup errors, rank disagreement, a peer that leaves, and messages
+// split into many fragments, over every provider this host offers. The slot/credit protocol
+// and the fragmenting it shares with verbs are tested on their own in test_rma.cc; the
+// collectives themselves are checked over fabric by the conformance suite (test_collectives.cc,
+// built once per provider).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cctype>
 #include <chrono>
-#include <deque>
-#include <random>
 #include <thread>
 #include <vector>
 
@@ -17,163 +15,11 @@
 #include "harness.h"
 #include "reference.h"
 #include "transport/fabric/fabric_link.h"
-#include "transport/rma/slot_window.h"
 
 namespace dear::testing {
 namespace {
 
 using namespace std::chrono_literals;
-using transport::rma::kControlSlots;
-using transport::rma::RecvWindow;
-using transport::rma::SendWindow;
-
-// ---- slot/credit bookkeeping
-// -------------------------------------------------------------
-
-TEST(SlotWindow, SenderSpendsOneCreditPerFragmentAndStopsAtZero) {
-  SendWindow w(4);
-  for (std::uint32_t i = 0; i < 4; ++i) {
-    ASSERT_TRUE(w.can_send());
-    EXPECT_EQ(w.take(), i);
-  }
-  EXPECT_FALSE(w.can_send());
-  EXPECT_EQ(w.unacknowledged(), 4u);
-  EXPECT_FALSE(w.on_returned(5)) << "more credits than outstanding is a protocol violation";
-  EXPECT_EQ(w.credits(), 0u);
-  EXPECT_TRUE(w.on_returned(3));
-  EXPECT_EQ(w.credits(), 3u);
-  EXPECT_EQ(w.next_seq(), 4u);
-  EXPECT_THROW(SendWindow(0), Error);
-}
-
-TEST(SlotWindow, ReceiverHandsOutFragmentsInSequenceWhateverTheArrivalOrder) {
-  RecvWindow w(4, 2);
-  EXPECT_FALSE(w.next_ready());
-  ASSERT_TRUE(w.arrived(2, 12));
-  ASSERT_TRUE(w.arrived(1, 11));
-  EXPECT_FALSE(w.next_ready()) << "fragment 0 has not arrived";
-  ASSERT_TRUE(w.arrived(0, 10));
-  std::vector<std::uint32_t> order;
-  while (auto b = w.next_ready()) {
-    order.push_back(*b);
-    w.consume();
-  }
-  EXPECT_EQ(order, (std::vector<std::uint32_t>{10, 11, 12}));
-  EXPECT_EQ(w.expected(), 3u);
-  EXPECT_EQ(w.owed(), 3u);
-  EXPECT_TRUE(w.should_return());
-  EXPECT_EQ(w.take_owed(), 3u);
-  EXPECT_EQ(w.owed(), 0u);
-  EXPECT_FALSE(w.should_return());
-}
-
-TEST(SlotWindow, ReceiverRejectsDuplicatesAndFragmentsOutsideTheWindow) {
-  RecvWindow w(4, 2);
-  EXPECT_FALSE(w.arrived(4, 0)) << "seq 4 needs a fifth slot";
-  EXPECT_TRUE(w.arrived(3, 0));
-  EXPECT_FALSE(w.arrived(3, 1)) << "duplicate";
-  EXPECT_FALSE(w.arrived(0xffffffffU, 1)) << "behind the window";
-  EXPECT_THROW(w.consume(), Error) << "fragment 0 has not arrived";
-  EXPECT_THROW(RecvWindow(4, 5), Error);
-  EXPECT_THROW(RecvWindow(4, 0), Error);
-}
-
-TEST(SlotWindow, SequenceNumbersWrapAround) {
-  const std::uint32_t start = 0xfffffffdU;
-  SendWindow s(4, start);
-  RecvWindow r(4, 2, start);
-  std::uint32_t delivered = 0;
-  for (int round = 0; round < 3; ++round) {
-    std::vector<std::uint32_t> seqs;
-    while (s.can_send()) seqs.push_back(s.take());
-    std::reverse(seqs.begin(), seqs.end());  // arrive backwards
-    for (const auto q : seqs) ASSERT_TRUE(r.arrived(q, q % 4)) << "seq " << q;
-    while (auto b = r.next_ready()) {
-      EXPECT_EQ(*b, (start + delivered) % 4);
-      r.consume();
-      ++delivered;
-    }
-    ASSERT_TRUE(s.on_returned(r.take_owed()));
-  }
-  EXPECT_EQ(delivered, 12u);
-  EXPECT_EQ(r.expected(), start + 12u) << "wrapped past 2^32";
-  EXPECT_FALSE(r.arrived(start + 8u, 0)) << "already consumed, before the wrap";
-}
-
-// Both ends of a channel, joined by a "network" that delivers in a random
-// order, run the protocol of slot_window.h as FabricChannel does: fragments
-// spend credits, credits return piggybacked or in control messages once
-// `threshold` are owed. Checks: every fragment is delivered once and in order,
-// no side deadlocks, and no more control messages are ever in flight than
-// kControlSlots allows.
-TEST(SlotWindow, SimulatedChannelNeverDeadlocksAndBoundsControlMessages) {
-  struct Msg {
-    bool control;
-    std::uint32_t seq;
-    std::uint32_t credits;
-  };
-  struct Side {
-    SendWindow send{8};
-    RecvWindow recv{8, 4};
-    std::uint32_t to_send = 0;    // fragments still to send
-    std::uint32_t delivered = 0;  // fragments received in order
-    std::deque<Msg> inbox;        // arrived, not processed
-    std::uint32_t control_in_flight = 0;
-  };
-  std::mt19937 rng(7);
-  for (int trial = 0; trial < 50; ++trial) {
-    Side side[2];
-    side[0].to_send = 200 + rng() % 100;
-    side[1].to_send = rng() % 2 == 0 ? 0 : rng() % 300;  // one-way and two-way traffic
-    std::vector<std::pair<int, Msg>> network;            // (destination, message)
-    std::uint32_t max_control = 0;
-    for (int step = 0; step < 100000; ++step) {
-      const bool done = side[0].to_send == 0 && side[1].to_send == 0 && network.empty() &&
-                        side[0].inbox.empty() && side[1].inbox.empty();
-      if (done) break;
-      const int who = static_cast<int>(rng() % 3);
-      if (who == 2 && !network.empty()) {
-        // The network delivers any message in flight: order is not preserved.
-        const std::size_t k = rng() % network.size();
-        side[network[k].first].inbox.push_back(network[k].second);
-        network.erase(network.begin() + static_cast<std::ptrdiff_t>(k));
-        continue;
-      }
-      const int me = who % 2;
-      Side& s = side[me];
-      Side& peer = side[1 - me];
-      // Receive: arrivals, then in-order delivery.
-      while (!s.inbox.empty()) {
-        const Msg m = s.inbox.front();
-        s.inbox.pop_front();
-        ASSERT_TRUE(s.send.on_returned(m.credits));
-        if (m.control) {
-          --s.control_in_flight;  // counted at the receiver, reposted at once
-          continue;
-        }
-        ASSERT_TRUE(s.recv.arrived(m.seq, m.seq % 8));
-      }
-      while (s.recv.next_ready()) {
-        s.recv.consume();
-        ++s.delivered;
-      }
-      // Send data, piggybacking credits; then a control message if enough are
-      // owed.
-      while (s.to_send > 0 && s.send.can_send() && rng() % 4 != 0) {
-        network.push_back({1 - me, Msg{false, s.send.take(), s.recv.take_owed()}});
-        --s.to_send;
-      }
-      if (s.recv.should_return()) {
-        network.push_back({1 - me, Msg{true, 0, s.recv.take_owed()}});
-        ++peer.control_in_flight;
-        max_control = std::max(max_control, peer.control_in_flight);
-      }
-    }
-    EXPECT_TRUE(side[0].to_send == 0 && side[1].to_send == 0 && network.empty())
-        << "trial " << trial << " deadlocked";
-    EXPECT_LE(max_control, kControlSlots - 1) << "control messages in flight, trial " << trial;
-  }
-}
 
 // ---- the fabric transport
 // ----------------------------------------------------------------

@@ -1,7 +1,7 @@
 // The ibverbs transport. The pure parts (connection attributes, GID choice, device names, the
 // registration cache) run everywhere; the parts that need an RDMA device skip, with the
-// reason unavailable_reason() gives, where there is none. The slot/credit protocol verbs uses
-// is tested in test_fabric.cc (transport/rma/slot_window.h).
+// reason unavailable_reason() gives, where there is none. The slot/credit protocol and the
+// fragmenting verbs shares with fabric are tested in test_rma.cc (transport/rma/).
 #include <gtest/gtest.h>
 
 #include <chrono>

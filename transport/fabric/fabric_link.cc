@@ -20,21 +20,23 @@
 #include <type_traits>
 
 #include "dear/error.h"
-#include "transport/rma/slot_window.h"
 #include "transport/peer_exchange.h"
+#include "transport/rma/fragments.h"
+#include "transport/rma/slot_window.h"
 #include "transport/socket_util.h"
 
 namespace dear::transport::fabric {
 namespace {
 
 using rma::kControlSlots;
+using rma::Reassembler;
 using rma::RecvWindow;
+using rma::SendQueue;
 using rma::SendWindow;
 
 constexpr std::uint32_t kApiVersion = FI_VERSION(1, 9);
 constexpr int kMaxChannels = 16;
 constexpr std::size_t kMaxName = 240;       // endpoint names: sockaddrs, shm paths
-constexpr std::size_t kQueueCapacity = 64;  // messages queued per channel (back-pressure)
 // close() waits at most this long for the provider to take what is queued and
 // the closing message.
 constexpr auto kCloseLinger = std::chrono::milliseconds(200);
@@ -214,14 +216,6 @@ class Graveyard {
   std::list<Entry> entries_;
 };
 
-struct NullSink final : RecvSink {
-  RecvTarget on_header(int, const FrameHeader&) override { return {}; }
-  void on_payload(int, const FrameHeader&, const char*, std::size_t, std::size_t) override {}
-  void on_message(int, const FrameHeader&) override {}
-  void on_sent(int, std::uint64_t) override {}
-  void on_closed(int) override {}
-};
-
 class FabricChannel final : public Channel {
  public:
   FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, int index, std::uint64_t tag,
@@ -235,8 +229,8 @@ class FabricChannel final : public Channel {
   void set_peer(const char* name, std::size_t len);
 
   bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
-  std::size_t queued() const override { return count_; }
-  std::size_t queued_bytes() const override { return queued_bytes_; }
+  std::size_t queued() const override { return sendq_.size(); }
+  std::size_t queued_bytes() const override { return sendq_.bytes(); }
   bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
   // The providers here progress only inside fi_cq_read() (manual progress), and their wait
@@ -247,12 +241,6 @@ class FabricChannel final : public Channel {
   std::string describe() const override;
 
  private:
-  struct Pending {
-    FrameHeader header;
-    const char* payload;
-    std::uint64_t token;
-  };
-
   [[noreturn]] void fail(const std::string& why) const {
     throw Error(ErrorCode::kPeerFailed, why + " on " + describe(), self_, peer_);
   }
@@ -269,7 +257,6 @@ class FabricChannel final : public Channel {
   bool poll_cq(RecvSink& sink);
   void on_arrival(Buf& b, std::size_t len);
   bool deliver(RecvSink& sink);
-  void payload(RecvSink& sink, const char* data, std::size_t n);
   bool pump(RecvSink& sink);
   bool send_control(Kind kind, std::uint32_t seq, std::uint32_t credits);
 
@@ -302,21 +289,8 @@ class FabricChannel final : public Channel {
   SendWindow sendw_;
   RecvWindow recvw_;
 
-  std::array<Pending, kQueueCapacity> queue_{};
-  std::size_t head_ = 0;
-  std::size_t count_ = 0;
-  std::size_t queued_bytes_ = 0;
-  std::size_t head_offset_ = 0;  // payload bytes of the head message already fragmented
-  bool head_started_ = false;
-
-  bool in_msg_ = false;
-  FrameHeader current_{};
-  RecvTarget target_{};
-  std::size_t done_ = 0;       // payload bytes of the current message received
-  std::size_t delivered_ = 0;  // kStream: bytes handed to on_payload
-  alignas(64) std::array<char, 64> carry_{};
-  std::size_t carry_n_ = 0;
-  std::unique_ptr<char, FreeDeleter> bounce_;  // kStream pieces that arrive misaligned
+  SendQueue sendq_;
+  Reassembler reasm_;
 
   bool peer_bye_ = false;
   std::uint32_t bye_seq_ = 0;
@@ -335,7 +309,8 @@ FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, in
       slot_bytes_(o.slot_bytes),
       slots_(o.slots),
       sendw_(o.slots),
-      recvw_(o.slots, std::max<std::uint32_t>(1, o.slots / 2)) {
+      recvw_(o.slots, std::max<std::uint32_t>(1, o.slots / 2)),
+      reasm_(o.slot_bytes) {
   const fi_info* info = dom_->info.get();
   const std::uint32_t pool = slots_ + kControlSlots;
 
@@ -399,8 +374,6 @@ FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, in
   for (std::uint32_t i = 0; i < slots_; ++i) free_data_.push_back(pool + slots_ - 1 - i);
   for (std::uint32_t i = 0; i < kControlSlots; ++i) free_ctrl_.push_back(2 * pool - 1 - i);
   for (std::uint32_t i = 0; i < pool; ++i) post_recv(bufs_[i]);
-  bounce_.reset(static_cast<char*>(std::aligned_alloc(64, slot_bytes_)));
-  if (!bounce_) throw Error(ErrorCode::kSystem, "out of memory for fabric staging", self_);
 }
 
 FabricChannel::~FabricChannel() {
@@ -468,11 +441,9 @@ bool FabricChannel::repost_pending() {
 }
 
 bool FabricChannel::try_send(const FrameHeader& h, const void* payload, std::uint64_t token) {
-  if (count_ == kQueueCapacity) return false;
+  if (sendq_.full()) return false;
   if (closed()) fail("send on a closed channel");
-  queue_[(head_ + count_) % kQueueCapacity] = {h, static_cast<const char*>(payload), token};
-  ++count_;
-  queued_bytes_ += h.bytes;
+  sendq_.push(h, payload, token);
   return true;
 }
 
@@ -580,11 +551,7 @@ void FabricChannel::on_arrival(Buf& b, std::size_t len) {
     fail("protocol violation: a message of " + std::to_string(len) + " bytes says it holds " +
          std::to_string(p.bytes) + " after its prefix");
   }
-  if (!sendw_.on_returned(p.credits)) {
-    fail("protocol violation: rank " + std::to_string(peer_) + " returned " +
-         std::to_string(p.credits) + " credits with only " +
-         std::to_string(sendw_.unacknowledged()) + " outstanding");
-  }
+  if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
   switch (p.kind) {
     case Kind::kCredit:
       post_recv(b);
@@ -595,11 +562,7 @@ void FabricChannel::on_arrival(Buf& b, std::size_t len) {
       post_recv(b);
       return;
     case Kind::kData:
-      if (!recvw_.arrived(p.seq, b.index)) {
-        fail("protocol violation: fragment " + std::to_string(p.seq) +
-             " outside the receive window (next expected " + std::to_string(recvw_.expected()) +
-             ")");
-      }
+      if (auto bad = rma::accept_fragment(recvw_, p.seq, b.index)) fail(*bad);
       return;
   }
   fail("protocol violation: unknown message kind " + std::to_string(static_cast<int>(p.kind)));
@@ -611,44 +574,17 @@ bool FabricChannel::deliver(RecvSink& sink) {
     Buf& b = bufs_[*bi];
     Prefix p;
     std::memcpy(&p, b.data, kPrefix);
-    const char* data = b.data + kPrefix;
-    std::size_t n = p.bytes;
-    if (!in_msg_) {
-      if (p.first == 0 || n < kHeader) fail("protocol violation: a message starts mid-message");
-      std::memcpy(&current_, data, kHeader);
-      data += kHeader;
-      n -= kHeader;
-      in_msg_ = true;
-      done_ = 0;
-      delivered_ = 0;
-      carry_n_ = 0;
-      target_ = sink.on_header(index_, current_);
-      if (target_.unit == 0) target_.unit = 1;
-      if (target_.mode == RecvTarget::kStream && target_.unit > carry_.size()) {
-        fail("stream unit of " + std::to_string(target_.unit) + " bytes is not supported");
-      }
-    } else if (p.first != 0) {
-      fail("protocol violation: a message starts inside another");
+    if (auto bad = reasm_.on_fragment(sink, index_, b.data + kPrefix, p.bytes, p.first != 0)) {
+      fail(*bad);
     }
-    if (n > current_.bytes - done_) {
-      fail("protocol violation: more payload than the header's " + std::to_string(current_.bytes) +
-           " bytes");
-    }
-    payload(sink, data, n);
     recvw_.consume();
     post_recv(b);
     moved = true;
-    if (done_ == current_.bytes) {
-      if (target_.mode == RecvTarget::kStream && carry_n_ > 0) {
-        sink.on_payload(index_, current_, carry_.data(), delivered_, carry_n_);
-        carry_n_ = 0;
-      }
-      in_msg_ = false;
-      sink.on_message(index_, current_);
-    }
   }
   if (peer_bye_ && !peer_closed_ && recvw_.expected() == bye_seq_) {
-    if (in_msg_) fail("rank " + std::to_string(peer_) + " closed in the middle of a message");
+    if (reasm_.in_message()) {
+      fail("rank " + std::to_string(peer_) + " closed in the middle of a message");
+    }
     peer_closed_ = true;
     // Answer, so the peer may release its endpoint now instead of after
     // kRetireFor. Nothing is sent here after this.
@@ -659,74 +595,19 @@ bool FabricChannel::deliver(RecvSink& sink) {
   return moved;
 }
 
-void FabricChannel::payload(RecvSink& sink, const char* data, std::size_t n) {
-  const std::size_t total = n;
-  switch (target_.mode) {
-    case RecvTarget::kDirect:
-      if (n > 0) std::memcpy(target_.dst + done_, data, n);
-      break;
-    case RecvTarget::kDiscard:
-      break;
-    case RecvTarget::kStream: {
-      // Pieces must be whole units starting at unit-aligned addresses; fragments
-      // are multiples of 32 bytes, so the carry is only used for units that do
-      // not divide that.
-      const std::size_t unit = target_.unit;
-      if (carry_n_ > 0) {
-        const std::size_t k = std::min(unit - carry_n_, n);
-        std::memcpy(carry_.data() + carry_n_, data, k);
-        carry_n_ += k;
-        data += k;
-        n -= k;
-        if (carry_n_ == unit) {
-          sink.on_payload(index_, current_, carry_.data(), delivered_, unit);
-          delivered_ += unit;
-          carry_n_ = 0;
-        }
-      }
-      const std::size_t whole = n - n % unit;
-      if (whole > 0) {
-        const char* piece = data;
-        if (reinterpret_cast<std::uintptr_t>(data) % unit != 0) {
-          std::memcpy(bounce_.get(), data, whole);
-          piece = bounce_.get();
-        }
-        sink.on_payload(index_, current_, piece, delivered_, whole);
-        delivered_ += whole;
-      }
-      if (n > whole) {
-        std::memcpy(carry_.data() + carry_n_, data + whole, n - whole);
-        carry_n_ += n - whole;
-      }
-      break;
-    }
-  }
-  done_ += total;
-}
-
 bool FabricChannel::pump(RecvSink& sink) {
   bool moved = false;
-  const std::size_t cap = slot_bytes_ - kPrefix;
-  while (count_ > 0 && sendw_.can_send() && !free_data_.empty()) {
-    const Pending& m = queue_[head_];
-    const bool first = !head_started_;
-    const std::size_t room = first ? cap - kHeader : cap;
-    const std::size_t take = std::min<std::size_t>(room, m.header.bytes - head_offset_);
+  while (!sendq_.empty() && sendw_.can_send() && !free_data_.empty()) {
     Buf& b = bufs_[free_data_.back()];
+    const SendQueue::Fragment f = sendq_.fill(b.data + kPrefix, slot_bytes_ - kPrefix);
     Prefix p;
     p.tag = tag_;
     p.seq = sendw_.next_seq();
     p.credits = recvw_.owed();
-    p.bytes = static_cast<std::uint32_t>((first ? kHeader : 0) + take);
+    p.bytes = f.bytes;
     p.kind = Kind::kData;
-    p.first = first ? 1 : 0;
+    p.first = f.first ? 1 : 0;
     std::memcpy(b.data, &p, kPrefix);
-    char* at = b.data + kPrefix;
-    if (first) {
-      std::memcpy(at, &m.header, kHeader);
-      at += kHeader;
-    }
-    if (take > 0) std::memcpy(at, m.payload + head_offset_, take);
     const auto rc = fi_send(ep_.get(), b.data, kPrefix + p.bytes, desc(), peer_addr_, &b.ctx);
     if (rc == -FI_EAGAIN) break;
     if (rc != 0)
@@ -737,17 +618,7 @@ bool FabricChannel::pump(RecvSink& sink) {
     sendw_.take();
     recvw_.take_owed();
     moved = true;
-    head_started_ = true;
-    head_offset_ += take;
-    if (head_offset_ == m.header.bytes) {
-      const std::uint64_t token = m.token;
-      queued_bytes_ -= m.header.bytes;
-      head_ = (head_ + 1) % kQueueCapacity;
-      --count_;
-      head_offset_ = 0;
-      head_started_ = false;
-      sink.on_sent(index_, token);
-    }
+    if (const auto token = sendq_.commit(f)) sink.on_sent(index_, *token);
   }
   return moved;
 }
@@ -775,17 +646,16 @@ void FabricChannel::close() {
   if (peer_addr_ == FI_ADDR_UNSPEC) {
     // Setup failed before the peer's address was known: there is no one to say goodbye to.
     closed_ = true;
-    count_ = 0;
-    queued_bytes_ = 0;
+    sendq_.clear();
     return;
   }
-  NullSink null_sink;
+  rma::NullSink null_sink;
   const auto deadline = Clock::now() + kCloseLinger;
   try {
     // Hand over what is queued while the peer takes it, then say goodbye once
     // it is out; what arrives meanwhile is not delivered (its operations are
     // gone) but credits are honoured.
-    while (!peer_bye_ && count_ > 0 && Clock::now() < deadline) {
+    while (!peer_bye_ && !sendq_.empty() && Clock::now() < deadline) {
       poll_cq(null_sink);
       pump(null_sink);
     }
@@ -799,8 +669,7 @@ void FabricChannel::close() {
   }
   // The endpoint stays open until the destructor hands it to the Graveyard.
   closed_ = true;
-  count_ = 0;
-  queued_bytes_ = 0;
+  sendq_.clear();
 }
 
 std::uint64_t random_u64() {
@@ -859,17 +728,7 @@ std::optional<std::string> unavailable_reason(const std::string& provider) {
 namespace {
 
 void check_options(const FabricOptions& options, int rank) {
-  if (options.slots < 2 || options.slots > 1024) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "fabric: slots=" + std::to_string(options.slots) + " is outside [2, 1024]", rank);
-  }
-  if (options.slot_bytes < 1024 || options.slot_bytes > (64U << 20) ||
-      options.slot_bytes % 64 != 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "fabric: slot_bytes=" + std::to_string(options.slot_bytes) +
-                    " must be a multiple of 64 in [1 KiB, 64 MiB]",
-                rank);
-  }
+  rma::check_slot_options("fabric", options.slot_bytes, options.slots, rank);
 }
 
 // Chooses the provider (the one asked for, or the first that reaches other hosts) and opens

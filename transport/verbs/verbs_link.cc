@@ -15,6 +15,7 @@
 
 #include "dear/error.h"
 #include "transport/peer_exchange.h"
+#include "transport/rma/fragments.h"
 #include "transport/rma/slot_window.h"
 #include "transport/socket_util.h"
 #include "transport/verbs/qp_plan.h"
@@ -24,11 +25,12 @@ namespace dear::transport::verbs {
 namespace {
 
 using rma::kControlSlots;
+using rma::Reassembler;
 using rma::RecvWindow;
+using rma::SendQueue;
 using rma::SendWindow;
 
 constexpr int kMaxChannels = 16;
-constexpr std::size_t kQueueCapacity = 64;  // messages queued per channel (back-pressure)
 constexpr std::uint32_t kSignalEvery = 16;  // at most this many unsignalled WRs in a row
 constexpr std::size_t kControlBytes = 64;   // control message buffers (a Prefix fits)
 constexpr int kMaxGids = 256;               // GID table entries looked at
@@ -52,7 +54,6 @@ struct Prefix {
 };
 static_assert(sizeof(Prefix) == 32, "the fragment prefix is 32 bytes");
 constexpr std::size_t kPrefix = sizeof(Prefix);
-constexpr std::size_t kHeader = sizeof(FrameHeader);
 
 std::string errno_text(int e) { return std::strerror(e); }
 
@@ -228,14 +229,6 @@ struct FreeDeleter {
   void operator()(char* p) const { std::free(p); }
 };
 
-struct NullSink final : RecvSink {
-  RecvTarget on_header(int, const FrameHeader&) override { return {}; }
-  void on_payload(int, const FrameHeader&, const char*, std::size_t, std::size_t) override {}
-  void on_message(int, const FrameHeader&) override {}
-  void on_sent(int, std::uint64_t) override {}
-  void on_closed(int) override {}
-};
-
 class VerbsChannel final : public Channel {
  public:
   VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int index, const VerbsOptions& o);
@@ -248,8 +241,8 @@ class VerbsChannel final : public Channel {
   void connect(const QpRecord& remote, const VerbsOptions& o);
 
   bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
-  std::size_t queued() const override { return count_; }
-  std::size_t queued_bytes() const override { return queued_bytes_; }
+  std::size_t queued() const override { return sendq_.size(); }
+  std::size_t queued_bytes() const override { return sendq_.bytes(); }
   bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
   bool polled() const override { return true; }
@@ -258,11 +251,6 @@ class VerbsChannel final : public Channel {
   std::string describe() const override;
 
  private:
-  struct Pending {
-    FrameHeader header;
-    const char* payload;
-    std::uint64_t token;
-  };
   // A posted send work request, until a signalled completion at or after it retires it.
   struct Posted {
     std::uint32_t buf = 0;  // staging buffer it holds
@@ -289,7 +277,6 @@ class VerbsChannel final : public Channel {
   void retire(std::uint64_t id);
   void on_control(const Prefix& p);
   bool deliver(RecvSink& sink);
-  void payload(RecvSink& sink, const char* data, std::size_t n);
   bool pump(RecvSink& sink);
   bool send_control(Kind kind, std::uint32_t seq, std::uint32_t credits);
 
@@ -329,21 +316,8 @@ class VerbsChannel final : public Channel {
   SendWindow sendw_;
   RecvWindow recvw_;
 
-  std::array<Pending, kQueueCapacity> queue_{};
-  std::size_t head_ = 0;
-  std::size_t count_ = 0;
-  std::size_t queued_bytes_ = 0;
-  std::size_t head_offset_ = 0;
-  bool head_started_ = false;
-
-  bool in_msg_ = false;
-  FrameHeader current_{};
-  RecvTarget target_{};
-  std::size_t done_ = 0;
-  std::size_t delivered_ = 0;
-  alignas(64) std::array<char, 64> carry_{};
-  std::size_t carry_n_ = 0;
-  std::unique_ptr<char, FreeDeleter> bounce_;
+  SendQueue sendq_;
+  Reassembler reasm_;
 
   bool peer_bye_ = false;
   std::uint32_t bye_seq_ = 0;
@@ -362,7 +336,8 @@ VerbsChannel::VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int
       slots_(o.slots),
       psn_(random_psn()),
       sendw_(o.slots),
-      recvw_(o.slots, std::max<std::uint32_t>(1, o.slots / 2)) {
+      recvw_(o.slots, std::max<std::uint32_t>(1, o.slots / 2)),
+      reasm_(o.slot_bytes) {
   const std::uint32_t sq_depth = slots_ + kControlSlots;
   const std::uint32_t rq_depth = slots_ + kControlSlots;
   const auto sys = [&](const std::string& call) { throw_sys(call, errno, self_, peer_); };
@@ -424,8 +399,6 @@ VerbsChannel::VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int
   for (std::uint32_t i = 0; i < kControlSlots; ++i) free_ctrl_.push_back(kControlSlots - 1 - i);
   // Receives are posted in INIT, before the peer learns this queue pair exists.
   for (std::uint32_t i = 0; i < rq_depth; ++i) post_recv(i);
-  bounce_.reset(static_cast<char*>(std::aligned_alloc(64, (slot_bytes_ + 63) / 64 * 64)));
-  if (!bounce_) throw Error(ErrorCode::kSystem, "out of memory for verbs staging", self_);
 }
 
 VerbsChannel::~VerbsChannel() {
@@ -655,26 +628,14 @@ bool VerbsChannel::poll_cq() {
           fail("protocol violation: fragment " + std::to_string(seq) + " of " +
                std::to_string(c.byte_len) + " bytes says it holds " + std::to_string(p.bytes));
         }
-        if (!sendw_.on_returned(p.credits)) {
-          fail("protocol violation: rank " + std::to_string(peer_) + " returned " +
-               std::to_string(p.credits) + " credits with only " +
-               std::to_string(sendw_.unacknowledged()) + " outstanding");
-        }
-        if (!recvw_.arrived(seq, s)) {
-          fail("protocol violation: fragment " + std::to_string(seq) +
-               " outside the receive window (next expected " + std::to_string(recvw_.expected()) +
-               ")");
-        }
+        if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
+        if (auto bad = rma::accept_fragment(recvw_, seq, s)) fail(*bad);
         post_recv(recv_index);
       } else if (c.opcode == IBV_WC_RECV) {
         Prefix p;
         std::memcpy(&p, ctrl_recv(recv_index), kPrefix);
         if (c.byte_len < kPrefix) fail("protocol violation: a short control message");
-        if (!sendw_.on_returned(p.credits)) {
-          fail("protocol violation: rank " + std::to_string(peer_) + " returned " +
-               std::to_string(p.credits) + " credits with only " +
-               std::to_string(sendw_.unacknowledged()) + " outstanding");
-        }
+        if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
         post_recv(recv_index);
         on_control(p);
       } else {
@@ -698,11 +659,9 @@ bool VerbsChannel::poll_cq() {
 }
 
 bool VerbsChannel::try_send(const FrameHeader& h, const void* payload, std::uint64_t token) {
-  if (count_ == kQueueCapacity) return false;
+  if (sendq_.full()) return false;
   if (closed()) fail("send on a closed channel");
-  queue_[(head_ + count_) % kQueueCapacity] = {h, static_cast<const char*>(payload), token};
-  ++count_;
-  queued_bytes_ += h.bytes;
+  sendq_.push(h, payload, token);
   return true;
 }
 
@@ -739,43 +698,16 @@ bool VerbsChannel::deliver(RecvSink& sink) {
     const char* base = slot(*si);
     Prefix p;
     std::memcpy(&p, base, kPrefix);
-    const char* data = base + kPrefix;
-    std::size_t n = p.bytes;
-    if (!in_msg_) {
-      if (p.first == 0 || n < kHeader) fail("protocol violation: a message starts mid-message");
-      std::memcpy(&current_, data, kHeader);
-      data += kHeader;
-      n -= kHeader;
-      in_msg_ = true;
-      done_ = 0;
-      delivered_ = 0;
-      carry_n_ = 0;
-      target_ = sink.on_header(index_, current_);
-      if (target_.unit == 0) target_.unit = 1;
-      if (target_.mode == RecvTarget::kStream && target_.unit > carry_.size()) {
-        fail("stream unit of " + std::to_string(target_.unit) + " bytes is not supported");
-      }
-    } else if (p.first != 0) {
-      fail("protocol violation: a message starts inside another");
+    if (auto bad = reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
+      fail(*bad);
     }
-    if (n > current_.bytes - done_) {
-      fail("protocol violation: more payload than the header's " + std::to_string(current_.bytes) +
-           " bytes");
-    }
-    payload(sink, data, n);
     recvw_.consume();  // the slot is free again: one more credit owed
     moved = true;
-    if (done_ == current_.bytes) {
-      if (target_.mode == RecvTarget::kStream && carry_n_ > 0) {
-        sink.on_payload(index_, current_, carry_.data(), delivered_, carry_n_);
-        carry_n_ = 0;
-      }
-      in_msg_ = false;
-      sink.on_message(index_, current_);
-    }
   }
   if (peer_bye_ && !peer_closed_ && recvw_.expected() == bye_seq_) {
-    if (in_msg_) fail("rank " + std::to_string(peer_) + " closed in the middle of a message");
+    if (reasm_.in_message()) {
+      fail("rank " + std::to_string(peer_) + " closed in the middle of a message");
+    }
     peer_closed_ = true;
     sink.on_closed(index_);
     moved = true;
@@ -783,73 +715,21 @@ bool VerbsChannel::deliver(RecvSink& sink) {
   return moved;
 }
 
-void VerbsChannel::payload(RecvSink& sink, const char* data, std::size_t n) {
-  const std::size_t total = n;
-  switch (target_.mode) {
-    case RecvTarget::kDirect:
-      if (n > 0) std::memcpy(target_.dst + done_, data, n);
-      break;
-    case RecvTarget::kDiscard:
-      break;
-    case RecvTarget::kStream: {
-      // Whole units at unit-aligned addresses, as the link contract promises.
-      const std::size_t unit = target_.unit;
-      if (carry_n_ > 0) {
-        const std::size_t k = std::min(unit - carry_n_, n);
-        std::memcpy(carry_.data() + carry_n_, data, k);
-        carry_n_ += k;
-        data += k;
-        n -= k;
-        if (carry_n_ == unit) {
-          sink.on_payload(index_, current_, carry_.data(), delivered_, unit);
-          delivered_ += unit;
-          carry_n_ = 0;
-        }
-      }
-      const std::size_t whole = n - n % unit;
-      if (whole > 0) {
-        const char* piece = data;
-        if (reinterpret_cast<std::uintptr_t>(data) % unit != 0) {
-          std::memcpy(bounce_.get(), data, whole);
-          piece = bounce_.get();
-        }
-        sink.on_payload(index_, current_, piece, delivered_, whole);
-        delivered_ += whole;
-      }
-      if (n > whole) {
-        std::memcpy(carry_.data() + carry_n_, data + whole, n - whole);
-        carry_n_ += n - whole;
-      }
-      break;
-    }
-  }
-  done_ += total;
-}
-
 bool VerbsChannel::pump(RecvSink& sink) {
   bool moved = false;
-  const std::size_t cap = slot_bytes_ - kPrefix;
-  while (count_ > 0 && sendw_.can_send() && !free_data_.empty() && chain_n_ + 1 < chain_.size()) {
-    const Pending& m = queue_[head_];
-    const bool first = !head_started_;
-    const std::size_t room = first ? cap - kHeader : cap;
-    const std::size_t take = std::min<std::size_t>(room, m.header.bytes - head_offset_);
+  while (!sendq_.empty() && sendw_.can_send() && !free_data_.empty() &&
+         chain_n_ + 1 < chain_.size()) {
     const std::uint32_t b = free_data_.back();
     free_data_.pop_back();
     char* buf = data_staging(b);
+    const SendQueue::Fragment f = sendq_.fill(buf + kPrefix, slot_bytes_ - kPrefix);
     Prefix p;
     p.seq = sendw_.take();
     p.credits = recvw_.take_owed();
-    p.bytes = static_cast<std::uint32_t>((first ? kHeader : 0) + take);
+    p.bytes = f.bytes;
     p.kind = Kind::kData;
-    p.first = first ? 1 : 0;
+    p.first = f.first ? 1 : 0;
     std::memcpy(buf, &p, kPrefix);
-    char* at = buf + kPrefix;
-    if (first) {
-      std::memcpy(at, &m.header, kHeader);
-      at += kHeader;
-    }
-    if (take > 0) std::memcpy(at, m.payload + head_offset_, take);
     ibv_sge sge{};
     sge.addr = reinterpret_cast<std::uintptr_t>(buf);
     sge.length = static_cast<std::uint32_t>(kPrefix + p.bytes);
@@ -858,17 +738,7 @@ bool VerbsChannel::pump(RecvSink& sink) {
            remote_addr_ + static_cast<std::uint64_t>(p.seq % slots_) * slot_bytes_,
            Posted{b, false});
     moved = true;
-    head_started_ = true;
-    head_offset_ += take;
-    if (head_offset_ == m.header.bytes) {
-      const std::uint64_t token = m.token;
-      queued_bytes_ -= m.header.bytes;
-      head_ = (head_ + 1) % kQueueCapacity;
-      --count_;
-      head_offset_ = 0;
-      head_started_ = false;
-      sink.on_sent(index_, token);
-    }
+    if (const auto token = sendq_.commit(f)) sink.on_sent(index_, *token);
   }
   return moved;
 }
@@ -894,14 +764,13 @@ void VerbsChannel::close() {
   if (closed_ || qp_ == nullptr) return;
   if (!connected_) {
     closed_ = true;
-    count_ = 0;
-    queued_bytes_ = 0;
+    sendq_.clear();
     return;
   }
-  NullSink null_sink;
+  rma::NullSink null_sink;
   const auto deadline = Clock::now() + kCloseLinger;
   try {
-    while (!peer_bye_ && count_ > 0 && Clock::now() < deadline) {
+    while (!peer_bye_ && !sendq_.empty() && Clock::now() < deadline) {
       poll_cq();
       pump(null_sink);
       flush_chain();
@@ -918,21 +787,11 @@ void VerbsChannel::close() {
     // Closing anyway.
   }
   closed_ = true;
-  count_ = 0;
-  queued_bytes_ = 0;
+  sendq_.clear();
 }
 
 void check_options(const VerbsOptions& o, int rank) {
-  if (o.slots < 2 || o.slots > 1024) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "verbs: slots=" + std::to_string(o.slots) + " is outside [2, 1024]", rank);
-  }
-  if (o.slot_bytes < 1024 || o.slot_bytes > (64U << 20) || o.slot_bytes % 64 != 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "verbs: slot_bytes=" + std::to_string(o.slot_bytes) +
-                    " must be a multiple of 64 in [1 KiB, 64 MiB]",
-                rank);
-  }
+  rma::check_slot_options("verbs", o.slot_bytes, o.slots, rank);
 }
 
 struct RingRecord {

@@ -1,0 +1,471 @@
+// The pieces of a slot-staged channel that need no network, shared by the libfabric and
+// ibverbs back-ends (transport/rma/): the slot/credit protocol (slot_window.h) and the
+// fragmenting and reassembly of messages (fragments.h). Every build runs them, with or
+// without libfabric, rdma-core or an RDMA device.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dear/error.h"
+#include "transport/link.h"
+#include "transport/rma/fragments.h"
+#include "transport/rma/slot_window.h"
+
+namespace dear::testing {
+namespace {
+
+using transport::FrameHeader;
+using transport::RecvTarget;
+using transport::rma::kControlSlots;
+using transport::rma::Reassembler;
+using transport::rma::RecvWindow;
+using transport::rma::SendQueue;
+using transport::rma::SendWindow;
+
+// ---- slot/credit bookkeeping
+// -------------------------------------------------------------
+
+TEST(SlotWindow, SenderSpendsOneCreditPerFragmentAndStopsAtZero) {
+  SendWindow w(4);
+  for (std::uint32_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(w.can_send());
+    EXPECT_EQ(w.take(), i);
+  }
+  EXPECT_FALSE(w.can_send());
+  EXPECT_EQ(w.unacknowledged(), 4u);
+  EXPECT_FALSE(w.on_returned(5)) << "more credits than outstanding is a protocol violation";
+  EXPECT_EQ(w.credits(), 0u);
+  EXPECT_TRUE(w.on_returned(3));
+  EXPECT_EQ(w.credits(), 3u);
+  EXPECT_EQ(w.next_seq(), 4u);
+  EXPECT_THROW(SendWindow(0), Error);
+}
+
+TEST(SlotWindow, ReceiverHandsOutFragmentsInSequenceWhateverTheArrivalOrder) {
+  RecvWindow w(4, 2);
+  EXPECT_FALSE(w.next_ready());
+  ASSERT_TRUE(w.arrived(2, 12));
+  ASSERT_TRUE(w.arrived(1, 11));
+  EXPECT_FALSE(w.next_ready()) << "fragment 0 has not arrived";
+  ASSERT_TRUE(w.arrived(0, 10));
+  std::vector<std::uint32_t> order;
+  while (auto b = w.next_ready()) {
+    order.push_back(*b);
+    w.consume();
+  }
+  EXPECT_EQ(order, (std::vector<std::uint32_t>{10, 11, 12}));
+  EXPECT_EQ(w.expected(), 3u);
+  EXPECT_EQ(w.owed(), 3u);
+  EXPECT_TRUE(w.should_return());
+  EXPECT_EQ(w.take_owed(), 3u);
+  EXPECT_EQ(w.owed(), 0u);
+  EXPECT_FALSE(w.should_return());
+}
+
+TEST(SlotWindow, ReceiverRejectsDuplicatesAndFragmentsOutsideTheWindow) {
+  RecvWindow w(4, 2);
+  EXPECT_FALSE(w.arrived(4, 0)) << "seq 4 needs a fifth slot";
+  EXPECT_TRUE(w.arrived(3, 0));
+  EXPECT_FALSE(w.arrived(3, 1)) << "duplicate";
+  EXPECT_FALSE(w.arrived(0xffffffffU, 1)) << "behind the window";
+  EXPECT_THROW(w.consume(), Error) << "fragment 0 has not arrived";
+  EXPECT_THROW(RecvWindow(4, 5), Error);
+  EXPECT_THROW(RecvWindow(4, 0), Error);
+}
+
+TEST(SlotWindow, SequenceNumbersWrapAround) {
+  const std::uint32_t start = 0xfffffffdU;
+  SendWindow s(4, start);
+  RecvWindow r(4, 2, start);
+  std::uint32_t delivered = 0;
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::uint32_t> seqs;
+    while (s.can_send()) seqs.push_back(s.take());
+    std::reverse(seqs.begin(), seqs.end());  // arrive backwards
+    for (const auto q : seqs) ASSERT_TRUE(r.arrived(q, q % 4)) << "seq " << q;
+    while (auto b = r.next_ready()) {
+      EXPECT_EQ(*b, (start + delivered) % 4);
+      r.consume();
+      ++delivered;
+    }
+    ASSERT_TRUE(s.on_returned(r.take_owed()));
+  }
+  EXPECT_EQ(delivered, 12u);
+  EXPECT_EQ(r.expected(), start + 12u) << "wrapped past 2^32";
+  EXPECT_FALSE(r.arrived(start + 8u, 0)) << "already consumed, before the wrap";
+}
+
+// Both ends of a channel, joined by a "network" that delivers in a random
+// order, run the protocol of slot_window.h as FabricChannel does: fragments
+// spend credits, credits return piggybacked or in control messages once
+// `threshold` are owed. Checks: every fragment is delivered once and in order,
+// no side deadlocks, and no more control messages are ever in flight than
+// kControlSlots allows.
+TEST(SlotWindow, SimulatedChannelNeverDeadlocksAndBoundsControlMessages) {
+  struct Msg {
+    bool control;
+    std::uint32_t seq;
+    std::uint32_t credits;
+  };
+  struct Side {
+    SendWindow send{8};
+    RecvWindow recv{8, 4};
+    std::uint32_t to_send = 0;    // fragments still to send
+    std::uint32_t delivered = 0;  // fragments received in order
+    std::deque<Msg> inbox;        // arrived, not processed
+    std::uint32_t control_in_flight = 0;
+  };
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 50; ++trial) {
+    Side side[2];
+    side[0].to_send = 200 + rng() % 100;
+    side[1].to_send = rng() % 2 == 0 ? 0 : rng() % 300;  // one-way and two-way traffic
+    std::vector<std::pair<int, Msg>> network;            // (destination, message)
+    std::uint32_t max_control = 0;
+    for (int step = 0; step < 100000; ++step) {
+      const bool done = side[0].to_send == 0 && side[1].to_send == 0 && network.empty() &&
+                        side[0].inbox.empty() && side[1].inbox.empty();
+      if (done) break;
+      const int who = static_cast<int>(rng() % 3);
+      if (who == 2 && !network.empty()) {
+        // The network delivers any message in flight: order is not preserved.
+        const std::size_t k = rng() % network.size();
+        side[network[k].first].inbox.push_back(network[k].second);
+        network.erase(network.begin() + static_cast<std::ptrdiff_t>(k));
+        continue;
+      }
+      const int me = who % 2;
+      Side& s = side[me];
+      Side& peer = side[1 - me];
+      // Receive: arrivals, then in-order delivery.
+      while (!s.inbox.empty()) {
+        const Msg m = s.inbox.front();
+        s.inbox.pop_front();
+        ASSERT_TRUE(s.send.on_returned(m.credits));
+        if (m.control) {
+          --s.control_in_flight;  // counted at the receiver, reposted at once
+          continue;
+        }
+        ASSERT_TRUE(s.recv.arrived(m.seq, m.seq % 8));
+      }
+      while (s.recv.next_ready()) {
+        s.recv.consume();
+        ++s.delivered;
+      }
+      // Send data, piggybacking credits; then a control message if enough are
+      // owed.
+      while (s.to_send > 0 && s.send.can_send() && rng() % 4 != 0) {
+        network.push_back({1 - me, Msg{false, s.send.take(), s.recv.take_owed()}});
+        --s.to_send;
+      }
+      if (s.recv.should_return()) {
+        network.push_back({1 - me, Msg{true, 0, s.recv.take_owed()}});
+        ++peer.control_in_flight;
+        max_control = std::max(max_control, peer.control_in_flight);
+      }
+    }
+    EXPECT_TRUE(side[0].to_send == 0 && side[1].to_send == 0 && network.empty())
+        << "trial " << trial << " deadlocked";
+    EXPECT_LE(max_control, kControlSlots - 1) << "control messages in flight, trial " << trial;
+  }
+}
+
+// ---- fragmenting (SendQueue)
+// -------------------------------------------------------------
+
+constexpr std::size_t kHeader = sizeof(FrameHeader);
+
+FrameHeader header_of(std::uint32_t bytes, std::uint64_t seq) {
+  FrameHeader h;
+  h.bytes = bytes;
+  h.seq = seq;
+  return h;
+}
+
+std::vector<char> pattern(std::size_t n, int salt) {
+  std::vector<char> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<char>((i * 7 + salt * 13 + i / 251) & 0xff);
+  return v;
+}
+
+TEST(SendQueue, FirstFragmentCarriesTheHeaderAndTheTokenComesWithTheLast) {
+  SendQueue q;
+  const std::vector<char> payload = pattern(250, 1);
+  q.push(header_of(250, 42), payload.data(), 7);
+  EXPECT_EQ(q.size(), 1u);
+  EXPECT_EQ(q.bytes(), 250u);
+  std::vector<char> body(128);
+  std::vector<char> got;
+  std::vector<std::uint32_t> sizes;
+  std::optional<std::uint64_t> token;
+  for (int i = 0; i < 10 && !token; ++i) {
+    const SendQueue::Fragment f = q.fill(body.data(), body.size());
+    EXPECT_EQ(f.first, i == 0);
+    sizes.push_back(f.bytes);
+    const char* data = body.data();
+    const char* end = body.data() + f.bytes;
+    if (f.first) {
+      FrameHeader h;
+      std::memcpy(&h, data, kHeader);
+      EXPECT_EQ(h.seq, 42u);
+      EXPECT_EQ(h.bytes, 250u);
+      data += kHeader;
+    }
+    got.insert(got.end(), data, end);
+    token = q.commit(f);
+    if (!token) {
+      EXPECT_EQ(q.bytes(), 250u) << "bytes count until the message is fragmented";
+    }
+  }
+  EXPECT_EQ(sizes, (std::vector<std::uint32_t>{128, 128, 26}));
+  ASSERT_TRUE(token);
+  EXPECT_EQ(*token, 7u);
+  EXPECT_EQ(got, payload);
+  EXPECT_TRUE(q.empty());
+  EXPECT_EQ(q.bytes(), 0u);
+}
+
+TEST(SendQueue, EmptyMessageIsOneHeaderOnlyFragment) {
+  SendQueue q;
+  q.push(header_of(0, 1), nullptr, 11);
+  std::vector<char> body(64);
+  const SendQueue::Fragment f = q.fill(body.data(), body.size());
+  EXPECT_TRUE(f.first);
+  EXPECT_EQ(f.bytes, kHeader);
+  EXPECT_EQ(q.commit(f), std::optional<std::uint64_t>(11));
+  EXPECT_TRUE(q.empty());
+}
+
+TEST(SendQueue, FillingAgainWithoutCommitGivesTheSameFragment) {
+  // A transport that refuses a fragment for now (EAGAIN) fills the same one again later.
+  SendQueue q;
+  const std::vector<char> payload = pattern(300, 2);
+  q.push(header_of(300, 1), payload.data(), 1);
+  std::vector<char> a(100), b(100);
+  (void)q.commit(q.fill(a.data(), a.size()));
+  const SendQueue::Fragment f1 = q.fill(a.data(), a.size());
+  const SendQueue::Fragment f2 = q.fill(b.data(), b.size());
+  EXPECT_EQ(f1.bytes, f2.bytes);
+  EXPECT_EQ(f1.first, f2.first);
+  EXPECT_EQ(a, b);
+  EXPECT_FALSE(f1.first);
+  EXPECT_EQ(std::memcmp(a.data(), payload.data() + (100 - kHeader), 100), 0);
+}
+
+TEST(SendQueue, BoundedFirstInFirstOutAndClear) {
+  SendQueue q;
+  const char byte = 'x';
+  for (std::size_t i = 0; i < SendQueue::kCapacity; ++i) {
+    ASSERT_FALSE(q.full());
+    q.push(header_of(1, i), &byte, 100 + i);
+  }
+  EXPECT_TRUE(q.full());
+  EXPECT_EQ(q.bytes(), SendQueue::kCapacity);
+  EXPECT_THROW(q.push(header_of(1, 0), &byte, 0), Error);
+  std::vector<char> body(64);
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(q.commit(q.fill(body.data(), body.size())), std::optional<std::uint64_t>(100 + i));
+  }
+  EXPECT_EQ(q.size(), SendQueue::kCapacity - 3);
+  q.clear();
+  EXPECT_TRUE(q.empty());
+  EXPECT_EQ(q.bytes(), 0u);
+  EXPECT_THROW((void)q.fill(body.data(), body.size()), Error);
+}
+
+// ---- reassembly (Reassembler)
+// ------------------------------------------------------------
+
+// Records what a RecvSink is told, checking the link contract's promises for kStream pieces.
+struct RecordingSink final : transport::RecvSink {
+  RecvTarget::Mode mode = RecvTarget::kDirect;
+  std::size_t unit = 1;
+  std::vector<std::vector<char>> messages;  // payloads, in the order on_message() came
+  std::vector<std::uint64_t> seqs;
+  std::vector<char> current;
+  std::size_t streamed = 0;  // kStream: next offset on_payload must give
+  std::size_t pieces = 0;
+  std::string broken;  // first broken promise
+  RecvTarget on_header(int, const FrameHeader& h) override {
+    current.assign(h.bytes, 0);
+    streamed = 0;
+    return {mode, current.data(), unit};
+  }
+  void on_payload(int, const FrameHeader& h, const char* data, std::size_t offset,
+                  std::size_t len) override {
+    ++pieces;
+    if (!broken.empty()) return;
+    if (offset != streamed) broken = "offset " + std::to_string(offset) + " out of order";
+    if (offset + len != h.bytes && len % unit != 0) broken = "a piece of part units";
+    if (reinterpret_cast<std::uintptr_t>(data) % unit != 0) broken = "a misaligned piece";
+    if (offset + len > current.size()) broken = "a piece past the message";
+    if (!broken.empty()) return;
+    std::memcpy(current.data() + offset, data, len);
+    streamed += len;
+  }
+  void on_message(int, const FrameHeader& h) override {
+    if (mode == RecvTarget::kStream && streamed != h.bytes && broken.empty()) {
+      broken = "streamed " + std::to_string(streamed) + " of " + std::to_string(h.bytes);
+    }
+    messages.push_back(mode == RecvTarget::kDiscard ? std::vector<char>{} : current);
+    seqs.push_back(h.seq);
+  }
+  void on_sent(int, std::uint64_t) override {}
+  void on_closed(int) override {}
+};
+
+// Carries `sizes` through a SendQueue and a Reassembler, each fragment body staged at
+// `body_offset` into a 64-byte aligned slot of `room` + body_offset bytes.
+void round_trip(RecordingSink& sink, const std::vector<std::size_t>& sizes, std::size_t room,
+                std::size_t body_offset) {
+  SendQueue q;
+  Reassembler r(room + body_offset);
+  std::vector<std::vector<char>> payloads;
+  for (std::size_t m = 0; m < sizes.size(); ++m) payloads.push_back(pattern(sizes[m], static_cast<int>(m)));
+  std::size_t next = 0;
+  std::vector<std::uint64_t> sent;
+  std::vector<char, std::allocator<char>> storage(room + body_offset + 64);
+  char* slot = storage.data() + (64 - reinterpret_cast<std::uintptr_t>(storage.data()) % 64) % 64;
+  while (next < sizes.size() || !q.empty()) {
+    while (next < sizes.size() && !q.full()) {
+      q.push(header_of(static_cast<std::uint32_t>(sizes[next]), next), payloads[next].data(), next);
+      ++next;
+    }
+    const SendQueue::Fragment f = q.fill(slot + body_offset, room);
+    ASSERT_LE(f.bytes, room);
+    const auto bad = r.on_fragment(sink, 0, slot + body_offset, f.bytes, f.first);
+    ASSERT_FALSE(bad) << *bad;
+    if (const auto token = q.commit(f)) sent.push_back(*token);
+  }
+  EXPECT_FALSE(r.in_message());
+  ASSERT_EQ(sent.size(), sizes.size());
+  ASSERT_EQ(sink.messages.size(), sizes.size());
+  for (std::size_t m = 0; m < sizes.size(); ++m) {
+    EXPECT_EQ(sent[m], m);
+    EXPECT_EQ(sink.seqs[m], m);
+    if (sink.mode != RecvTarget::kDiscard) {
+      EXPECT_EQ(sink.messages[m], payloads[m]) << "message " << m << " of " << sizes[m] << " bytes";
+    }
+  }
+  EXPECT_EQ(sink.broken, "");
+}
+
+const std::vector<std::size_t> kSizes = {0, 1, 31, 32, 33, 96, 1000, 4096, 70001};
+
+TEST(Reassembler, DirectMessagesArriveWholeAcrossFragments) {
+  for (const std::size_t room : {64u, 992u, 1000u}) {
+    RecordingSink sink;
+    round_trip(sink, kSizes, room, 32);
+    EXPECT_EQ(sink.pieces, 0u) << "kDirect copies; no on_payload";
+  }
+}
+
+TEST(Reassembler, StreamPiecesAreWholeAlignedUnitsInOrder) {
+  // Units up to 64 bytes; bodies at the prefix's 32 bytes into the slot (as the back-ends put
+  // them) and at an odd offset; rooms that are and are not multiples of the unit, so both the
+  // carry (a unit split between fragments) and the bounce buffer (a misaligned run) are used.
+  for (const std::size_t unit : {1u, 2u, 4u, 8u, 16u, 64u}) {
+    for (const std::size_t room : {992u, 1000u, 4064u}) {
+      for (const std::size_t offset : {32u, 3u}) {
+        RecordingSink sink;
+        sink.mode = RecvTarget::kStream;
+        sink.unit = unit;
+        std::vector<std::size_t> sizes;
+        for (const std::size_t s : kSizes) sizes.push_back(s / unit * unit);
+        round_trip(sink, sizes, room, offset);
+        ASSERT_EQ(sink.broken, "") << "unit " << unit << " room " << room << " offset " << offset;
+      }
+    }
+  }
+}
+
+TEST(Reassembler, StreamTailShorterThanAUnitComesLast) {
+  RecordingSink sink;
+  sink.mode = RecvTarget::kStream;
+  sink.unit = 8;
+  round_trip(sink, {13, 1005}, 1000, 32);
+  EXPECT_EQ(sink.broken, "");
+}
+
+TEST(Reassembler, DiscardDeliversNoPayloadButEveryMessage) {
+  RecordingSink sink;
+  sink.mode = RecvTarget::kDiscard;
+  round_trip(sink, kSizes, 1000, 32);
+  EXPECT_EQ(sink.pieces, 0u);
+}
+
+TEST(Reassembler, ProtocolViolationsAreNamed) {
+  RecordingSink sink;
+  std::vector<char> body(256, 0);
+  const FrameHeader h = header_of(100, 1);
+  std::memcpy(body.data(), &h, kHeader);
+  {
+    Reassembler r(256);
+    const auto bad = r.on_fragment(sink, 0, body.data(), 64, false);
+    ASSERT_TRUE(bad);
+    EXPECT_NE(bad->find("starts mid-message"), std::string::npos) << *bad;
+    EXPECT_TRUE(r.on_fragment(sink, 0, body.data(), kHeader - 1, true)) << "a short first body";
+  }
+  {
+    Reassembler r(256);
+    ASSERT_FALSE(r.on_fragment(sink, 0, body.data(), kHeader + 40, true));
+    EXPECT_TRUE(r.in_message());
+    const auto inside = r.on_fragment(sink, 0, body.data(), kHeader, true);
+    ASSERT_TRUE(inside);
+    EXPECT_NE(inside->find("starts inside another"), std::string::npos) << *inside;
+    const auto more = r.on_fragment(sink, 0, body.data(), 61, false);
+    ASSERT_TRUE(more);
+    EXPECT_NE(more->find("more payload than the header's 100 bytes"), std::string::npos) << *more;
+  }
+  {
+    Reassembler r(256);
+    sink.mode = RecvTarget::kStream;
+    sink.unit = 128;
+    const auto unit = r.on_fragment(sink, 0, body.data(), kHeader, true);
+    ASSERT_TRUE(unit);
+    EXPECT_NE(unit->find("stream unit of 128 bytes is not supported"), std::string::npos) << *unit;
+  }
+}
+
+// ---- arrival checks and options
+// ----------------------------------------------------------
+
+TEST(RmaChecks, CreditsAndFragmentsOutsideTheProtocolAreWorded) {
+  SendWindow s(4);
+  (void)s.take();
+  EXPECT_FALSE(transport::rma::accept_credits(s, 1, 3));
+  (void)s.take();
+  const auto credits = transport::rma::accept_credits(s, 2, 3);
+  ASSERT_TRUE(credits);
+  EXPECT_EQ(*credits, "protocol violation: rank 3 returned 2 credits with only 1 outstanding");
+  RecvWindow r(4, 2);
+  EXPECT_FALSE(transport::rma::accept_fragment(r, 0, 5));
+  const auto twice = transport::rma::accept_fragment(r, 0, 6);
+  ASSERT_TRUE(twice);
+  EXPECT_EQ(*twice, "protocol violation: fragment 0 outside the receive window (next expected 0)");
+}
+
+TEST(RmaChecks, SlotOptionsNameTheTransport) {
+  EXPECT_NO_THROW(transport::rma::check_slot_options("fabric", 128 * 1024, 8, 0));
+  try {
+    transport::rma::check_slot_options("verbs", 128 * 1024, 1, 2);
+    ADD_FAILURE() << "slots=1 was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("verbs: slots=1 is outside [2, 1024]"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(transport::rma::check_slot_options("fabric", 1000, 8, 0), Error);
+  EXPECT_THROW(transport::rma::check_slot_options("fabric", 1024 + 32, 8, 0), Error);
+  EXPECT_THROW(transport::rma::check_slot_options("fabric", 128u << 20, 8, 0), Error);
+  EXPECT_THROW(transport::rma::check_slot_options("fabric", 4096, 2048, 0), Error);
+}
+
+}  // namespace
+}  // namespace dear::testing

@@ -1,0 +1,174 @@
+#include "transport/rma/fragments.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "dear/error.h"
+
+namespace dear::transport::rma {
+namespace {
+constexpr std::size_t kHeader = sizeof(FrameHeader);
+}  // namespace
+
+void SendQueue::push(const FrameHeader& h, const void* payload, std::uint64_t token) {
+  if (full()) throw Error(ErrorCode::kInternal, "SendQueue::push on a full queue");
+  queue_[(head_ + count_) % kCapacity] = {h, static_cast<const char*>(payload), token};
+  ++count_;
+  bytes_ += h.bytes;
+}
+
+SendQueue::Fragment SendQueue::fill(char* dst, std::size_t room) const {
+  if (empty()) throw Error(ErrorCode::kInternal, "SendQueue::fill on an empty queue");
+  if (room <= kHeader) throw Error(ErrorCode::kInternal, "SendQueue::fill: no room for payload");
+  const Pending& m = queue_[head_];
+  Fragment f;
+  f.first = !head_started_;
+  if (f.first) {
+    std::memcpy(dst, &m.header, kHeader);
+    dst += kHeader;
+    room -= kHeader;
+  }
+  const std::size_t take = std::min<std::size_t>(room, m.header.bytes - head_offset_);
+  if (take > 0) std::memcpy(dst, m.payload + head_offset_, take);
+  f.bytes = static_cast<std::uint32_t>((f.first ? kHeader : 0) + take);
+  return f;
+}
+
+std::optional<std::uint64_t> SendQueue::commit(const Fragment& f) {
+  const Pending& m = queue_[head_];
+  head_started_ = true;
+  head_offset_ += f.bytes - (f.first ? kHeader : 0);
+  if (head_offset_ < m.header.bytes) return std::nullopt;
+  const std::uint64_t token = m.token;
+  bytes_ -= m.header.bytes;
+  head_ = (head_ + 1) % kCapacity;
+  --count_;
+  head_offset_ = 0;
+  head_started_ = false;
+  return token;
+}
+
+void SendQueue::clear() {
+  head_ = 0;
+  count_ = 0;
+  bytes_ = 0;
+  head_offset_ = 0;
+  head_started_ = false;
+}
+
+Reassembler::Reassembler(std::size_t max_body)
+    : bounce_(static_cast<char*>(std::aligned_alloc(kMaxUnit, (max_body + kMaxUnit - 1) /
+                                                                  kMaxUnit * kMaxUnit))) {
+  if (!bounce_) throw Error(ErrorCode::kSystem, "out of memory for a receive bounce buffer");
+}
+
+std::optional<std::string> Reassembler::on_fragment(RecvSink& sink, int channel,
+                                                    const char* body, std::size_t n, bool first) {
+  if (!in_msg_) {
+    if (!first || n < kHeader) return "protocol violation: a message starts mid-message";
+    std::memcpy(&current_, body, kHeader);
+    body += kHeader;
+    n -= kHeader;
+    in_msg_ = true;
+    done_ = 0;
+    delivered_ = 0;
+    carry_n_ = 0;
+    target_ = sink.on_header(channel, current_);
+    if (target_.unit == 0) target_.unit = 1;
+    if (target_.mode == RecvTarget::kStream && target_.unit > carry_.size()) {
+      return "stream unit of " + std::to_string(target_.unit) + " bytes is not supported";
+    }
+  } else if (first) {
+    return "protocol violation: a message starts inside another";
+  }
+  if (n > current_.bytes - done_) {
+    return "protocol violation: more payload than the header's " + std::to_string(current_.bytes) +
+           " bytes";
+  }
+  payload(sink, channel, body, n);
+  if (done_ == current_.bytes) {
+    if (target_.mode == RecvTarget::kStream && carry_n_ > 0) {
+      sink.on_payload(channel, current_, carry_.data(), delivered_, carry_n_);
+      carry_n_ = 0;
+    }
+    in_msg_ = false;
+    sink.on_message(channel, current_);
+  }
+  return std::nullopt;
+}
+
+void Reassembler::payload(RecvSink& sink, int channel, const char* data, std::size_t n) {
+  const std::size_t total = n;
+  switch (target_.mode) {
+    case RecvTarget::kDirect:
+      if (n > 0) std::memcpy(target_.dst + done_, data, n);
+      break;
+    case RecvTarget::kDiscard:
+      break;
+    case RecvTarget::kStream: {
+      // Pieces must be whole units starting at unit-aligned addresses; fragment bodies are
+      // multiples of 32 bytes into the slot, so the carry is only used for units that do not
+      // divide that, and the bounce buffer for slots that are not aligned to the unit.
+      const std::size_t unit = target_.unit;
+      if (carry_n_ > 0) {
+        const std::size_t k = std::min(unit - carry_n_, n);
+        std::memcpy(carry_.data() + carry_n_, data, k);
+        carry_n_ += k;
+        data += k;
+        n -= k;
+        if (carry_n_ == unit) {
+          sink.on_payload(channel, current_, carry_.data(), delivered_, unit);
+          delivered_ += unit;
+          carry_n_ = 0;
+        }
+      }
+      const std::size_t whole = n - n % unit;
+      if (whole > 0) {
+        const char* piece = data;
+        if (reinterpret_cast<std::uintptr_t>(data) % unit != 0) {
+          std::memcpy(bounce_.get(), data, whole);
+          piece = bounce_.get();
+        }
+        sink.on_payload(channel, current_, piece, delivered_, whole);
+        delivered_ += whole;
+      }
+      if (n > whole) {
+        std::memcpy(carry_.data() + carry_n_, data + whole, n - whole);
+        carry_n_ += n - whole;
+      }
+      break;
+    }
+  }
+  done_ += total;
+}
+
+std::optional<std::string> accept_credits(SendWindow& w, std::uint32_t credits, int peer) {
+  if (w.on_returned(credits)) return std::nullopt;
+  return "protocol violation: rank " + std::to_string(peer) + " returned " +
+         std::to_string(credits) + " credits with only " + std::to_string(w.unacknowledged()) +
+         " outstanding";
+}
+
+std::optional<std::string> accept_fragment(RecvWindow& w, std::uint32_t seq,
+                                           std::uint32_t buffer) {
+  if (w.arrived(seq, buffer)) return std::nullopt;
+  return "protocol violation: fragment " + std::to_string(seq) +
+         " outside the receive window (next expected " + std::to_string(w.expected()) + ")";
+}
+
+void check_slot_options(std::string_view transport, std::size_t slot_bytes, std::uint32_t slots,
+                        int rank) {
+  const std::string name(transport);
+  if (slots < 2 || slots > 1024) {
+    throw Error(ErrorCode::kInvalidArgument,
+                name + ": slots=" + std::to_string(slots) + " is outside [2, 1024]", rank);
+  }
+  if (slot_bytes < 1024 || slot_bytes > (64U << 20) || slot_bytes % 64 != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                name + ": slot_bytes=" + std::to_string(slot_bytes) +
+                    " must be a multiple of 64 in [1 KiB, 64 MiB]",
+                rank);
+  }
+}
+
+}  // namespace dear::transport::rma

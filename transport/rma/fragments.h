@@ -1,0 +1,137 @@
+// Messages cut into slot-sized fragments and put back together: the part of a slot-staged
+// channel (libfabric RDM endpoints, ibverbs queue pairs) that knows the link contract's
+// messages (transport/link.h) but not the API that moves the bytes.
+//
+// Why a separate piece: both back-ends stage every fragment in a slot of `slot_bytes`, behind a
+// 32-byte prefix of their own, and the rules for what follows the prefix (a message's first
+// fragment carries its FrameHeader, then payload in order), for back-pressure, and for handing a
+// message to a RecvSink (kDirect copies, kStream pieces of whole units at aligned addresses,
+// kDiscard) are the same for both. Written once here, they are unit tested without a network.
+//
+// A fragment's body (what follows the back-end's prefix):
+//   first fragment of a message:  FrameHeader (32 bytes), then payload bytes [0, k)
+//   later fragments:              payload bytes [k, k + n)
+// A message of 0 bytes is one fragment holding only its header.
+//
+// Not thread-safe: one channel, one thread, as for every Channel.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "transport/link.h"
+#include "transport/rma/slot_window.h"
+
+namespace dear::transport::rma {
+
+// The sender's queue of messages (Channel::try_send) and the fragmenting of its head message.
+// Payloads are not copied: they stay the caller's until the message is reported sent.
+class SendQueue {
+ public:
+  // Messages queued per channel before try_send() answers false (back-pressure).
+  static constexpr std::size_t kCapacity = 64;
+
+  [[nodiscard]] bool full() const { return count_ == kCapacity; }
+  [[nodiscard]] bool empty() const { return count_ == 0; }
+  [[nodiscard]] std::size_t size() const { return count_; }
+  // Payload bytes of the queued messages, counted until each is wholly fragmented.
+  [[nodiscard]] std::size_t bytes() const { return bytes_; }
+
+  // Queues a message. Requires !full().
+  void push(const FrameHeader& h, const void* payload, std::uint64_t token);
+
+  struct Fragment {
+    std::uint32_t bytes = 0;  // body bytes written (FrameHeader included on a first fragment)
+    bool first = false;       // starts a message: the body opens with its FrameHeader
+  };
+  // Writes the body of the head message's next fragment to `dst`, at most `room` bytes (room >
+  // sizeof(FrameHeader)). Changes nothing: a fragment the transport does not take (try again
+  // later) is simply filled again. Requires !empty().
+  [[nodiscard]] Fragment fill(char* dst, std::size_t room) const;
+  // The fragment last filled has been handed to the transport. Returns the message's token when
+  // that fragment was its last: the message is sent (its payload is no longer read).
+  [[nodiscard]] std::optional<std::uint64_t> commit(const Fragment& f);
+  // Forgets every queued message (the channel closes); none is reported sent.
+  void clear();
+
+ private:
+  struct Pending {
+    FrameHeader header;
+    const char* payload;
+    std::uint64_t token;
+  };
+  std::array<Pending, kCapacity> queue_{};
+  std::size_t head_ = 0;
+  std::size_t count_ = 0;
+  std::size_t bytes_ = 0;
+  std::size_t head_offset_ = 0;  // payload bytes of the head message already fragmented
+  bool head_started_ = false;
+};
+
+// The receiver's side: fragment bodies, in sequence order, turned into RecvSink calls.
+// on_header() when a message starts, its payload as the sink asked (kDirect: copied to `dst`;
+// kStream: on_payload() with whole multiples of `unit` starting at `unit`-aligned addresses,
+// the remainder of a unit carried across fragments, a misaligned run copied to a bounce buffer
+// first; kDiscard: dropped), then on_message() once the header's byte count is in.
+class Reassembler {
+ public:
+  // The largest stream unit a sink may ask for (units that straddle fragments are carried here).
+  static constexpr std::size_t kMaxUnit = 64;
+
+  // `max_body`: the most bytes one fragment body may hold (it sizes the bounce buffer).
+  explicit Reassembler(std::size_t max_body);
+
+  // The next fragment body in sequence, `n` bytes at `body`; `first` as its prefix says. Returns
+  // what is wrong with it (a protocol violation, or a stream unit above kMaxUnit) or nullopt.
+  // After an error the channel is dead: what was already delivered stays delivered.
+  [[nodiscard]] std::optional<std::string> on_fragment(RecvSink& sink, int channel,
+                                                       const char* body, std::size_t n,
+                                                       bool first);
+  // Inside a message: some of its fragments have arrived, not all.
+  [[nodiscard]] bool in_message() const { return in_msg_; }
+
+ private:
+  struct FreeDeleter {
+    void operator()(char* p) const { std::free(p); }
+  };
+  void payload(RecvSink& sink, int channel, const char* data, std::size_t n);
+
+  bool in_msg_ = false;
+  FrameHeader current_{};
+  RecvTarget target_{};
+  std::size_t done_ = 0;       // payload bytes of the current message received
+  std::size_t delivered_ = 0;  // kStream: bytes handed to on_payload
+  alignas(kMaxUnit) std::array<char, kMaxUnit> carry_{};
+  std::size_t carry_n_ = 0;
+  std::unique_ptr<char, FreeDeleter> bounce_;  // kStream pieces that arrive misaligned
+};
+
+// A sink that takes nothing: what arrives while a channel closes belongs to no operation.
+struct NullSink final : RecvSink {
+  RecvTarget on_header(int, const FrameHeader&) override { return {}; }
+  void on_payload(int, const FrameHeader&, const char*, std::size_t, std::size_t) override {}
+  void on_message(int, const FrameHeader&) override {}
+  void on_sent(int, std::uint64_t) override {}
+  void on_closed(int) override {}
+};
+
+// The arrival checks both back-ends make, worded alike whichever carries the data: credits a
+// peer returned (`peer` names it), and a data fragment `seq` that arrived in `buffer`. Each
+// returns the protocol violation, or nullopt once the window has recorded it.
+[[nodiscard]] std::optional<std::string> accept_credits(SendWindow& w, std::uint32_t credits,
+                                                        int peer);
+[[nodiscard]] std::optional<std::string> accept_fragment(RecvWindow& w, std::uint32_t seq,
+                                                         std::uint32_t buffer);
+
+// Throws dear::Error(kInvalidArgument), naming `transport` ("fabric", "verbs"), unless slots is
+// in [2, 1024] and slot_bytes a multiple of 64 in [1 KiB, 64 MiB].
+void check_slot_options(std::string_view transport, std::size_t slot_bytes, std::uint32_t slots,
+                        int rank);
+
+}  // namespace dear::transport::rma
