@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "channel_exchange.h"
 #include "dear/bootstrap.h"
 #include "harness.h"
 #include "reference.h"
@@ -171,134 +172,16 @@ TEST_P(Fabric, LargeSlicesSplitIntoFragments) {
 // ---- links to arbitrary peers (connect_peers)
 // ----------------------------------------------------------------
 
-// Records what arrives on a set of channels: each message's payload, by channel.
-struct CollectSink final : transport::RecvSink {
-  std::vector<std::vector<std::vector<char>>> got;  // [channel][message] payload
-  std::vector<std::vector<char>> current;           // [channel] the message being received
-  std::size_t sent = 0;
-  std::size_t closed = 0;
-  explicit CollectSink(std::size_t channels) : got(channels), current(channels) {}
-  transport::RecvTarget on_header(int channel, const transport::FrameHeader& h) override {
-    auto& buf = current[static_cast<std::size_t>(channel)];
-    buf.assign(h.bytes, 0);
-    return {transport::RecvTarget::kDirect, buf.data(), 1};
-  }
-  void on_payload(int, const transport::FrameHeader&, const char*, std::size_t,
-                  std::size_t) override {}
-  void on_message(int channel, const transport::FrameHeader&) override {
-    const auto c = static_cast<std::size_t>(channel);
-    got[c].push_back(std::move(current[c]));
-  }
-  void on_sent(int, std::uint64_t) override { ++sent; }
-  void on_closed(int) override { ++closed; }
-};
-
-// Byte i of message m from rank `from` to rank `to`.
-char peer_byte(int from, int to, int m, std::size_t i) {
-  return static_cast<char>((from * 131 + to * 31 + m * 7 + static_cast<int>(i % 251)) & 0xff);
-}
-
-// 4 ranks as threads, each joined to rank^1 and rank^2 (the links of recursive doubling): every
-// rank sends messages of several sizes (one spanning many slots) on every channel, both ways at
-// once, and checks every byte it receives and on which channel it arrives.
+// Every rank joined to rank^1 and rank^2 exchanges messages of several sizes both ways on every
+// channel (tests/channel_exchange.h).
 TEST_P(Fabric, ConnectPeersExchangesBothWaysOnEveryChannel) {
-  const int n = 4;
-  const std::vector<std::size_t> sizes = {0, 1, 4096, 300007};
-  const UniqueId id = UniqueId::create("127.0.0.1");
-  std::vector<std::string> failures(static_cast<std::size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      std::string& failure = failures[static_cast<std::size_t>(r)];
-      try {
-        auto bs = Bootstrap::create(id, r, n);
-        const std::vector<int> peers = {r ^ 1, r ^ 2};
-        transport::fabric::FabricOptions fo;
-        fo.provider = GetParam();
-        auto chans = transport::fabric::connect_peers(*bs, peers, fo);
-        if (chans.size() != peers.size()) {
-          failure = "got " + std::to_string(chans.size()) + " channels";
-          return;
-        }
-        std::vector<std::vector<std::vector<char>>> out(peers.size());
-        for (std::size_t c = 0; c < peers.size(); ++c) {
-          for (std::size_t m = 0; m < sizes.size(); ++m) {
-            std::vector<char> p(sizes[m]);
-            for (std::size_t i = 0; i < p.size(); ++i) {
-              p[i] = peer_byte(r, peers[c], static_cast<int>(m), i);
-            }
-            out[c].push_back(std::move(p));
-          }
-        }
-        CollectSink sink(peers.size());
-        // Each channel: the messages, then (once everything from the peer is in) an
-        // acknowledgement, so no rank closes before its peers have all it sent.
-        std::vector<std::size_t> next(peers.size(), 0);
-        std::vector<bool> acked(peers.size(), false);
-        std::vector<bool> ack_sent(peers.size(), false);
-        const auto deadline = std::chrono::steady_clock::now() + 20s;
-        for (;;) {
-          bool done = true;
-          for (std::size_t c = 0; c < peers.size(); ++c) {
-            auto& ch = *chans[c];
-            while (next[c] < sizes.size()) {
-              transport::FrameHeader h;
-              h.bytes = static_cast<std::uint32_t>(sizes[next[c]]);
-              h.seq = next[c];
-              if (!ch.try_send(h, out[c][next[c]].data(), next[c])) break;
-              ++next[c];
-            }
-            const bool all_in = sink.got[c].size() >= sizes.size();
-            if (all_in && !ack_sent[c]) {
-              transport::FrameHeader h;
-              h.type = transport::FrameType::kPosted;
-              h.seq = 1000;
-              ack_sent[c] = ch.try_send(h, nullptr, 1000);
-            }
-            ch.progress(sink, true);
-            acked[c] = sink.got[c].size() > sizes.size();
-            done = done && next[c] == sizes.size() && ack_sent[c] && acked[c];
-          }
-          if (done) break;
-          if (std::chrono::steady_clock::now() > deadline) {
-            failure = "timed out: received";
-            for (std::size_t c = 0; c < peers.size(); ++c) {
-              failure += " " + std::to_string(sink.got[c].size()) + " from rank " +
-                         std::to_string(peers[c]);
-            }
-            return;
-          }
-          std::this_thread::yield();
-        }
-        for (std::size_t c = 0; c < peers.size(); ++c) {
-          for (std::size_t m = 0; m < sizes.size(); ++m) {
-            const auto& g = sink.got[c][m];
-            if (g.size() != sizes[m]) {
-              failure = "message " + std::to_string(m) + " from rank " + std::to_string(peers[c]) +
-                        " has " + std::to_string(g.size()) + " bytes, want " +
-                        std::to_string(sizes[m]);
-              return;
-            }
-            for (std::size_t i = 0; i < g.size(); ++i) {
-              if (g[i] != peer_byte(peers[c], r, static_cast<int>(m), i)) {
-                failure = "message " + std::to_string(m) + " from rank " +
-                          std::to_string(peers[c]) + ": byte " + std::to_string(i) + " wrong";
-                return;
-              }
-            }
-          }
-          EXPECT_NE(chans[c]->describe().find("rank " + std::to_string(peers[c])),
-                    std::string::npos)
-              << chans[c]->describe();
-        }
-        for (auto& ch : chans) ch->close();
-      } catch (const std::exception& e) {
-        failure = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < n; ++r) EXPECT_EQ(failures[static_cast<std::size_t>(r)], "") << "rank " << r;
+  const std::string provider = GetParam();
+  const auto failures = exchange_with_peers(4, [&](Bootstrap& bs, const std::vector<int>& peers) {
+    transport::fabric::FabricOptions fo;
+    fo.provider = provider;
+    return transport::fabric::connect_peers(bs, peers, fo);
+  });
+  for (std::size_t r = 0; r < failures.size(); ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
 // Asymmetric lists are named, not hung: rank 0 lists rank 1, rank 1 lists nobody.

@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "channel_exchange.h"
 #include "dear/bootstrap.h"
 #include "dear/error.h"
 #include "transport/verbs/qp_plan.h"
@@ -348,93 +349,13 @@ TEST_F(VerbsDevice, UnknownDeviceIsNamedWithTheDevicesThereAre) {
 }
 
 // Ranks as threads over the first active port (loopback through the NIC): every rank joined
-// to rank^1 and rank^2 sends messages of several sizes, one spanning many slots, both ways.
+// to rank^1 and rank^2 exchanges messages of several sizes, one spanning many slots, both ways
+// (tests/channel_exchange.h).
 TEST_F(VerbsDevice, ConnectPeersExchangesBothWaysOnEveryChannel) {
-  const int n = 4;
-  const std::vector<std::size_t> sizes = {0, 1, 4096, 300007};
-  const UniqueId id = UniqueId::create("127.0.0.1");
-  std::vector<std::string> failures(static_cast<std::size_t>(n));
-  std::vector<std::thread> threads;
-  struct Sink final : transport::RecvSink {
-    std::vector<std::vector<std::vector<char>>> got{2};
-    std::vector<std::vector<char>> cur{2};
-    transport::RecvTarget on_header(int c, const transport::FrameHeader& h) override {
-      cur[static_cast<std::size_t>(c)].assign(h.bytes, 0);
-      return {transport::RecvTarget::kDirect, cur[static_cast<std::size_t>(c)].data(), 1};
-    }
-    void on_payload(int, const transport::FrameHeader&, const char*, std::size_t,
-                    std::size_t) override {}
-    void on_message(int c, const transport::FrameHeader&) override {
-      got[static_cast<std::size_t>(c)].push_back(std::move(cur[static_cast<std::size_t>(c)]));
-    }
-    void on_sent(int, std::uint64_t) override {}
-    void on_closed(int) override {}
-  };
-  const auto byte = [](int from, int to, std::size_t m, std::size_t i) {
-    return static_cast<char>(
-        (from * 131 + to * 31 + static_cast<int>(m) * 7 + static_cast<int>(i % 251)) & 0xff);
-  };
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      std::string& failure = failures[static_cast<std::size_t>(r)];
-      try {
-        auto bs = Bootstrap::create(id, r, n);
-        const std::vector<int> peers = {r ^ 1, r ^ 2};
-        auto chans = transport::verbs::connect_peers(*bs, peers, {});
-        std::vector<std::vector<std::vector<char>>> out(2);
-        for (std::size_t c = 0; c < 2; ++c) {
-          for (std::size_t m = 0; m < sizes.size(); ++m) {
-            std::vector<char> p(sizes[m]);
-            for (std::size_t i = 0; i < p.size(); ++i) p[i] = byte(r, peers[c], m, i);
-            out[c].push_back(std::move(p));
-          }
-        }
-        Sink sink;
-        std::vector<std::size_t> next(2, 0);
-        std::vector<bool> ack_sent(2, false);
-        const auto deadline = std::chrono::steady_clock::now() + 20s;
-        for (;;) {
-          bool done = true;
-          for (std::size_t c = 0; c < 2; ++c) {
-            while (next[c] < sizes.size()) {
-              transport::FrameHeader h;
-              h.bytes = static_cast<std::uint32_t>(sizes[next[c]]);
-              if (!chans[c]->try_send(h, out[c][next[c]].data(), next[c])) break;
-              ++next[c];
-            }
-            if (sink.got[c].size() >= sizes.size() && !ack_sent[c]) {
-              transport::FrameHeader h;
-              h.type = transport::FrameType::kPosted;
-              ack_sent[c] = chans[c]->try_send(h, nullptr, 99);
-            }
-            chans[c]->progress(sink, true);
-            done =
-                done && next[c] == sizes.size() && ack_sent[c] && sink.got[c].size() > sizes.size();
-          }
-          if (done) break;
-          if (std::chrono::steady_clock::now() > deadline) {
-            failure = "timed out";
-            return;
-          }
-        }
-        for (std::size_t c = 0; c < 2; ++c) {
-          for (std::size_t m = 0; m < sizes.size(); ++m) {
-            const auto& g = sink.got[c][m];
-            bool ok = g.size() == sizes[m];
-            for (std::size_t i = 0; ok && i < g.size(); ++i) ok = g[i] == byte(peers[c], r, m, i);
-            if (!ok)
-              failure = "message " + std::to_string(m) + " from rank " + std::to_string(peers[c]) +
-                        " is wrong";
-          }
-        }
-        for (auto& ch : chans) ch->close();
-      } catch (const std::exception& e) {
-        failure = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < n; ++r) EXPECT_EQ(failures[static_cast<std::size_t>(r)], "") << "rank " << r;
+  const auto failures = exchange_with_peers(4, [](Bootstrap& bs, const std::vector<int>& peers) {
+    return transport::verbs::connect_peers(bs, peers, {});
+  });
+  for (std::size_t r = 0; r < failures.size(); ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
 }  // namespace
