@@ -3,24 +3,18 @@
 #include <mpi.h>
 
 #include <array>
-#include <chrono>
 #include <climits>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "collectives/engine.h"  // Work::State
 #include "collectives/reduce.h"
 #include "dear/error.h"
+#include "scheduler/external_ops.h"
 
 namespace dear::scheduler {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 // MPI is initialised once per process; the last communicator made here finalises it if this
 // file initialised it.
@@ -97,25 +91,21 @@ class MpiCommunicator final : public Communicator {
       check(MPI_Op_create(user_function<DataType::kBFloat16>(kBaseOps[i]), 1, &bf16_ops_[i]),
             "MPI_Op_create");
     }
-    progress_ = std::thread([this] { progress_loop(); });
+    ops_ = std::make_unique<ExternalOps>(rank_);
   }
 
   ~MpiCommunicator() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    work_cv_.notify_all();
-    if (progress_.joinable()) progress_.join();
+    const bool failed = ops_->failed();
+    ops_.reset();  // waits for what is outstanding
     // A communicator that failed may have requests MPI still holds: it cannot be freed
     // safely then, so it is left to the end of the process.
-    if (!failed_) {
+    if (!failed) {
       for (auto& op : half_ops_) MPI_Op_free(&op);
       for (auto& op : bf16_ops_) MPI_Op_free(&op);
       MPI_Comm_free(&comm_);
     }
     std::lock_guard<std::mutex> lock(g_init_mu);
-    if (--g_live == 0 && g_initialised_here && !failed_) {
+    if (--g_live == 0 && g_initialised_here && !failed) {
       int finalized = 0;
       MPI_Finalized(&finalized);
       if (finalized == 0) MPI_Finalize();
@@ -131,8 +121,8 @@ class MpiCommunicator final : public Communicator {
                   const OpOptions& opts) override {
     const int n = int_count(count, "all_reduce");
     check_pointers(in, out, count, "all_reduce");
-    Pending p = pending("all_reduce", count, dtype, op, opts);
-    p.avg_at = op == ReduceOp::kAvg ? out : nullptr;
+    auto p = pending("all_reduce", count, dtype, op, opts);
+    p->avg_at = op == ReduceOp::kAvg ? out : nullptr;
     const void* send = in == out ? MPI_IN_PLACE : in;
     return submit(std::move(p), [&](MPI_Request* req) {
       return MPI_Iallreduce(send, out, n, mpi_type(dtype), mpi_op(dtype, op), comm_, req);
@@ -143,18 +133,18 @@ class MpiCommunicator final : public Communicator {
                       ReduceOp op, const OpOptions& opts) override {
     const int n = int_count(recv_count * static_cast<std::size_t>(size_), "reduce_scatter");
     check_pointers(in, out, recv_count, "reduce_scatter");
-    Pending p = pending("reduce_scatter", recv_count, dtype, op, opts);
+    auto p = pending("reduce_scatter", recv_count, dtype, op, opts);
     const std::size_t bytes = recv_count * dtype_size(dtype);
     void* dst = out;
     // In place, dear's result lands in this rank's block of the input; MPI's would land at its
     // start, so the result goes through a buffer of its own and is copied on completion.
     if (out == static_cast<const char*>(in) + static_cast<std::size_t>(rank_) * bytes &&
         bytes > 0) {
-      p.scratch.resize(bytes);
-      dst = p.scratch.data();
-      p.copy_to = out;
+      p->scratch.resize(bytes);
+      dst = p->scratch.data();
+      p->copy_to = out;
     }
-    p.avg_at = op == ReduceOp::kAvg ? out : nullptr;
+    p->avg_at = op == ReduceOp::kAvg ? out : nullptr;
     (void)n;
     return submit(std::move(p), [&](MPI_Request* req) {
       return MPI_Ireduce_scatter_block(in, dst, static_cast<int>(recv_count), mpi_type(dtype),
@@ -166,7 +156,7 @@ class MpiCommunicator final : public Communicator {
                   const OpOptions& opts) override {
     (void)int_count(send_count * static_cast<std::size_t>(size_), "all_gather");
     check_pointers(in, out, send_count, "all_gather");
-    Pending p = pending("all_gather", send_count, dtype, ReduceOp::kSum, opts);
+    auto p = pending("all_gather", send_count, dtype, ReduceOp::kSum, opts);
     const std::size_t bytes = send_count * dtype_size(dtype);
     const bool in_place = in == static_cast<const char*>(out) + static_cast<std::size_t>(rank_) * bytes;
     const void* send = in_place ? MPI_IN_PLACE : in;
@@ -187,39 +177,44 @@ class MpiCommunicator final : public Communicator {
     if (count > 0 && out == nullptr) null_arg("out", count, "broadcast");
     if (rank_ == root && count > 0 && in == nullptr) null_arg("in", count, "broadcast");
     if (rank_ == root && in != out && count > 0) std::memcpy(out, in, count * dtype_size(dtype));
-    Pending p = pending("broadcast", count, dtype, ReduceOp::kSum, opts);
+    auto p = pending("broadcast", count, dtype, ReduceOp::kSum, opts);
     return submit(std::move(p), [&](MPI_Request* req) {
       return MPI_Ibcast(out, n, mpi_type(dtype), root, comm_, req);
     });
   }
 
   Work barrier(const OpOptions& opts) override {
-    Pending p = pending("barrier", 0, DataType::kUint8, ReduceOp::kSum, opts);
+    auto p = pending("barrier", 0, DataType::kUint8, ReduceOp::kSum, opts);
     return submit(std::move(p), [&](MPI_Request* req) { return MPI_Ibarrier(comm_, req); });
   }
 
   void abort(const std::string& reason) override {
-    std::vector<std::shared_ptr<Work::State>> done;
-    std::exception_ptr e;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      fail_locked(Error(ErrorCode::kAborted, "Communicator::abort(): " + reason, rank_), done);
-      e = failed_;
-    }
-    for (auto& s : done) s->complete(e);
+    ops_->fail(Error(ErrorCode::kAborted, "Communicator::abort(): " + reason, rank_));
   }
 
  private:
-  struct Pending {
-    std::shared_ptr<Work::State> state;
+  struct Pending final : ExternalOps::Op {
     MPI_Request request = MPI_REQUEST_NULL;
-    std::string what;
-    Clock::time_point deadline;
+    int rank = 0;
+    int nranks = 1;
     std::size_t count = 0;
     DataType dtype = DataType::kFloat32;
-    void* avg_at = nullptr;       // kAvg: divide these `count` elements on completion
-    std::vector<char> scratch;    // in-place reduce_scatter: where MPI writes the block
-    void* copy_to = nullptr;      // ... and where it goes on completion
+    void* avg_at = nullptr;     // kAvg: divide these `count` elements on completion
+    std::vector<char> scratch;  // in-place reduce_scatter: where MPI writes the block
+    void* copy_to = nullptr;    // ... and where it goes on completion
+
+    bool test() override {
+      int flag = 0;
+      const int rc = MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) throw Error(ErrorCode::kPeerFailed, what + ": " + mpi_error_text(rc), rank);
+      return flag != 0;
+    }
+    void finish() override {
+      if (copy_to != nullptr) std::memcpy(copy_to, scratch.data(), scratch.size());
+      if (avg_at != nullptr) {
+        collectives::finish_single(avg_at, avg_at, count, dtype, ReduceOp::kAvg, nranks);
+      }
+    }
   };
 
   void check(int rc, const char* call) const {
@@ -266,8 +261,8 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
-  Pending pending(const char* name, std::size_t count, DataType dtype, ReduceOp op,
-                  const OpOptions& opts) const {
+  std::unique_ptr<Pending> pending(const char* name, std::size_t count, DataType dtype,
+                                   ReduceOp op, const OpOptions& opts) const {
     if (!is_valid(dtype)) {
       throw Error(ErrorCode::kInvalidArgument,
                   "dtype=" + std::to_string(static_cast<int>(dtype)) + " is not a DataType", rank_,
@@ -278,103 +273,27 @@ class MpiCommunicator final : public Communicator {
                   "op=" + std::to_string(static_cast<int>(op)) + " is not a ReduceOp", rank_,
                   Error::kNone, name);
     }
-    Pending p;
-    p.what = std::string(name) + " count=" + std::to_string(count) + " dtype=" +
-             std::string(to_string(dtype));
-    p.count = count;
-    p.dtype = dtype;
-    const auto timeout = opts.timeout.count() > 0 ? opts.timeout : options_.timeout;
-    p.deadline = Clock::now() + timeout;
+    auto p = std::make_unique<Pending>();
+    p->what = std::string(name) + " count=" + std::to_string(count) + " dtype=" +
+              std::string(to_string(dtype));
+    p->rank = rank_;
+    p->nranks = size_;
+    p->count = count;
+    p->dtype = dtype;
+    p->deadline = deadline_of(opts, options_);
     return p;
   }
 
+  // Starts the MPI call under the library lock; a failed start fails that Work alone.
   template <typename Issue>
-  Work submit(Pending p, Issue issue) {
-    auto state = std::make_shared<Work::State>();
-    p.state = state;
-    std::exception_ptr failed;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      state->seq = next_seq_++;
-      if (failed_) {
-        failed = failed_;
-      } else {
-        const int rc = issue(&p.request);
-        if (rc != MPI_SUCCESS) {
-          failed = std::make_exception_ptr(
-              Error(ErrorCode::kPeerFailed, p.what + ": " + mpi_error_text(rc), rank_));
-        } else {
-          pending_.push_back(std::move(p));
-        }
+  Work submit(std::unique_ptr<Pending> p, Issue issue) {
+    return ops_->submit(std::move(p), [&](ExternalOps::Op& op) {
+      auto& mine = static_cast<Pending&>(op);
+      const int rc = issue(&mine.request);
+      if (rc != MPI_SUCCESS) {
+        throw Error(ErrorCode::kPeerFailed, mine.what + ": " + mpi_error_text(rc), rank_);
       }
-    }
-    if (failed) {
-      state->complete(failed);
-    } else {
-      work_cv_.notify_one();
-    }
-    return Work(state);
-  }
-
-  // Under mu_: records the failure and hands back every pending operation's state.
-  void fail_locked(const Error& e, std::vector<std::shared_ptr<Work::State>>& done) {
-    if (!failed_) failed_ = std::make_exception_ptr(e);
-    for (auto& p : pending_) done.push_back(p.state);
-    pending_.clear();
-  }
-
-  void finish(Pending& p) const {
-    if (p.copy_to != nullptr) std::memcpy(p.copy_to, p.scratch.data(), p.scratch.size());
-    if (p.avg_at != nullptr) {
-      collectives::finish_single(p.avg_at, p.avg_at, p.count, p.dtype, ReduceOp::kAvg, size_);
-    }
-  }
-
-  void progress_loop() {
-    std::vector<std::shared_ptr<Work::State>> succeeded;
-    std::vector<std::shared_ptr<Work::State>> failed;
-    for (;;) {
-      std::exception_ptr error;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        work_cv_.wait(lock, [&] { return stop_ || !pending_.empty(); });
-        if (stop_ && (pending_.empty() || failed_)) return;
-        // MPI completes collectives in issue order on every rank; testing them in that
-        // order keeps each MPI_Test call's progress useful.
-        for (auto it = pending_.begin(); it != pending_.end();) {
-          int flag = 0;
-          const int rc = MPI_Test(&it->request, &flag, MPI_STATUS_IGNORE);
-          if (rc != MPI_SUCCESS) {
-            fail_locked(Error(ErrorCode::kPeerFailed, it->what + ": " + mpi_error_text(rc), rank_),
-                        failed);
-            break;
-          }
-          if (flag == 0) {
-            ++it;
-            continue;
-          }
-          finish(*it);
-          succeeded.push_back(it->state);
-          it = pending_.erase(it);
-        }
-        if (!pending_.empty() && Clock::now() >= pending_.front().deadline) {
-          const Pending& p = pending_.front();
-          fail_locked(Error(ErrorCode::kTimeout,
-                            p.what + " did not complete within its deadline over MPI; a rank is "
-                                     "dead, stalled, or did not issue it",
-                            rank_),
-                      failed);
-        }
-        error = failed_;
-      }
-      for (auto& s : succeeded) s->complete(nullptr);
-      for (auto& s : failed) s->complete(error);
-      succeeded.clear();
-      failed.clear();
-      // MPI moves a collective forward only inside its calls: test again soon, without
-      // spinning a core that the ranks' compute needs.
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+    });
   }
 
   CommOptions options_;
@@ -384,13 +303,8 @@ class MpiCommunicator final : public Communicator {
   std::array<MPI_Op, std::size(kBaseOps)> half_ops_{};
   std::array<MPI_Op, std::size(kBaseOps)> bf16_ops_{};
 
-  std::mutex mu_;  // every MPI call after construction, and the fields below
-  std::condition_variable work_cv_;
-  std::deque<Pending> pending_;
-  std::uint64_t next_seq_ = 0;
-  std::exception_ptr failed_;
-  bool stop_ = false;
-  std::thread progress_;
+  // Every MPI call after construction runs under ops_'s library lock.
+  std::unique_ptr<ExternalOps> ops_;
 };
 
 }  // namespace

@@ -34,6 +34,13 @@ echo "$out" | tail -n 5
 if echo "$out" | grep -q "SKIPPED"; then echo "$out" | grep -m1 -i "no CUDA device"; fail "GPU tests skipped"; fi
 timeout 60 "$build/tests/test_staging" --gtest_brief=1 || fail "test_staging"
 
+step "scheduler on NCCL (one rank per GPU; skipped where NCCL was not found)"
+if timeout 120 cmake --build "$build" -j"$(nproc)" --target test_nccl_comm >/dev/null 2>&1; then
+  timeout 120 "$build/tests/test_nccl_comm" --gtest_brief=1 || fail "test_nccl_comm"
+else
+  echo "test_nccl_comm not built (no NCCL in this toolkit)"
+fi
+
 step "kernel throughput vs cudaMemcpy D2D (GB/s = memory traffic; compare the columns)"
 timeout 90 "$build/bench/cuda-reduce-bench" --benchmark_min_time=0.05 \
   --benchmark_filter='memcpy_d2d|reduce/(float|half|bfloat16|int8)/(sum|avg)' \

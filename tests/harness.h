@@ -59,10 +59,15 @@ inline std::optional<std::string> suite_transport_unavailable() {
   } while (false)
 #endif
 
+// How a rank's communicator is made from its bootstrap; unset: Communicator::create.
+using CommFactory =
+    std::function<std::unique_ptr<Communicator>(std::unique_ptr<Bootstrap>&, CommOptions)>;
+
 // Calls fn(comm) on each of n ranks (threads); returns each rank's failure (null where the
 // rank succeeded). Ranks that fail leave their communicator, so peers see the failure too.
 inline std::vector<std::exception_ptr> run_ranks_collect(
-    int n, const std::function<void(Communicator&)>& fn, CommOptions options = {}) {
+    int n, const std::function<void(Communicator&)>& fn, CommOptions options = {},
+    const CommFactory& make = {}) {
   if (const char* t = std::getenv("DEAR_TEST_TIMEOUT_MS")) {
     options.timeout = std::chrono::milliseconds(std::atoi(t));
   }
@@ -73,7 +78,8 @@ inline std::vector<std::exception_ptr> run_ranks_collect(
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       try {
-        auto comm = Communicator::create(Bootstrap::create(id, r, n), options);
+        auto boot = Bootstrap::create(id, r, n);
+        auto comm = make ? make(boot, options) : Communicator::create(std::move(boot), options);
         fn(*comm);
       } catch (...) {
         errors[static_cast<std::size_t>(r)] = std::current_exception();
@@ -87,8 +93,8 @@ inline std::vector<std::exception_ptr> run_ranks_collect(
 // As run_ranks_collect, but prints every rank's failure (the first one thrown is not always
 // the cause) and rethrows the lowest rank's.
 inline void run_ranks(int n, const std::function<void(Communicator&)>& fn,
-                      CommOptions options = {}) {
-  const auto errors = run_ranks_collect(n, fn, std::move(options));
+                      CommOptions options = {}, const CommFactory& make = {}) {
+  const auto errors = run_ranks_collect(n, fn, std::move(options), make);
   std::exception_ptr first;
   for (int r = 0; r < n; ++r) {
     const auto& e = errors[static_cast<std::size_t>(r)];

@@ -21,3 +21,10 @@ if(DEAR_HAVE_MPI AND DEAR_MPIRUN)
                          ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
   endforeach()
 endif()
+
+# The policies on NCCL (scheduler/nccl_comm.h): its no-device error here; collectives and
+# replay on a machine with CUDA devices (one rank per device).
+if(DEAR_HAVE_NCCL AND TARGET dear_cuda)
+  dear_test(test_nccl_comm SOURCES test_nccl_comm.cc LIBS dear_scheduler dear_cuda LABELS cuda
+            PROPERTIES TIMEOUT 300)
+endif()

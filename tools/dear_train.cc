@@ -2,6 +2,7 @@
 //
 //   dear-run -n 4 dear-train --model resnet50 --policy dear --time-scale 0.1
 //   mpirun -np 4 dear-train --backend mpi --model resnet50 --policy dear --time-scale 0.1
+//   dear-run -n 4 dear-train --backend nccl ...   (one CUDA device per rank)
 //
 // Each rank replays the profile's compute (sleeping or busy), issues the policy's collectives
 // on a dear::Communicator, applies SGD to synthetic gradients where the policy says, and rank 0
@@ -23,6 +24,7 @@
 #include "tools/tool_util.h"
 #include "dear/scheduler/replay.h"
 #include "scheduler/mpi_comm.h"
+#include "scheduler/nccl_comm.h"
 #include "dear/scheduler/simulator.h"
 
 namespace {
@@ -79,9 +81,10 @@ int main(int argc, char** argv) {
                  "all_reduce algorithm: auto, ring, gather_reduce, halving_doubling, "
                  "recursive_doubling or tree");
   app.add_option("--backend", backend,
-                 "collectives library: dear (launch with dear-run), or mpi (MPI-3 non-blocking "
-                 "collectives, whole operation by whole operation; launch with mpirun)")
-      ->check(CLI::IsMember({"dear", "mpi"}));
+                 "collectives library: dear (launch with dear-run), mpi (MPI-3 non-blocking "
+                 "collectives, whole operation by whole operation; launch with mpirun) or nccl "
+                 "(one CUDA device per rank; launch with dear-run)")
+      ->check(CLI::IsMember({"dear", "mpi", "nccl"}));
   app.add_option("--json", json_file, "write the results as JSON here (rank 0)");
   app.add_option("--trace", trace_file, "write a Chrome trace of --trace-policy here (rank 0)");
   app.add_option("--trace-policy", trace_policy, "policy whose run --trace records");
@@ -103,9 +106,16 @@ int main(int argc, char** argv) {
         policy_arg == "all" ? ds::policy_names() : split(policy_arg);
     if (names.empty()) throw dear::Error(dear::ErrorCode::kInvalidArgument, "--policy: empty");
 
-    auto comm = backend == "mpi"
-                    ? ds::make_mpi_communicator(dear::apply_env({}))
-                    : dear::Communicator::create_from_env(dear::Bootstrap::from_env());
+    std::unique_ptr<dear::Bootstrap> bootstrap;
+    std::unique_ptr<dear::Communicator> comm;
+    if (backend == "mpi") {
+      comm = ds::make_mpi_communicator(dear::apply_env({}));
+    } else if (backend == "nccl") {
+      bootstrap = dear::Bootstrap::from_env();
+      comm = ds::make_nccl_communicator(*bootstrap, dear::apply_env({}));
+    } else {
+      comm = dear::Communicator::create_from_env(dear::Bootstrap::from_env());
+    }
     rank = comm->rank();
     const int n = comm->size();
     const bool lead = rank == 0;
