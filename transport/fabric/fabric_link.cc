@@ -29,6 +29,9 @@ namespace dear::transport::fabric {
 namespace {
 
 using rma::kControlSlots;
+using rma::Kind;
+using rma::kPrefix;
+using rma::Prefix;
 using rma::Reassembler;
 using rma::RecvWindow;
 using rma::SendQueue;
@@ -49,22 +52,6 @@ constexpr auto kBusyPoll = std::chrono::microseconds(50);
 constexpr auto kIdlePoll = std::chrono::milliseconds(2);
 constexpr auto kBusyFor = std::chrono::milliseconds(10);
 
-enum class Kind : std::uint8_t { kData = 1, kCredit = 2, kBye = 3 };
-
-// Starts every fragment and control message. 32 bytes keep what follows 32-byte
-// aligned.
-struct Prefix {
-  std::uint64_t tag = 0;      // the communicator's: anything else is a stranger's and dropped
-  std::uint32_t seq = 0;      // kData: fragment sequence; kBye: data fragments sent before it
-  std::uint32_t credits = 0;  // credits returned to the receiver of this message
-  std::uint32_t bytes = 0;    // bytes after the prefix
-  Kind kind = Kind::kData;
-  std::uint8_t first = 0;  // kData: starts a message (a FrameHeader follows the prefix)
-  std::uint16_t reserved = 0;
-  std::uint64_t reserved2 = 0;
-};
-static_assert(sizeof(Prefix) == 32, "the fragment prefix is 32 bytes");
-constexpr std::size_t kPrefix = sizeof(Prefix);
 constexpr std::size_t kHeader = sizeof(FrameHeader);
 
 std::string fi_text(int rc) { return fi_strerror(rc < 0 ? -rc : rc); }

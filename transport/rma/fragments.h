@@ -2,13 +2,13 @@
 // channel (libfabric RDM endpoints, ibverbs queue pairs) that knows the link contract's
 // messages (transport/link.h) but not the API that moves the bytes.
 //
-// Why a separate piece: both back-ends stage every fragment in a slot of `slot_bytes`, behind a
-// 32-byte prefix of their own, and the rules for what follows the prefix (a message's first
+// Why a separate piece: both back-ends stage every fragment in a slot of `slot_bytes`, behind the
+// same 32-byte Prefix, and the rules for what follows the prefix (a message's first
 // fragment carries its FrameHeader, then payload in order), for back-pressure, and for handing a
 // message to a RecvSink (kDirect copies, kStream pieces of whole units at aligned addresses,
 // kDiscard) are the same for both. Written once here, they are unit tested without a network.
 //
-// A fragment's body (what follows the back-end's prefix):
+// A fragment's body (what follows its Prefix):
 //   first fragment of a message:  FrameHeader (32 bytes), then payload bytes [0, k)
 //   later fragments:              payload bytes [k, k + n)
 // A message of 0 bytes is one fragment holding only its header.
@@ -29,6 +29,24 @@
 #include "transport/rma/slot_window.h"
 
 namespace dear::transport::rma {
+
+enum class Kind : std::uint8_t { kData = 1, kCredit = 2, kBye = 3 };
+
+// Starts every fragment (in its slot) and every control message. 32 bytes keep what follows
+// 32-byte aligned.
+struct Prefix {
+  std::uint64_t tag = 0;      // fabric: the communicator's, anything else is a stranger's and
+                              // dropped; verbs: 0 (a queue pair has one peer)
+  std::uint32_t seq = 0;      // kData: fragment sequence; kBye: data fragments sent before it
+  std::uint32_t credits = 0;  // credits returned to the receiver of this message
+  std::uint32_t bytes = 0;    // bytes after the prefix
+  Kind kind = Kind::kData;
+  std::uint8_t first = 0;  // kData: starts a message (a FrameHeader follows the prefix)
+  std::uint16_t reserved = 0;
+  std::uint64_t reserved2 = 0;
+};
+static_assert(sizeof(Prefix) == 32, "the fragment prefix is 32 bytes");
+inline constexpr std::size_t kPrefix = sizeof(Prefix);
 
 // The sender's queue of messages (Channel::try_send) and the fragmenting of its head message.
 // Payloads are not copied: they stay the caller's until the message is reported sent.

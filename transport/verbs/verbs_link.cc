@@ -25,6 +25,9 @@ namespace dear::transport::verbs {
 namespace {
 
 using rma::kControlSlots;
+using rma::Kind;
+using rma::kPrefix;
+using rma::Prefix;
 using rma::Reassembler;
 using rma::RecvWindow;
 using rma::SendQueue;
@@ -38,22 +41,6 @@ constexpr auto kCloseLinger = std::chrono::milliseconds(200);
 // Receive work requests carry this bit in their id (send ids count up from 0), because an
 // error completion reports no opcode, only the id.
 constexpr std::uint64_t kRecvId = 1ULL << 63;
-
-enum class Kind : std::uint8_t { kData = 1, kCredit = 2, kBye = 3 };
-
-// Starts every fragment (in the slot) and every control message.
-struct Prefix {
-  std::uint32_t seq = 0;      // kData: fragment sequence; kBye: data fragments sent before it
-  std::uint32_t credits = 0;  // credits returned to the receiver of this message
-  std::uint32_t bytes = 0;    // bytes after the prefix
-  Kind kind = Kind::kData;
-  std::uint8_t first = 0;  // kData: starts a message (a FrameHeader follows the prefix)
-  std::uint16_t reserved = 0;
-  std::uint64_t reserved2 = 0;
-  std::uint64_t reserved3 = 0;
-};
-static_assert(sizeof(Prefix) == 32, "the fragment prefix is 32 bytes");
-constexpr std::size_t kPrefix = sizeof(Prefix);
 
 std::string errno_text(int e) { return std::strerror(e); }
 
