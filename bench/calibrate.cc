@@ -101,12 +101,44 @@ collectives::CostModel calibrate(Communicator& comm, const CalibrateOptions& opt
   });
   m.reduce_us_per_byte = reduce_us / static_cast<double>(kElems * sizeof(float));
 
+  // Each schedule's latency per step, from an 8-byte all_reduce run with it. A schedule this
+  // communicator cannot run (the log-step ones without their links) is refused on every rank
+  // alike, at submission, and keeps no entry.
+  constexpr std::pair<Algorithm, collectives::Schedule> kSchedules[] = {
+      {Algorithm::kRing, collectives::Schedule::kRing},
+      {Algorithm::kGatherReduce, collectives::Schedule::kGatherReduce},
+      {Algorithm::kRecursiveDoubling, collectives::Schedule::kRecursiveDoubling},
+      {Algorithm::kHalvingDoubling, collectives::Schedule::kHalvingDoubling},
+      {Algorithm::kTree, collectives::Schedule::kTree},
+  };
+  std::vector<double> alphas;
+  for (const auto& [algo, schedule] : kSchedules) {
+    OpOptions o;
+    o.algorithm = algo;
+    float v[2] = {1.0F, 2.0F};
+    try {
+      const double t = median_us(comm, opts, [&] {
+        comm.all_reduce(v, v, 2, DataType::kFloat32, ReduceOp::kSum, o).wait();
+      });
+      const int steps = collectives::latency_steps(collectives::OpKind::kAllReduce, schedule,
+                                                   sizeof(v), sizeof(float), g);
+      alphas.push_back(steps > 0 ? t / steps : 0);
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kInvalidArgument) throw;
+      alphas.push_back(-1);
+    }
+  }
+
   // Every rank uses rank 0's numbers (they agree already: the times are maxima over ranks).
-  double fit[3] = {m.alpha_us, m.beta_us_per_byte, m.reduce_us_per_byte};
-  comm.broadcast(fit, fit, 3, DataType::kFloat64, 0).wait();
+  std::vector<double> fit{m.alpha_us, m.beta_us_per_byte, m.reduce_us_per_byte};
+  fit.insert(fit.end(), alphas.begin(), alphas.end());
+  comm.broadcast(fit.data(), fit.data(), fit.size(), DataType::kFloat64, 0).wait();
   m.alpha_us = fit[0];
   m.beta_us_per_byte = fit[1];
   m.reduce_us_per_byte = fit[2];
+  for (std::size_t i = 0; i < std::size(kSchedules); ++i) {
+    if (fit[3 + i] >= 0) m.schedule_alpha_us[to_string(kSchedules[i].second)] = fit[3 + i];
+  }
   return m;
 }
 
@@ -125,6 +157,9 @@ void print_calibration(std::FILE* out, const collectives::CostModel& m) {
                m.alpha_us, m.beta_us_per_byte,
                m.beta_us_per_byte > 0 ? 1e-3 / m.beta_us_per_byte : 0.0, m.reduce_us_per_byte,
                m.reduce_us_per_byte > 0 ? 1e-3 / m.reduce_us_per_byte : 0.0);
+  for (const auto& [name, alpha] : m.schedule_alpha_us) {
+    std::fprintf(out, "# %s: %.2f us per step (8-byte all_reduce)\n", name.c_str(), alpha);
+  }
   std::fprintf(
       out, "# fit error: median %.1f%%, max %.1f%%\n", 100 * m.median_rel_error,
       100 * std::max_element(m.points.begin(), m.points.end(), [](const auto& x, const auto& y) {

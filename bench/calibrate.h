@@ -6,6 +6,9 @@
 // hop, alpha dominates); large ones the streaming part (slices pipelined on the link, beta
 // dominates). A step's time is the median over iterations of the whole operation divided by
 // N-1, the slowest rank's. The local reduction rate is timed on each rank's own buffers.
+// Then each all_reduce schedule this communicator runs (ring, gather_reduce, and the log-step
+// ones where it has their links) is timed on 8 bytes: its time over its latency steps is that
+// schedule's alpha (CostModel::schedule_alpha_us).
 // Collective: every rank calls it, and every rank returns rank 0's fit.
 #pragma once
 

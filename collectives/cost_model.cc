@@ -93,12 +93,31 @@ SchedulePlan schedule_plan(OpKind kind, Schedule schedule, std::size_t bytes, st
   return p;
 }
 
+double step_alpha_us(const CostModel& m, Schedule schedule) {
+  const auto it = m.schedule_alpha_us.find(to_string(schedule));
+  if (it != m.schedule_alpha_us.end()) return it->second;
+  if (schedule == Schedule::kBiGather) return step_alpha_us(m, Schedule::kGatherReduce);
+  return m.alpha_us;
+}
+
+int latency_steps(OpKind kind, Schedule schedule, std::size_t bytes, std::size_t el,
+                  const ModelGeometry& g) {
+  if (is_log_step(schedule)) {
+    el = std::max<std::size_t>(el, 1);
+    return step_cost(kind, schedule, std::max(g.nranks, 1), bytes / el, el).steps;
+  }
+  const SchedulePlan p = schedule_plan(kind, schedule, bytes, el, g);
+  if (kind == OpKind::kBroadcast) return p.forward_steps == 0 ? 0 : p.forward_steps + p.slices - 1;
+  return std::max(p.forward_steps, p.backward_steps) * p.slices;
+}
+
 double predict_us(const CostModel& m, OpKind kind, Schedule schedule, std::size_t bytes,
                   std::size_t el, const ModelGeometry& g) {
+  const double alpha = step_alpha_us(m, schedule);
   if (is_log_step(schedule)) {
     el = std::max<std::size_t>(el, 1);
     const StepCost c = step_cost(kind, schedule, std::max(g.nranks, 1), bytes / el, el);
-    return c.steps * m.alpha_us + static_cast<double>(c.wire_bytes) * m.beta_us_per_byte +
+    return c.steps * alpha + static_cast<double>(c.wire_bytes) * m.beta_us_per_byte +
            static_cast<double>(c.reduced_bytes + c.copied_bytes) * m.reduce_us_per_byte;
   }
   const SchedulePlan p = schedule_plan(kind, schedule, bytes, el, g);
@@ -106,13 +125,13 @@ double predict_us(const CostModel& m, OpKind kind, Schedule schedule, std::size_
   if (kind == OpKind::kBroadcast) {
     if (p.forward_steps == 0) return local;
     const double message =
-        m.alpha_us + static_cast<double>(p.chunk_bytes) / p.slices * m.beta_us_per_byte;
+        alpha + static_cast<double>(p.chunk_bytes) / p.slices * m.beta_us_per_byte;
     return (p.forward_steps + p.slices - 1) * message + local;
   }
   // Both directions at once: latencies overlap, bytes share the egress.
-  const int latency_steps = std::max(p.forward_steps, p.backward_steps);
+  const int alpha_steps = std::max(p.forward_steps, p.backward_steps);
   const int byte_steps = p.forward_steps + p.backward_steps;
-  return latency_steps * p.slices * m.alpha_us +
+  return alpha_steps * p.slices * alpha +
          byte_steps * static_cast<double>(p.chunk_bytes) * m.beta_us_per_byte + local;
 }
 
@@ -238,6 +257,7 @@ std::string to_json_text(const CostModel& m) {
   j["reduce_us_per_byte"] = m.reduce_us_per_byte;
   j["slice_bytes"] = m.slice_bytes;
   j["median_rel_error"] = m.median_rel_error;
+  if (!m.schedule_alpha_us.empty()) j["schedule_alpha_us"] = m.schedule_alpha_us;
   nlohmann::json points = nlohmann::json::array();
   for (const auto& p : m.points) {
     points.push_back({{"bytes", p.bytes},
@@ -290,6 +310,16 @@ CostModel parse_cost_model(const std::string& text, const std::string& source) {
   if (const auto it = j.find("transport"); it != j.end()) {
     if (!it->is_string()) fail("field 'transport' is not a string");
     m.transport = it->get<std::string>();
+  }
+  if (const auto it = j.find("schedule_alpha_us"); it != j.end()) {
+    if (!it->is_object()) fail("field 'schedule_alpha_us' is not an object");
+    for (const auto& [name, v] : it->items()) {
+      if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0) {
+        fail("field 'schedule_alpha_us' has '" + name + "' = " + v.dump() +
+             ", not a finite number >= 0");
+      }
+      m.schedule_alpha_us[name] = v.get<double>();
+    }
   }
   if (const auto it = j.find("points"); it != j.end()) {
     if (!it->is_array()) fail("field 'points' is not an array");

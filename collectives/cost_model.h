@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstddef>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,13 @@ struct CostModel {
   double alpha_us = 0;            // per message: software + wire latency of one ring step
   double beta_us_per_byte = 0;    // per byte through one rank's egress
   double reduce_us_per_byte = 0;  // local reduction, per byte of one operand
+  // Per-schedule latency of one step, by schedule name (to_string(Schedule)), measured from
+  // the 8-byte all_reduce of each schedule on the calibrated ranks (NCCL's tuning model keeps
+  // a base latency per algorithm for the same reason): how many ranks are busy at once, and
+  // with how many peers, differs between schedules, and on a host with fewer cores than ranks
+  // that decides a step's cost. A schedule without an entry uses alpha_us; all_gather's
+  // bi_gather uses gather_reduce's.
+  std::map<std::string, double> schedule_alpha_us;
   // Where it was measured (informational; the model is used for any rank count).
   std::string transport;
   int ranks = 0;
@@ -77,6 +85,14 @@ struct SchedulePlan {
 // pair that dear does not run.
 [[nodiscard]] SchedulePlan schedule_plan(OpKind kind, Schedule schedule, std::size_t bytes,
                                          std::size_t el, const ModelGeometry& g);
+
+// The latency per step the model uses for `schedule` (see CostModel::schedule_alpha_us).
+[[nodiscard]] double step_alpha_us(const CostModel& m, Schedule schedule);
+
+// Steps on the critical path of an operation of `bytes` (as predict_us counts them): what a
+// per-schedule alpha is measured against.
+[[nodiscard]] int latency_steps(OpKind kind, Schedule schedule, std::size_t bytes, std::size_t el,
+                                const ModelGeometry& g);
 
 // Predicted time in microseconds. Log-step schedules (steps.h) cost, along their critical
 // path, alpha per step, beta per byte of the larger of a step's send and receive, and

@@ -297,10 +297,16 @@ StepCost step_cost(OpKind kind, Schedule s, int nranks, std::size_t count, std::
   for (const Step& st : plan.steps) {
     ++c.steps;
     c.wire_bytes += std::max(st.send_bytes, st.recv_bytes);
-    if (st.reduce) c.reduced_bytes += st.recv_bytes;
+    if (st.reduce) {
+      c.reduced_bytes += st.recv_bytes;
+      // The operand lands in the staging area first (the ring reduces straight from the
+      // socket): one more pass over it.
+      c.copied_bytes += st.recv_bytes;
+    }
   }
-  if (plan.work_is_scratch || kind == OpKind::kAllGather) c.copied_bytes = count * el;
-  if (plan.work_is_scratch) c.copied_bytes = plan.work_bytes + count * el;
+  // Local copies: reduce_scatter's input into its work buffer and the result out of it;
+  // all_reduce's input into the output; all_gather's own block.
+  c.copied_bytes += plan.work_is_scratch ? plan.work_bytes + count * el : count * el;
   return c;
 }
 

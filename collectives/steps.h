@@ -50,7 +50,7 @@ struct StepCost {
   int steps = 0;
   std::size_t wire_bytes = 0;
   std::size_t reduced_bytes = 0;
-  std::size_t copied_bytes = 0;  // local copies before the first step
+  std::size_t copied_bytes = 0;  // local copies: inputs, results, operands through staging
 };
 [[nodiscard]] StepCost step_cost(OpKind kind, Schedule s, int nranks, std::size_t count,
                                  std::size_t el);

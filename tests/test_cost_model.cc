@@ -235,6 +235,45 @@ TEST(CostModelSelect, AutoPicksThePredictedMinimum) {
       Schedule::kRing);
 }
 
+// Per-schedule latencies (calibrated from each schedule's 8-byte all_reduce) replace alpha for
+// that schedule only, and auto then follows them.
+TEST(CostModelSelect, PerScheduleAlphaDecidesSmallSizes) {
+  CostModel m;
+  m.alpha_us = 10;
+  m.beta_us_per_byte = 0.001;
+  ModelGeometry g = geometry(8);
+  g.log_steps = true;
+  // 8 ranks: ring 14 steps, gather_reduce 4, recursive doubling 3, halving-doubling and tree 6.
+  EXPECT_EQ(latency_steps(OpKind::kAllReduce, Schedule::kRing, 8, 4, g), 14);
+  EXPECT_EQ(latency_steps(OpKind::kAllReduce, Schedule::kGatherReduce, 8, 4, g), 4);
+  EXPECT_EQ(latency_steps(OpKind::kAllReduce, Schedule::kRecursiveDoubling, 8, 4, g), 3);
+  EXPECT_EQ(latency_steps(OpKind::kAllReduce, Schedule::kTree, 8, 4, g), 6);
+  // With one alpha for all, the fewest steps win.
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 8, 4, g, &m, 0),
+            Schedule::kRecursiveDoubling);
+  // A tree step measured at a third of the others' makes the tree cheapest.
+  m.schedule_alpha_us = {{"recursive_doubling", 30}, {"tree", 10}, {"halving_doubling", 30},
+                         {"gather_reduce", 30}, {"ring", 30}};
+  EXPECT_DOUBLE_EQ(step_alpha_us(m, Schedule::kTree), 10);
+  EXPECT_DOUBLE_EQ(step_alpha_us(m, Schedule::kBiGather), 30);  // gather_reduce's
+  EXPECT_NEAR(predict_us(m, OpKind::kAllReduce, Schedule::kTree, 8, 4, g), 6 * 10 + 6 * 8 * 0.001,
+              1e-9);
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 8, 4, g, &m, 0),
+            Schedule::kTree);
+  // Large sizes are decided by bytes: between the ring and gather_reduce, the ring.
+  g.log_steps = false;
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 64 << 20, 4, g, &m, 0),
+            Schedule::kRing);
+  g.log_steps = true;
+  // They survive the file.
+  const CostModel back = parse_cost_model(to_json_text(m), "mem.json");
+  EXPECT_EQ(back.schedule_alpha_us, m.schedule_alpha_us);
+  EXPECT_THROW((void)parse_cost_model(R"({"alpha_us":1,"beta_us_per_byte":1,
+                                           "schedule_alpha_us":{"tree":-1}})",
+                                      "bad.json"),
+               Error);
+}
+
 TEST(CostModelSelect, WithoutModelKeepsTheThreshold) {
   const ModelGeometry g = geometry(4);
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 16384, 4, g, nullptr, 16384),
