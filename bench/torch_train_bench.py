@@ -188,6 +188,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--link", default="loopback", help="label of the link, for the table")
     parser.add_argument("--json", help="rank 0 writes the results here")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 unless every communicating policy ends at the same loss "
+                             "(they train the same steps on the same data from the same start)")
     args = parser.parse_args()
     policies = args.policies.split(",")
     for p in policies:
@@ -233,6 +236,7 @@ def main() -> None:
         dist.all_reduce(loss, group=gloo)
         row["last_loss"] = float(loss) / ranks
         rows.append(row)
+    failed = False
     if rank == 0:
         print(f"{'policy':<9} {'ranks':>5} {'link':<10} {'samples/s (median, min-max)':>28} "
               f"{'vs ddp-gloo (median, min-max)':>30} {'loss':>7}")
@@ -245,12 +249,21 @@ def main() -> None:
                 ratio = f"{row['median_ratio']:.2f} ({min(q):.2f}-{max(q):.2f})"
             print(f"{row['policy']:<9} {ranks:>5} {args.link:<10} {text:>28} {ratio:>30} "
                   f"{row['last_loss']:7.4f}")
+        synced = [row["last_loss"] for row in rows if row["policy"] != "local"]
+        spread = max(synced) - min(synced) if synced else 0.0
+        agree = spread <= 1e-4 * max(1.0, abs(synced[0])) if synced else True
+        print(f"# last loss: communicating policies {'agree' if agree else 'DISAGREE'} "
+              f"(spread {spread:.2e})", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "rows": rows}, f, indent=1)
         sys.stdout.flush()
+        if args.check and not agree:
+            failed = True
     dist.barrier(group=gloo)
     dist.destroy_process_group()
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -53,3 +53,15 @@ add_test(NAME python_example_compare_ddp
 set_tests_properties(python_example_compare_ddp PROPERTIES
                      LABELS python SKIP_RETURN_CODE 77 TIMEOUT 180
                      ENVIRONMENT "PYTHONPATH=${DEAR_PYTHON_DIR};DEAR_SPIN_US=0;OMP_NUM_THREADS=1")
+
+# The training benchmark (bench/torch_train_bench.py) must keep running: every policy on a tiny
+# MLP, one round of one step. Its timings mean nothing here; --check fails the test unless all
+# communicating policies end at the same loss.
+add_test(NAME python_bench_torch_train
+         COMMAND $<TARGET_FILE:dear-run> -n 2 --timeout 120 --env GLOO_SOCKET_IFNAME=lo --
+                 ${DEAR_TORCH_PYTHON} ${PROJECT_SOURCE_DIR}/bench/torch_train_bench.py
+                 --model mlp --width 64 --depth 2 --rounds 2 --steps 1 --warmup 1 --check
+                 --policies local,dear,wfbp,bucket,ddp-gloo,ddp-dear)
+set_tests_properties(python_bench_torch_train PROPERTIES
+                     LABELS python SKIP_RETURN_CODE 77 TIMEOUT 180
+                     ENVIRONMENT "PYTHONPATH=${DEAR_PYTHON_DIR};DEAR_SPIN_US=0;OMP_NUM_THREADS=1")
