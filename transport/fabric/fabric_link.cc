@@ -148,6 +148,10 @@ class Graveyard {
     FidPtr<fid_ep> ep;
     std::uint64_t tag = 0;
     bool peer_bye = false;
+    // shm: kept, untouched, until exit. Its peers (other endpoints of this host, possibly in
+    // this process) may still be progressing sends into this endpoint's memory after they saw
+    // its goodbye; freeing it then crashed them inside the provider.
+    bool keep = false;
     Clock::time_point until{};
   };
   static Graveyard& get() {
@@ -167,7 +171,7 @@ class Graveyard {
   void retire(Entry e) {
     std::lock_guard<std::mutex> lock(mu_);
     reap_locked();
-    if (!e.peer_bye) entries_.push_back(std::move(e));
+    if (!e.peer_bye || e.keep) entries_.push_back(std::move(e));
   }
   void reap() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -178,6 +182,7 @@ class Graveyard {
   void reap_locked() {
     const auto now = Clock::now();
     std::erase_if(entries_, [&](Entry& e) {
+      if (e.keep) return false;
       std::array<fi_cq_data_entry, 16> c{};
       for (int i = 0; i < 16 && !e.peer_bye; ++i) {
         const ssize_t n = fi_cq_read(e.cq.get(), c.data(), c.size());
@@ -375,6 +380,7 @@ FabricChannel::~FabricChannel() {
   e.ep = std::move(ep_);
   e.tag = tag_;
   e.peer_bye = peer_bye_;
+  e.keep = dom_->provider == "shm";
   e.until = Clock::now() + kRetireFor;
   Graveyard::get().retire(std::move(e));
 }
