@@ -107,7 +107,23 @@ launch() {
 
 printf 'torch-train-bench: ranks %s over %s, %d cores\n' "$ranks" \
   "${rate:+emulated hosts at }$link" "$(nproc)" >&2
+jsons=()
 for n in $ranks; do
   json=$out/torch-train-n$n-$link.json
+  rm -f "$json"
   launch "$n" "$python" "$bench" --link "$link" --json "$json" "$@"
+  jsons+=("$json")
 done
+
+# One Markdown table of all jobs: medians over rounds, (min-max) for the spread.
+"$python" - "${jsons[@]}" <<'PY'
+import json, sys
+print("\n| model | policy | ranks | link | samples/s median (min-max) | ratio to DDP/Gloo median (min-max) |")
+print("| --- | --- | --- | --- | --- | --- |")
+for path in sys.argv[1:]:
+    for r in json.load(open(path))["rows"]:
+        s, q = r["samples_per_s"], r.get("ratio_to_ddp_gloo")
+        ratio = f"{r['median_ratio']:.2f} ({min(q):.2f}-{max(q):.2f})" if q else "-"
+        print(f"| {r['model']} | {r['policy']} | {r['ranks']} | {r['link']} | "
+              f"{r['median_samples_per_s']:.2f} ({min(s):.2f}-{max(s):.2f}) | {ratio} |")
+PY
