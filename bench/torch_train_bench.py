@@ -1,8 +1,8 @@
 """PyTorch training throughput per synchronisation policy: dear's DeAR, WFBP and bucketed
 policies (dear.DistributedOptimizer) against torch DDP over Gloo, in one job.
 
-    dear-run -n 2 /usr/bin/python3 bench/torch_train_bench.py --model mlp --batch 4
-    scripts/torch-train-bench.sh --netns 1gbit -n 2 -- --model mlp --batch 4   # shaped hosts
+    dear-run -n 2 /usr/bin/python3 bench/torch_train_bench.py --model mlp --batch 2
+    scripts/torch-train-bench.sh --netns 1gbit -n 2 -- --model mlp --batch 2   # shaped hosts
 
 Needs the dear package on PYTHONPATH (<build>/python). Every policy trains its own copy of the
 same model on the same synthetic data; the copies live for the whole run, so each round only
@@ -25,7 +25,7 @@ under the same CPU sharing).
 
 Models: ``mlp`` (--depth Linear layers of --width x --width with ReLU: many parameters and little
 compute per sample, so communication dominates on slow links at small batches) and ``convnet``
-(a small ResNet-style CNN on 32x32 images, 1.2 M parameters: compute dominates).
+(a small ResNet-style CNN on 32x32 images, 0.70 M parameters: compute dominates).
 """
 from __future__ import annotations
 

@@ -14,8 +14,8 @@
 #     --python PY       interpreter with torch (default: /usr/bin/python3)
 #     --timeout S       per job (default: 1800)
 #
-# Example (communication-bound: a 16.8 M-parameter MLP at 4 samples per rank, 1 Gb/s links):
-#   scripts/torch-train-bench.sh --build build --netns 1gbit -n "2 4" -- --model mlp --batch 4
+# Example (communication-bound: a 16.8 M-parameter MLP at 2 samples per rank, 1 Gb/s links):
+#   scripts/torch-train-bench.sh --build build --netns 1gbit -n "2 4" -- --model mlp --batch 2
 #
 # Without --netns the ranks run under dear-run on loopback, where nothing limits the links but
 # the CPUs. dear's own link delay (DEAR_LINK_DELAY_US) is deliberately not offered: it slows
