@@ -228,6 +228,13 @@ class CommunicatorImpl final : public Communicator {
     if (engine_) engine_->abort(reason);
   }
 
+  bool set_priority(const Work& work, int priority) override {
+    const Work::State* s = work.state();
+    if (s == nullptr || !engine_ || s->owner != engine_.get()) return false;
+    if (s->status.load(std::memory_order_acquire) != 0) return false;
+    return engine_->set_priority(s->seq, priority);
+  }
+
  private:
   void validate_options() {
     if (options_.channels < 1 || options_.channels > collectives::kMaxChannels) {

@@ -108,6 +108,12 @@ class DeviceCommunicator final : public Communicator {
     cv_.notify_all();
   }
 
+  // Host operations run on the inner communicator; staged device operations have Work of
+  // their own, which it does not know (and reports so).
+  bool set_priority(const Work& work, int priority) override {
+    return inner_->set_priority(work, priority);
+  }
+
  private:
   using Call = std::function<Work(Communicator&, const void*, void*, const OpOptions&)>;
 

@@ -145,6 +145,7 @@ Work Engine::submit(std::unique_ptr<Op> op) {
   auto state = std::make_shared<Work::State>();
   op->state = state;
   state->spin_us = cfg_.spin_us;
+  state->owner = this;
   if (eager) state->engine = weak_from_this();
   std::exception_ptr failed;
   {
@@ -174,6 +175,41 @@ Work Engine::submit(std::unique_ptr<Op> op) {
   }
   if (!wake_if(kActiveSleep) && !wake_if(kDeepSleep) && !started) wake_if(kIdleSleep);
   return Work(state);
+}
+
+bool Engine::set_priority(std::uint64_t seq, int priority) {
+  {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    if (seq >= next_seq_ || failed_) return false;
+    reprioritise_.emplace_back(seq, priority);
+    pending_submissions_.fetch_add(1);  // the engine's next turn looks at the queues
+  }
+  if (!wake_if(kActiveSleep)) wake_if(kDeepSleep);
+  return true;
+}
+
+void Engine::apply_priorities() {
+  // Priority is local (only this rank's send order), so an operation may change it at any
+  // point of its life: the active list is re-sorted and the next slices follow it.
+  std::vector<std::pair<std::uint64_t, int>> changes;
+  {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    if (reprioritise_.empty()) return;
+    changes.swap(reprioritise_);
+  }
+  bool changed = false;
+  for (const auto& [seq, priority] : changes) {
+    if (Op* op = find(seq); op != nullptr && op->priority != priority) {
+      op->priority = priority;
+      changed = true;
+    }
+  }
+  if (changed) {
+    std::stable_sort(active_.begin(), active_.end(),
+                     [](const std::unique_ptr<Op>& a, const std::unique_ptr<Op>& b) {
+                       return order_before(*a, *b);
+                     });
+  }
 }
 
 void Engine::abort(const std::string& reason) {
@@ -257,6 +293,7 @@ bool Engine::turn() {
       abort_requested_.store(false);
     }
     moved = drain_submissions();
+    apply_priorities();
     announce();
     moved |= progress_links();
     // Hand newly queued slices to the sockets in the same turn; an idle turn skips it.

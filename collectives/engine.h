@@ -48,6 +48,7 @@ struct Work::State {
   // Set for small operations, whose waiter makes their progress itself (Engine::drive);
   // empty for operations finished at once and for large ones, left to the engine thread.
   std::weak_ptr<collectives::Engine> engine;
+  const collectives::Engine* owner = nullptr;  // the engine that runs it (null: none)
 
   void complete(std::exception_ptr e);
 };
@@ -92,6 +93,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // latency.
   // One turn on the calling thread if no other thread is running one; never blocks.
   void poke();
+  // Queues a priority change for operation `seq`, applied at the next turn (the active list
+  // is re-sorted then); thread-safe. False when that operation has already completed.
+  bool set_priority(std::uint64_t seq, int priority);
   bool drive(const Work::State& state, std::chrono::steady_clock::time_point until,
              std::chrono::microseconds idle);
 
@@ -121,6 +125,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool turn();  // one turn of the engine; the caller holds turn_mu_
   void sleep_idle();
   bool drain_submissions();
+  void apply_priorities();
   void announce();
   void start(std::unique_ptr<Op> op);
   bool schedule_sends();
@@ -173,6 +178,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Submission queue, shared with caller threads.
   std::mutex submit_mu_;
   std::deque<std::unique_ptr<Op>> submitted_;
+  std::vector<std::pair<std::uint64_t, int>> reprioritise_;  // (seq, priority), for the engine
   std::uint64_t next_seq_ = 0;
   std::atomic<int> pending_submissions_{0};
   // What the engine thread is doing, so that wakers write the eventfd only when it sleeps.

@@ -184,8 +184,14 @@ void CommBackend::set_priority(OpId id, int priority) {
   Op& op = ops_[static_cast<std::size_t>(id)];
   if (!op.launched) {
     op.record.request.priority = priority;
-  } else if (!op.work.test() && op.record.priority != priority) {
-    ++late_priority_changes_;
+  } else if (op.record.priority != priority && !op.work.test()) {
+    // Already with the communicator: dear's engine reorders its remaining slices; a
+    // communicator that cannot (MPI, NCCL) leaves it, and that is counted.
+    if (comm_.set_priority(op.work, priority)) {
+      op.record.priority = priority;
+    } else if (!op.work.test()) {  // not merely finished meanwhile
+      ++late_priority_changes_;
+    }
   }
 }
 

@@ -323,6 +323,45 @@ TEST_P(Conformance, ConcurrentOperationsWithPriorities) {
   });
 }
 
+// Priorities changed after issue (Communicator::set_priority): the operations still complete
+// correctly, a pending one can be changed, a finished one cannot.
+TEST_P(Conformance, PriorityChangedInFlight) {
+  const int n = GetParam();
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    constexpr std::size_t kCount = 1 << 20;  // 4 MiB of floats: many slices each
+    std::vector<std::vector<char>> in, out;
+    std::vector<Work> works;
+    OpOptions o;
+    o.slice_bytes = 64 * 1024;
+    for (int k = 0; k < 4; ++k) {
+      in.push_back(make_input(r, kCount, DataType::kFloat32, ReduceOp::kSum, k));
+      out.emplace_back(in.back().size(), 0);
+      works.push_back(comm.all_reduce(in.back().data(), out.back().data(), kCount,
+                                      DataType::kFloat32, ReduceOp::kSum, o));
+    }
+    // The last one first, then the others reversed: every rank changes its own order.
+    for (int k = 3; k >= 0; --k) {
+      if (n > 1 && !works[static_cast<std::size_t>(k)].test()) {
+        (void)comm.set_priority(works[static_cast<std::size_t>(k)], 10 + k);
+      }
+    }
+    for (int k = 0; k < 4; ++k) {
+      works[static_cast<std::size_t>(k)].wait();
+      Mismatches bad;
+      for (std::size_t i = 0; i < kCount; i += 97) {
+        const double want = expected_reduce(i, n, DataType::kFloat32, ReduceOp::kSum, k);
+        const double got = load(out[static_cast<std::size_t>(k)].data(), i, DataType::kFloat32);
+        if (!close_enough(got, want, DataType::kFloat32)) bad.add(i, got, want);
+      }
+      ASSERT_EQ(bad.count, 0U) << "operation " << k << " rank " << r << ": " << bad.first;
+      EXPECT_FALSE(comm.set_priority(works[static_cast<std::size_t>(k)], 99))
+          << "a finished operation accepted a priority";
+    }
+    EXPECT_FALSE(comm.set_priority(Work(), 1)) << "an empty Work accepted a priority";
+  });
+}
+
 #if !defined(DEAR_TEST_RANKS)
 #define DEAR_TEST_RANKS 1, 2, 3, 4, 5, 8
 #endif

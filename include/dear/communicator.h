@@ -127,6 +127,7 @@ class Work {
   [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
 
   struct State;
+  [[nodiscard]] const State* state() const noexcept { return state_.get(); }
   explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
  private:
@@ -167,6 +168,18 @@ class Communicator {
   // Fails every pending Work (here and, through the links, on the peers) with kAborted and
   // `reason`; later calls fail at once. Safe from any thread; returns without waiting.
   virtual void abort(const std::string& reason) = 0;
+
+  // Changes the priority of an operation already issued on this communicator, so that its
+  // remaining slices go out in the new order (OpOptions::priority: larger first). Local: each
+  // rank decides its own send order, nothing needs to agree. Safe from any thread; takes
+  // effect at the engine's next turn. Returns false when it cannot: `work` is done, not from
+  // this communicator, or the communicator cannot reorder operations it holds (the default,
+  // e.g. the MPI and NCCL communicators of the scheduler).
+  virtual bool set_priority(const Work& work, int priority) {
+    (void)work;
+    (void)priority;
+    return false;
+  }
 };
 
 }  // namespace dear

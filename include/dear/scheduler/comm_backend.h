@@ -15,8 +15,9 @@
 // - The first wait() that sees an operation complete calls consumer(request) on the waiting
 //   thread, exactly once per operation: that is where the trainer applies the averaged
 //   gradients, i.e. exactly where the policy waits for them.
-// - set_priority() changes the priority of an operation still in the queue. The communicator
-//   cannot reprioritise an operation it already holds; such changes are counted
+// - set_priority() changes the priority of an operation still in the queue, and of one the
+//   communicator already holds through Communicator::set_priority (dear's engine reorders its
+//   remaining slices). Changes a communicator cannot make (MPI, NCCL) are counted
 //   (late_priority_changes()) and otherwise ignored.
 // - A failed operation makes wait() and drain() throw its dear::Error; the back-end is then
 //   unusable. The destructor waits for the operations already handed to the communicator.
