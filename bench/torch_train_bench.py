@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -48,47 +49,13 @@ except ImportError as e:
 import dear
 import dear.backend
 
+# The ResNet-style model of examples/compare_ddp.py (the compute-bound case).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from compare_ddp import ConvNet  # noqa: E402  (needs the path above)
+
 POLICIES = ("local", "dear", "wfbp", "bucket", "ddp-gloo", "ddp-dear")
 BASELINE = "ddp-gloo"
 Batch = Tuple[torch.Tensor, torch.Tensor]
-
-
-class Block(nn.Module):
-    """A ResNet basic block: two 3x3 convolutions with batch norm and a shortcut."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                          nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
-
-
-class ConvNet(nn.Module):
-    """ResNet-style: 3 stages of 2 blocks (32, 64, 128 channels), 10 classes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32),
-                                  nn.ReLU())
-        layers, cin = [], 32
-        for cout, stride in ((32, 1), (64, 2), (128, 2)):
-            layers += [Block(cin, cout, stride), Block(cout, cout, 1)]
-            cin = cout
-        self.layers = nn.Sequential(*layers)
-        self.fc = nn.Linear(cin, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.layers(self.stem(x))
-        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
 def mlp(width: int, depth: int) -> nn.Module:

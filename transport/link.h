@@ -78,6 +78,16 @@ class RecvSink {
   virtual void on_closed(int channel) = 0;
 };
 
+// A sink that takes nothing (every payload discarded): what arrives while a channel closes
+// belongs to no operation.
+struct NullSink final : RecvSink {
+  RecvTarget on_header(int, const FrameHeader&) override { return {}; }
+  void on_payload(int, const FrameHeader&, const char*, std::size_t, std::size_t) override {}
+  void on_message(int, const FrameHeader&) override {}
+  void on_sent(int, std::uint64_t) override {}
+  void on_closed(int) override {}
+};
+
 class Channel {
  public:
   virtual ~Channel() = default;

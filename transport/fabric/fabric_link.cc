@@ -642,7 +642,7 @@ void FabricChannel::close() {
     sendq_.clear();
     return;
   }
-  rma::NullSink null_sink;
+  NullSink null_sink;
   const auto deadline = Clock::now() + kCloseLinger;
   try {
     // Hand over what is queued while the peer takes it, then say goodbye once

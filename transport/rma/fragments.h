@@ -130,15 +130,6 @@ class Reassembler {
   std::unique_ptr<char, FreeDeleter> bounce_;  // kStream pieces that arrive misaligned
 };
 
-// A sink that takes nothing: what arrives while a channel closes belongs to no operation.
-struct NullSink final : RecvSink {
-  RecvTarget on_header(int, const FrameHeader&) override { return {}; }
-  void on_payload(int, const FrameHeader&, const char*, std::size_t, std::size_t) override {}
-  void on_message(int, const FrameHeader&) override {}
-  void on_sent(int, std::uint64_t) override {}
-  void on_closed(int) override {}
-};
-
 // The arrival checks both back-ends make, worded alike whichever carries the data: credits a
 // peer returned (`peer` names it), and a data fragment `seq` that arrived in `buffer`. Each
 // returns the protocol violation, or nullopt once the window has recorded it.

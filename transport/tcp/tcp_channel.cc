@@ -252,13 +252,7 @@ void TcpChannel::close() {
   if (!fd_.valid()) return;
   // Hand over what is queued if the socket takes it at once; then drain what has arrived, so
   // the close is a FIN and not a reset that could destroy data the peer has yet to read.
-  struct NullSink final : RecvSink {
-    RecvTarget on_header(int, const FrameHeader&) override { return {}; }
-    void on_payload(int, const FrameHeader&, const char*, std::size_t, std::size_t) override {}
-    void on_message(int, const FrameHeader&) override {}
-    void on_sent(int, std::uint64_t) override {}
-    void on_closed(int) override {}
-  } null_sink;
+  NullSink null_sink;
   try {
     flush(null_sink);
   } catch (const Error&) {

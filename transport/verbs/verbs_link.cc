@@ -754,7 +754,7 @@ void VerbsChannel::close() {
     sendq_.clear();
     return;
   }
-  rma::NullSink null_sink;
+  NullSink null_sink;
   const auto deadline = Clock::now() + kCloseLinger;
   try {
     while (!peer_bye_ && !sendq_.empty() && Clock::now() < deadline) {
