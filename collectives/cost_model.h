@@ -107,7 +107,8 @@ struct SchedulePlan {
 // kGatherReduce for all_gather: with a model, the candidate with the lowest predicted time
 // (ring on a tie); without one (model == nullptr), a threshold: the small schedule while the
 // operation's total bytes are <= threshold_bytes (below 8 ranks, or without log steps, the
-// ring's two-way gather; from 8 ranks on, recursive doubling, or halving for reduce_scatter).
+// ring's two-way gather; from 8 ranks on, the tree for all_reduce, recursive doubling for
+// all_gather and halving for reduce_scatter).
 [[nodiscard]] Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes,
                                        std::size_t el, const ModelGeometry& g,
                                        const CostModel* model, std::size_t threshold_bytes);

@@ -274,6 +274,23 @@ TEST(CostModelSelect, PerScheduleAlphaDecidesSmallSizes) {
                Error);
 }
 
+TEST(CostModelSelect, WithoutModelFromEightRanksSmallOperationsUseLogSteps) {
+  ModelGeometry g = geometry(8);
+  g.log_steps = true;
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, g, nullptr, 16384),
+            Schedule::kTree);
+  EXPECT_EQ(select_schedule(OpKind::kAllGather, Algorithm::kAuto, 512, 4, g, nullptr, 16384),
+            Schedule::kRecursiveDoubling);
+  EXPECT_EQ(select_schedule(OpKind::kReduceScatter, Algorithm::kAuto, 512, 4, g, nullptr, 16384),
+            Schedule::kHalvingDoubling);
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 1 << 20, 4, g, nullptr, 16384),
+            Schedule::kRing);
+  g = geometry(4);
+  g.log_steps = true;
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, g, nullptr, 16384),
+            Schedule::kGatherReduce);
+}
+
 TEST(CostModelSelect, WithoutModelKeepsTheThreshold) {
   const ModelGeometry g = geometry(4);
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 16384, 4, g, nullptr, 16384),
