@@ -131,7 +131,7 @@ class MpiCommunicator final : public Communicator {
 
   Work reduce_scatter(const void* in, void* out, std::size_t recv_count, DataType dtype,
                       ReduceOp op, const OpOptions& opts) override {
-    const int n = int_count(recv_count * static_cast<std::size_t>(size_), "reduce_scatter");
+    (void)int_count(recv_count * static_cast<std::size_t>(size_), "reduce_scatter");
     check_pointers(in, out, recv_count, "reduce_scatter");
     auto p = pending("reduce_scatter", recv_count, dtype, op, opts);
     const std::size_t bytes = recv_count * dtype_size(dtype);
@@ -145,7 +145,6 @@ class MpiCommunicator final : public Communicator {
       p->copy_to = out;
     }
     p->avg_at = op == ReduceOp::kAvg ? out : nullptr;
-    (void)n;
     return submit(std::move(p), [&](MPI_Request* req) {
       return MPI_Ireduce_scatter_block(in, dst, static_cast<int>(recv_count), mpi_type(dtype),
                                        mpi_op(dtype, op), comm_, req);

@@ -4,6 +4,9 @@
 // include/dear/scheduler/replay.h in double precision.
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -53,6 +56,24 @@ inline std::vector<double> reference_params(std::int64_t count, int ranks, int i
     }
   }
   return p;
+}
+
+// How many of a replay's final parameters miss the reference: fp32 sums in a collective's order
+// against a double reference differ by a few ulps per step, so 2e-5 is the bound. The first
+// five misses are reported as failures, each named by `what`.
+inline int param_mismatches(const std::vector<float>& got, const std::vector<double>& ref,
+                            const std::string& what) {
+  if (got.size() != ref.size()) {
+    ADD_FAILURE() << what << ": " << got.size() << " parameters, expected " << ref.size();
+    return static_cast<int>(ref.size());
+  }
+  int wrong = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    if (std::fabs(static_cast<double>(got[i]) - ref[i]) > 2e-5 && ++wrong <= 5) {
+      ADD_FAILURE() << what << " element " << i << ": got " << got[i] << ", expected " << ref[i];
+    }
+  }
+  return wrong;
 }
 
 }  // namespace dear::testing

@@ -17,6 +17,7 @@
 
 namespace ds = dear::scheduler;
 using dear::testing::loopback_net;
+using dear::testing::param_mismatches;
 using dear::testing::reference_params;
 using dear::testing::run_ranks;
 using dear::testing::tiny_model;
@@ -72,18 +73,7 @@ TEST_P(ReplayEquivalence, FinalParametersMatchSingleProcessSgd) {
   const auto ref = reference_params(model.params(), c.ranks, k, opt.learning_rate);
   for (int r = 0; r < c.ranks; ++r) {
     const auto& got = results[static_cast<std::size_t>(r)].params;
-    ASSERT_EQ(got.size(), ref.size()) << "rank " << r;
-    int wrong = 0;
-    for (std::size_t i = 0; i < ref.size(); ++i) {
-      // fp32 sums in the ring's order against a double reference: a few ulps per step.
-      if (std::fabs(static_cast<double>(got[i]) - ref[i]) > 2e-5) {
-        if (++wrong <= 5) {
-          ADD_FAILURE() << c.policy << " rank " << r << " element " << i << ": got " << got[i]
-                        << ", expected " << ref[i];
-        }
-      }
-    }
-    EXPECT_EQ(wrong, 0) << c.policy << " rank " << r;
+    EXPECT_EQ(param_mismatches(got, ref, c.policy + " rank " + std::to_string(r)), 0);
     // dear's engine takes every priority change, also for operations it already holds.
     EXPECT_EQ(results[static_cast<std::size_t>(r)].late_priority_changes, 0) << c.policy;
     EXPECT_EQ(results[static_cast<std::size_t>(r)].iteration_s.size(), 3U);
