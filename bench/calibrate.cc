@@ -48,6 +48,36 @@ double median_us(Communicator& comm, const CalibrateOptions& opts, F&& run) {
 
 }  // namespace
 
+std::vector<double> interleaved_median_us(Communicator& comm, const CalibrateOptions& opts,
+                                          const std::vector<std::function<void()>>& runs) {
+  // Iterations per candidate from its warm-up, the slowest rank's, so every rank agrees.
+  std::vector<int> per_round;
+  const int rounds = std::max(opts.rounds, 1);
+  for (const auto& run : runs) {
+    const auto warm = Clock::now();
+    for (int i = 0; i < opts.warmup; ++i) run();
+    const double per_iter = max_over_ranks(comm, us_since(warm) / std::max(opts.warmup, 1));
+    const int iters = std::clamp(
+        static_cast<int>(opts.min_time_ms * 1000 / std::max(per_iter, 0.01)), opts.min_iters, 5000);
+    per_round.push_back((iters + rounds - 1) / rounds);
+  }
+  std::vector<std::vector<double>> times(runs.size());
+  comm.barrier().wait();
+  for (int r = 0; r < rounds; ++r) {
+    for (std::size_t k = 0; k < runs.size(); ++k) {
+      const std::size_t c = (k + static_cast<std::size_t>(r)) % runs.size();
+      for (int i = 0; i < per_round[c]; ++i) {
+        const auto t0 = Clock::now();
+        runs[c]();
+        times[c].push_back(us_since(t0));
+      }
+    }
+  }
+  std::vector<double> result;
+  for (auto& t : times) result.push_back(max_over_ranks(comm, median(std::move(t))));
+  return result;
+}
+
 CommOptions calibration_options(CommOptions options) {
   options.gather_reduce_max_bytes = 0;  // ring all-gathers at every size
   options.cost_model_file.clear();
@@ -101,9 +131,10 @@ collectives::CostModel calibrate(Communicator& comm, const CalibrateOptions& opt
   });
   m.reduce_us_per_byte = reduce_us / static_cast<double>(kElems * sizeof(float));
 
-  // Each schedule's latency per step, from an 8-byte all_reduce run with it. A schedule this
-  // communicator cannot run (the log-step ones without their links) is refused on every rank
-  // alike, at submission, and keeps no entry.
+  // Each schedule's alpha and bandwidth multiplier, from all_reduces of it at several sizes,
+  // the schedules interleaved at each size. A schedule this communicator cannot run (the
+  // log-step ones without their links) is refused on every rank alike, at submission, and
+  // keeps no entry.
   constexpr std::pair<Algorithm, collectives::Schedule> kSchedules[] = {
       {Algorithm::kRing, collectives::Schedule::kRing},
       {Algorithm::kGatherReduce, collectives::Schedule::kGatherReduce},
@@ -111,33 +142,51 @@ collectives::CostModel calibrate(Communicator& comm, const CalibrateOptions& opt
       {Algorithm::kHalvingDoubling, collectives::Schedule::kHalvingDoubling},
       {Algorithm::kTree, collectives::Schedule::kTree},
   };
-  std::vector<double> alphas;
+  const std::size_t biggest =
+      *std::max_element(opts.schedule_sizes.begin(), opts.schedule_sizes.end()) / sizeof(float);
+  std::vector<float> vec(std::max<std::size_t>(biggest, 1), 1.0F);
+  std::vector<std::pair<Algorithm, collectives::Schedule>> runnable;
   for (const auto& [algo, schedule] : kSchedules) {
     OpOptions o;
     o.algorithm = algo;
-    float v[2] = {1.0F, 2.0F};
     try {
-      const double t = median_us(comm, opts, [&] {
-        comm.all_reduce(v, v, 2, DataType::kFloat32, ReduceOp::kSum, o).wait();
-      });
-      const int steps = collectives::latency_steps(collectives::OpKind::kAllReduce, schedule,
-                                                   sizeof(v), sizeof(float), g);
-      alphas.push_back(steps > 0 ? t / steps : 0);
+      comm.all_reduce(vec.data(), vec.data(), 1, DataType::kFloat32, ReduceOp::kSum, o).wait();
+      runnable.emplace_back(algo, schedule);
     } catch (const Error& e) {
       if (e.code() != ErrorCode::kInvalidArgument) throw;
-      alphas.push_back(-1);
+    }
+  }
+  // samples[s][k]: schedule s at schedule_sizes[k]; every rank holds the same maxima.
+  std::vector<std::vector<collectives::ScheduleSample>> samples(runnable.size());
+  for (const std::size_t bytes : opts.schedule_sizes) {
+    const std::size_t count = std::max<std::size_t>(bytes / sizeof(float), 1);
+    std::vector<std::function<void()>> runs;
+    for (const auto& [algo, schedule] : runnable) {
+      OpOptions o;
+      o.algorithm = algo;
+      runs.emplace_back([&comm, &vec, count, o] {
+        comm.all_reduce(vec.data(), vec.data(), count, DataType::kFloat32, ReduceOp::kSum, o)
+            .wait();
+      });
+    }
+    const std::vector<double> t = interleaved_median_us(comm, opts, runs);
+    for (std::size_t s = 0; s < runnable.size(); ++s) {
+      collectives::ScheduleSample sample;
+      sample.bytes = static_cast<double>(count * sizeof(float));
+      sample.measured_us = t[s];
+      samples[s].push_back(sample);
     }
   }
 
-  // Every rank uses rank 0's numbers (they agree already: the times are maxima over ranks).
+  // Every rank uses rank 0's base fit (they agree already: the times are maxima over ranks).
   std::vector<double> fit{m.alpha_us, m.beta_us_per_byte, m.reduce_us_per_byte};
-  fit.insert(fit.end(), alphas.begin(), alphas.end());
   comm.broadcast(fit.data(), fit.data(), fit.size(), DataType::kFloat64, 0).wait();
   m.alpha_us = fit[0];
   m.beta_us_per_byte = fit[1];
   m.reduce_us_per_byte = fit[2];
-  for (std::size_t i = 0; i < std::size(kSchedules); ++i) {
-    if (fit[3 + i] >= 0) m.schedule_alpha_us[to_string(kSchedules[i].second)] = fit[3 + i];
+  for (std::size_t s = 0; s < runnable.size(); ++s) {
+    (void)collectives::fit_schedule(m, runnable[s].second, std::move(samples[s]), sizeof(float),
+                                    g);
   }
   return m;
 }
@@ -157,8 +206,19 @@ void print_calibration(std::FILE* out, const collectives::CostModel& m) {
                m.alpha_us, m.beta_us_per_byte,
                m.beta_us_per_byte > 0 ? 1e-3 / m.beta_us_per_byte : 0.0, m.reduce_us_per_byte,
                m.reduce_us_per_byte > 0 ? 1e-3 / m.reduce_us_per_byte : 0.0);
-  for (const auto& [name, alpha] : m.schedule_alpha_us) {
-    std::fprintf(out, "# %s: %.2f us per step (8-byte all_reduce)\n", name.c_str(), alpha);
+  for (const auto& [name, samples] : m.schedule_samples) {
+    const auto a = m.schedule_alpha_us.find(name);
+    const auto k = m.schedule_beta_scale.find(name);
+    std::fprintf(out,
+                 "# all_reduce %s: alpha %.2f us per step, bandwidth x%.2f (the line; the model "
+                 "follows the samples' measured/line between sizes)\n",
+                 name.c_str(),
+                 a == m.schedule_alpha_us.end() ? 0.0 : a->second,
+                 k == m.schedule_beta_scale.end() ? 1.0 : k->second);
+    for (const auto& s : samples) {
+      std::fprintf(out, "  %12.0f bytes %12.2f us measured %12.2f us line %8.1f%%\n", s.bytes,
+                   s.measured_us, s.model_us, 100 * s.rel_error);
+    }
   }
   std::fprintf(
       out, "# fit error: median %.1f%%, max %.1f%%\n", 100 * m.median_rel_error,

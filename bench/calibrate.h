@@ -7,13 +7,15 @@
 // dominates). A step's time is the median over iterations of the whole operation divided by
 // N-1, the slowest rank's. The local reduction rate is timed on each rank's own buffers.
 // Then each all_reduce schedule this communicator runs (ring, gather_reduce, and the log-step
-// ones where it has their links) is timed on 8 bytes: its time over its latency steps is that
-// schedule's alpha (CostModel::schedule_alpha_us).
+// ones where it has their links) is timed at several sizes, all schedules interleaved, and
+// collectives::fit_schedule fits that schedule's alpha and bandwidth multiplier
+// (CostModel::schedule_alpha_us, schedule_beta_scale).
 // Collective: every rank calls it, and every rank returns rank 0's fit.
 #pragma once
 
 #include <cstddef>
 #include <cstdio>
+#include <functional>
 #include <vector>
 
 #include "collectives/cost_model.h"
@@ -27,7 +29,21 @@ struct CalibrateOptions {
   int warmup = 3;
   int min_iters = 5;
   double min_time_ms = 40;  // per size: more iterations where min_iters would take less
+  // All_reduce sizes (bytes of the whole fp32 vector) at which each schedule is timed: 8 bytes
+  // and even powers of two, so that a check over dear-bench's -b 8 -f 4 grid (odd powers)
+  // measures sizes the model interpolates rather than ones it was fitted on.
+  std::vector<std::size_t> schedule_sizes{8,      256,     4096,    65536,
+                                          262144, 1048576, 4194304, 16777216};
+  int rounds = 8;  // interleaved_median_us: rounds over the candidates
 };
+
+// Times several operations interleaved, so that a slow spell of a shared machine hits them
+// alike: opts.rounds rounds, each running every candidate in turn (the order rotating from
+// round to round) for its share of at least opts.min_iters and opts.min_time_ms. Returns, per
+// candidate, the largest over ranks of each rank's median time of one run, in microseconds.
+// Collective: every rank passes the same candidates in the same order.
+[[nodiscard]] std::vector<double> interleaved_median_us(
+    Communicator& comm, const CalibrateOptions& opts, const std::vector<std::function<void()>>& runs);
 
 // The communicator must run ring all-gathers at every size: create it with
 // gather_reduce_max_bytes = 0 and no cost model (calibration_options() does that).

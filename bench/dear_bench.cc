@@ -2,15 +2,19 @@
 //
 //   dear-run -n 4 dear-bench all_reduce -b 8 -e 64M -f 2 -c 1 [--json out.json]
 //   dear-run -n 4 dear-bench --calibrate --json alpha_beta.json   (see calibrate.h)
+//   dear-run -n 4 dear-bench all_reduce --compare ring,tree,auto -b 8 -e 64M -f 4 [--csv out.csv]
 //
 // Measured by the same driver as the peer benchmarks (bench/driver.h), so rows from dear,
 // Open MPI and Gloo are comparable line by line. Ranks come from the launcher's environment
 // (dear-run, torchrun, Open MPI or Slurm); knobs default to the communicator's defaults and
 // to DEAR_* overrides.
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <fstream>
+#include <functional>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -114,6 +118,108 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
   return std::nullopt;
 }
 
+// --compare: the listed algorithms timed interleaved at each size of the sweep (calibrate.h's
+// interleaved_median_us; -w warm-up, -n and --min_time_ms per algorithm), out of place, so
+// that a slow spell of a shared machine hits them alike. Rank 0 prints one row per size: each
+// algorithm's median time per operation, the best forced one and auto's ratio to it; --csv FILE
+// gets collective,nranks,size,algo,median_us rows. An algorithm the collective cannot run here
+// is refused on every rank alike and shows "-". Times only; the conformance tests check results.
+int run_compare(Communicator& comm, const BenchArgs& args, const std::vector<std::string>& algos) {
+  const int rank = comm.rank();
+  const int n = comm.size();
+  CalibrateOptions timing;
+  timing.warmup = std::max(args.warmup_iters, 1);
+  timing.min_iters = std::max(args.iters, 1);
+  timing.min_time_ms = args.min_time_ms;
+  std::ofstream csv;
+  if (rank == 0 && !args.csv_path.empty()) {
+    csv.open(args.csv_path, std::ios::trunc);
+    if (!csv) throw Error(ErrorCode::kSystem, "--csv: cannot write '" + args.csv_path + "'", rank);
+    csv << "collective,nranks,size,algo,median_us\n";
+  }
+  if (rank == 0) {
+    std::printf("# dear-bench --compare: %s, %d ranks, %s %s, median us per operation, "
+                "algorithms interleaved\n",
+                std::string(to_string(args.collective)).c_str(), n,
+                std::string(to_string(args.dtype)).c_str(), std::string(to_string(args.op)).c_str());
+    std::printf("%12s", "size");
+    for (const auto& a : algos) std::printf(" %18s", a.c_str());
+    std::printf(" %18s %9s\n", "best forced", "auto/best");
+  }
+  const std::vector<SizePoint> points = size_sweep(args, args.collective, args.dtype, n);
+  const std::size_t el = dtype_size(args.dtype);
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    CheckSpec spec;
+    spec.collective = args.collective;
+    spec.dtype = args.dtype;
+    spec.op = args.op;
+    spec.rank = rank;
+    spec.nranks = n;
+    spec.root = args.root;
+    spec.rank_count = points[i].rank_count;
+    std::vector<char> send(std::max<std::size_t>(input_count(spec) * el, 1));
+    std::vector<char> recv(std::max<std::size_t>(output_count(spec) * el, 1));
+    fill_input(send.data(), spec);
+    OpRequest req;
+    req.collective = args.collective;
+    req.dtype = args.dtype;
+    req.op = args.op;
+    req.root = args.root;
+    req.point = points[i];
+    req.send = send.data();
+    req.recv = recv.data();
+    std::vector<std::function<void()>> runs;
+    std::vector<std::size_t> which;  // index into algos of each run
+    for (std::size_t a = 0; a < algos.size(); ++a) {
+      OpOptions o;
+      o.algorithm = *parse_algorithm(algos[a]);
+      std::optional<BoundOp> op = bind_dear(req, comm, o);
+      if (!op) continue;
+      try {
+        op->run();
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::kInvalidArgument) throw;
+        continue;  // this collective has no such algorithm here
+      }
+      runs.push_back(op->run);
+      which.push_back(a);
+    }
+    const std::vector<double> t = interleaved_median_us(comm, timing, runs);
+    if (rank != 0) continue;
+    std::vector<double> by_algo(algos.size(), -1);
+    for (std::size_t k = 0; k < which.size(); ++k) by_algo[which[k]] = t[k];
+    double best = -1;
+    double automatic = -1;
+    std::printf("%12llu", static_cast<unsigned long long>(points[i].bytes));
+    for (std::size_t a = 0; a < algos.size(); ++a) {
+      if (by_algo[a] < 0) {
+        std::printf(" %18s", "-");
+        continue;
+      }
+      std::printf(" %18.2f", by_algo[a]);
+      if (csv.is_open()) {
+        csv << to_string(args.collective) << ',' << n << ',' << points[i].bytes << ','
+            << algos[a] << ',' << by_algo[a] << '\n';
+      }
+      if (algos[a] == "auto") {
+        automatic = by_algo[a];
+      } else if (best < 0 || by_algo[a] < best) {
+        best = by_algo[a];
+      }
+    }
+    if (best > 0 && automatic > 0) {
+      std::printf(" %18.2f %9.2f\n", best, automatic / best);
+    } else {
+      std::printf(" %18s %9s\n", best > 0 ? std::to_string(best).c_str() : "-", "-");
+    }
+    std::fflush(stdout);
+    print_progress("dear-bench --compare", args.collective, points[i].bytes, i + 1, points.size(),
+                   rank);
+  }
+  comm.barrier().wait();
+  return 0;
+}
+
 #ifdef DEAR_HAVE_CUDA
 // --device cuda: buffers from cudaMalloc on device 0 (ranks of one host share it).
 BufferMemory cuda_memory() {
@@ -167,6 +273,11 @@ int run(int argc, char** argv) {
                  "recursive_doubling, tree (all_reduce)")
       ->check(CLI::IsMember({"auto", "ring", "gather_reduce", "halving_doubling",
                              "recursive_doubling", "tree"}));
+  std::string compare;
+  app.add_option("--compare", compare,
+                 "Time these algorithms (comma-separated --algo names) interleaved at each size "
+                 "instead of the nccl-tests sweep: one row per size with each one's median time "
+                 "and auto's ratio to the best forced one");
   app.add_option("--timeout", timeout_s, "Per-operation deadline in seconds; default DEAR_TIMEOUT");
   app.add_option("--device", device,
                  "Where the buffers live: host, or cuda (device memory, staged through pinned "
@@ -179,6 +290,25 @@ int run(int argc, char** argv) {
   }
   if (!calibrate_only && app.count("collective") == 0) {
     std::fprintf(stderr, "dear-bench: COLLECTIVE is required (or --calibrate)\n");
+    return 2;
+  }
+
+  std::vector<std::string> compare_algos;
+  {
+    std::stringstream list(compare);
+    for (std::string a; std::getline(list, a, ',');) {
+      if (!parse_algorithm(a)) {
+        std::fprintf(stderr, "dear-bench: --compare: '%s' is not an algorithm (auto, ring, "
+                             "gather_reduce, halving_doubling, recursive_doubling, tree)\n",
+                     a.c_str());
+        return 2;
+      }
+      compare_algos.push_back(a);
+    }
+  }
+  if (!compare_algos.empty() && device != "host") {
+    std::fprintf(stderr, "dear-bench: --compare times host buffers only (not --device %s)\n",
+                 device.c_str());
     return 2;
   }
 
@@ -220,6 +350,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   auto comm = Communicator::create(std::move(bootstrap), options);
+  if (!compare_algos.empty()) return run_compare(*comm, args, compare_algos);
   OpOptions op_options;
   op_options.algorithm = *parse_algorithm(algo);
 

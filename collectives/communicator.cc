@@ -7,6 +7,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "collectives/cost_model.h"
 #include "collectives/device_staging.h"
@@ -569,9 +572,23 @@ class CommunicatorImpl final : public Communicator {
     g.slice_bytes = opts.slice_bytes > 0 ? opts.slice_bytes : options_.slice_bytes;
     g.min_channel_bytes = collectives::SliceGeometryOptions{}.min_channel_bytes;
     const std::size_t el = dtype_size(dtype);
-    return collectives::select_schedule(kind, a, count * el, el, g,
-                                        model_ ? &*model_ : nullptr,
-                                        options_.gather_reduce_max_bytes);
+    if (!model_) {
+      return collectives::select_schedule(kind, a, count * el, el, g, nullptr,
+                                          options_.gather_reduce_max_bytes);
+    }
+    // With a model the choice plans and predicts every candidate (about a microsecond, which
+    // on an oversubscribed host is a fifth of a small all_reduce); training repeats a few
+    // sizes, so each choice is remembered.
+    const SelectKey key{static_cast<int>(kind), static_cast<int>(a), count * el, el,
+                        g.channels, g.slice_bytes};
+    std::lock_guard lock(select_mu_);
+    const auto it = select_cache_.find(key);
+    if (it != select_cache_.end()) return it->second;
+    const Schedule s = collectives::select_schedule(kind, a, count * el, el, g, &*model_,
+                                                    options_.gather_reduce_max_bytes);
+    if (select_cache_.size() >= kSelectCacheMax) select_cache_.clear();
+    select_cache_.emplace(key, s);
+    return s;
   }
 
   Work launch(std::unique_ptr<Op> o, const OpOptions& opts) {
@@ -612,6 +629,12 @@ class CommunicatorImpl final : public Communicator {
   int size_ = 1;
   std::uint64_t single_seq_ = 0;
   std::optional<collectives::CostModel> model_;
+  // select()'s remembered choices under a model: (kind, algorithm, bytes, element size,
+  // channels, slice bytes) -> schedule; emptied when it reaches kSelectCacheMax entries.
+  using SelectKey = std::tuple<int, int, std::size_t, std::size_t, int, std::size_t>;
+  static constexpr std::size_t kSelectCacheMax = 4096;
+  mutable std::mutex select_mu_;
+  mutable std::map<SelectKey, Schedule> select_cache_;
   std::shared_ptr<collectives::Engine> engine_;
   bool mesh_ = false;  // the engine has the log-step schedules' direct links
 };

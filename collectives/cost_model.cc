@@ -100,6 +100,13 @@ double step_alpha_us(const CostModel& m, Schedule schedule) {
   return m.alpha_us;
 }
 
+double beta_scale(const CostModel& m, Schedule schedule) {
+  const auto it = m.schedule_beta_scale.find(to_string(schedule));
+  if (it != m.schedule_beta_scale.end()) return it->second;
+  if (schedule == Schedule::kBiGather) return beta_scale(m, Schedule::kGatherReduce);
+  return 1;
+}
+
 int latency_steps(OpKind kind, Schedule schedule, std::size_t bytes, std::size_t el,
                   const ModelGeometry& g) {
   if (is_log_step(schedule)) {
@@ -111,28 +118,62 @@ int latency_steps(OpKind kind, Schedule schedule, std::size_t bytes, std::size_t
   return std::max(p.forward_steps, p.backward_steps) * p.slices;
 }
 
-double predict_us(const CostModel& m, OpKind kind, Schedule schedule, std::size_t bytes,
-                  std::size_t el, const ModelGeometry& g) {
-  const double alpha = step_alpha_us(m, schedule);
+double bandwidth_us(const CostModel& m, OpKind kind, Schedule schedule, std::size_t bytes,
+                    std::size_t el, const ModelGeometry& g) {
+  el = std::max<std::size_t>(el, 1);
   if (is_log_step(schedule)) {
-    el = std::max<std::size_t>(el, 1);
     const StepCost c = step_cost(kind, schedule, std::max(g.nranks, 1), bytes / el, el);
-    return c.steps * alpha + static_cast<double>(c.wire_bytes) * m.beta_us_per_byte +
+    return static_cast<double>(c.wire_bytes) * m.beta_us_per_byte +
            static_cast<double>(c.reduced_bytes + c.copied_bytes) * m.reduce_us_per_byte;
   }
   const SchedulePlan p = schedule_plan(kind, schedule, bytes, el, g);
   const double local = static_cast<double>(p.reduced_bytes + p.copied_bytes) * m.reduce_us_per_byte;
   if (kind == OpKind::kBroadcast) {
+    // A pipelined chain: every message (forward_steps + slices - 1 of them on the critical
+    // path) carries one slice.
     if (p.forward_steps == 0) return local;
-    const double message =
-        alpha + static_cast<double>(p.chunk_bytes) / p.slices * m.beta_us_per_byte;
-    return (p.forward_steps + p.slices - 1) * message + local;
+    return (p.forward_steps + p.slices - 1) * static_cast<double>(p.chunk_bytes) / p.slices *
+               m.beta_us_per_byte +
+           local;
   }
-  // Both directions at once: latencies overlap, bytes share the egress.
-  const int alpha_steps = std::max(p.forward_steps, p.backward_steps);
+  // Both directions at once: latencies overlap (latency_steps), bytes share the egress.
   const int byte_steps = p.forward_steps + p.backward_steps;
-  return alpha_steps * p.slices * alpha +
-         byte_steps * static_cast<double>(p.chunk_bytes) * m.beta_us_per_byte + local;
+  return byte_steps * static_cast<double>(p.chunk_bytes) * m.beta_us_per_byte + local;
+}
+
+double size_correction(const CostModel& m, Schedule schedule, double total_bytes) {
+  auto it = m.schedule_samples.find(to_string(schedule));
+  if (it == m.schedule_samples.end() && schedule == Schedule::kBiGather) {
+    it = m.schedule_samples.find(to_string(Schedule::kGatherReduce));
+  }
+  if (it == m.schedule_samples.end()) return 1;
+  const double x = std::log2(std::max(total_bytes, 1.0));
+  double prev_x = 0;
+  double prev_r = 0;
+  bool have_prev = false;
+  for (const ScheduleSample& s : it->second) {
+    if (!(s.model_us > 0) || !(s.measured_us > 0)) continue;
+    const double sx = std::log2(std::max(s.bytes, 1.0));
+    const double r = s.measured_us / s.model_us;
+    if (x <= sx) {
+      if (!have_prev || sx <= prev_x) return r;
+      return prev_r + (r - prev_r) * (x - prev_x) / (sx - prev_x);
+    }
+    prev_x = sx;
+    prev_r = r;
+    have_prev = true;
+  }
+  return have_prev ? prev_r : 1;
+}
+
+double predict_us(const CostModel& m, OpKind kind, Schedule schedule, std::size_t bytes,
+                  std::size_t el, const ModelGeometry& g) {
+  const double total =
+      static_cast<double>(bytes) *
+      (kind == OpKind::kReduceScatter || kind == OpKind::kAllGather ? std::max(g.nranks, 1) : 1);
+  return (latency_steps(kind, schedule, bytes, el, g) * step_alpha_us(m, schedule) +
+          beta_scale(m, schedule) * bandwidth_us(m, kind, schedule, bytes, el, g)) *
+         size_correction(m, schedule, total);
 }
 
 Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, std::size_t el,
@@ -190,63 +231,122 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
   if (model == nullptr) return total <= threshold_bytes ? small : Schedule::kRing;
   Schedule best = Schedule::kRing;
   double best_us = 0;
+  double ring_us = 0;
   for (Schedule s : candidates) {
     const double t = predict_us(*model, kind, s, bytes, el, g);
+    if (s == Schedule::kRing) ring_us = t;
     if (s == Schedule::kRing || t < best_us) {
       best = s;
       best_us = t;
     }
   }
-  return best;
+  return ring_us <= (1 + model->ring_margin) * best_us ? Schedule::kRing : best;
 }
 
+namespace {
+
+// Non-negative least squares of y = a * x1 + b * x2, each point weighted by 1/y^2 so that it
+// counts by its relative error (small times are not drowned by large ones). A negative
+// unknown is pinned at zero and the other refitted alone. `what` names the caller in errors.
+struct TwoFit {
+  double a = 0;
+  double b = 0;
+};
+TwoFit fit_two(const std::vector<double>& x1, const std::vector<double>& x2,
+               const std::vector<double>& y, const char* what) {
+  double s11 = 0;
+  double s12 = 0;
+  double s22 = 0;
+  double s1y = 0;
+  double s2y = 0;
+  for (std::size_t i = 0; i < y.size(); ++i) {
+    if (!(y[i] > 0) || !std::isfinite(y[i]) || !(x1[i] >= 0) || !(x2[i] >= 0)) {
+      throw std::invalid_argument(std::string(what) + ": a point has x1=" + std::to_string(x1[i]) +
+                                  " x2=" + std::to_string(x2[i]) + " time=" + std::to_string(y[i]));
+    }
+    const double w = 1.0 / (y[i] * y[i]);
+    s11 += w * x1[i] * x1[i];
+    s12 += w * x1[i] * x2[i];
+    s22 += w * x2[i] * x2[i];
+    s1y += w * x1[i] * y[i];
+    s2y += w * x2[i] * y[i];
+  }
+  const double det = s11 * s22 - s12 * s12;
+  if (y.size() < 2 || !(det > 1e-12 * s11 * s22)) {
+    throw std::invalid_argument(std::string(what) +
+                                ": needs at least two points of different sizes");
+  }
+  TwoFit f{(s1y * s22 - s12 * s2y) / det, (s11 * s2y - s12 * s1y) / det};
+  if (f.a < 0) {
+    f = {0, s2y / s22};
+  } else if (f.b < 0) {
+    f = {s1y / s11, 0};
+  }
+  return f;
+}
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t k = v.size();
+  if (k == 0) return 0;
+  return k % 2 == 1 ? v[k / 2] : (v[k / 2 - 1] + v[k / 2]) / 2;
+}
+
+}  // namespace
+
 void fit_alpha_beta(CostModel& m) {
-  auto& pts = m.points;
-  double sss = 0;
-  double ssx = 0;
-  double sxx = 0;
-  double ssy = 0;
-  double sxy = 0;
-  for (const auto& p : pts) {
-    if (!(p.step_us > 0) || !std::isfinite(p.step_us) || p.bytes < 0 || p.slices < 1) {
+  std::vector<double> slices;
+  std::vector<double> bytes;
+  std::vector<double> times;
+  for (const auto& p : m.points) {
+    if (p.slices < 1 || p.bytes < 0) {
       throw std::invalid_argument("fit_alpha_beta: a point has bytes=" + std::to_string(p.bytes) +
                                   " slices=" + std::to_string(p.slices) +
                                   " step_us=" + std::to_string(p.step_us));
     }
-    const double w = 1.0 / (p.step_us * p.step_us);
-    const double s = p.slices;
-    sss += w * s * s;
-    ssx += w * s * p.bytes;
-    sxx += w * p.bytes * p.bytes;
-    ssy += w * s * p.step_us;
-    sxy += w * p.bytes * p.step_us;
+    slices.push_back(p.slices);
+    bytes.push_back(p.bytes);
+    times.push_back(p.step_us);
   }
-  const double det = sss * sxx - ssx * ssx;
-  if (pts.size() < 2 || !(det > 1e-12 * sss * sxx)) {
-    throw std::invalid_argument("fit_alpha_beta: needs at least two points of different sizes");
-  }
-  double alpha = (ssy * sxx - ssx * sxy) / det;
-  double beta = (sss * sxy - ssx * ssy) / det;
-  // Non-negative least squares in two unknowns: a negative one is pinned at zero and the
-  // other refitted alone.
-  if (alpha < 0) {
-    alpha = 0;
-    beta = sxy / sxx;
-  } else if (beta < 0) {
-    beta = 0;
-    alpha = ssy / sss;
-  }
-  m.alpha_us = alpha;
-  m.beta_us_per_byte = beta;
+  const TwoFit f = fit_two(slices, bytes, times, "fit_alpha_beta");
+  m.alpha_us = f.a;
+  m.beta_us_per_byte = f.b;
   std::vector<double> errors;
-  for (auto& p : pts) {
-    p.model_us = alpha * p.slices + beta * p.bytes;
+  for (auto& p : m.points) {
+    p.model_us = f.a * p.slices + f.b * p.bytes;
     p.rel_error = std::abs(p.model_us - p.step_us) / p.step_us;
     errors.push_back(p.rel_error);
   }
-  std::sort(errors.begin(), errors.end());
-  const std::size_t k = errors.size();
-  m.median_rel_error = k % 2 == 1 ? errors[k / 2] : (errors[k / 2 - 1] + errors[k / 2]) / 2;
+  m.median_rel_error = median_of(std::move(errors));
+}
+
+double fit_schedule(CostModel& m, Schedule schedule, std::vector<ScheduleSample> samples,
+                    std::size_t el, const ModelGeometry& g) {
+  std::vector<double> steps;
+  std::vector<double> band;
+  std::vector<double> times;
+  el = std::max<std::size_t>(el, 1);
+  std::sort(samples.begin(), samples.end(),
+            [](const ScheduleSample& a, const ScheduleSample& b) { return a.bytes < b.bytes; });
+  for (const auto& s : samples) {
+    if (!(s.bytes >= 0)) throw std::invalid_argument("fit_schedule: a sample has negative bytes");
+    const auto bytes = static_cast<std::size_t>(s.bytes);
+    steps.push_back(latency_steps(OpKind::kAllReduce, schedule, bytes, el, g));
+    band.push_back(bandwidth_us(m, OpKind::kAllReduce, schedule, bytes, el, g));
+    times.push_back(s.measured_us);
+  }
+  const TwoFit f = fit_two(steps, band, times, "fit_schedule");
+  const std::string name = to_string(schedule);
+  m.schedule_alpha_us[name] = f.a;
+  m.schedule_beta_scale[name] = f.b;
+  std::vector<double> errors;
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    samples[i].model_us = f.a * steps[i] + f.b * band[i];
+    samples[i].rel_error = std::abs(samples[i].model_us - times[i]) / times[i];
+    errors.push_back(samples[i].rel_error);
+  }
+  m.schedule_samples[name] = std::move(samples);
+  return median_of(std::move(errors));
 }
 
 std::string to_json_text(const CostModel& m) {
@@ -261,7 +361,23 @@ std::string to_json_text(const CostModel& m) {
   j["reduce_us_per_byte"] = m.reduce_us_per_byte;
   j["slice_bytes"] = m.slice_bytes;
   j["median_rel_error"] = m.median_rel_error;
+  j["ring_margin"] = m.ring_margin;
   if (!m.schedule_alpha_us.empty()) j["schedule_alpha_us"] = m.schedule_alpha_us;
+  if (!m.schedule_beta_scale.empty()) j["schedule_beta_scale"] = m.schedule_beta_scale;
+  if (!m.schedule_samples.empty()) {
+    nlohmann::json samples = nlohmann::json::object();
+    for (const auto& [name, list] : m.schedule_samples) {
+      nlohmann::json rows = nlohmann::json::array();
+      for (const auto& s : list) {
+        rows.push_back({{"bytes", s.bytes},
+                        {"measured_us", s.measured_us},
+                        {"model_us", s.model_us},
+                        {"rel_error", s.rel_error}});
+      }
+      samples[name] = std::move(rows);
+    }
+    j["schedule_samples"] = std::move(samples);
+  }
   nlohmann::json points = nlohmann::json::array();
   for (const auto& p : m.points) {
     points.push_back({{"bytes", p.bytes},
@@ -311,18 +427,46 @@ CostModel parse_cost_model(const std::string& text, const std::string& source) {
   m.ranks = static_cast<int>(number("ranks", false, 0));
   m.slice_bytes = static_cast<std::size_t>(number("slice_bytes", false, 0));
   m.median_rel_error = number("median_rel_error", false, 0);
+  m.ring_margin = number("ring_margin", false, CostModel{}.ring_margin);
   if (const auto it = j.find("transport"); it != j.end()) {
     if (!it->is_string()) fail("field 'transport' is not a string");
     m.transport = it->get<std::string>();
   }
-  if (const auto it = j.find("schedule_alpha_us"); it != j.end()) {
-    if (!it->is_object()) fail("field 'schedule_alpha_us' is not an object");
+  const auto per_schedule = [&](const char* field, std::map<std::string, double>& into) {
+    const auto it = j.find(field);
+    if (it == j.end()) return;
+    if (!it->is_object()) fail(std::string("field '") + field + "' is not an object");
     for (const auto& [name, v] : it->items()) {
       if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0) {
-        fail("field 'schedule_alpha_us' has '" + name + "' = " + v.dump() +
+        fail(std::string("field '") + field + "' has '" + name + "' = " + v.dump() +
              ", not a finite number >= 0");
       }
-      m.schedule_alpha_us[name] = v.get<double>();
+      into[name] = v.get<double>();
+    }
+  };
+  per_schedule("schedule_alpha_us", m.schedule_alpha_us);
+  per_schedule("schedule_beta_scale", m.schedule_beta_scale);
+  if (const auto it = j.find("schedule_samples"); it != j.end()) {
+    if (!it->is_object()) fail("field 'schedule_samples' is not an object");
+    for (const auto& [name, rows] : it->items()) {
+      if (!rows.is_array()) fail("field 'schedule_samples' has '" + name + "', not an array");
+      for (const auto& e : rows) {
+        if (!e.is_object() || !e.value("bytes", nlohmann::json()).is_number() ||
+            !e.value("measured_us", nlohmann::json()).is_number()) {
+          fail("field 'schedule_samples' has an entry of '" + name +
+               "' without numeric 'bytes' and 'measured_us'");
+        }
+        ScheduleSample s;
+        s.bytes = e["bytes"].get<double>();
+        s.measured_us = e["measured_us"].get<double>();
+        s.model_us = e.value("model_us", 0.0);
+        s.rel_error = e.value("rel_error", 0.0);
+        m.schedule_samples[name].push_back(s);
+      }
+      auto& list = m.schedule_samples[name];
+      std::sort(list.begin(), list.end(), [](const ScheduleSample& a, const ScheduleSample& b) {
+        return a.bytes < b.bytes;
+      });
     }
   }
   if (const auto it = j.find("points"); it != j.end()) {

@@ -35,6 +35,14 @@ struct CalibrationPoint {
   double rel_error = 0;  // |model - measured| / measured (filled by fit_alpha_beta)
 };
 
+// One sample of a schedule's calibration: an all_reduce of `bytes` run with that schedule.
+struct ScheduleSample {
+  double bytes = 0;
+  double measured_us = 0;
+  double model_us = 0;   // filled by fit_schedule
+  double rel_error = 0;  // |model - measured| / measured (filled by fit_schedule)
+};
+
 struct CostModel {
   double alpha_us = 0;            // per message: software + wire latency of one ring step
   double beta_us_per_byte = 0;    // per byte through one rank's egress
@@ -46,6 +54,23 @@ struct CostModel {
   // that decides a step's cost. A schedule without an entry uses alpha_us; all_gather's
   // bi_gather uses gather_reduce's.
   std::map<std::string, double> schedule_alpha_us;
+  // Per-schedule multiplier of the bandwidth part of a prediction (wire bytes, local
+  // reductions and copies), fitted together with that schedule's alpha from all_reduces of it
+  // at several sizes (fit_schedule): on a host with fewer cores than ranks, how many ranks copy
+  // and reduce at once, and whether their sends wait for one another, differs between
+  // schedules, as NCCL's tuning model keeps a bandwidth per algorithm. A schedule without an
+  // entry uses 1; all_gather's bi_gather uses gather_reduce's.
+  std::map<std::string, double> schedule_beta_scale;
+  // The samples behind those fits, by schedule name, in ascending size. They also correct the
+  // fitted line by size (size_correction): per byte, a message that fits in the caches costs
+  // less than one that streams through memory, which one line cannot follow from 8 bytes to
+  // tens of MiB.
+  std::map<std::string, std::vector<ScheduleSample>> schedule_samples;
+  // kAuto keeps the ring unless another schedule is predicted faster by more than this
+  // fraction: where the schedules come within the calibration's own noise of one another
+  // (large sizes, all bandwidth-bound), the ring, which pipelines its slices and needs no
+  // staging memory, is the safer choice.
+  double ring_margin = 0.10;
   // Where it was measured (informational; the model is used for any rank count).
   std::string transport;
   int ranks = 0;
@@ -88,24 +113,36 @@ struct SchedulePlan {
 
 // The latency per step the model uses for `schedule` (see CostModel::schedule_alpha_us).
 [[nodiscard]] double step_alpha_us(const CostModel& m, Schedule schedule);
+// The multiplier of the bandwidth part for `schedule` (see CostModel::schedule_beta_scale).
+[[nodiscard]] double beta_scale(const CostModel& m, Schedule schedule);
 
 // Steps on the critical path of an operation of `bytes` (as predict_us counts them): what a
 // per-schedule alpha is measured against.
 [[nodiscard]] int latency_steps(OpKind kind, Schedule schedule, std::size_t bytes, std::size_t el,
                                 const ModelGeometry& g);
 
-// Predicted time in microseconds. Log-step schedules (steps.h) cost, along their critical
-// path, alpha per step, beta per byte of the larger of a step's send and receive, and
-// reduce_us_per_byte per byte reduced or copied locally.
+// The factor by which measurement differed from the fitted line of `schedule` (a sample's
+// measured_us / model_us) at the operation's total bytes (the whole vector of an all_reduce;
+// block x ranks for reduce_scatter and all_gather), interpolated linearly in log2(bytes)
+// between the schedule's samples and held at the end ones beyond them; 1 without samples.
+[[nodiscard]] double size_correction(const CostModel& m, Schedule schedule, double total_bytes);
+
+// Predicted time in microseconds: (latency_steps * step_alpha_us + beta_scale * the bandwidth
+// part) * size_correction. Log-step schedules (steps.h) cost, along their critical path, alpha per step, beta per
+// byte of the larger of a step's send and receive, and reduce_us_per_byte per byte reduced or
+// copied locally.
 [[nodiscard]] double predict_us(const CostModel& m, OpKind kind, Schedule schedule,
                                 std::size_t bytes, std::size_t el, const ModelGeometry& g);
+// The bandwidth part alone, before beta_scale: what predict_us adds to the latency steps.
+[[nodiscard]] double bandwidth_us(const CostModel& m, OpKind kind, Schedule schedule,
+                                  std::size_t bytes, std::size_t el, const ModelGeometry& g);
 
 // The schedule an all_reduce, reduce_scatter or all_gather runs. `requested` is the caller's
 // choice (OpOptions over CommOptions). Forced choices are honoured (kRing -> ring;
 // kGatherReduce -> gather_reduce for all_reduce; the log-step algorithms -> their schedule,
 // when g.log_steps and the kind supports it; the caller rejects the other pairs). kAuto, and
-// kGatherReduce for all_gather: with a model, the candidate with the lowest predicted time
-// (ring on a tie); without one (model == nullptr), a threshold: the small schedule while the
+// kGatherReduce for all_gather: with a model, the candidate with the lowest predicted time,
+// unless the ring's is within model->ring_margin of it (then the ring); without one (model == nullptr), a threshold: the small schedule while the
 // operation's total bytes are <= threshold_bytes (below 8 ranks, or without log steps, the
 // ring's two-way gather; from 8 ranks on, the tree for all_reduce, recursive doubling for
 // all_gather and halving for reduce_scatter).
@@ -119,6 +156,15 @@ struct SchedulePlan {
 // median_rel_error. Throws std::invalid_argument with fewer than two distinct points or a
 // non-positive time.
 void fit_alpha_beta(CostModel& m);
+
+// Fits `schedule`'s alpha and bandwidth multiplier to all_reduces of it (elements of `el`
+// bytes) measured at several sizes on g.nranks ranks: measured = alpha * latency_steps +
+// scale * bandwidth_us, least squares weighted by relative error, both non-negative, with the
+// base alpha/beta/reduction rates of `m` held fixed. Stores alpha, scale and the samples (with
+// their predictions) in `m`, and returns the samples' median relative error. Throws
+// std::invalid_argument with fewer than two sizes or a non-positive time.
+double fit_schedule(CostModel& m, Schedule schedule, std::vector<ScheduleSample> samples,
+                    std::size_t el, const ModelGeometry& g);
 
 // JSON text of a model, and back. parse_cost_model throws dear::Error(kInvalidArgument) whose
 // message names `source` (a file name) and the field that is missing or malformed.

@@ -1,31 +1,30 @@
 #!/usr/bin/env bash
 # Checks Algorithm::kAuto's choice against measurement: for each rank count, calibrates the cost
 # model on loopback (dear-bench --calibrate), then times all_reduce with every forced algorithm
-# and with auto (DEAR_COST_MODEL set) over a grid of sizes, and prints a grid marking where auto
-# is within the tolerance of the best forced algorithm, and the fraction of such points.
+# and with auto (DEAR_COST_MODEL set) over a grid of sizes, all algorithms interleaved at each
+# size (dear-bench --compare), and prints a grid marking where auto is within the tolerance of
+# the best forced algorithm, and the fraction of such points.
 #
 #   scripts/check-auto.sh [options]
 #     --build DIR          build with tools/dear-run, bench/dear-bench, bench/dear-model
 #                          (default: build)
 #     --ranks "2 3 4 5 6 7 8"  rank counts
 #     -b 8 -e 64M -f 4     smallest size, largest size, step factor
-#     -n 3 -w 1            timed and warm-up iterations per size
-#     --min_time_ms 20     time at least this long per size (small sizes get more iterations)
+#     -n 10 -w 2           timed (at least) and warm-up iterations per algorithm and size
+#     --min_time_ms 100    time each algorithm at least this long per size
 #     --tolerance 10       auto passes within this many percent of the best forced algorithm
-#     --repeats 2          runs of each algorithm, in alternating order; a point keeps its best
-#     --metric time        time: dear-bench's time column (the slowest rank's mean); p50: rank
-#                          0's median
 #     --forced "ring gather_reduce recursive_doubling halving_doubling tree"
 #                          the forced algorithms auto is compared with (dear-bench --algo)
 #     --grid-only          recompute the grid from an earlier run's --out DIR, measuring nothing
 #     --out DIR            where the models, CSV and grid go (default: check-auto)
 #
-# A point's time is the smaller of dear-bench's out-of-place and in-place times (--metric).
-# The grid cell is auto's time over the best forced one, with '*' where it is within the
-# tolerance; the letter after it is what the model picked and the letter before it the
-# measured winner among the forced algorithms: R ring, G gather_reduce, D recursive_doubling,
-# H halving_doubling, T tree. Exits 0 whatever the fraction: it reports, it does not
-# judge, because on a shared machine the spread between runs is often larger than 10%.
+# A point's time is the median time per operation, the slowest rank's, with every algorithm
+# (auto among them) run in interleaved rounds, so that a slow spell of the shared machine hits
+# them alike. The grid cell is auto's time over the best forced one, with '*' where it is
+# within the tolerance; the letter after it is what the model picked and the letter before it
+# the measured winner among the forced algorithms: R ring, G gather_reduce, D
+# recursive_doubling, H halving_doubling, T tree. Exits 0 whatever the fraction: it reports, it
+# does not judge, because on a shared machine the spread between runs is often larger than 10%.
 set -euo pipefail
 DEAR_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -34,18 +33,16 @@ ranks="2 3 4 5 6 7 8"
 min=8
 max=64M
 factor=4
-iters=3
-warmup=1
-min_time=20
+iters=10
+warmup=2
+min_time=100
 tolerance=10
-metric=time
-repeats=2
 forced="ring gather_reduce recursive_doubling halving_doubling tree"
 grid_only=0
 out=check-auto
 
 usage() {
-  sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 while [ $# -gt 0 ]; do
@@ -60,8 +57,6 @@ while [ $# -gt 0 ]; do
     --min_time_ms) min_time=$2 ;;
     --tolerance) tolerance=$2 ;;
     --out) out=$2 ;;
-    --metric) metric=$2 ;;
-    --repeats) repeats=$2 ;;
     --forced) forced=$2 ;;
     --grid-only)
       grid_only=1
@@ -76,14 +71,6 @@ while [ $# -gt 0 ]; do
   esac
   shift 2 || usage
 done
-case $metric in
-  time) columns="11 17" ;;
-  p50) columns="14 20" ;;
-  *)
-    printf 'check-auto: --metric %s is not time or p50\n' "$metric" >&2
-    exit 2
-    ;;
-esac
 run=$build/tools/dear-run
 bench=$build/bench/dear-bench
 model_tool=$build/bench/dear-model
@@ -101,9 +88,8 @@ if [ "$grid_only" = 0 ]; then
 printf 'check-auto: ranks %s, all_reduce %s..%s x%s, on %d cores -> %s\n' \
   "$ranks" "$min" "$max" "$factor" "$(nproc)" "$out" >&2
 
-: >"$csv"
 : >"$pred"
-header=0
+printf 'collective,nranks,size,algo,median_us\n' >"$csv"
 for n in $ranks; do
   model=$out/model-$n.json
   printf '\r\033[K[ranks=%s] calibrating' "$n" >&2
@@ -115,31 +101,17 @@ for n in $ranks; do
   fi
   "$model_tool" --model "$model" --ranks "$n" -b "$min" -e "$max" -f "$factor" |
     tail -n +2 >>"$pred"
-  # Alternating order, so that a slow spell of the shared machine does not hit one algorithm.
-  read -r -a forward <<<"$forced auto"
-  backward=()
-  for ((i = ${#forward[@]} - 1; i >= 0; i--)); do backward+=("${forward[$i]}"); done
-  order=()
-  for ((r = 1; r <= repeats; r++)); do
-    if ((r % 2)); then order+=("${forward[@]}"); else order+=("${backward[@]}"); fi
-  done
-  for a in "${order[@]}"; do
-    printf '\r\033[K[ranks=%s] algo=%s' "$n" "$a" >&2
-    point=$out/point.csv
-    rm -f "$point"
-    if ! DEAR_COST_MODEL=$model "$run" -n "$n" --timeout 600 -- "$bench" all_reduce \
-      -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --min_time_ms "$min_time" \
-      -c 0 --algo "$a" --csv "$point" >"$out/point.log" 2>&1; then
-      printf '\ncheck-auto: ranks=%s algo=%s failed:\n' "$n" "$a" >&2
-      tail -20 "$out/point.log" >&2
-      exit 1
-    fi
-    if [ "$header" = 0 ]; then
-      printf 'algo,%s\n' "$(head -1 "$point")" >"$csv"
-      header=1
-    fi
-    tail -n +2 "$point" | sed "s/^/$a,/" >>"$csv"
-  done
+  printf '\r\033[K[ranks=%s] timing %s auto' "$n" "$forced" >&2
+  point=$out/point.csv
+  rm -f "$point"
+  if ! DEAR_COST_MODEL=$model "$run" -n "$n" --timeout 600 -- "$bench" all_reduce \
+    -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --min_time_ms "$min_time" \
+    --compare "$(printf '%s,' $forced)auto" --csv "$point" >"$out/compare-$n.log" 2>&1; then
+    printf '\ncheck-auto: ranks=%s failed:\n' "$n" >&2
+    tail -20 "$out/compare-$n.log" >&2
+    exit 1
+  fi
+  tail -n +2 "$point" >>"$csv"
 done
 printf '\r\033[Kcheck-auto: measured in %d s; calibrations:\n' $((SECONDS - start)) >&2
 fi
@@ -147,11 +119,8 @@ for n in $ranks; do
   grep -E '^(\[0\] )?# (alpha|fit error)' "$out/calibrate-$n.log" | sed "s/^/  ranks=$n /" >&2
 done
 
-# algo,library,collective,nranks(4),size(5),...,oop_time_us(11),...,oop_p50_us(14),...,
-# ip_time_us(17),...,ip_p50_us(20)
-read -r c_oop c_ip <<<"$columns"
-awk -F, -v tol="$tolerance" -v pred="$pred" -v co="$c_oop" -v ci="$c_ip" -v metric="$metric" \
-  -v forced="$forced" '
+# collective(1),nranks(2),size(3),algo(4),median_us(5)
+awk -F, -v tol="$tolerance" -v pred="$pred" -v forced="$forced" '
   BEGIN {
     letter["ring"] = "R"; letter["gather_reduce"] = "G"; letter["recursive_doubling"] = "D"
     letter["halving_doubling"] = "H"; letter["tree"] = "T"
@@ -163,14 +132,13 @@ awk -F, -v tol="$tolerance" -v pred="$pred" -v co="$c_oop" -v ci="$c_ip" -v metr
   }
   NR == 1 { next }
   {
-    t = ($co + 0 < $ci + 0) ? $co + 0 : $ci + 0
-    key = $4 "," $5
-    if (!(($1 "," key) in time) || t < time[$1 "," key]) time[$1 "," key] = t
-    if (!(($4) in seen_n)) { seen_n[$4] = 1; ns[++nn] = $4 }
-    if (!(($5) in seen_s)) { seen_s[$5] = 1; ss[++ns_] = $5 }
+    key = $2 "," $3
+    time[$4 "," key] = $5 + 0
+    if (!(($2) in seen_n)) { seen_n[$2] = 1; ns[++nn] = $2 }
+    if (!(($3) in seen_s)) { seen_s[$3] = 1; ss[++ns_] = $3 }
   }
   END {
-    printf "\nauto / best forced all_reduce time (%s); * = within %s%%; measured winner, then model choice\n", metric, tol
+    printf "\nauto / best forced all_reduce median time; * = within %s%%; measured winner, then model choice\n", tol
     printf "%10s", "bytes"
     for (i = 1; i <= nn; i++) printf " %12s", "n=" ns[i]
     printf "\n"

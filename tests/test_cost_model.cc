@@ -212,17 +212,30 @@ TEST(CostModelSelect, AutoPicksThePredictedMinimum) {
   m.reduce_us_per_byte = 0.0002;
   int small = 0;
   int ring = 0;
+  int within_margin = 0;
   for (int n = 2; n <= 8; ++n) {
     const ModelGeometry g = geometry(n);
-    for (std::size_t bytes = 8; bytes <= (64U << 20); bytes *= 4) {
+    for (std::size_t bytes = 8; bytes <= (64U << 20); bytes *= 2) {
       const double r = predict_us(m, OpKind::kAllReduce, Schedule::kRing, bytes, 4, g);
       const double gr = predict_us(m, OpKind::kAllReduce, Schedule::kGatherReduce, bytes, 4, g);
-      const Schedule want = gr < r ? Schedule::kGatherReduce : Schedule::kRing;
+      // The ring keeps a margin: another schedule must be predicted faster by more than it.
+      const Schedule want =
+          r > (1 + m.ring_margin) * gr ? Schedule::kGatherReduce : Schedule::kRing;
       EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, bytes, 4, g, &m, 0), want)
           << "n=" << n << " bytes=" << bytes;
       (want == Schedule::kRing ? ring : small)++;
+      // Within the margin but faster: the ring still; with no margin, the faster one.
+      if (gr < r && r <= (1 + m.ring_margin) * gr) {
+        ++within_margin;
+        CostModel exact = m;
+        exact.ring_margin = 0;
+        EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, bytes, 4, g, &exact, 0),
+                  Schedule::kGatherReduce)
+            << "n=" << n << " bytes=" << bytes;
+      }
     }
   }
+  EXPECT_GT(within_margin, 0);
   // The grid must exercise both outcomes, or the test proves nothing.
   EXPECT_GT(small, 0);
   EXPECT_GT(ring, 0);
@@ -272,6 +285,106 @@ TEST(CostModelSelect, PerScheduleAlphaDecidesSmallSizes) {
                                            "schedule_alpha_us":{"tree":-1}})",
                                       "bad.json"),
                Error);
+}
+
+// fit_schedule recovers a schedule's alpha and bandwidth multiplier from samples built with
+// known ones (by hand, from the step counts and bandwidth parts), and auto follows the fit.
+TEST(CostModelFit, ScheduleFitRecoversAlphaAndScale) {
+  CostModel m;
+  m.alpha_us = 10;
+  m.beta_us_per_byte = 0.001;
+  m.reduce_us_per_byte = 0.0002;
+  ModelGeometry g = geometry(8);
+  g.log_steps = true;
+  constexpr double kAlpha = 17;
+  constexpr double kScale = 2.5;
+  std::vector<ScheduleSample> samples;
+  for (const double bytes : {8.0, 4096.0, 65536.0, 1048576.0}) {
+    const auto b = static_cast<std::size_t>(bytes);
+    // Tree on 8 ranks, along rank 0: 3 reduce steps, 3 broadcast steps, each moving the whole
+    // vector; a reduce step stages its operand and reduces it (2 passes), and the input is
+    // copied to the output once.
+    const double band = 6 * bytes * m.beta_us_per_byte + (3 * 2 + 1) * bytes * m.reduce_us_per_byte;
+    ASSERT_NEAR(bandwidth_us(m, OpKind::kAllReduce, Schedule::kTree, b, 4, g), band,
+                1e-9 * band + 1e-12);
+    ScheduleSample s;
+    s.bytes = bytes;
+    s.measured_us = 6 * kAlpha + kScale * band;
+    samples.push_back(s);
+  }
+  const double err = fit_schedule(m, Schedule::kTree, samples, 4, g);
+  EXPECT_LT(err, 1e-9);
+  EXPECT_NEAR(step_alpha_us(m, Schedule::kTree), kAlpha, 1e-6);
+  EXPECT_NEAR(beta_scale(m, Schedule::kTree), kScale, 1e-9);
+  EXPECT_DOUBLE_EQ(beta_scale(m, Schedule::kRing), 1);  // no entry: 1
+  ASSERT_EQ(m.schedule_samples.at("tree").size(), 4U);
+  EXPECT_NEAR(m.schedule_samples.at("tree")[3].model_us, samples[3].measured_us, 1e-6);
+  // The prediction is the fitted line, at sizes not sampled too.
+  const std::size_t b = 300000;
+  EXPECT_NEAR(predict_us(m, OpKind::kAllReduce, Schedule::kTree, b, 4, g),
+              6 * kAlpha + kScale * bandwidth_us(m, OpKind::kAllReduce, Schedule::kTree, b, 4, g),
+              1e-6);
+  // A multiplier that makes the tree's bytes dear hands large sizes to another schedule.
+  m.schedule_beta_scale["tree"] = 100;
+  EXPECT_NE(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 1 << 20, 4, g, &m, 0),
+            Schedule::kTree);
+  // Fits and samples survive the file; a negative multiplier is refused naming the field.
+  m.ring_margin = 0.25;
+  const CostModel back = parse_cost_model(to_json_text(m), "mem.json");
+  EXPECT_DOUBLE_EQ(back.ring_margin, 0.25);
+  EXPECT_EQ(back.schedule_beta_scale, m.schedule_beta_scale);
+  ASSERT_EQ(back.schedule_samples.at("tree").size(), 4U);
+  EXPECT_DOUBLE_EQ(back.schedule_samples.at("tree")[2].measured_us, samples[2].measured_us);
+  try {
+    (void)parse_cost_model(R"({"alpha_us":1,"beta_us_per_byte":1,
+                               "schedule_beta_scale":{"ring":-2}})",
+                           "bad.json");
+    ADD_FAILURE() << "a negative multiplier was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("schedule_beta_scale"), std::string::npos) << e.what();
+  }
+  // Too few sizes.
+  EXPECT_THROW((void)fit_schedule(m, Schedule::kTree, {samples[0]}, 4, g), std::invalid_argument);
+}
+
+// The size correction: measured / line at each sample, interpolated in log2(bytes), held
+// beyond the ends; a prediction at a sample's size is then that sample's measurement.
+TEST(CostModelFit, SizeCorrectionInterpolatesTheSamples) {
+  CostModel m;
+  m.alpha_us = 10;
+  m.beta_us_per_byte = 0.001;
+  ModelGeometry g = geometry(4);
+  g.log_steps = true;
+  EXPECT_DOUBLE_EQ(size_correction(m, Schedule::kRing, 4096), 1);  // no samples
+  // Ring samples: 1 KiB measured at twice its line, 64 KiB at the line, 1 MiB at half.
+  const auto line = [&](std::size_t b) {
+    return latency_steps(OpKind::kAllReduce, Schedule::kRing, b, 4, g) * m.alpha_us +
+           bandwidth_us(m, OpKind::kAllReduce, Schedule::kRing, b, 4, g);
+  };
+  for (const auto& [bytes, factor] : {std::pair{65536.0, 1.0}, {1024.0, 2.0}, {1048576.0, 0.5}}) {
+    ScheduleSample s;
+    s.bytes = bytes;
+    s.model_us = line(static_cast<std::size_t>(bytes));
+    s.measured_us = factor * s.model_us;
+    m.schedule_samples["ring"].push_back(s);
+  }
+  // parse_cost_model sorts the samples by size (fit_schedule does too).
+  m = parse_cost_model(to_json_text(m), "mem.json");
+  EXPECT_DOUBLE_EQ(size_correction(m, Schedule::kRing, 8), 2);          // below the first
+  EXPECT_DOUBLE_EQ(size_correction(m, Schedule::kRing, 1024), 2);
+  EXPECT_NEAR(size_correction(m, Schedule::kRing, 8192), 1.5, 1e-12);  // 2^13: halfway 2^10..2^16
+  EXPECT_NEAR(size_correction(m, Schedule::kRing, 262144), 0.75, 1e-12);
+  EXPECT_DOUBLE_EQ(size_correction(m, Schedule::kRing, 1 << 26), 0.5);  // beyond the last
+  EXPECT_DOUBLE_EQ(size_correction(m, Schedule::kTree, 8192), 1);      // another schedule
+  EXPECT_NEAR(predict_us(m, OpKind::kAllReduce, Schedule::kRing, 1024, 4, g), 2 * line(1024),
+              1e-9);
+  EXPECT_NEAR(predict_us(m, OpKind::kAllReduce, Schedule::kRing, 8192, 4, g), 1.5 * line(8192),
+              1e-9);
+  // reduce_scatter looks up its whole input: a 16 KiB block on 4 ranks is 64 KiB in all.
+  const double rs_line =
+      latency_steps(OpKind::kReduceScatter, Schedule::kRing, 16384, 4, g) * m.alpha_us +
+      bandwidth_us(m, OpKind::kReduceScatter, Schedule::kRing, 16384, 4, g);
+  EXPECT_NEAR(predict_us(m, OpKind::kReduceScatter, Schedule::kRing, 16384, 4, g), rs_line, 1e-9);
 }
 
 TEST(CostModelSelect, WithoutModelFromEightRanksSmallOperationsUseLogSteps) {
