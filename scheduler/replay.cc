@@ -69,7 +69,8 @@ class Trainer {
         model_(model),
         options_(options),
         named_(make_named_policy(model, name,
-                                 SimConfig{options.net, comm.size(), 3, EngineChoice::kPolicy})),
+                                 SimConfig{options.net, comm.size(), 3, EngineChoice::kPolicy,
+                                           options.threshold_bytes})),
         offsets_(layer_offsets(model)),
         epoch_(Clock::now()) {
     const std::size_t layers = model.layers.size();

@@ -270,10 +270,11 @@ NamedPolicy make_named_policy(const Model& model, std::string_view name,
       return simulate(model, *policy, config, engine).iteration_s;
     });
   };
-  if (name == "dear") return dear(plan_threshold(model, n), {}, serial);
+  const std::int64_t threshold = config.threshold_bytes;
+  if (name == "dear") return dear(plan_threshold(model, n, threshold), {}, serial);
   if (name == "dear_notf") return dear(plan_per_layer(model, n), {}, serial);
-  if (name == "dear_prio") return dear(plan_threshold(model, n), {}, dear_engine);
-  if (name == "dear_eager") return dear(plan_threshold(model, n), {true}, serial);
+  if (name == "dear_prio") return dear(plan_threshold(model, n, threshold), {}, dear_engine);
+  if (name == "dear_eager") return dear(plan_threshold(model, n, threshold), {true}, serial);
   if (name == "dear_auto") return dear(auto_plan({}, serial), {}, serial);
   if (name == "dear_plus") return dear(auto_plan({true}, dear_engine), {true}, dear_engine);
   NamedPolicy p;

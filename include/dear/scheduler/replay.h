@@ -49,6 +49,9 @@ struct ReplayOptions {
   int iterations = 10;  // timed iterations (>= 1)
   ComputeMode compute = ComputeMode::kSleep;
   float learning_rate = 0.05F;
+  // Fusion threshold of dear, dear_prio and dear_eager (SimConfig::threshold_bytes); the
+  // same on every rank.
+  std::int64_t threshold_bytes = kDefaultThresholdBytes;
   // The network model the planning policies use (mgwfbp, dear_auto, dear_plus). All ranks
   // must pass the same one, so that they plan the same collectives.
   NetModel net;

@@ -46,6 +46,9 @@ struct SimConfig {
   int workers = 1;
   int iterations = 3;  // the last two steady iterations give the iteration time
   EngineChoice engine = EngineChoice::kPolicy;
+  // Fusion threshold of the threshold-planned DeAR policies (dear, dear_prio, dear_eager):
+  // what the threshold tuner (tuner.h) varies.
+  std::int64_t threshold_bytes = kDefaultThresholdBytes;
 };
 
 enum class EventKind : std::uint8_t { kForward, kBackward, kComm };
