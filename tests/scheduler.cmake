@@ -2,6 +2,9 @@
 # tests/CMakeLists.txt.
 dear_test(test_scheduler SOURCES test_scheduler.cc LIBS dear_scheduler nlohmann_json::nlohmann_json
           LABELS unit)
+# The fusion-threshold tuner (Bayesian optimisation) on synthetic objectives and the simulator.
+dear_test(test_tuner SOURCES test_tuner.cc LIBS dear_scheduler LABELS unit)
+target_compile_definitions(test_tuner PRIVATE DEAR_PROFILES_DIR="${PROJECT_SOURCE_DIR}/profiles")
 # Profile replay on real collectives (ranks as threads over loopback).
 dear_test(test_replay SOURCES test_replay.cc LIBS dear_scheduler dear_collectives LABELS unit
           PROPERTIES TIMEOUT 300)
