@@ -260,13 +260,16 @@ std::int64_t ThresholdTuner::best() const {
     s.first += t.iter_ms;
     s.second += 1;
   }
+  // In the order of first measurement, so that a tie keeps the earlier threshold (the fixed
+  // first trials, e.g. a default the caller would otherwise use).
   std::int64_t choice = 0;
   double best_mean = std::numeric_limits<double>::infinity();
-  for (const auto& [threshold, s] : sums) {
+  for (const auto& t : trials_) {
+    const auto& s = sums[t.threshold_bytes];
     const double mean = s.first / s.second;
     if (mean < best_mean) {
       best_mean = mean;
-      choice = threshold;
+      choice = t.threshold_bytes;
     }
   }
   return choice;

@@ -67,8 +67,8 @@ class ThresholdTuner {
   void report(std::int64_t threshold_bytes, double iter_ms);
   // Whether options.trials measurements have been reported.
   [[nodiscard]] bool done() const { return static_cast<int>(trials_.size()) >= options_.trials; }
-  // The measured threshold with the lowest mean of its measurements (repeats are averaged);
-  // before any report, the middle trial. Not the model's minimum: the model is smooth, while
+  // The measured threshold with the lowest mean of its measurements (repeats are averaged;
+  // of equal means, the one measured first); before any report, the middle trial. Not the model's minimum: the model is smooth, while
   // the true time steps wherever the threshold crosses a layer boundary, so only measured
   // times are trusted.
   [[nodiscard]] std::int64_t best() const;
