@@ -1,10 +1,14 @@
 // dear-sim: simulated iteration time of DeAR and its baselines on N workers.
 //
 //   dear-sim --model resnet50 --workers 64 --net 10gbe [--json] [--trace out.json]
+//            [--tune-threshold]
 //
 // --model takes a name from profiles/ or a profile path. Without --json it prints a table
 // with each policy's iteration time, throughput, efficiency against the ideal-overlap bound
-// and DeAR's speedup over it.
+// and DeAR's speedup over it. --tune-threshold then tunes DeAR's fusion threshold as the
+// reference DeAR does online (ThresholdTuner, 10 trials from 1 to 256 MiB, each a simulated
+// run of the dear policy, the default 25 MiB among the first three) and compares the tuned
+// threshold with the default.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -12,6 +16,7 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -19,6 +24,7 @@
 #include "dear/error.h"
 #include "tools/tool_util.h"
 #include "dear/scheduler/simulator.h"
+#include "dear/scheduler/tuner.h"
 
 namespace {
 
@@ -30,6 +36,35 @@ namespace ds = dear::scheduler;
 
 using dear::tools::profile_path;
 using dear::tools::split;
+
+struct Tuning {
+  ds::ThresholdTuner tuner;
+  std::int64_t threshold = 0;  // the tuned one
+  double iter_ms = 0;
+  double default_ms = 0;
+};
+
+// The dear policy's simulated iteration time at each threshold the tuner proposes. The
+// default threshold is one of the fixed first trials, so the tuned one is never worse.
+Tuning tune_threshold(const ds::Model& model, ds::SimConfig config) {
+  auto dear_ms = [&](std::int64_t threshold) {
+    config.threshold_bytes = threshold;
+    return ds::simulate_named(model, "dear", config).iteration_s * 1e3;
+  };
+  ds::TunerOptions options;
+  options.middle_bytes = ds::kDefaultThresholdBytes;
+  Tuning t{ds::ThresholdTuner(options)};
+  while (!t.tuner.done()) {
+    const std::int64_t threshold = t.tuner.next();
+    t.tuner.report(threshold, dear_ms(threshold));
+  }
+  t.threshold = t.tuner.best();
+  t.iter_ms = dear_ms(t.threshold);
+  t.default_ms = dear_ms(ds::kDefaultThresholdBytes);
+  return t;
+}
+
+double mib(std::int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
 }  // namespace
 
@@ -51,6 +86,7 @@ int main(int argc, char** argv) {
   std::string engine = "policy";
   std::string slice = "";
   bool json_out = false;
+  bool tune = false;
   app.add_option("--model,-m", model_name, "profile name in --profiles, or a profile file");
   app.add_option("--profiles", profiles, "folder of model profiles");
   app.add_option("--workers,-n", workers, "number of workers")->check(CLI::Range(1, 1 << 20));
@@ -72,6 +108,9 @@ int main(int argc, char** argv) {
   app.add_option("--trace", trace_file, "write a Chrome trace of --trace-policy here");
   app.add_option("--trace-policy", trace_policy, "policy whose run --trace records");
   app.add_flag("--json", json_out, "print one JSON object instead of a table");
+  app.add_flag("--tune-threshold", tune,
+               "tune the dear policy's fusion threshold (Bayesian optimisation, 10 trials over "
+               "1-256 MiB) and compare it with the default 25 MiB");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -102,6 +141,8 @@ int main(int argc, char** argv) {
       }
     }
     const double samples = static_cast<double>(workers) * model.batch_size;
+    std::optional<Tuning> tuning;
+    if (tune) tuning = tune_threshold(model, config);
     if (json_out) {
       nlohmann::ordered_json doc;
       doc["model"] = model.name;
@@ -121,6 +162,18 @@ int main(int argc, char** argv) {
                      {"efficiency", bound / iter[name]}};
       }
       doc["policies"] = std::move(pol);
+      if (tuning) {
+        nlohmann::ordered_json trials = nlohmann::ordered_json::array();
+        for (const auto& t : tuning->tuner.trials()) {
+          trials.push_back({{"threshold_bytes", t.threshold_bytes}, {"iter_ms", t.iter_ms}});
+        }
+        doc["tuned"] = {{"policy", "dear"},
+                        {"threshold_bytes", tuning->threshold},
+                        {"iter_ms", tuning->iter_ms},
+                        {"default_threshold_bytes", ds::kDefaultThresholdBytes},
+                        {"default_iter_ms", tuning->default_ms},
+                        {"trials", std::move(trials)}};
+      }
       std::cout << doc.dump(1) << "\n";
     } else {
       std::printf("%s, %d workers, %s (alpha %.1f us, %.2f Gb/s): compute %.1f ms, bound %.1f ms\n",
@@ -135,6 +188,18 @@ int main(int argc, char** argv) {
                     samples / iter[name], bound / iter[name]);
         if (have_dear) std::printf(" %11.3fx", iter[name] / iter["dear"]);
         std::printf("\n");
+      }
+      if (tuning) {
+        std::printf("\ntuning dear's fusion threshold (%zu trials):\n",
+                    tuning->tuner.trials().size());
+        int i = 0;
+        for (const auto& t : tuning->tuner.trials()) {
+          std::printf("  trial %2d: threshold %8.2f MiB  iter %10.2f ms\n", ++i,
+                      mib(t.threshold_bytes), t.iter_ms);
+        }
+        std::printf("dear at the default %.0f MiB: %.2f ms; tuned %.2f MiB: %.2f ms (%.3fx)\n",
+                    mib(ds::kDefaultThresholdBytes), tuning->default_ms, mib(tuning->threshold),
+                    tuning->iter_ms, tuning->default_ms / tuning->iter_ms);
       }
     }
   } catch (const std::exception& e) {

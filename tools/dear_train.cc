@@ -8,6 +8,13 @@
 // on a dear::Communicator, applies SGD to synthetic gradients where the policy says, and rank 0
 // prints each policy's iteration time (mean and median after warm-up) and throughput. See
 // include/dear/scheduler/replay.h for what exactly runs.
+//
+// --tune-threshold N then tunes the dear policy's fusion threshold online, as the reference
+// DeAR does: N replays (each --warmup + --iterations iterations) at the thresholds a
+// ThresholdTuner proposes (1 MiB, 256 MiB and the default 25 MiB first), each measured as the
+// median iteration time, the maximum over ranks so that every rank feeds the tuner the same
+// value and proposes the same next threshold; then the default and the tuned threshold are
+// measured once more, back to back.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -26,6 +33,7 @@
 #include "scheduler/mpi_comm.h"
 #include "scheduler/nccl_comm.h"
 #include "dear/scheduler/simulator.h"
+#include "dear/scheduler/tuner.h"
 
 namespace {
 
@@ -37,6 +45,20 @@ namespace ds = dear::scheduler;
 
 using dear::tools::profile_path;
 using dear::tools::split;
+
+double mib(std::int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+// The dear policy's median iteration time at a threshold, in ms: the largest over ranks, so
+// that every rank returns the same value.
+double dear_p50_ms(dear::Communicator& comm, const ds::Model& model, ds::ReplayOptions options,
+                   std::int64_t threshold) {
+  options.threshold_bytes = threshold;
+  options.record_trace = false;
+  options.progress = nullptr;
+  double ms = ds::replay(comm, model, "dear", options).p50_s * 1e3;
+  comm.all_reduce(&ms, &ms, 1, dear::DataType::kFloat64, dear::ReduceOp::kMax).wait();
+  return ms;
+}
 
 }  // namespace
 
@@ -57,6 +79,7 @@ int main(int argc, char** argv) {
   double alpha_us = -1;
   double gbps = -1;
   bool calibrate = false;
+  int tune_trials = 0;
   ds::ReplayOptions options;
   app.add_option("--model,-m", model_name, "profile name in --profiles, or a profile file");
   app.add_option("--profiles", profiles, "folder of model profiles");
@@ -88,6 +111,10 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_file, "write the results as JSON here (rank 0)");
   app.add_option("--trace", trace_file, "write a Chrome trace of --trace-policy here (rank 0)");
   app.add_option("--trace-policy", trace_policy, "policy whose run --trace records");
+  app.add_option("--tune-threshold", tune_trials,
+                 "then tune the dear policy's fusion threshold online in N trials (Bayesian "
+                 "optimisation over 1-256 MiB) and compare it with the default 25 MiB")
+      ->check(CLI::Range(1, 100));
   CLI11_PARSE(app, argc, argv);
 
   int rank = -1;
@@ -173,6 +200,46 @@ int main(int argc, char** argv) {
                        {"late_priority_changes", r.late_priority_changes},
                        {"iterations_ms", its_ms}};
     }
+    nlohmann::ordered_json tuned;
+    if (tune_trials > 0) {
+      ds::TunerOptions to;
+      to.trials = tune_trials;
+      to.middle_bytes = ds::kDefaultThresholdBytes;  // measured among the first trials
+      ds::ThresholdTuner tuner(to);
+      if (lead) {
+        std::printf("\ntuning dear's fusion threshold (%d trials of %d+%d iterations):\n",
+                    tune_trials, options.warmup, options.iterations);
+        std::fflush(stdout);
+      }
+      nlohmann::ordered_json trials = nlohmann::ordered_json::array();
+      while (!tuner.done()) {
+        const std::int64_t threshold = tuner.next();
+        const double ms = dear_p50_ms(*comm, model, options, threshold);
+        tuner.report(threshold, ms);
+        trials.push_back({{"threshold_bytes", threshold}, {"iter_ms", ms}});
+        if (lead) {
+          std::printf("  trial %2zu: threshold %8.2f MiB  p50 %10.3f ms\n",
+                      tuner.trials().size(), mib(threshold), ms);
+          std::fflush(stdout);
+        }
+      }
+      const std::int64_t best = tuner.best();
+      const double default_ms = dear_p50_ms(*comm, model, options, ds::kDefaultThresholdBytes);
+      const double best_ms = dear_p50_ms(*comm, model, options, best);
+      if (lead) {
+        std::printf("dear at the default %.0f MiB: p50 %.3f ms; tuned %.2f MiB: p50 %.3f ms "
+                    "(%.3fx)\n",
+                    mib(ds::kDefaultThresholdBytes), default_ms, mib(best), best_ms,
+                    default_ms / best_ms);
+        std::fflush(stdout);
+      }
+      tuned = {{"policy", "dear"},
+               {"threshold_bytes", best},
+               {"iter_ms", best_ms},
+               {"default_threshold_bytes", ds::kDefaultThresholdBytes},
+               {"default_iter_ms", default_ms},
+               {"trials", std::move(trials)}};
+    }
     if (lead && !json_file.empty()) {
       nlohmann::ordered_json doc;
       doc["model"] = model.name;
@@ -191,6 +258,7 @@ int main(int argc, char** argv) {
                     {"gbps", 8.0 / net->beta_s_per_byte / 1e9},
                     {"slice_bytes", net->slice_bytes}};
       doc["policies"] = std::move(results);
+      if (!tuned.is_null()) doc["tuned"] = std::move(tuned);
       std::ofstream out(json_file);
       out << doc.dump(1) << "\n";
       if (!out) throw dear::Error(dear::ErrorCode::kSystem, "cannot write " + json_file);
