@@ -78,6 +78,14 @@ std::vector<double> interleaved_median_us(Communicator& comm, const CalibrateOpt
   return result;
 }
 
+CalibrateOptions calibrate_up_to(CalibrateOptions opts, std::size_t max_bytes) {
+  auto& sizes = opts.schedule_sizes;
+  std::sort(sizes.begin(), sizes.end());
+  const auto first_above = std::lower_bound(sizes.begin(), sizes.end(), max_bytes);
+  if (first_above != sizes.end()) sizes.erase(first_above + 1, sizes.end());
+  return opts;
+}
+
 CommOptions calibration_options(CommOptions options) {
   options.gather_reduce_max_bytes = 0;  // ring all-gathers at every size
   options.cost_model_file.clear();
@@ -169,7 +177,9 @@ collectives::CostModel calibrate(Communicator& comm, const CalibrateOptions& opt
             .wait();
       });
     }
-    const std::vector<double> t = interleaved_median_us(comm, opts, runs);
+    CalibrateOptions timing = opts;
+    timing.min_time_ms = opts.schedule_min_time_ms;
+    const std::vector<double> t = interleaved_median_us(comm, timing, runs);
     for (std::size_t s = 0; s < runnable.size(); ++s) {
       collectives::ScheduleSample sample;
       sample.bytes = static_cast<double>(count * sizeof(float));

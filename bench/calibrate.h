@@ -35,7 +35,15 @@ struct CalibrateOptions {
   std::vector<std::size_t> schedule_sizes{8,      256,     4096,    65536,
                                           262144, 1048576, 4194304, 16777216};
   int rounds = 8;  // interleaved_median_us: rounds over the candidates
+  // Per schedule and size: the schedules come within a few percent of one another at large
+  // sizes, so they get more time than the base fit's all-gathers.
+  double schedule_min_time_ms = 100;
 };
+
+// The calibration for operations up to `max_bytes`: schedule_sizes beyond the first one at or
+// above it are dropped (dear-bench --calibrate -e SIZE), so that a study of small messages
+// does not wait for 16 MiB all_reduces.
+[[nodiscard]] CalibrateOptions calibrate_up_to(CalibrateOptions opts, std::size_t max_bytes);
 
 // Times several operations interleaved, so that a slow spell of a shared machine hits them
 // alike: opts.rounds rounds, each running every candidate in turn (the order rotating from

@@ -258,8 +258,9 @@ int run(int argc, char** argv) {
   std::string device = "host";
   bool calibrate_only = false;
   app.add_flag("--calibrate", calibrate_only,
-               "Measure alpha and beta of a ring step on these ranks instead of a sweep; rank 0 "
-               "prints the fit and writes it to --json FILE (a DEAR_COST_MODEL file)");
+               "Measure alpha and beta of a ring step, and each all_reduce schedule at sizes up "
+               "to -e (default 16 MiB), on these ranks instead of a sweep; rank 0 prints the fit "
+               "and writes it to --json FILE (a DEAR_COST_MODEL file)");
   app.get_option("collective")->required(false);
   app.add_option("--transport", transport,
                  "Link transport: tcp, fabric (libfabric; provider from DEAR_FABRIC_PROVIDER) or verbs "
@@ -333,7 +334,10 @@ int run(int argc, char** argv) {
   if (timeout_s > 0) options.timeout = std::chrono::seconds(timeout_s);
   if (calibrate_only) {
     auto comm = Communicator::create(std::move(bootstrap), calibration_options(options));
-    const collectives::CostModel model = calibrate(*comm, CalibrateOptions{});
+    // -e bounds the sizes each schedule is calibrated at (calibrate_up_to).
+    CalibrateOptions copts;
+    if (app.count("--maxbytes") > 0) copts = calibrate_up_to(copts, args.max_bytes);
+    const collectives::CostModel model = calibrate(*comm, copts);
     if (rank == 0) {
       print_calibration(stdout, model);
       if (!args.json_path.empty()) {
