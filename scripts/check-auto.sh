@@ -93,7 +93,7 @@ printf 'collective,nranks,size,algo,median_us\n' >"$csv"
 for n in $ranks; do
   model=$out/model-$n.json
   printf '\r\033[K[ranks=%s] calibrating' "$n" >&2
-  if ! "$run" -n "$n" --timeout 600 -- "$bench" --calibrate --json "$model" \
+  if ! "$run" -n "$n" --timeout 600 -- "$bench" --calibrate -e "$max" --json "$model" \
     >"$out/calibrate-$n.log" 2>&1; then
     printf '\ncheck-auto: calibration on %s ranks failed:\n' "$n" >&2
     tail -20 "$out/calibrate-$n.log" >&2

@@ -181,7 +181,7 @@ for n in "${rank_list[@]}"; do
     if [ "$no_plots" = 0 ]; then
       printf '\r\033[K[%d/%d] ranks=%s delay=%sus calibrating' "$point" "$total" "$n" "$d" >&2
       model=$plots/model-n$n-d$d.json
-      if ! launch "$n" "$d" "$bench" --calibrate --json "$model" >"$tmp/calibrate.log" 2>&1; then
+      if ! launch "$n" "$d" "$bench" --calibrate -e "$max" --json "$model" >"$tmp/calibrate.log" 2>&1; then
         printf '\nlatency-study: calibration ranks=%s delay=%sus failed:\n' "$n" "$d" >&2
         tail -20 "$tmp/calibrate.log" >&2
         exit 1
