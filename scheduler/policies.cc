@@ -73,12 +73,14 @@ class DearPolicy final : public Policy {
     if (++ready_[g] < plan_[g].layers()) return;
     ready_[g] = 0;
     CommRequest rs{OpKind::kReduceScatter, plan_[g].padded, 0, kNoOp,
-                   plan_[g].first, plan_[g].last, g, false, offsets_[plan_[g].first]};
+                   plan_[g].first, plan_[g].last, g, false, offsets_[plan_[g].first],
+                   options_.shard_optimizer};
     rs_[g] = backend.issue(rs);
     if (options_.eager_all_gather) ag_[g] = backend.issue(all_gather(g, rs_[g], kEagerPriority));
   }
 
   void step(Backend& backend) override {
+    // With shard_optimizer, consuming RS(g) is where this rank's shard of group g is updated.
     for (OpId op : rs_) backend.wait(op);
     if (options_.eager_all_gather) {
       // The eager all-gathers yielded to the reduce-scatters; now the next forward pass
@@ -95,7 +97,7 @@ class DearPolicy final : public Policy {
  private:
   [[nodiscard]] CommRequest all_gather(int g, OpId after, int priority) const {
     return {OpKind::kAllGather, plan_[g].padded, priority, after, plan_[g].first, plan_[g].last,
-            g, false, offsets_[plan_[g].first]};
+            g, false, offsets_[plan_[g].first], options_.shard_optimizer};
   }
 
   FusionPlan plan_;
@@ -234,6 +236,11 @@ std::unique_ptr<Policy> make_dear(const Model& model, FusionPlan plan, DearOptio
   if (plan.empty() || plan.front().first != 0 ||
       plan.back().last + 1 != static_cast<int>(model.layers.size())) {
     throw Error(ErrorCode::kInvalidArgument, "make_dear: the plan must cover the model's layers");
+  }
+  if (options.eager_all_gather && options.shard_optimizer) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "make_dear: options.eager_all_gather and options.shard_optimizer exclude each "
+                "other (an eager all-gather would leave before its shard is updated)");
   }
   return std::make_unique<DearPolicy>(model, std::move(plan), options);
 }

@@ -20,7 +20,10 @@ using detail::Link;
 class SimBackend final : public Backend {
  public:
   SimBackend(const Model& model, const SimConfig& config, const EngineModel& engine)
-      : model_(model), config_(config), link_(config.net, engine) {}
+      : model_(model),
+        config_(config),
+        link_(config.net, engine),
+        offsets_(layer_offsets(model)) {}
 
   OpId issue(const CommRequest& r) override {
     link_.advance_until(now_);
@@ -30,15 +33,47 @@ class SimBackend final : public Backend {
                               r.after);
     requests_.push_back(r);
     iteration_of_.push_back(r.previous_iteration ? iteration_ - 1 : iteration_);
+    consumed_.push_back(false);
     return id;
   }
+  // The first wait that sees an operation complete consumes it, as CommBackend's does: the
+  // optimizer work it completes runs there, on the compute stream.
   void wait(OpId op) override {
     if (op == kNoOp) return;
     now_ = std::max(now_, link_.finish(op));
+    const auto i = static_cast<std::size_t>(op);
+    if (consumed_.at(i)) return;
+    consumed_[i] = true;
+    const double s =
+        static_cast<double>(optimizer_elements(requests_[i])) * config_.optimizer_us_per_mparam *
+        1e-12;
+    if (s <= 0) return;
+    TraceEvent e;
+    e.kind = EventKind::kOptimizer;
+    e.iteration = iteration_of_[i];
+    e.first_layer = requests_[i].first_layer;
+    e.last_layer = requests_[i].last_layer;
+    e.group = requests_[i].group;
+    e.elements = optimizer_elements(requests_[i]);
+    e.start_s = now_;
+    now_ += s;
+    e.end_s = now_;
+    optimizer_events_.push_back(e);
   }
   void set_priority(OpId op, int priority) override {
     link_.advance_until(now_);
     link_.set_priority(op, priority);
+  }
+
+  // Parameters whose update consuming `r` completes on this worker (see SimConfig).
+  [[nodiscard]] std::int64_t optimizer_elements(const CommRequest& r) const {
+    if (r.kind == OpKind::kReduceScatter) {
+      return r.carries_parameters ? r.elements / config_.workers : 0;
+    }
+    if (r.carries_parameters) return 0;
+    // A fusion group's buffer is padded; its parameters end with its last layer.
+    return r.group >= 0 ? offsets_.at(static_cast<std::size_t>(r.last_layer) + 1) - r.offset
+                        : r.elements;
   }
 
   double now_ = 0;
@@ -46,8 +81,11 @@ class SimBackend final : public Backend {
   const Model& model_;
   const SimConfig& config_;
   Link link_;
+  std::vector<std::int64_t> offsets_;
   std::vector<CommRequest> requests_;
   std::vector<int> iteration_of_;
+  std::vector<bool> consumed_;
+  std::vector<TraceEvent> optimizer_events_;
 };
 
 }  // namespace
@@ -84,6 +122,8 @@ SimResult simulate(const Model& model, Policy& policy, const SimConfig& config,
     result.step_s.push_back(b.now_);
   }
   b.link_.advance_until(kNever);  // let the last all-gathers finish, for the trace
+  result.events.insert(result.events.end(), b.optimizer_events_.begin(),
+                       b.optimizer_events_.end());
   const auto& ops = b.link_.ops();
   for (std::size_t i = 0; i < ops.size(); ++i) {
     const CommRequest& r = b.requests_[i];
@@ -114,7 +154,9 @@ double ideal_bound_s(const Model& model, const SimConfig& config) {
               model.element_bytes);
   const double bandwidth = 2.0 * (n - 1) / n * config.net.beta_s_per_byte *
                            static_cast<double>(model.params() * model.element_bytes);
-  return std::max(compute + (n > 1 ? tail : 0.0), bandwidth);
+  const double optimizer = static_cast<double>(model.params()) / n *
+                           config.optimizer_us_per_mparam * 1e-12;
+  return std::max({compute + (n > 1 ? tail : 0.0), compute + optimizer, bandwidth});
 }
 
 void write_chrome_trace(const SimResult& result, const Model& model, std::ostream& out) {
@@ -138,8 +180,12 @@ void write_chrome_trace(const SimResult& result, const Model& model, std::ostrea
   for (const auto& e : result.events) {
     if (e.kind == EventKind::kComm) continue;
     const bool fwd = e.kind == EventKind::kForward;
-    events.push_back({{"name", (fwd ? "F " : "B ") + layer_name(e.first_layer)},
-                      {"cat", fwd ? "forward" : "backward"}, {"ph", "X"}, {"pid", 0},
+    const bool opt = e.kind == EventKind::kOptimizer;
+    std::string name = (opt ? "O " : fwd ? "F " : "B ") + layer_name(e.first_layer);
+    if (opt && e.last_layer != e.first_layer) name += ".." + layer_name(e.last_layer);
+    events.push_back({{"name", name},
+                      {"cat", opt ? "optimizer" : fwd ? "forward" : "backward"}, {"ph", "X"},
+                      {"pid", 0},
                       {"tid", 0}, {"ts", us(e.start_s)}, {"dur", us(e.end_s - e.start_s)},
                       {"args", {{"iteration", e.iteration}}}});
   }
@@ -247,8 +293,8 @@ FusionPlan plan_auto(const Model& model, const SimConfig& config,
 
 const std::vector<std::string>& policy_names() {
   static const std::vector<std::string> names = {
-      "dear", "dear_notf", "dear_prio", "dear_eager", "dear_auto", "dear_plus",
-      "wfbp", "ddp",       "bytescheduler", "mgwfbp"};
+      "dear", "dear_notf", "dear_prio", "dear_eager", "dear_shard", "dear_auto",
+      "dear_plus", "wfbp", "ddp", "bytescheduler", "mgwfbp"};
   return names;
 }
 
@@ -275,6 +321,9 @@ NamedPolicy make_named_policy(const Model& model, std::string_view name,
   if (name == "dear_notf") return dear(plan_per_layer(model, n), {}, serial);
   if (name == "dear_prio") return dear(plan_threshold(model, n, threshold), {}, dear_engine);
   if (name == "dear_eager") return dear(plan_threshold(model, n, threshold), {true}, serial);
+  if (name == "dear_shard") {
+    return dear(plan_threshold(model, n, threshold), {false, true}, serial);
+  }
   if (name == "dear_auto") return dear(auto_plan({}, serial), {}, serial);
   if (name == "dear_plus") return dear(auto_plan({true}, dear_engine), {true}, dear_engine);
   NamedPolicy p;

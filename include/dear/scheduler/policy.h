@@ -37,6 +37,14 @@ struct CommRequest {
   // layer, each layer's tensors in order), in elements. A real back-end finds the buffer from
   // it (see layer_offsets()); for a fusion group it is the offset of the group's first layer.
   std::int64_t offset = 0;
+  // The sharded optimizer step (DearOptions::shard_optimizer). On a reduce-scatter: whoever
+  // consumes it (the first wait that sees it complete) applies the optimizer to this rank's
+  // shard of the parameters, with its shard of the averaged gradients, and leaves the updated
+  // parameters in that shard of the buffer. On an all-gather: the buffer carries parameters,
+  // not gradients; once consumed they replace the model's parameters of the range, and no
+  // optimizer work remains for it. False everywhere else: the averaged gradients are applied
+  // in full where the all-gather or all-reduce that carries them is consumed.
+  bool carries_parameters = false;
 };
 
 // Contract: issue() returns at once; operations run in the back-end's own order (priority,
@@ -63,12 +71,23 @@ struct DearOptions {
   // forward order at the step barrier (instead of being issued one group at a time during
   // the next forward pass).
   bool eager_all_gather = false;
+  // The sharded optimizer step: once RS(g) is consumed, each rank updates only its shard of
+  // group g's parameters (1/N of the optimizer work and state), and AG(g) gathers the updated
+  // parameters instead of the averaged gradients (the same bytes). The shards are updated at
+  // step(), which waits for every RS first; the AGs are issued as without it (AG(0) at the
+  // step, AG(g+1) once AG(g) is consumed before the forward pass of group g), so after AG(g)
+  // a rank's parameters of group g are current and nothing is left to apply before forward.
+  // Both sides of the buffer carry CommRequest::carries_parameters. Not combinable with
+  // eager_all_gather (an eager AG would leave before its shard was updated).
+  bool shard_optimizer = false;
 };
 
 // Priorities the policies use; all-gathers of the next forward pass outrank everything.
 inline constexpr int kAllGatherPriority = 1 << 20;  // AG(g) gets kAllGatherPriority - g
 inline constexpr int kEagerPriority = -1;           // eager AG before the step barrier
 
+// Throws dear::Error(kInvalidArgument) unless `plan` covers the model's layers, or when
+// options asks for both eager_all_gather and shard_optimizer.
 [[nodiscard]] std::unique_ptr<Policy> make_dear(const Model& model, FusionPlan plan,
                                                 DearOptions options = {});
 // One all-reduce per parameter tensor as soon as it is ready, first come first served.

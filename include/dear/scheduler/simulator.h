@@ -46,12 +46,23 @@ struct SimConfig {
   int workers = 1;
   int iterations = 3;  // the last two steady iterations give the iteration time
   EngineChoice engine = EngineChoice::kPolicy;
-  // Fusion threshold of the threshold-planned DeAR policies (dear, dear_prio, dear_eager):
+  // Fusion threshold of the threshold-planned DeAR policies (dear, dear_prio, dear_eager,
+  // dear_shard):
   // what the threshold tuner (tuner.h) varies.
   std::int64_t threshold_bytes = kDefaultThresholdBytes;
+  // Optimizer cost on the compute stream, in microseconds per million parameters updated
+  // (0: free, as before). It is charged where the policy's wait first sees the collective
+  // that completes an update, as the replay applies SGD there: for the whole range of an
+  // all-reduce or of a gradient all-gather (dear: the group, before its first layer's
+  // forward pass; the all-reduce baselines: at the step, or before the layer's forward for
+  // bytescheduler), and for one shard (padded / N elements, the busiest rank's) of a
+  // reduce-scatter with carries_parameters (dear_shard: at the step). An all-gather that
+  // carries parameters costs nothing.
+  double optimizer_us_per_mparam = 0;
 };
 
-enum class EventKind : std::uint8_t { kForward, kBackward, kComm };
+// kOptimizer: the optimizer on the compute stream (only when SimConfig charges for it).
+enum class EventKind : std::uint8_t { kForward, kBackward, kComm, kOptimizer };
 
 struct TraceEvent {
   EventKind kind = EventKind::kForward;
@@ -76,9 +87,10 @@ struct SimResult {
 [[nodiscard]] SimResult simulate(const Model& model, Policy& policy, const SimConfig& config,
                                  const EngineModel& engine = {});
 
-// Lower bound on the iteration time of any policy: the larger of (compute + the all-reduce
+// Lower bound on the iteration time of any policy: the largest of (compute + the all-reduce
 // of layer 0, which can overlap nothing: its gradient is the last one produced and the first
-// one needed) and the bandwidth term of all-reducing every gradient once.
+// one needed), (compute + the optimizer on 1/N of the parameters, the least any rank can
+// update on its compute stream) and the bandwidth term of all-reducing every gradient once.
 [[nodiscard]] double ideal_bound_s(const Model& model, const SimConfig& config);
 
 // Chrome trace (chrome://tracing, Perfetto) of a run: compute on one track, collectives on
@@ -94,8 +106,9 @@ void write_chrome_trace(const SimResult& result, const Model& model, std::ostrea
 [[nodiscard]] FusionPlan plan_auto(const Model& model, const SimConfig& config,
                                    const std::function<double(const FusionPlan&)>& score);
 
-// Named policies as dear-sim runs them: dear dear_notf dear_prio dear_eager dear_auto
-// dear_plus wfbp ddp bytescheduler mgwfbp.
+// Named policies as dear-sim runs them: dear dear_notf dear_prio dear_eager dear_shard
+// dear_auto dear_plus wfbp ddp bytescheduler mgwfbp. dear_shard is dear with the sharded
+// optimizer step (DearOptions::shard_optimizer) on the same plan and engine.
 [[nodiscard]] const std::vector<std::string>& policy_names();
 // Throws dear::Error(kInvalidArgument) for an unknown name.
 [[nodiscard]] SimResult simulate_named(const Model& model, std::string_view name,
