@@ -80,8 +80,14 @@ class DearPolicy final : public Policy {
   }
 
   void step(Backend& backend) override {
-    // With shard_optimizer, consuming RS(g) is where this rank's shard of group g is updated.
-    for (OpId op : rs_) backend.wait(op);
+    if (options_.shard_optimizer) {
+      // Consuming RS(g) updates this rank's shard of group g on the compute stream: in issue
+      // (gradient-ready) order, so that the first shards' updates overlap the reduce-scatters
+      // still running.
+      for (auto it = rs_.rbegin(); it != rs_.rend(); ++it) backend.wait(*it);
+    } else {
+      for (OpId op : rs_) backend.wait(op);
+    }
     if (options_.eager_all_gather) {
       // The eager all-gathers yielded to the reduce-scatters; now the next forward pass
       // needs them, group 0 first.

@@ -156,6 +156,7 @@ class Trainer {
     r.hooks_s = hooks_s_ / n;
     r.gradient_s = gradient_s_ / n;
     r.optimizer_s = optimizer_s_ / n;
+    r.parameter_copy_s = parameter_copy_s_ / n;
     r.late_priority_changes = backend_->late_priority_changes();
     r.params = params_;
     if (options_.record_trace) {
@@ -201,19 +202,61 @@ class Trainer {
     return storage_.data() + at;
   }
 
-  // The averaged gradients of the request's range have landed: SGD on that range.
+  // The averaged gradients of the request's range have landed: SGD on that range. With the
+  // sharded optimizer step the reduce-scatter updates this rank's shard and the all-gather
+  // brings every shard's new parameters instead.
   void consume(const CommRequest& r) {
     consumed_ = true;
-    if (r.kind == OpKind::kReduceScatter) return;  // only a shard is averaged so far
+    if (r.kind == OpKind::kReduceScatter) {
+      if (r.carries_parameters) update_shard(r);
+      return;  // otherwise only a shard is averaged so far
+    }
     const auto t0 = Clock::now();
     const std::int64_t count =
         r.group >= 0 ? offsets_[static_cast<std::size_t>(r.last_layer) + 1] - r.offset
                      : r.elements;
-    const float* g = buffer(r);
+    float* p = params_.data() + r.offset;
+    if (r.carries_parameters) {
+      const float* gathered = buffer(r);
+      std::copy(gathered, gathered + count, p);
+      if (timing_) parameter_copy_s_ += seconds(Clock::now() - t0);
+    } else {
+      const float* g = buffer(r);
+      const float lr = options_.learning_rate;
+      for (std::int64_t j = 0; j < count; ++j) p[j] -= lr * g[j];
+      if (timing_) optimizer_s_ += seconds(Clock::now() - t0);
+    }
+    mark_applied(r, count);
+  }
+
+  // SGD on this rank's shard of a fusion group, the reduce-scatter's output block: rank r
+  // owns elements [r s, (r + 1) s) of the group's buffer, s = padded / ranks. The updated
+  // parameters replace the averaged gradients there, for the all-gather to carry; the
+  // buffer's padding carries zeros and updates nothing.
+  void update_shard(const CommRequest& r) {
+    const auto t0 = Clock::now();
+    if (r.group < 0) {
+      throw Error(ErrorCode::kInternal,
+                  "replay: a sharded update needs a fusion group's reduce-scatter", comm_.rank());
+    }
+    const std::int64_t count = offsets_[static_cast<std::size_t>(r.last_layer) + 1] - r.offset;
+    const std::int64_t shard = r.elements / comm_.size();
+    const std::int64_t lo = shard * comm_.rank();
+    const std::int64_t hi = std::min(lo + shard, count);
+    float* buf = buffer(r);
     float* p = params_.data() + r.offset;
     const float lr = options_.learning_rate;
-    for (std::int64_t j = 0; j < count; ++j) p[j] -= lr * g[j];
-    // Count what each layer received; a layer is current once all of it is updated.
+    for (std::int64_t j = lo; j < hi; ++j) {
+      p[j] -= lr * buf[j];
+      buf[j] = p[j];
+    }
+    std::fill(buf + std::max(lo, hi), buf + lo + shard, 0.0F);
+    if (timing_) optimizer_s_ += seconds(Clock::now() - t0);
+  }
+
+  // Count what each layer of the request's range received; a layer is current once all of
+  // it is updated.
+  void mark_applied(const CommRequest& r, std::int64_t count) {
     const std::int64_t end = r.offset + count;
     for (auto l = static_cast<std::size_t>(r.first_layer);
          l < model_.layers.size() && offsets_[l] < end; ++l) {
@@ -230,7 +273,6 @@ class Trainer {
         ++version_[l];
       }
     }
-    if (timing_) optimizer_s_ += seconds(Clock::now() - t0);
   }
 
   void check_version(int l, int iteration, std::string_view name) const {
@@ -332,6 +374,7 @@ class Trainer {
   double hooks_s_ = 0;
   double gradient_s_ = 0;
   double optimizer_s_ = 0;
+  double parameter_copy_s_ = 0;
   std::vector<TraceEvent> compute_events_;
 };
 

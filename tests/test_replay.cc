@@ -45,7 +45,8 @@ std::vector<Case> all_cases() {
     out.push_back({p, 2, false});
     out.push_back({p, 3, true});
   }
-  for (const char* p : {"dear", "dear_notf", "dear_eager", "dear_plus", "wfbp", "bytescheduler"}) {
+  for (const char* p :
+       {"dear", "dear_notf", "dear_eager", "dear_shard", "dear_plus", "wfbp", "bytescheduler"}) {
     out.push_back({p, 4, false});
   }
   return out;

@@ -197,6 +197,62 @@ TEST_F(HandTimeline, EagerAllGatherAndBound) {
   EXPECT_NEAR(ds::ideal_bound_s(model, config), 66e-3, 1e-9);
 }
 
+TEST_F(HandTimeline, ShardedOptimizerStep) {
+  // Optimizer at 1 us per parameter: L0 1 ms, L1 2 ms; a shard on 2 workers is half.
+  config.optimizer_us_per_mparam = 1e6;
+  // dear, per layer: the step at 63 (RS waits cost nothing), AG(0) 63..66; then before the
+  // forward of L0 the optimizer of L0 66..67, AG(1) 67..72, fwd L0 67..77; before L1 the
+  // optimizer of L1 77..79, fwd L1 79..89; bwd ..129, RS(0) ..132: 69 ms.
+  auto dear = ds::make_dear(model, ds::plan_per_layer(model, 2));
+  const auto d = ds::simulate(model, *dear, config);
+  EXPECT_NEAR(d.step_s[0], 63e-3, 1e-9);
+  EXPECT_NEAR(d.iteration_s, 69e-3, 1e-9);
+  // dear_shard: RS(1) 40..45 and RS(0) 60..63 as in dear. At the step (60) L1's shard (1000
+  // of 2000) 60..61 while RS(0) runs, L0's shard (500) 63..63.5; AG(0) 63.5..66.5, then AG(1)
+  // 66.5..71.5 under fwd L0 66.5..76.5, fwd L1 ..86.5 with nothing to apply; bwd ..126.5,
+  // RS(0) ..129.5, shard ..130: 66.5 ms.
+  auto shard = ds::make_dear(model, ds::plan_per_layer(model, 2), {false, true});
+  const auto s = ds::simulate(model, *shard, config);
+  EXPECT_NEAR(s.step_s[0], 63.5e-3, 1e-9);
+  EXPECT_NEAR(s.iteration_s, 66.5e-3, 1e-9);
+  // The optimizer on the compute stream: whole groups for dear, shards at the step for
+  // dear_shard, and the same bytes on the wire.
+  auto optimizer = [](const ds::SimResult& r, int iteration) {
+    std::vector<std::pair<std::int64_t, double>> out;  // elements, start
+    for (const auto& e : r.events) {
+      if (e.kind == ds::EventKind::kOptimizer && e.iteration == iteration) {
+        out.emplace_back(e.elements, e.start_s);
+      }
+    }
+    return out;
+  };
+  const auto od = optimizer(d, 0);
+  ASSERT_EQ(od.size(), 2U);
+  EXPECT_EQ(od[0].first, 1000);
+  EXPECT_NEAR(od[0].second, 66e-3, 1e-9);
+  EXPECT_EQ(od[1].first, 2000);
+  EXPECT_NEAR(od[1].second, 77e-3, 1e-9);
+  const auto os = optimizer(s, 1);
+  ASSERT_EQ(os.size(), 2U);
+  EXPECT_EQ(os[0].first, 1000);
+  EXPECT_NEAR(os[0].second, 126.5e-3, 1e-9);
+  EXPECT_EQ(os[1].first, 500);
+  EXPECT_NEAR(os[1].second, 129.5e-3, 1e-9);
+  std::int64_t bytes_d = 0;
+  std::int64_t bytes_s = 0;
+  for (const auto& e : d.events) bytes_d += e.kind == ds::EventKind::kComm ? e.elements : 0;
+  for (const auto& e : s.events) bytes_s += e.kind == ds::EventKind::kComm ? e.elements : 0;
+  EXPECT_EQ(bytes_s, bytes_d);
+  // Free optimizer (the default): no optimizer spans, and dear_shard times as dear does.
+  config.optimizer_us_per_mparam = 0;
+  const auto free = ds::simulate(model, *shard, config);
+  EXPECT_NEAR(free.iteration_s, 66e-3, 1e-9);
+  for (const auto& e : free.events) EXPECT_NE(e.kind, ds::EventKind::kOptimizer);
+  // Eager all-gathers would leave before their shards are updated.
+  EXPECT_THROW((void)ds::make_dear(model, ds::plan_per_layer(model, 2), {true, true}),
+               dear::Error);
+}
+
 TEST_F(HandTimeline, Ddp) {
   // Buckets of 4 KiB (first 4 KiB too): L1's 8000 B is alone, then L0's 4000 B: the same
   // operations as WFBP.
@@ -300,7 +356,7 @@ TEST_P(DearOrdering, NoAllGatherBeforeItsReduceScatterNoForwardBeforeItsAllGathe
 
 INSTANTIATE_TEST_SUITE_P(Policies, DearOrdering,
                          ::testing::Values("dear", "dear_notf", "dear_prio", "dear_eager",
-                                           "dear_auto", "dear_plus"));
+                                           "dear_shard", "dear_auto", "dear_plus"));
 
 class BaselineOrdering : public ::testing::TestWithParam<std::string> {};
 
@@ -381,6 +437,18 @@ TEST(Simulator, ChromeTraceAndNames) {
     }
   }
   EXPECT_EQ(spans, r.events.size());
+  // Optimizer spans appear on the compute track when the optimizer is charged.
+  ds::SimConfig charged = config;
+  charged.optimizer_us_per_mparam = 1e6;
+  const auto o = ds::simulate_named(m, "dear_shard", charged);
+  std::stringstream out_o;
+  ds::write_chrome_trace(o, m, out_o);
+  std::size_t optimizer_spans = 0;
+  for (const auto& e : nlohmann::json::parse(out_o.str()).at("traceEvents")) {
+    if (e.at("ph") == "X" && e.at("cat") == "optimizer") ++optimizer_spans;
+  }
+  EXPECT_GT(optimizer_spans, 0U);
+  EXPECT_GE(o.iteration_s, ds::ideal_bound_s(m, charged) - 1e-12);
   EXPECT_THROW((void)ds::simulate_named(m, "nope", config), dear::Error);
   for (const auto& name : ds::policy_names()) {
     const auto res = ds::simulate_named(m, name, config);

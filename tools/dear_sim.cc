@@ -1,14 +1,15 @@
 // dear-sim: simulated iteration time of DeAR and its baselines on N workers.
 //
 //   dear-sim --model resnet50 --workers 64 --net 10gbe [--json] [--trace out.json]
-//            [--tune-threshold]
+//            [--tune-threshold] [--optimizer-us-per-mparam X]
 //
 // --model takes a name from profiles/ or a profile path. Without --json it prints a table
 // with each policy's iteration time, throughput, efficiency against the ideal-overlap bound
 // and DeAR's speedup over it. --tune-threshold then tunes DeAR's fusion threshold as the
 // reference DeAR does online (ThresholdTuner, 10 trials from 1 to 256 MiB, each a simulated
 // run of the dear policy, the default 25 MiB among the first three) and compares the tuned
-// threshold with the default.
+// threshold with the default. --optimizer-us-per-mparam charges the optimizer on the compute
+// stream (SimConfig::optimizer_us_per_mparam), which is what dear_shard saves.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -83,6 +84,7 @@ int main(int argc, char** argv) {
   double gap_us = -1;
   double time_scale = 1;
   double param_scale = 1;
+  double optimizer_us_per_mparam = 0;
   std::string engine = "policy";
   std::string slice = "";
   bool json_out = false;
@@ -102,6 +104,10 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--param-scale", param_scale, "multiply every tensor's size by this (as dear-train)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--optimizer-us-per-mparam", optimizer_us_per_mparam,
+                 "optimizer cost on the compute stream, microseconds per million parameters "
+                 "updated (default 0: free)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--policies", policies_arg, "comma-separated subset of the policies");
   app.add_option("--iterations", iterations, "iterations simulated (>= 2)")
       ->check(CLI::Range(2, 100));
@@ -123,6 +129,7 @@ int main(int argc, char** argv) {
     const ds::Model model = ds::scale_model(ds::load_model(profile_path(model_name, profiles)),
                                             time_scale, param_scale);
     ds::SimConfig config{*net, workers, iterations};
+    config.optimizer_us_per_mparam = optimizer_us_per_mparam;
     config.engine = engine == "serial"        ? ds::EngineChoice::kSerial
                     : engine == "interleaved" ? ds::EngineChoice::kInterleaved
                                               : ds::EngineChoice::kPolicy;
@@ -154,6 +161,7 @@ int main(int argc, char** argv) {
                     {"gap_us", net->gap_s * 1e6},
                     {"slice_bytes", net->slice_bytes}};
       doc["compute_ms"] = (model.forward_s() + model.backward_s()) * 1e3;
+      doc["optimizer_us_per_mparam"] = optimizer_us_per_mparam;
       doc["bound_ms"] = bound * 1e3;
       nlohmann::ordered_json pol = nlohmann::ordered_json::object();
       for (const auto& name : names) {

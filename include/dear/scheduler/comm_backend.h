@@ -14,7 +14,9 @@
 //   `elements` to be a multiple of the rank count (fusion groups are padded so).
 // - The first wait() that sees an operation complete calls consumer(request) on the waiting
 //   thread, exactly once per operation: that is where the trainer applies the averaged
-//   gradients, i.e. exactly where the policy waits for them.
+//   gradients, i.e. exactly where the policy waits for them (with carries_parameters: where it
+//   updates its shard after a reduce-scatter, and takes the parameters an all-gather brought).
+//   An operation issued after that wait finds the consumer's writes in its buffer.
 // - set_priority() changes the priority of an operation still in the queue, and of one the
 //   communicator already holds through Communicator::set_priority (dear's engine reorders its
 //   remaining slices). Changes a communicator cannot make (MPI, NCCL) are counted

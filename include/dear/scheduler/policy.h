@@ -74,11 +74,12 @@ struct DearOptions {
   // The sharded optimizer step: once RS(g) is consumed, each rank updates only its shard of
   // group g's parameters (1/N of the optimizer work and state), and AG(g) gathers the updated
   // parameters instead of the averaged gradients (the same bytes). The shards are updated at
-  // step(), which waits for every RS first; the AGs are issued as without it (AG(0) at the
-  // step, AG(g+1) once AG(g) is consumed before the forward pass of group g), so after AG(g)
-  // a rank's parameters of group g are current and nothing is left to apply before forward.
-  // Both sides of the buffer carry CommRequest::carries_parameters. Not combinable with
-  // eager_all_gather (an eager AG would leave before its shard was updated).
+  // step(), which waits for the RSs in issue (gradient-ready) order and updates each shard as
+  // its RS is consumed, so early shards overlap the last RSs on the wire. The AGs are issued
+  // as without it (AG(0) at the step, AG(g+1) once AG(g) is consumed before the forward pass
+  // of group g), so after AG(g) a rank's parameters of group g are current and nothing is
+  // left to apply before forward. RS and AG both carry CommRequest::carries_parameters. Not
+  // combinable with eager_all_gather (an eager AG would leave before its shard is updated).
   bool shard_optimizer = false;
 };
 

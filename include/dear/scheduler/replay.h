@@ -12,7 +12,12 @@
 // parameter as the layer's forward pass saw it, and k counts iterations from 0. Plain SGD,
 // p[i] -= learning_rate * average over ranks of g[i], is applied to each range of parameters
 // when the policy waits for its averaged gradients (the all-gather or all-reduce that
-// carries them): exactly where the policy says. A forward pass that would use parameters
+// carries them): exactly where the policy says. With the sharded optimizer step (dear_shard,
+// CommRequest::carries_parameters) each rank applies it to its own shard of a fusion group
+// when the policy waits for the group's reduce-scatter (the shard is that reduce-scatter's
+// output block: rank r's is block r of the group's buffer, padded to a multiple of the rank
+// count; padding elements update nothing and carry zeros), writes the updated parameters into
+// that block, and the all-gather's wait copies the gathered parameters into the model. A forward pass that would use parameters
 // missing an update is an error, so a policy that lets compute overtake its collectives
 // fails loudly instead of timing well.
 //
@@ -49,8 +54,8 @@ struct ReplayOptions {
   int iterations = 10;  // timed iterations (>= 1)
   ComputeMode compute = ComputeMode::kSleep;
   float learning_rate = 0.05F;
-  // Fusion threshold of dear, dear_prio and dear_eager (SimConfig::threshold_bytes); the
-  // same on every rank.
+  // Fusion threshold of dear, dear_prio, dear_eager and dear_shard
+  // (SimConfig::threshold_bytes); the same on every rank.
   std::int64_t threshold_bytes = kDefaultThresholdBytes;
   // The network model the planning policies use (mgwfbp, dear_auto, dear_plus). All ranks
   // must pass the same one, so that they plan the same collectives.
@@ -68,11 +73,13 @@ struct ReplayResult {
   double p50_s = 0;
   double samples_per_s = 0;  // ranks * batch size / mean
   // Per timed iteration, averaged: time the compute thread spent in the policy's hooks
-  // (issuing, waiting for collectives, applying SGD), making synthetic gradients, and
-  // applying SGD alone.
+  // (issuing, waiting for collectives, applying SGD), making synthetic gradients, applying
+  // SGD alone (for dear_shard: to this rank's shards), and copying all-gathered parameters
+  // into the model (dear_shard only).
   double hooks_s = 0;
   double gradient_s = 0;
   double optimizer_s = 0;
+  double parameter_copy_s = 0;
   int late_priority_changes = 0;  // see CommBackend
   std::vector<float> params;      // after warmup + iterations updates, flat forward order
   SimResult trace;                // with record_trace: compute spans and collectives
