@@ -81,8 +81,11 @@ std::vector<double> interleaved_median_us(Communicator& comm, const CalibrateOpt
 CalibrateOptions calibrate_up_to(CalibrateOptions opts, std::size_t max_bytes) {
   auto& sizes = opts.schedule_sizes;
   std::sort(sizes.begin(), sizes.end());
+  // At least two sizes: a schedule's fit has two unknowns.
   const auto first_above = std::lower_bound(sizes.begin(), sizes.end(), max_bytes);
-  if (first_above != sizes.end()) sizes.erase(first_above + 1, sizes.end());
+  const auto keep_end = std::max(first_above + 1, sizes.begin() + std::min<std::ptrdiff_t>(
+                                                      2, static_cast<std::ptrdiff_t>(sizes.size())));
+  if (keep_end < sizes.end()) sizes.erase(keep_end, sizes.end());
   return opts;
 }
 

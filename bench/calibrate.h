@@ -41,7 +41,7 @@ struct CalibrateOptions {
 };
 
 // The calibration for operations up to `max_bytes`: schedule_sizes beyond the first one at or
-// above it are dropped (dear-bench --calibrate -e SIZE), so that a study of small messages
+// above it (and beyond the second, which a fit needs) are dropped (dear-bench --calibrate -e SIZE), so that a study of small messages
 // does not wait for 16 MiB all_reduces.
 [[nodiscard]] CalibrateOptions calibrate_up_to(CalibrateOptions opts, std::size_t max_bytes);
 

@@ -46,3 +46,14 @@ if(TARGET dear-bench AND TARGET dear-model)
   set_tests_properties(latency_study_smoke PROPERTIES LABELS multiproc TIMEOUT 300
     PASS_REGULAR_EXPRESSION "median absolute relative error of the model: [0-9.]+% over 6 points")
 endif()
+
+# scripts/check-auto.sh end to end at its smallest: 2 ranks, two sizes, the calibration of
+# every schedule, every algorithm and auto timed interleaved (dear-bench --compare), the grid.
+if(TARGET dear-bench AND TARGET dear-model)
+  add_test(NAME check_auto_smoke
+           COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/check-auto.sh --build ${PROJECT_BINARY_DIR}
+                   --ranks 2 -b 8 -e 32 -n 2 -w 1 --min_time_ms 0
+                   --out ${CMAKE_CURRENT_BINARY_DIR}/check-auto-smoke)
+  set_tests_properties(check_auto_smoke PROPERTIES LABELS multiproc TIMEOUT 300
+    PASS_REGULAR_EXPRESSION "auto within 10% of the best forced algorithm: [0-9]+ of 2 points")
+endif()
