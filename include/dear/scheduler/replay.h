@@ -17,9 +17,9 @@
 // when the policy waits for the group's reduce-scatter (the shard is that reduce-scatter's
 // output block: rank r's is block r of the group's buffer, padded to a multiple of the rank
 // count; padding elements update nothing and carry zeros), writes the updated parameters into
-// that block, and the all-gather's wait copies the gathered parameters into the model. A forward pass that would use parameters
-// missing an update is an error, so a policy that lets compute overtake its collectives
-// fails loudly instead of timing well.
+// that block, and the all-gather's wait copies the gathered parameters into the model. A
+// forward pass that would use parameters missing an update is an error, so a policy that lets
+// compute overtake its collectives fails loudly instead of timing well.
 //
 // Parameters start at initial_param(i) on every rank (as after a broadcast).
 #pragma once
