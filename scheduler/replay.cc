@@ -89,9 +89,12 @@ class Trainer {
       }
       storage_.assign(static_cast<std::size_t>(at), 0.0F);
     }
-    params_.resize(static_cast<std::size_t>(offsets_.back()));
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      params_[i] = initial_param(static_cast<std::int64_t>(i));
+    // Parameters in the gradients' layout, so that an all-gather can carry them in place.
+    params_.assign(storage_.size(), 0.0F);
+    for (std::size_t l = 0; l < layers; ++l) {
+      for (std::int64_t i = offsets_[l]; i < offsets_[l + 1]; ++i) {
+        params_[static_cast<std::size_t>(position_[l] + i - offsets_[l])] = initial_param(i);
+      }
     }
     version_.assign(layers, 0);
     applied_.assign(layers, 0);
@@ -156,9 +159,13 @@ class Trainer {
     r.hooks_s = hooks_s_ / n;
     r.gradient_s = gradient_s_ / n;
     r.optimizer_s = optimizer_s_ / n;
-    r.parameter_copy_s = parameter_copy_s_ / n;
     r.late_priority_changes = backend_->late_priority_changes();
-    r.params = params_;
+    r.params.resize(static_cast<std::size_t>(offsets_.back()));
+    for (std::size_t l = 0; l < model_.layers.size(); ++l) {
+      std::copy(params_.begin() + position_[l],
+                params_.begin() + position_[l] + (offsets_[l + 1] - offsets_[l]),
+                r.params.begin() + offsets_[l]);
+    }
     if (options_.record_trace) {
       r.trace.events = std::move(compute_events_);
       for (const auto& rec : backend_->records()) {
@@ -183,7 +190,15 @@ class Trainer {
   }
 
  private:
+  // The request's buffer: the gradients, or the parameters for an all-gather that carries them.
   float* buffer(const CommRequest& r) {
+    return (r.kind == OpKind::kAllGather && r.carries_parameters ? params_.data()
+                                                                 : storage_.data()) +
+           position(r);
+  }
+
+  // Where the request's range starts in storage_ and params_.
+  std::int64_t position(const CommRequest& r) const {
     const auto l = static_cast<std::size_t>(r.first_layer);
     if (r.first_layer < 0 || l >= position_.size() || r.offset < offsets_[l] ||
         r.offset >= offsets_[l + 1]) {
@@ -199,29 +214,25 @@ class Trainer {
                       std::to_string(at) + " runs past the gradient storage",
                   comm_.rank());
     }
-    return storage_.data() + at;
+    return at;
   }
 
   // The averaged gradients of the request's range have landed: SGD on that range. With the
-  // sharded optimizer step the reduce-scatter updates this rank's shard and the all-gather
-  // brings every shard's new parameters instead.
+  // sharded optimizer step the reduce-scatter updates this rank's shard, and the all-gather
+  // has already written every shard's new parameters in place.
   void consume(const CommRequest& r) {
     consumed_ = true;
     if (r.kind == OpKind::kReduceScatter) {
       if (r.carries_parameters) update_shard(r);
       return;  // otherwise only a shard is averaged so far
     }
-    const auto t0 = Clock::now();
     const std::int64_t count =
         r.group >= 0 ? offsets_[static_cast<std::size_t>(r.last_layer) + 1] - r.offset
                      : r.elements;
-    float* p = params_.data() + r.offset;
-    if (r.carries_parameters) {
-      const float* gathered = buffer(r);
-      std::copy(gathered, gathered + count, p);
-      if (timing_) parameter_copy_s_ += seconds(Clock::now() - t0);
-    } else {
-      const float* g = buffer(r);
+    if (!r.carries_parameters) {
+      const auto t0 = Clock::now();
+      const float* g = storage_.data() + position(r);
+      float* p = params_.data() + position(r);
       const float lr = options_.learning_rate;
       for (std::int64_t j = 0; j < count; ++j) p[j] -= lr * g[j];
       if (timing_) optimizer_s_ += seconds(Clock::now() - t0);
@@ -230,9 +241,9 @@ class Trainer {
   }
 
   // SGD on this rank's shard of a fusion group, the reduce-scatter's output block: rank r
-  // owns elements [r s, (r + 1) s) of the group's buffer, s = padded / ranks. The updated
-  // parameters replace the averaged gradients there, for the all-gather to carry; the
-  // buffer's padding carries zeros and updates nothing.
+  // owns elements [r s, (r + 1) s) of the group's buffer, s = padded / ranks, and the same
+  // block of the group's parameters, which the all-gather then sends. Padding elements are
+  // not updated: their parameters stay zero.
   void update_shard(const CommRequest& r) {
     const auto t0 = Clock::now();
     if (r.group < 0) {
@@ -243,14 +254,10 @@ class Trainer {
     const std::int64_t shard = r.elements / comm_.size();
     const std::int64_t lo = shard * comm_.rank();
     const std::int64_t hi = std::min(lo + shard, count);
-    float* buf = buffer(r);
-    float* p = params_.data() + r.offset;
+    const float* g = storage_.data() + position(r);
+    float* p = params_.data() + position(r);
     const float lr = options_.learning_rate;
-    for (std::int64_t j = lo; j < hi; ++j) {
-      p[j] -= lr * buf[j];
-      buf[j] = p[j];
-    }
-    std::fill(buf + std::max(lo, hi), buf + lo + shard, 0.0F);
+    for (std::int64_t j = lo; j < hi; ++j) p[j] -= lr * g[j];
     if (timing_) optimizer_s_ += seconds(Clock::now() - t0);
   }
 
@@ -339,7 +346,7 @@ class Trainer {
     const std::int64_t first = offsets_[l];
     const std::int64_t n = offsets_[l + 1] - first;
     float* g = storage_.data() + position_[l];
-    const float* p = params_.data() + first;
+    const float* p = params_.data() + position_[l];
     int phase = noise_phase(first, iteration_, comm_.rank());
     std::int64_t j = 0;
     while (j < n) {
@@ -358,7 +365,8 @@ class Trainer {
   ReplayOptions options_;
   NamedPolicy named_;
   std::vector<std::int64_t> offsets_;
-  std::vector<std::int64_t> position_;  // where each layer's gradients start in storage_
+  // Where each layer starts in storage_ and params_: fusion groups (padded) back to back.
+  std::vector<std::int64_t> position_;
   std::vector<float> storage_;          // gradients as the collectives see them
   std::vector<float> params_;
   std::vector<int> version_;             // updates applied to each layer
@@ -374,7 +382,6 @@ class Trainer {
   double hooks_s_ = 0;
   double gradient_s_ = 0;
   double optimizer_s_ = 0;
-  double parameter_copy_s_ = 0;
   std::vector<TraceEvent> compute_events_;
 };
 

@@ -197,7 +197,6 @@ int main(int argc, char** argv) {
                        {"hooks_ms", r.hooks_s * 1e3},
                        {"gradient_ms", r.gradient_s * 1e3},
                        {"optimizer_ms", r.optimizer_s * 1e3},
-                       {"parameter_copy_ms", r.parameter_copy_s * 1e3},
                        {"late_priority_changes", r.late_priority_changes},
                        {"iterations_ms", its_ms}};
     }

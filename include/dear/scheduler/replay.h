@@ -16,10 +16,10 @@
 // CommRequest::carries_parameters) each rank applies it to its own shard of a fusion group
 // when the policy waits for the group's reduce-scatter (the shard is that reduce-scatter's
 // output block: rank r's is block r of the group's buffer, padded to a multiple of the rank
-// count; padding elements update nothing and carry zeros), writes the updated parameters into
-// that block, and the all-gather's wait copies the gathered parameters into the model. A
-// forward pass that would use parameters missing an update is an error, so a policy that lets
-// compute overtake its collectives fails loudly instead of timing well.
+// count; padding elements update nothing), and the all-gather then carries the updated
+// parameters in place: the replay keeps the parameters in the gradients' padded layout, so
+// no copy is made. A forward pass that would use parameters missing an update is an error, so
+// a policy that lets compute overtake its collectives fails loudly instead of timing well.
 //
 // Parameters start at initial_param(i) on every rank (as after a broadcast).
 #pragma once
@@ -73,13 +73,11 @@ struct ReplayResult {
   double p50_s = 0;
   double samples_per_s = 0;  // ranks * batch size / mean
   // Per timed iteration, averaged: time the compute thread spent in the policy's hooks
-  // (issuing, waiting for collectives, applying SGD), making synthetic gradients, applying
-  // SGD alone (for dear_shard: to this rank's shards), and copying all-gathered parameters
-  // into the model (dear_shard only).
+  // (issuing, waiting for collectives, applying SGD), making synthetic gradients, and
+  // applying SGD alone (for dear_shard: to this rank's shards only).
   double hooks_s = 0;
   double gradient_s = 0;
   double optimizer_s = 0;
-  double parameter_copy_s = 0;
   int late_priority_changes = 0;  // see CommBackend
   std::vector<float> params;      // after warmup + iterations updates, flat forward order
   SimResult trace;                // with record_trace: compute spans and collectives
