@@ -226,18 +226,16 @@ TEST_F(HandTimeline, ShardedOptimizerStep) {
     }
     return out;
   };
-  const auto od = optimizer(d, 0);
-  ASSERT_EQ(od.size(), 2U);
-  EXPECT_EQ(od[0].first, 1000);
-  EXPECT_NEAR(od[0].second, 66e-3, 1e-9);
-  EXPECT_EQ(od[1].first, 2000);
-  EXPECT_NEAR(od[1].second, 77e-3, 1e-9);
-  const auto os = optimizer(s, 1);
-  ASSERT_EQ(os.size(), 2U);
-  EXPECT_EQ(os[0].first, 1000);
-  EXPECT_NEAR(os[0].second, 126.5e-3, 1e-9);
-  EXPECT_EQ(os[1].first, 500);
-  EXPECT_NEAR(os[1].second, 129.5e-3, 1e-9);
+  const auto expect_spans = [](const std::vector<std::pair<std::int64_t, double>>& got,
+                                 const std::vector<std::pair<std::int64_t, double>>& want) {
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i].first, want[i].first) << "span " << i;
+      EXPECT_NEAR(got[i].second, want[i].second, 1e-9) << "span " << i;
+    }
+  };
+  expect_spans(optimizer(d, 0), {{1000, 66e-3}, {2000, 77e-3}});
+  expect_spans(optimizer(s, 1), {{1000, 126.5e-3}, {500, 129.5e-3}});
   std::int64_t bytes_d = 0;
   std::int64_t bytes_s = 0;
   for (const auto& e : d.events) bytes_d += e.kind == ds::EventKind::kComm ? e.elements : 0;
