@@ -2,7 +2,8 @@
 # Validates the simulator against measured runs: for each rank count, dear-train replays a
 # (scaled) model profile with every policy on real collectives over loopback, calibrating the
 # ring step's alpha and beta on the same ranks first; dear-sim then simulates the same scaled
-# profile with that network model on dear's interleaving engine. One table: policy, ranks,
+# profile with that network model on dear's interleaving engine, charging the optimizer at the
+# rate the replay measured (dear-sim --optimizer-us-per-mparam). One table: policy, ranks,
 # measured and simulated iteration time, and the simulator's error.
 #
 #   scripts/sim-vs-replay.sh [--build DIR] [-n "2 4"] [--model resnet50] [--time-scale 0.1]
@@ -78,6 +79,7 @@ fi
 mkdir -p "$out"
 
 rows=()
+opt_rates=()
 for n in $ranks; do
   echo "[$prog] $n ranks: dear-train --policy $policies ($iters timed iterations each)" >&2
   "$run" -n "$n" --timeout 1200 -- "$train" --model "$model" --policy "$policies" \
@@ -92,10 +94,17 @@ for n in $ranks; do
   gbps=$(jq -r .net.gbps "$out/train-$n.json")
   slice=$(jq -r .net.slice_bytes "$out/train-$n.json")
   names=$(jq -r '.policies | keys_unsorted | join(",")' "$out/train-$n.json")
-  echo "[$prog] $n ranks: measured alpha $alpha us, $gbps Gb/s; dear-sim" >&2
+  # The replay's optimizer rate, from the policy that applies it to every parameter on every
+  # rank (dear, else the first measured): microseconds per million parameters per iteration.
+  first=${names%%,*}
+  opt=$(jq -r --arg p "$first" '(.policies.dear // .policies[$p]).optimizer_ms * 1000 /
+    (.params / 1e6)' "$out/train-$n.json")
+  opt_rates+=("$opt")
+  echo "[$prog] $n ranks: measured alpha $alpha us, $gbps Gb/s, optimizer $opt us/Mparam; dear-sim" >&2
   "$sim" --model "$model" --workers "$n" --time-scale "$time_scale" \
     --param-scale "$param_scale" --alpha-us "$alpha" --gap-us "$gap" --gbps "$gbps" \
-    --slice-bytes "$slice" --engine "$engine" --policies "$names" --json >"$out/sim-$n.json"
+    --slice-bytes "$slice" --engine "$engine" --optimizer-us-per-mparam "$opt" \
+    --policies "$names" --json >"$out/sim-$n.json"
   for p in ${names//,/ }; do
     m=$(jq -r ".policies[\"$p\"].iter_ms_p50" "$out/train-$n.json")
     s=$(jq -r ".policies[\"$p\"].iter_ms" "$out/sim-$n.json")
@@ -107,8 +116,10 @@ compute_ms=$(jq -r .compute_ms "$out/train-${ranks%% *}.json")
 params=$(jq -r .params "$out/train-${ranks%% *}.json")
 printf '\n%s x%s time, x%s params (%s parameters, compute %.2f ms/iteration), %s compute,\n' \
   "$model" "$time_scale" "$param_scale" "$params" "$compute_ms" "$compute"
-printf 'all_reduce %s; dear-sim engine %s; measured = median of %s iterations\n\n' \
+printf 'all_reduce %s; dear-sim engine %s; measured = median of %s iterations;\n' \
   "$algo" "$engine" "$iters"
+printf 'optimizer charged in the simulator at the replay'"'"'s measured rate (us per M parameters): %s\n\n' \
+  "${opt_rates[*]}"
 printf '%-14s %5s %9s %8s %12s %12s %9s\n' policy ranks alpha_us Gb/s measured_ms simulated_ms error
 worst=0
 for row in "${rows[@]}"; do

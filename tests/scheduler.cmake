@@ -32,3 +32,10 @@ if(DEAR_HAVE_NCCL AND TARGET dear_cuda)
   dear_test(test_nccl_comm SOURCES test_nccl_comm.cc LIBS dear_scheduler dear_cuda LABELS cuda
             PROPERTIES TIMEOUT 300)
 endif()
+
+# scripts/paper-table.sh at its smallest: one model, one network, 8 workers, every policy.
+add_test(NAME paper_table_smoke
+         COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/paper-table.sh --build ${PROJECT_BINARY_DIR}
+                 --models resnet50 --nets 10gbe --workers 8)
+set_tests_properties(paper_table_smoke PROPERTIES LABELS unit TIMEOUT 120
+  PASS_REGULAR_EXPRESSION "\\| resnet50 \\| [0-9.]+ \\| [0-9]+ \\([0-9]+%\\) \\|.*x \\(dear_[a-z]+\\) \\|")
