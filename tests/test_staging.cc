@@ -7,12 +7,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "collectives/device_staging.h"
 #include "collectives/reduce.h"
 #include "collectives/reduce_ops.h"
+#include "collectives/staging_pieces.h"
 #include "collectives/staging_plan.h"
 #include "harness.h"
 #include "reference.h"
@@ -115,6 +118,390 @@ TEST(StagingPlan, NothingToStageForEmptyOrUnreadBuffers) {
   EXPECT_EQ(p.in_offset, StagingPlan::kUnstaged);
   EXPECT_TRUE(p.copy_in.empty());
   EXPECT_EQ(p.out_offset, 0u);
+}
+
+// ---- pieces: the pipelined plan, simulated on the CPU --------------------------------------------
+
+const char* kind_name(StagedKind k) {
+  switch (k) {
+    case StagedKind::kAllReduce: return "all_reduce";
+    case StagedKind::kReduceScatter: return "reduce_scatter";
+    case StagedKind::kAllGather: return "all_gather";
+    case StagedKind::kBroadcast: return "broadcast";
+    case StagedKind::kOther: return "other";
+  }
+  return "?";
+}
+
+TEST(StagingPieces, PieceCountDependsOnSizeOnly) {
+  const PieceOptions o;  // 4 MiB pieces, split from 1 MiB
+  EXPECT_EQ(piece_count(StagedKind::kAllReduce, 0, 4, o), 1u);
+  EXPECT_EQ(piece_count(StagedKind::kAllReduce, (1u << 18) - 1, 4, o), 1u);  // < 1 MiB
+  EXPECT_EQ(piece_count(StagedKind::kAllReduce, 1u << 18, 4, o), 2u);        // 1 MiB: two
+  EXPECT_EQ(piece_count(StagedKind::kAllReduce, 1u << 20, 4, o), 2u);        // 4 MiB: two
+  EXPECT_EQ(piece_count(StagedKind::kAllReduce, (1u << 20) + 1, 4, o), 2u);
+  EXPECT_EQ(piece_count(StagedKind::kAllReduce, 16u << 20, 4, o), 16u);      // 64 MiB
+  EXPECT_EQ(piece_count(StagedKind::kReduceScatter, 16u << 20, 4, o), 16u);  // per-rank bytes
+  EXPECT_EQ(piece_count(StagedKind::kOther, 16u << 20, 4, o), 1u);
+  // Never more pieces than elements, never an empty piece.
+  const PieceOptions tiny{1, 1};
+  EXPECT_EQ(piece_count(StagedKind::kAllGather, 5, 8, tiny), 5u);
+  EXPECT_EQ(piece_count(StagedKind::kAllGather, 1, 8, tiny), 1u);
+}
+
+TEST(StagingPieces, ReduceScatterPiecesAreStridedCopiesIntoContiguousSubBlocks) {
+  // 3 ranks, 10 floats per rank, pieces of at most 4 elements: 3 pieces of 4, 3, 3.
+  const std::uintptr_t in = 0x10000, out = 0x90000;
+  const auto plan = plan_pieces(StagedKind::kReduceScatter, {at(in), 120, true},
+                                {at(out), 40, true}, 10, 4, 1, 3, true, {16, 1});
+  ASSERT_EQ(plan.pieces.size(), 3u);
+  const auto& p1 = plan.pieces[1];
+  EXPECT_EQ(p1.first, 4u);
+  EXPECT_EQ(p1.count, 3u);
+  ASSERT_EQ(p1.copy_in.size(), 1u);
+  const PieceCopy& c = p1.copy_in[0];
+  EXPECT_EQ(c.user, in + 16);
+  EXPECT_EQ(c.user_pitch, 40u);
+  EXPECT_EQ(c.rows, 3u);
+  EXPECT_EQ(c.row_bytes, 12u);
+  EXPECT_EQ(c.pinned_pitch, 12u);
+  EXPECT_EQ(c.pinned_offset, 3u * 16);  // after piece 0's three sub-blocks of 4 elements
+  EXPECT_EQ(p1.in_offset, c.pinned_offset);
+  ASSERT_EQ(p1.copy_out.size(), 1u);
+  EXPECT_EQ(p1.copy_out[0].rows, 1u);
+  EXPECT_EQ(p1.copy_out[0].user, out + 16);
+  EXPECT_EQ(p1.out_offset, 256u + 16u);  // the output region starts on a 256-byte boundary
+  EXPECT_EQ(plan.pinned_bytes, 256u + 40u);
+}
+
+TEST(StagingPieces, InvalidFormsAreNotSplit) {
+  const PieceOptions o{16, 1};
+  const std::uintptr_t b = 0x10000;
+  // all_reduce with partially overlapping buffers: one piece, laid out as the user's.
+  auto plan = plan_pieces(StagedKind::kAllReduce, {at(b), 400, true}, {at(b + 8), 400, true},
+                          100, 4, 0, 2, true, o);
+  EXPECT_EQ(plan.pieces.size(), 1u);
+  // reduce_scatter "in place" at another rank's block.
+  plan = plan_pieces(StagedKind::kReduceScatter, {at(b), 800, true}, {at(b), 400, true}, 100, 4,
+                     1, 2, true, o);
+  EXPECT_EQ(plan.pieces.size(), 1u);
+  // Null output.
+  plan = plan_pieces(StagedKind::kAllReduce, {at(b), 400, true}, {nullptr, 400, true}, 100, 4,
+                     0, 2, true, o);
+  EXPECT_EQ(plan.pieces.size(), 1u);
+  // The valid in-place form is split.
+  plan = plan_pieces(StagedKind::kReduceScatter, {at(b), 800, true}, {at(b + 400), 400, true},
+                     100, 4, 1, 2, true, o);
+  EXPECT_EQ(plan.pieces.size(), 25u);
+}
+
+// One simulated rank: its user memory (device and host alike, one arena with guard bytes around
+// the buffers) and its pinned buffer.
+struct SimRank {
+  std::vector<std::byte> mem;
+  std::vector<std::byte> initial;
+  std::uintptr_t in = 0, out = 0;
+  StagingSpan in_span, out_span;
+  PiecePlan plan;
+  std::vector<std::byte> pinned;
+};
+
+struct SimCase {
+  StagedKind kind;
+  int nranks;
+  std::size_t count;
+  std::size_t elem;
+  bool in_place;
+  bool in_on_device;  // false: the input is host memory (out-of-place cases only)
+  bool split;
+  PieceOptions opts;
+  int order;  // 0: copy-ins run ahead, 1: copy-outs first, 2..: random with this seed
+};
+
+std::string describe(const SimCase& c) {
+  return std::string(kind_name(c.kind)) + " nranks " + std::to_string(c.nranks) + " count " +
+         std::to_string(c.count) + " elem " + std::to_string(c.elem) +
+         (c.in_place ? " in place" : " out of place") + (c.in_on_device ? "" : " host in") +
+         (c.split ? " split" : " unsplit") + " piece_bytes " +
+         std::to_string(c.opts.piece_bytes) + " order " + std::to_string(c.order);
+}
+
+std::byte add(std::byte a, std::byte b) {
+  return static_cast<std::byte>(static_cast<unsigned>(a) + static_cast<unsigned>(b));
+}
+
+void copy_rows(const PieceCopy& c, std::byte* pinned, bool to_pinned) {
+  for (std::size_t r = 0; r < c.rows; ++r) {
+    auto* user = reinterpret_cast<std::byte*>(c.user + r * c.user_pitch);
+    std::byte* pin = pinned + c.pinned_offset + r * c.pinned_pitch;
+    if (to_pinned) {
+      std::memcpy(pin, user, c.row_bytes);
+    } else {
+      std::memcpy(user, pin, c.row_bytes);
+    }
+  }
+}
+
+// The host collective of one piece, from its definition, on every rank's pointers at once. The
+// reduction is a bytewise sum mod 256: any misplaced byte shows.
+void host_collective(const SimCase& c, std::vector<SimRank>& ranks, std::size_t piece) {
+  const auto n = static_cast<std::size_t>(c.nranks);
+  const int root = c.nranks - 1;
+  std::vector<const std::byte*> in(n);
+  std::vector<std::byte*> out(n);
+  const StagedPiece& p0 = ranks[0].plan.pieces[piece];
+  const std::size_t b = p0.count * c.elem;
+  for (std::size_t r = 0; r < n; ++r) {
+    const StagedPiece& p = ranks[r].plan.pieces[piece];
+    ASSERT_EQ(p.count, p0.count) << "rank " << r << " piece " << piece;
+    in[r] = p.in_offset == StagingPlan::kUnstaged ? reinterpret_cast<const std::byte*>(ranks[r].in)
+                                                  : ranks[r].pinned.data() + p.in_offset;
+    out[r] = p.out_offset == StagingPlan::kUnstaged ? reinterpret_cast<std::byte*>(ranks[r].out)
+                                                    : ranks[r].pinned.data() + p.out_offset;
+  }
+  // Read every input first: in-place forms write where they read.
+  std::vector<std::vector<std::byte>> result(n);
+  for (std::size_t r = 0; r < n; ++r) {
+    switch (c.kind) {
+      case StagedKind::kAllReduce:
+        result[r].assign(b, std::byte{0});
+        for (std::size_t q = 0; q < n; ++q) {
+          for (std::size_t j = 0; j < b; ++j) result[r][j] = add(result[r][j], in[q][j]);
+        }
+        break;
+      case StagedKind::kReduceScatter:
+        result[r].assign(b, std::byte{0});
+        for (std::size_t q = 0; q < n; ++q) {
+          for (std::size_t j = 0; j < b; ++j) result[r][j] = add(result[r][j], in[q][r * b + j]);
+        }
+        break;
+      case StagedKind::kAllGather:
+        for (std::size_t q = 0; q < n; ++q) result[r].insert(result[r].end(), in[q], in[q] + b);
+        break;
+      case StagedKind::kBroadcast:
+        result[r].assign(in[static_cast<std::size_t>(root)], in[static_cast<std::size_t>(root)] + b);
+        break;
+      case StagedKind::kOther: break;
+    }
+  }
+  for (std::size_t r = 0; r < n; ++r) {
+    if (!result[r].empty()) std::memcpy(out[r], result[r].data(), result[r].size());
+  }
+}
+
+// The expected final user memory of every rank, from the initial memory alone.
+std::vector<std::vector<std::byte>> reference(const SimCase& c, const std::vector<SimRank>& ranks) {
+  const auto n = static_cast<std::size_t>(c.nranks);
+  const std::size_t b = c.count * c.elem;
+  const std::size_t root = n - 1;
+  const auto in_of = [&](std::size_t r) {
+    return ranks[r].initial.data() + (ranks[r].in - reinterpret_cast<std::uintptr_t>(ranks[r].mem.data()));
+  };
+  std::vector<std::vector<std::byte>> want(n);
+  for (std::size_t r = 0; r < n; ++r) {
+    want[r] = ranks[r].initial;
+    std::byte* out = want[r].data() + (ranks[r].out - reinterpret_cast<std::uintptr_t>(ranks[r].mem.data()));
+    switch (c.kind) {
+      case StagedKind::kAllReduce:
+        for (std::size_t j = 0; j < b; ++j) {
+          std::byte s{0};
+          for (std::size_t q = 0; q < n; ++q) s = add(s, in_of(q)[j]);
+          out[j] = s;
+        }
+        break;
+      case StagedKind::kReduceScatter:
+        for (std::size_t j = 0; j < b; ++j) {
+          std::byte s{0};
+          for (std::size_t q = 0; q < n; ++q) s = add(s, in_of(q)[r * b + j]);
+          out[j] = s;
+        }
+        break;
+      case StagedKind::kAllGather:
+        for (std::size_t q = 0; q < n; ++q) std::memcpy(out + q * b, in_of(q), b);
+        break;
+      case StagedKind::kBroadcast:
+        std::memcpy(out, in_of(root), b);
+        break;
+      case StagedKind::kOther: break;
+    }
+  }
+  return want;
+}
+
+void check_plan_shape(const SimCase& c, const SimRank& rank) {
+  const PiecePlan& plan = rank.plan;
+  ASSERT_FALSE(plan.pieces.empty());
+  const std::size_t expect_pieces = c.split ? piece_count(c.kind, c.count, c.elem, c.opts) : 1;
+  if (expect_pieces > 1) {
+    ASSERT_EQ(plan.pieces.size(), expect_pieces) << describe(c);
+    std::size_t next = 0;
+    for (const auto& p : plan.pieces) {
+      ASSERT_EQ(p.first, next);
+      ASSERT_GT(p.count, 0u);
+      ASSERT_LE(p.count, c.count / expect_pieces + 1);
+      ASSERT_GE(p.count, c.count / expect_pieces);
+      next += p.count;
+    }
+    ASSERT_EQ(next, c.count);
+  } else {
+    ASSERT_EQ(plan.pieces.size(), 1u) << describe(c);
+    ASSERT_EQ(plan.pieces[0].count, c.count);
+  }
+  for (const auto& p : plan.pieces) {
+    for (const auto* copies : {&p.copy_in, &p.copy_out}) {
+      for (const auto& cp : *copies) {
+        ASSERT_EQ(cp.row_bytes % c.elem, 0u);
+        ASSERT_EQ(cp.pinned_offset % c.elem, 0u);
+        ASSERT_GE(cp.user_pitch, cp.row_bytes);
+        ASSERT_GE(cp.pinned_pitch, cp.row_bytes);
+        ASSERT_LE(cp.pinned_offset + (cp.rows - 1) * cp.pinned_pitch + cp.row_bytes,
+                  plan.pinned_bytes)
+            << describe(c);
+      }
+    }
+  }
+}
+
+void simulate(const SimCase& c) {
+  SCOPED_TRACE(describe(c));
+  const auto n = static_cast<std::size_t>(c.nranks);
+  const std::size_t b = c.count * c.elem;
+  const std::size_t in_bytes = c.kind == StagedKind::kReduceScatter ? n * b : b;
+  const std::size_t out_bytes = c.kind == StagedKind::kAllGather ? n * b : b;
+  constexpr std::size_t kGuard = 24;
+  std::vector<SimRank> ranks(n);
+  for (std::size_t r = 0; r < n; ++r) {
+    SimRank& s = ranks[r];
+    s.mem.resize(kGuard + in_bytes + kGuard + out_bytes + kGuard);
+    std::mt19937_64 rng(1000 * r + c.count);
+    for (std::size_t i = 0; i < s.mem.size(); i += 8) {
+      const std::uint64_t v = rng();
+      std::memcpy(s.mem.data() + i, &v, std::min<std::size_t>(8, s.mem.size() - i));
+    }
+    s.initial = s.mem;
+    const auto base = reinterpret_cast<std::uintptr_t>(s.mem.data()) + kGuard;
+    if (!c.in_place) {
+      s.in = base;
+      s.out = base + in_bytes + kGuard;
+    } else if (c.kind == StagedKind::kReduceScatter) {
+      s.in = base;
+      s.out = base + r * b;
+    } else if (c.kind == StagedKind::kAllGather) {
+      s.out = base;
+      s.in = base + r * b;
+    } else {
+      s.in = s.out = base;
+    }
+    const bool reads_in = c.kind != StagedKind::kBroadcast || r == n - 1;
+    s.in_span = {at(s.in), reads_in ? in_bytes : 0, c.in_on_device};
+    s.out_span = {at(s.out), out_bytes, true};
+    s.plan = plan_pieces(c.kind, s.in_span, s.out_span, c.count, c.elem, static_cast<int>(r),
+                         c.nranks, c.split, c.opts);
+    check_plan_shape(c, s);
+    if (::testing::Test::HasFatalFailure()) return;
+    s.pinned.assign(s.plan.pinned_bytes, std::byte{0xee});
+  }
+  const std::size_t pieces = ranks[0].plan.pieces.size();
+  // Per rank: copy-ins and copy-outs each in piece order; collective i after every rank's
+  // copy-in i, collectives in order; copy-out i after collective i.
+  std::vector<std::size_t> next_in(n, 0), next_out(n, 0);
+  std::size_t next_coll = 0;
+  std::mt19937 pick(static_cast<unsigned>(c.order));
+  for (;;) {
+    std::vector<std::function<void()>> ready_in, ready_coll, ready_out;
+    for (std::size_t r = 0; r < n; ++r) {
+      if (next_in[r] < pieces) {
+        ready_in.push_back([&, r] {
+          for (const auto& cp : ranks[r].plan.pieces[next_in[r]].copy_in) {
+            copy_rows(cp, ranks[r].pinned.data(), true);
+          }
+          ++next_in[r];
+        });
+      }
+      if (next_out[r] < next_coll) {
+        ready_out.push_back([&, r] {
+          for (const auto& cp : ranks[r].plan.pieces[next_out[r]].copy_out) {
+            copy_rows(cp, ranks[r].pinned.data(), false);
+          }
+          ++next_out[r];
+        });
+      }
+    }
+    if (next_coll < pieces &&
+        std::all_of(next_in.begin(), next_in.end(), [&](std::size_t i) { return i > next_coll; })) {
+      ready_coll.push_back([&] {
+        host_collective(c, ranks, next_coll);
+        ++next_coll;
+      });
+    }
+    std::vector<std::function<void()>>* from = nullptr;
+    if (c.order == 0) {
+      from = !ready_in.empty() ? &ready_in : !ready_coll.empty() ? &ready_coll : &ready_out;
+    } else if (c.order == 1) {
+      from = !ready_out.empty() ? &ready_out : !ready_coll.empty() ? &ready_coll : &ready_in;
+    } else {
+      std::vector<std::vector<std::function<void()>>*> any;
+      for (auto* v : {&ready_in, &ready_coll, &ready_out}) {
+        if (!v->empty()) any.push_back(v);
+      }
+      if (!any.empty()) from = any[pick() % any.size()];
+    }
+    if (from == nullptr || from->empty()) break;
+    (*from)[pick() % from->size()]();
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  ASSERT_EQ(next_coll, pieces);
+  const auto want = reference(c, ranks);
+  for (std::size_t r = 0; r < n; ++r) {
+    if (std::memcmp(ranks[r].mem.data(), want[r].data(), want[r].size()) == 0) continue;
+    for (std::size_t i = 0; i < want[r].size(); ++i) {
+      ASSERT_EQ(ranks[r].mem[i], want[r][i])
+          << "rank " << r << " byte " << i << " of user memory (buffers start at " << kGuard
+          << ")";
+    }
+  }
+}
+
+TEST(StagingPieces, PipelineSimulationMatchesTheReference) {
+  const StagedKind kinds[] = {StagedKind::kAllReduce, StagedKind::kReduceScatter,
+                              StagedKind::kAllGather, StagedKind::kBroadcast};
+  for (const StagedKind kind : kinds) {
+    for (const int nranks : {1, 2, 3, 4, 5, 8}) {
+      for (const std::size_t count : {0u, 1u, 2u, 7u, 64u, 1001u}) {
+        for (const std::size_t elem : {1u, 2u, 4u, 8u}) {
+          for (const bool in_place : {false, true}) {
+            for (const bool in_on_device : {true, false}) {
+              if (in_place && !in_on_device) continue;
+              for (const bool split : {true, false}) {
+                for (const int order : {0, 1, 2, 3}) {
+                  if (!split && order > 0) continue;
+                  // Pieces of 40 bytes (not a multiple of 8), split from 16 bytes: many pieces,
+                  // uneven ones.
+                  simulate({kind, nranks, count, elem, in_place, in_on_device, split, {40, 16},
+                            order});
+                  if (::testing::Test::HasFatalFailure()) return;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(StagingPieces, PipelineSimulationWithDefaultSizedPieces) {
+  // 1 MiB to a few MiB per rank with the default options: 2 to 3 pieces, as on a GPU.
+  const PieceOptions o;
+  for (const StagedKind kind : {StagedKind::kAllReduce, StagedKind::kReduceScatter,
+                                StagedKind::kAllGather, StagedKind::kBroadcast}) {
+    for (const bool in_place : {false, true}) {
+      simulate({kind, 2, (9u << 20) / 4 + 3, 4, in_place, true, true, o, 5});
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    simulate({kind, 3, (1u << 20) / 2, 2, false, true, true, o, 6});
+    if (::testing::Test::HasFatalFailure()) return;
+  }
 }
 
 // ---- pointer-location dispatch with host pointers ----------------------------------------------
