@@ -13,6 +13,7 @@
 
 #include "collectives/device_staging.h"
 #include "collectives/reduce.h"
+#include "collectives/staging_pieces.h"
 #include "cuda/device.h"
 #include "cuda/error.h"
 #include "cuda/reduce.h"
@@ -203,6 +204,84 @@ TEST_P(GpuRanks, ReduceScatterAllGatherBroadcastOnDeviceBuffers) {
     for (std::size_t i = 0; i < block; ++i) {
       ASSERT_EQ(dear::testing::load(got.data(), i, t), input_value(n - 1, i, t, ReduceOp::kSum, 4));
     }
+  });
+}
+
+// Large operations are split into pieces pipelined through pinned memory (staging_pieces.h):
+// about 9 MiB per rank with the default 4 MiB pieces makes three uneven pieces, each a host
+// collective of its own; reduce_scatter's input and all_gather's output go through strided
+// copies. Out of place and in place, then on a stream.
+TEST_F(Gpu, LargeOperationsArePipelinedInPieces) {
+  const int n = 2;
+  dear::testing::run_ranks(n, [&](Communicator& comm) {
+    ck(cudaSetDevice(0), "cudaSetDevice");
+    const DataType t = DataType::kFloat32;
+    const std::size_t count = (9u << 20) / 4 + 5;  // per rank: not a multiple of the pieces
+    ASSERT_EQ(collectives::piece_count(collectives::StagedKind::kAllReduce, count, 4, {}), 3u);
+    const auto nn = static_cast<std::size_t>(n);
+    const auto r = static_cast<std::size_t>(comm.rank());
+    const std::size_t bytes = count * 4;
+    DeviceBuffer big(bytes * nn), small(bytes);
+    const auto check_reduced = [&](const std::vector<std::byte>& got, std::size_t first,
+                                   int salt, const char* what) {
+      for (std::size_t i = 0; i < count; ++i) {
+        ASSERT_EQ(dear::testing::load(got.data(), i, t),
+                  expected_reduce(first + i, n, t, ReduceOp::kSum, salt))
+            << what << " element " << i;
+      }
+    };
+    // all_reduce, out of place and in place.
+    fill_device(small.get(), count, comm.rank(), t, ReduceOp::kSum, 5);
+    comm.all_reduce(small.get(), big.get(), count, t, ReduceOp::kSum).wait();
+    check_reduced(to_host(big.get(), bytes), 0, 5, "all_reduce");
+    comm.all_reduce(small.get(), small.get(), count, t, ReduceOp::kSum).wait();
+    check_reduced(to_host(small.get(), bytes), 0, 5, "in-place all_reduce");
+    // reduce_scatter, out of place and in place.
+    fill_device(big.get(), count * nn, comm.rank(), t, ReduceOp::kSum, 6);
+    comm.reduce_scatter(big.get(), small.get(), count, t, ReduceOp::kSum).wait();
+    check_reduced(to_host(small.get(), bytes), r * count, 6, "reduce_scatter");
+    comm.reduce_scatter(big.get(), big.get() + r * bytes, count, t, ReduceOp::kSum).wait();
+    check_reduced(to_host(big.get() + r * bytes, bytes), r * count, 6, "in-place reduce_scatter");
+    // all_gather, out of place and in place: rank q contributes input_value(q, i).
+    const auto check_gathered = [&](const std::vector<std::byte>& got, const char* what) {
+      for (int q = 0; q < n; ++q) {
+        for (std::size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(dear::testing::load(got.data(), static_cast<std::size_t>(q) * count + i, t),
+                    input_value(q, i, t, ReduceOp::kSum, 7))
+              << what << " block " << q << " element " << i;
+        }
+      }
+    };
+    fill_device(small.get(), count, comm.rank(), t, ReduceOp::kSum, 7);
+    ck(cudaMemset(big.get(), 0xff, bytes * nn), "poison out");
+    comm.all_gather(small.get(), big.get(), count, t).wait();
+    check_gathered(to_host(big.get(), bytes * nn), "all_gather");
+    ck(cudaMemset(big.get(), 0xff, bytes * nn), "poison out");
+    fill_device(big.get() + r * bytes, count, comm.rank(), t, ReduceOp::kSum, 7);
+    comm.all_gather(big.get() + r * bytes, big.get(), count, t).wait();
+    check_gathered(to_host(big.get(), bytes * nn), "in-place all_gather");
+    // broadcast from rank 1, then an all_reduce ordered on a stream.
+    fill_device(small.get(), count, comm.rank(), t, ReduceOp::kSum, 8);
+    comm.broadcast(small.get(), small.get(), count, t, 1).wait();
+    const auto b = to_host(small.get(), bytes);
+    for (std::size_t i = 0; i < count; ++i) {
+      ASSERT_EQ(dear::testing::load(b.data(), i, t), input_value(1, i, t, ReduceOp::kSum, 8))
+          << "broadcast element " << i;
+    }
+    cudaStream_t stream = nullptr;
+    ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    fill_device(small.get(), count, comm.rank(), t, ReduceOp::kSum, 9);
+    ck(cudaMemsetAsync(big.get(), 0xff, bytes, stream), "poison out on the stream");
+    OpOptions o;
+    o.cuda_stream = stream;
+    Work w = comm.all_reduce(small.get(), big.get(), count, t, ReduceOp::kSum, o);
+    std::vector<std::byte> got(bytes);
+    ck(cudaMemcpyAsync(got.data(), big.get(), bytes, cudaMemcpyDeviceToHost, stream),
+       "read the result on the stream");
+    ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    check_reduced(got, 0, 9, "all_reduce on a stream");
+    EXPECT_TRUE(w.wait(std::chrono::seconds(30)));
+    (void)cudaStreamDestroy(stream);
   });
 }
 
