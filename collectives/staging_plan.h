@@ -8,8 +8,9 @@
 //   reduce_scatter with out inside in, all_gather with in inside out) share one pinned region
 //   laid out as the device memory is, so the host collective sees the same in-place form.
 // - Otherwise each device buffer gets its own region; host buffers are used as they are.
-// - Copies are split into chunks of at most `chunk_bytes`, on element boundaries: the unit a
-//   pipelined version overlaps with the network. (Today they are issued back to back.)
+// - Copies are split into chunks of at most `chunk_bytes`, on element boundaries, issued back
+//   to back. This is the layout of operations too small to be split into pieces; larger ones
+//   are pipelined piece by piece (staging_pieces.h).
 #pragma once
 
 #include <algorithm>
