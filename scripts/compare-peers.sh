@@ -5,10 +5,14 @@
 # bench/report.h; this script only launches them and joins their --json files.
 #
 #   scripts/compare-peers.sh [--build DIR] [-n RANKS] [-b MIN] [-e MAX] [--iters N] [--min-time MS]
-#                            [--only dear,mpi,gloo] [--out DIR] [--extra-dear "ARGS"]
+#                            [--only dear,mpi,gloo] [--fabric] [--out DIR] [--extra-dear "ARGS"]
 #
 # Each library's column is its out-of-place result, or in-place where it has no out-of-place
 # form (Gloo's all_reduce and reduce_scatter); such cells are marked with '*'.
+#
+# --fabric adds the RDMA-protocol rows: dear over libfabric's shm provider against Open MPI
+# over its shared-memory BTL (vader), and dear over libfabric's tcp;ofi_rxm against dear's own
+# TCP link, each with its ratio column.
 set -euo pipefail
 
 prog=$(basename "$0")
@@ -29,7 +33,10 @@ Runs dear-bench, mpi-bench and gloo-bench on the same sweep and prints merged ta
                        0: exactly --iters)
   --warmup N           warm-up iterations per size (default: the benchmarks' 5)
   --collectives LIST   comma-separated (default all_reduce,reduce_scatter,all_gather)
-  --only LIST          libraries to run, comma-separated from dear,mpi,gloo (default all)
+  --only LIST          libraries to run, comma-separated from dear,mpi,gloo and the --fabric
+                       ones (dear-shm, dear-rxm, mpi-vader) (default dear,mpi,gloo)
+  --fabric             also run dear-shm (dear-bench --transport fabric, provider shm),
+                       dear-rxm (provider tcp;ofi_rxm) and mpi-vader (btl vader,self)
   --gloo-algo ALGO     Gloo all_reduce algorithm (default: gloo-bench's ring_chunked)
   --out DIR            keep JSON and log files in DIR (default: a temporary directory)
   --extra-dear "ARGS"  extra arguments for dear-bench, word-split
@@ -74,6 +81,7 @@ while [[ $# -gt 0 ]]; do
     --warmup) need_value "$@"; warmup=$2; shift 2 ;;
     --collectives) need_value "$@"; collectives=$2; shift 2 ;;
     --only) need_value "$@"; only=$2; shift 2 ;;
+    --fabric) only="$only,dear-shm,dear-rxm,mpi-vader"; shift ;;
     --gloo-algo) need_value "$@"; gloo_algo=$2; shift 2 ;;
     --out) need_value "$@"; out=$2; shift 2 ;;
     --extra-dear) [[ $# -ge 2 ]] || die "option $1 needs a value"; extra_dear=$2; shift 2 ;;
@@ -90,14 +98,17 @@ done
 [[ -z $warmup || $warmup =~ ^[0-9]+$ ]] || die "--warmup must be a number"
 command -v python3 >/dev/null || die "python3 is needed to merge the results"
 
-run_dear=0 run_mpi=0 run_gloo=0
+run_dear=0 run_mpi=0 run_gloo=0 run_dear_shm=0 run_dear_rxm=0 run_mpi_vader=0
 IFS=, read -r -a only_list <<<"$only"
 for lib in "${only_list[@]}"; do
   case $lib in
     dear) run_dear=1 ;;
     mpi) run_mpi=1 ;;
     gloo) run_gloo=1 ;;
-    *) die "--only: unknown library '$lib' (choose from dear,mpi,gloo)" ;;
+    dear-shm) run_dear_shm=1 ;;
+    dear-rxm) run_dear_rxm=1 ;;
+    mpi-vader) run_mpi_vader=1 ;;
+    *) die "--only: unknown library '$lib' (choose from dear,mpi,gloo,dear-shm,dear-rxm,mpi-vader)" ;;
   esac
 done
 IFS=, read -r -a coll_list <<<"$collectives"
@@ -116,13 +127,13 @@ mpi_bench=$build/bench/peers/mpi-bench
 gloo_bench=$build/bench/peers/gloo-bench
 mpirun=${MPIRUN:-mpirun}
 
-if ((run_dear)); then
+if ((run_dear || run_dear_shm || run_dear_rxm)); then
   [[ -x $dear_bench ]] || die "dear-bench not found at $dear_bench; build it \
 (cmake --build $build --target dear-bench dear-run) or leave dear out with --only mpi,gloo"
   [[ -x $dear_run ]] || die "dear-run not found at $dear_run; build it \
 (cmake --build $build --target dear-run) or leave dear out with --only mpi,gloo"
 fi
-if ((run_mpi)); then
+if ((run_mpi || run_mpi_vader)); then
   [[ -x $mpi_bench ]] || die "mpi-bench not found at $mpi_bench (it is built only when CMake \
 finds MPI; install libopenmpi-dev and reconfigure) or leave it out with --only"
   command -v "$mpirun" >/dev/null || die "'$mpirun' not found; install openmpi-bin or set MPIRUN"
@@ -179,12 +190,31 @@ fail_run() {
 
 run_dear_bench() {
   local coll=$1 json=$2 log=$3
-  local -a extra=()
+  shift 3  # then: extra dear-bench arguments (the --fabric rows' transport)
+  local -a extra=("$@")
   # Word-splitting is the documented behaviour of --extra-dear.
   # shellcheck disable=SC2206
-  [[ -n $extra_dear ]] && extra=($extra_dear)
+  [[ -n $extra_dear ]] && extra+=($extra_dear)
   "${with_timeout[@]}" "$dear_run" -n "$nranks" "$dear_bench" "$coll" "${common[@]}" \
     --json "$json" "${extra[@]+"${extra[@]}"}" >"$log" 2>&1 || fail_run "dear-bench $coll" "$log"
+}
+
+run_dear-shm_bench() {
+  DEAR_FABRIC_PROVIDER=shm run_dear_bench "$@" --transport fabric
+}
+
+run_dear-rxm_bench() {
+  DEAR_FABRIC_PROVIDER='tcp;ofi_rxm' run_dear_bench "$@" --transport fabric
+}
+
+run_mpi-vader_bench() {
+  local coll=$1 json=$2 log=$3
+  # Shared memory between the ranks of this host (Open MPI's vader BTL), the peer of dear over
+  # libfabric's shm provider.
+  "${with_timeout[@]}" "$mpirun" --allow-run-as-root --oversubscribe -np "$nranks" \
+    --mca pml ob1 --mca btl vader,self \
+    "$mpi_bench" "$coll" "${common[@]}" --json "$json" >"$log" 2>&1 ||
+    peer_failed "mpi-bench (vader) $coll" "$log" "$json"
 }
 
 run_mpi_bench() {
@@ -253,11 +283,14 @@ PY
 
 echo "# compare-peers: $nranks ranks, $minbytes..$maxbytes B, float sum, results in $out" >&2
 for coll in "${coll_list[@]}"; do
-  for lib in dear mpi gloo; do
+  for lib in dear mpi gloo dear-shm dear-rxm mpi-vader; do
     case $lib in
       dear) ((run_dear)) || continue ;;
       mpi) ((run_mpi)) || continue ;;
       gloo) ((run_gloo)) || continue ;;
+      dear-shm) ((run_dear_shm)) || continue ;;
+      dear-rxm) ((run_dear_rxm)) || continue ;;
+      mpi-vader) ((run_mpi_vader)) || continue ;;
     esac
     json=$out/$lib-$coll.json
     log=$out/$lib-$coll.log
@@ -278,7 +311,10 @@ import os
 import sys
 
 out_dir, collectives = sys.argv[1], sys.argv[2:]
-LIBS = ["dear", "mpi", "gloo"]
+LIBS = ["dear", "mpi", "gloo", "dear-shm", "dear-rxm", "mpi-vader"]
+TCP_PEERS = ["mpi", "gloo"]
+# The --fabric rows' ratio columns: (numerator, denominator, title).
+PAIRS = [("dear-shm", "mpi-vader", "shm/vader"), ("dear-rxm", "dear", "rxm/tcp")]
 
 
 def load(lib, coll):
@@ -325,8 +361,9 @@ for coll in collectives:
             if res is not None and res.get("wrong"):
                 notes.append(f"{lib}: {res['wrong']} wrong elements at {row['size']} B")
     libs = [lib for lib in LIBS if lib in docs]
-    peers = [lib for lib in libs if lib != "dear"]
+    peers = [lib for lib in libs if lib in TCP_PEERS]
     with_ratio = "dear" in docs and peers
+    pairs = [p for p in PAIRS if p[0] in docs and p[1] in docs]
 
     nranks = next(iter(docs.values())).get("nranks", "?")
     print(f"\n# {coll}, {nranks} ranks, float sum; time(us) and busbw(GB/s); "
@@ -336,6 +373,8 @@ for coll in collectives:
         head += f"  {lib + ' time':>13} {lib + ' busbw':>11}"
     if with_ratio:
         head += f"  {'dear/best':>9}"
+    for _, _, title in pairs:
+        head += f"  {title:>9}"
     print(head)
     for size in sorted(sizes):
         line = f"{size:>12}"
@@ -347,12 +386,18 @@ for coll in collectives:
                 continue
             res, mark = cell
             line += f"  {fmt_time(res['time_us']) + mark:>13} {res['busbw']:>11.3f}"
-            if lib != "dear" and (best_peer is None or res["busbw"] > best_peer):
+            if lib in TCP_PEERS and (best_peer is None or res["busbw"] > best_peer):
                 best_peer = res["busbw"]
         if with_ratio:
             dear = results.get(("dear", size))
             if dear and best_peer and best_peer > 0 and size > 0:
                 line += f"  {dear[0]['busbw'] / best_peer:>9.2f}"
+            else:
+                line += f"  {'-':>9}"
+        for num, den, _ in pairs:
+            a, b = results.get((num, size)), results.get((den, size))
+            if a and b and b[0]["busbw"] > 0 and size > 0:
+                line += f"  {a[0]['busbw'] / b[0]['busbw']:>9.2f}"
             else:
                 line += f"  {'-':>9}"
         print(line)
