@@ -251,6 +251,8 @@ class FabricChannel final : public Channel {
   bool deliver(RecvSink& sink);
   bool pump(RecvSink& sink);
   bool send_control(Kind kind, std::uint32_t seq, std::uint32_t credits);
+  // The poll timer (providers without a wait descriptor): its period follows the traffic.
+  void tend_timer(bool moved);
 
   std::shared_ptr<Domain> dom_;  // first: outlives the endpoint resources below
   int self_;
@@ -269,6 +271,7 @@ class FabricChannel final : public Channel {
   Fd timer_fd_;       // providers without a wait descriptor
   bool timer_busy_ = false;
   Clock::time_point last_moved_{};
+  Clock::time_point timer_due_{};  // the timer may have expired since it was last drained
 
   std::unique_ptr<char, FreeDeleter> memory_;
   std::vector<Buf> bufs_;  // [0, slots + kControlSlots): receive; then data
@@ -469,23 +472,33 @@ bool FabricChannel::progress(RecvSink& sink, bool may_read) {
     if (!m) break;
     moved = true;
   }
-  if (timer_fd_.valid()) {
-    std::uint64_t ticks = 0;
-    [[maybe_unused]] const ssize_t n = ::read(timer_fd_.get(), &ticks, sizeof(ticks));
-    const auto now = Clock::now();
-    if (moved) last_moved_ = now;
-    const bool busy = now - last_moved_ < kBusyFor;
-    if (busy != timer_busy_) {
-      timer_busy_ = busy;
-      itimerspec t{};
-      t.it_value.tv_nsec = std::chrono::nanoseconds(busy ? std::chrono::nanoseconds(kBusyPoll)
-                                                         : std::chrono::nanoseconds(kIdlePoll))
-                               .count();
-      t.it_interval = t.it_value;
-      ::timerfd_settime(timer_fd_.get(), 0, &t, nullptr);
-    }
-  }
+  if (timer_fd_.valid()) tend_timer(moved);
   return moved;
+}
+
+void FabricChannel::tend_timer(bool moved) {
+  const auto now = Clock::now();
+  if (moved) last_moved_ = now;
+  const bool busy = now - last_moved_ < kBusyFor;
+  if (busy != timer_busy_) {
+    timer_busy_ = busy;
+    const auto period =
+        busy ? std::chrono::nanoseconds(kBusyPoll) : std::chrono::nanoseconds(kIdlePoll);
+    itimerspec t{};
+    t.it_value.tv_nsec = period.count();
+    t.it_interval = t.it_value;
+    ::timerfd_settime(timer_fd_.get(), 0, &t, nullptr);  // also disarms what had expired
+    timer_due_ = now + period;
+    return;
+  }
+  // Drain the expirations so that a sleeping engine is woken by the next one, not by one it
+  // already served. Only once a period can have passed: the engine calls progress() every turn
+  // while it has work, and a read() per channel per turn cost more than the polling it serves.
+  if (now < timer_due_) return;
+  std::uint64_t ticks = 0;
+  [[maybe_unused]] const ssize_t n = ::read(timer_fd_.get(), &ticks, sizeof(ticks));
+  timer_due_ =
+      now + (busy ? std::chrono::nanoseconds(kBusyPoll) : std::chrono::nanoseconds(kIdlePoll));
 }
 
 bool FabricChannel::poll_cq(RecvSink& sink) {
