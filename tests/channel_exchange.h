@@ -107,9 +107,15 @@ inline std::vector<std::string> exchange_with_peers(int n, const ConnectPeers& c
             acked[c] = sink.got[c].size() > sizes.size();
             done = done && next[c] == sizes.size() && ack_sent[c] && acked[c];
           }
-          if (done) break;
+          // Every message, the acknowledgements included, is reported sent exactly once.
+          if (done && sink.sent == peers.size() * (sizes.size() + 1)) break;
+          if (sink.sent > peers.size() * (sizes.size() + 1)) {
+            failure = std::to_string(sink.sent) + " messages reported sent, " +
+                      std::to_string(peers.size() * (sizes.size() + 1)) + " queued";
+            return;
+          }
           if (std::chrono::steady_clock::now() > deadline) {
-            failure = "timed out: received";
+            failure = "timed out: " + std::to_string(sink.sent) + " reported sent; received";
             for (std::size_t c = 0; c < peers.size(); ++c) {
               failure += " " + std::to_string(sink.got[c].size()) + " from rank " +
                          std::to_string(peers[c]);

@@ -184,6 +184,25 @@ TEST_P(Fabric, ConnectPeersExchangesBothWaysOnEveryChannel) {
   for (std::size_t r = 0; r < failures.size(); ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
+// The same exchange with every payload fragment copied into its slot, and with payloads sent
+// in place from registered memory (the path of providers that need FI_MR_LOCAL), from the
+// smallest fragments on.
+TEST_P(Fabric, ConnectPeersExchangesWithCopiedAndRegisteredPayloads) {
+  const std::string provider = GetParam();
+  for (const bool in_place : {false, true}) {
+    const auto failures = exchange_with_peers(4, [&](Bootstrap& bs, const std::vector<int>& peers) {
+      transport::fabric::FabricOptions fo;
+      fo.provider = provider;
+      fo.in_place_bytes = in_place ? 1 : 0;
+      fo.register_in_place = in_place;
+      return transport::fabric::connect_peers(bs, peers, fo);
+    });
+    for (std::size_t r = 0; r < failures.size(); ++r) {
+      EXPECT_EQ(failures[r], "") << "rank " << r << (in_place ? " in place" : " copied");
+    }
+  }
+}
+
 // Asymmetric lists are named, not hung: rank 0 lists rank 1, rank 1 lists nobody.
 TEST_P(Fabric, ConnectPeersNamesAPeerThatDoesNotListThisRank) {
   const UniqueId id = UniqueId::create("127.0.0.1");

@@ -22,6 +22,7 @@ namespace {
 
 using transport::FrameHeader;
 using transport::RecvTarget;
+using transport::rma::InPlaceSends;
 using transport::rma::kControlSlots;
 using transport::rma::Reassembler;
 using transport::rma::RecvWindow;
@@ -277,6 +278,125 @@ TEST(SendQueue, BoundedFirstInFirstOutAndClear) {
   EXPECT_TRUE(q.empty());
   EXPECT_EQ(q.bytes(), 0u);
   EXPECT_THROW((void)q.fill(body.data(), body.size()), Error);
+}
+
+// The gather form (fill_header + peek) cuts the same fragments as fill(), and the header plus
+// the pieces it points at are, byte for byte, what fill() copies.
+TEST(SendQueue, GatherFormMatchesTheCopyingForm) {
+  SendQueue copying;
+  SendQueue gathering;
+  const std::vector<char> a = pattern(250, 3);
+  const std::vector<char> b = pattern(64, 4);
+  for (SendQueue* q : {&copying, &gathering}) {
+    q->push(header_of(250, 1), a.data(), 1);
+    q->push(header_of(0, 2), nullptr, 2);
+    q->push(header_of(64, 3), b.data(), 3);
+  }
+  std::vector<std::uint64_t> tokens;
+  const std::size_t room = 100;
+  while (!copying.empty()) {
+    ASSERT_FALSE(gathering.empty());
+    std::vector<char> want(room);
+    const SendQueue::Fragment fc = copying.fill(want.data(), room);
+    std::vector<char> header(room, '\0');
+    const SendQueue::Piece piece = gathering.peek(room);
+    const SendQueue::Fragment fg = gathering.fill_header(header.data(), room);
+    EXPECT_EQ(fg.bytes, fc.bytes);
+    EXPECT_EQ(fg.first, fc.first);
+    EXPECT_EQ(piece.first, fc.first);
+    const std::size_t head = fg.first ? kHeader : 0;
+    ASSERT_EQ(head + piece.bytes, fg.bytes);
+    std::vector<char> got(header.begin(), header.begin() + static_cast<std::ptrdiff_t>(head));
+    if (piece.bytes > 0) got.insert(got.end(), piece.data, piece.data + piece.bytes);
+    want.resize(fc.bytes);
+    EXPECT_EQ(got, want);
+    const auto tc = copying.commit(fc);
+    const auto tg = gathering.commit(fg);
+    EXPECT_EQ(tc, tg);
+    if (tg) tokens.push_back(*tg);
+  }
+  EXPECT_TRUE(gathering.empty());
+  EXPECT_EQ(tokens, (std::vector<std::uint64_t>{1, 2, 3}));
+}
+
+TEST(SendQueue, MessageIsTheWholePayloadOfTheHead) {
+  SendQueue q;
+  const std::vector<char> a = pattern(300, 5);
+  q.push(header_of(300, 1), a.data(), 1);
+  std::vector<char> body(100);
+  (void)q.commit(q.fill(body.data(), body.size()));
+  const SendQueue::Piece m = q.message();
+  EXPECT_EQ(m.data, a.data());
+  EXPECT_EQ(m.bytes, 300u);
+  EXPECT_FALSE(m.first);
+  const SendQueue::Piece p = q.peek(body.size());
+  EXPECT_EQ(p.data, a.data() + (100 - kHeader));
+  EXPECT_EQ(p.bytes, 100u);
+}
+
+// ---- in-place sends (send_in_place, InPlaceSends)
+// ---------------------------------------------------------------
+
+TEST(InPlace, LargePiecesOnGatheringProvidersOnly) {
+  using transport::rma::send_in_place;
+  EXPECT_TRUE(send_in_place(8192, 8192, 2));
+  EXPECT_TRUE(send_in_place(1 << 20, 8192, 4));
+  EXPECT_FALSE(send_in_place(8191, 8192, 4)) << "small pieces are copied";
+  EXPECT_FALSE(send_in_place(1 << 20, 8192, 1)) << "the provider cannot gather";
+  EXPECT_FALSE(send_in_place(1 << 20, 0, 4)) << "0 turns in-place sends off";
+  EXPECT_FALSE(send_in_place(0, 1, 4));
+}
+
+TEST(InPlace, MessageWithoutInPlaceFragmentsIsSentAtOnce) {
+  InPlaceSends s(4);
+  EXPECT_EQ(s.finished(7), std::optional<std::uint64_t>(7));
+  EXPECT_EQ(s.held(), 0u);
+}
+
+TEST(InPlace, MessageIsSentWhenItsLastFragmentCompletesInAnyOrder) {
+  InPlaceSends s(4);
+  const std::uint32_t a = s.posted();
+  const std::uint32_t b = s.posted();
+  EXPECT_EQ(a, b) << "fragments of one message share a record";
+  EXPECT_EQ(s.finished(1), std::nullopt);
+  EXPECT_EQ(s.held(), 1u);
+  const std::uint32_t c = s.posted();  // the next message
+  EXPECT_NE(c, a);
+  EXPECT_EQ(s.completed(c), std::nullopt) << "its message is not finished";
+  EXPECT_EQ(s.completed(a), std::nullopt);
+  EXPECT_EQ(s.completed(b), std::optional<std::uint64_t>(1));
+  EXPECT_EQ(s.held(), 0u);
+  EXPECT_EQ(s.finished(2), std::optional<std::uint64_t>(2)) << "nothing of it outstanding";
+  EXPECT_THROW((void)s.completed(a), Error) << "a completion the record does not expect";
+}
+
+TEST(InPlace, RecordsAreReusedAndBounded) {
+  // Capacity = fragments in flight + 1: one message per fragment in flight, plus the one
+  // being fragmented, never run out; one more does.
+  InPlaceSends s(3);
+  std::vector<std::uint32_t> ids;
+  for (std::uint64_t t = 0; t < 2; ++t) {
+    ids.push_back(s.posted());
+    EXPECT_EQ(s.finished(t), std::nullopt);
+  }
+  ids.push_back(s.posted());
+  EXPECT_THROW(
+      {
+        EXPECT_EQ(s.finished(9), std::nullopt);
+        (void)s.posted();
+      },
+      Error);
+  for (std::size_t round = 0; round < 100; ++round) {
+    const std::uint32_t id = ids[round % ids.size()];
+    const auto sent = s.completed(id);
+    ASSERT_TRUE(sent.has_value());
+    ids[round % ids.size()] = s.posted();
+    EXPECT_EQ(s.finished(1000 + round), std::nullopt);
+  }
+  EXPECT_EQ(s.held(), 3u);
+  s.clear();
+  EXPECT_EQ(s.held(), 0u);
+  EXPECT_EQ(s.finished(5), std::optional<std::uint64_t>(5));
 }
 
 // ---- reassembly (Reassembler)

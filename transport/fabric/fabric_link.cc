@@ -8,6 +8,7 @@
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <sys/timerfd.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +25,7 @@
 #include "transport/rma/fragments.h"
 #include "transport/rma/slot_window.h"
 #include "transport/socket_util.h"
+#include "transport/verbs/reg_cache.h"
 
 namespace dear::transport::fabric {
 namespace {
@@ -103,7 +105,8 @@ std::string join(const std::vector<std::string>& v) {
   return s.empty() ? "none" : s;
 }
 
-// The fabric and domain shared by the channels of one communicator.
+// The fabric and domain shared by the channels of one communicator (used by its engine's
+// thread only).
 struct Domain {
   InfoPtr info;
   FidPtr<fid_fabric> fabric;
@@ -112,7 +115,50 @@ struct Domain {
   // one per domain); each channel inserts its peer's endpoint.
   FidPtr<fid_av> av;
   std::string provider;
+
+  // In-place sends (FabricOptions::in_place_bytes) on a provider that needs local
+  // registrations: the callers' memory, registered once per range and looked up after. A
+  // registration the cache gives up may still be read by a send in flight, so it is closed
+  // only once no in-place send of this domain is.
+  bool register_sends = false;
+  bool registration_failed = false;  // once failed, in-place sends copy instead
+  verbs::RegistrationCache registrations;
+  std::vector<std::uint64_t> displaced;
+  std::uint64_t in_place_in_flight = 0;
+
+  // The descriptor for sending from [p, p + n), registering the range when it is not yet;
+  // nullopt when it cannot be registered (the caller copies instead).
+  std::optional<void*> descriptor(const char* p, std::size_t n) {
+    if (!register_sends) return nullptr;
+    if (const auto e = registrations.lookup(p, n)) {
+      return fi_mr_desc(reinterpret_cast<fid_mr*>(e->handle));
+    }
+    if (registration_failed) return std::nullopt;
+    const auto span = verbs::RegistrationCache::page_span(p, n);
+    fid_mr* mr = nullptr;
+    if (fi_mr_reg(domain.get(), reinterpret_cast<const void*>(span.begin), span.end - span.begin,
+                  FI_SEND, 0, 0, 0, &mr, nullptr) != 0) {
+      registration_failed = true;
+      return std::nullopt;
+    }
+    for (const std::uint64_t h :
+         registrations.insert(reinterpret_cast<const void*>(span.begin), span.end - span.begin,
+                              reinterpret_cast<std::uint64_t>(mr))) {
+      displaced.push_back(h);
+    }
+    release_displaced();
+    return fi_mr_desc(mr);
+  }
+  void release_displaced() {
+    if (in_place_in_flight > 0) return;
+    for (const std::uint64_t h : displaced) fi_close(&reinterpret_cast<fid_mr*>(h)->fid);
+    displaced.clear();
+  }
+
   ~Domain() {
+    in_place_in_flight = 0;
+    for (const std::uint64_t h : registrations.clear()) displaced.push_back(h);
+    release_displaced();
     av.reset();
     domain.reset();
     fabric.reset();
@@ -123,11 +169,14 @@ struct FreeDeleter {
   void operator()(char* p) const { std::free(p); }
 };
 
+constexpr std::uint32_t kNotHeld = 0xffffffffU;
+
 struct Buf {
   fi_context2 ctx;  // first: a completion's op_context points here
   char* data;
   std::uint32_t index;
   bool recv;
+  std::uint32_t held = kNotHeld;  // an in-place send: its id in InPlaceSends
 };
 static_assert(std::is_standard_layout_v<Buf>, "completions map back to Buf by address");
 
@@ -261,6 +310,8 @@ class FabricChannel final : public Channel {
   std::uint64_t tag_;
   std::size_t slot_bytes_;
   std::uint32_t slots_;
+  std::size_t in_place_min_;  // FabricOptions::in_place_bytes
+  std::size_t iov_limit_;     // gather entries the provider takes per send
 
   FidPtr<fid_cq> cq_;
   FidPtr<fid_ep> ep_;
@@ -285,6 +336,7 @@ class FabricChannel final : public Channel {
   RecvWindow recvw_;
 
   SendQueue sendq_;
+  rma::InPlaceSends in_place_;
   Reassembler reasm_;
 
   bool peer_bye_ = false;
@@ -303,8 +355,11 @@ FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, in
       tag_(tag),
       slot_bytes_(o.slot_bytes),
       slots_(o.slots),
+      in_place_min_(o.in_place_bytes),
+      iov_limit_(dom_->info->tx_attr->iov_limit),
       sendw_(o.slots),
       recvw_(o.slots, std::max<std::uint32_t>(1, o.slots / 2)),
+      in_place_(o.slots + 1),
       reasm_(o.slot_bytes) {
   const fi_info* info = dom_->info.get();
   const std::uint32_t pool = slots_ + kControlSlots;
@@ -502,7 +557,6 @@ void FabricChannel::tend_timer(bool moved) {
 }
 
 bool FabricChannel::poll_cq(RecvSink& sink) {
-  (void)sink;
   bool moved = false;
   std::array<fi_cq_data_entry, 16> entries{};
   for (int batch = 0; batch < 64; ++batch) {
@@ -528,6 +582,12 @@ bool FabricChannel::poll_cq(RecvSink& sink) {
         on_arrival(b, entries[static_cast<std::size_t>(i)].len);
       } else {
         --in_flight_;
+        if (b.held != kNotHeld) {
+          const std::uint32_t id = b.held;
+          b.held = kNotHeld;
+          if (--dom_->in_place_in_flight == 0) dom_->release_displaced();
+          if (const auto sent = in_place_.completed(id)) sink.on_sent(index_, *sent);
+        }
         if (b.index >= bufs_.size() - kControlSlots) {
           free_ctrl_.push_back(b.index);
         } else {
@@ -603,9 +663,18 @@ bool FabricChannel::deliver(RecvSink& sink) {
 
 bool FabricChannel::pump(RecvSink& sink) {
   bool moved = false;
+  const std::size_t room = slot_bytes_ - kPrefix;
   while (!sendq_.empty() && sendw_.can_send() && !free_data_.empty()) {
     Buf& b = bufs_[free_data_.back()];
-    const SendQueue::Fragment f = sendq_.fill(b.data + kPrefix, slot_bytes_ - kPrefix);
+    const SendQueue::Piece piece = sendq_.peek(room);
+    std::optional<void*> piece_desc;
+    if (rma::send_in_place(piece.bytes, in_place_min_, iov_limit_)) {
+      const SendQueue::Piece whole = sendq_.message();
+      piece_desc = dom_->descriptor(whole.data, whole.bytes);
+    }
+    const bool in_place = piece_desc.has_value();
+    const SendQueue::Fragment f = in_place ? sendq_.fill_header(b.data + kPrefix, room)
+                                           : sendq_.fill(b.data + kPrefix, room);
     Prefix p;
     p.tag = tag_;
     p.seq = sendw_.next_seq();
@@ -614,7 +683,17 @@ bool FabricChannel::pump(RecvSink& sink) {
     p.kind = Kind::kData;
     p.first = f.first ? 1 : 0;
     std::memcpy(b.data, &p, kPrefix);
-    const auto rc = fi_send(ep_.get(), b.data, kPrefix + p.bytes, desc(), peer_addr_, &b.ctx);
+    ssize_t rc = 0;
+    if (in_place) {
+      // The prefix (and header) from the slot, the payload from where it lies.
+      std::array<iovec, 2> iov{};
+      iov[0] = {b.data, kPrefix + (f.first ? kHeader : 0)};
+      iov[1] = {const_cast<char*>(piece.data), piece.bytes};
+      std::array<void*, 2> descs{desc(), *piece_desc};
+      rc = fi_sendv(ep_.get(), iov.data(), descs.data(), iov.size(), peer_addr_, &b.ctx);
+    } else {
+      rc = fi_send(ep_.get(), b.data, kPrefix + p.bytes, desc(), peer_addr_, &b.ctx);
+    }
     if (rc == -FI_EAGAIN) break;
     if (rc != 0)
       fail("fi_send to rank " + std::to_string(peer_) +
@@ -624,7 +703,14 @@ bool FabricChannel::pump(RecvSink& sink) {
     sendw_.take();
     recvw_.take_owed();
     moved = true;
-    if (const auto token = sendq_.commit(f)) sink.on_sent(index_, *token);
+    if (in_place) {
+      b.held = in_place_.posted();
+      ++dom_->in_place_in_flight;
+    }
+    if (const auto token = sendq_.commit(f)) {
+      // A message with fragments in place is sent once the provider is done reading them.
+      if (const auto sent = in_place_.finished(*token)) sink.on_sent(index_, *sent);
+    }
   }
   return moved;
 }
@@ -653,6 +739,7 @@ void FabricChannel::close() {
     // Setup failed before the peer's address was known: there is no one to say goodbye to.
     closed_ = true;
     sendq_.clear();
+    in_place_.clear();
     return;
   }
   NullSink null_sink;
@@ -676,6 +763,7 @@ void FabricChannel::close() {
   // The endpoint stays open until the destructor hands it to the Graveyard.
   closed_ = true;
   sendq_.clear();
+  in_place_.clear();
 }
 
 std::uint64_t random_u64() {
@@ -763,6 +851,8 @@ std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank, std:
   }
   dom->info.reset(fi_dupinfo(chosen));
   dom->provider = chosen->fabric_attr->prov_name;
+  dom->register_sends =
+      options.register_in_place || (chosen->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
   o = options;
   const std::size_t max_msg = chosen->ep_attr->max_msg_size;
   if (max_msg < o.slot_bytes) o.slot_bytes = max_msg - max_msg % 64;

@@ -11,7 +11,10 @@
 // staging buffers in fragments of at most one slot (the provider's message size
 // limit included), spends one credit per fragment, and reports the message sent
 // once its last fragment is handed to the provider (its payload is no longer
-// needed then). Every fragment starts with a 32-byte prefix carrying the
+// needed then). Large fragments are not copied: the provider gathers the prefix
+// from the slot and the payload from the caller's memory (registered through a
+// cache where the provider needs that), and the message is reported sent once
+// every such fragment has completed. Every fragment starts with a 32-byte prefix carrying the
 // communicator's tag, the fragment's sequence number and credits returned to
 // the peer; the first fragment of a message then holds the FrameHeader.
 // Fragments are consumed in sequence order even when completions arrive out of
@@ -55,6 +58,14 @@ struct FabricOptions {
   // slot_bytes of staging memory.
   std::size_t slot_bytes = 128 * 1024;
   std::uint32_t slots = 8;
+  // Fragments carrying at least this many payload bytes are sent from the caller's memory
+  // (gathered behind their prefix) instead of being copied into a send slot; 0: always copy.
+  // Where the provider needs local registrations (FI_MR_LOCAL: verbs, efa) that memory is
+  // registered through a cache; a failed registration falls back to the copy.
+  std::size_t in_place_bytes = 8 * 1024;
+  // Register the memory of in-place sends even where the provider does not need it (tests the
+  // path that providers needing FI_MR_LOCAL take, on providers that run here).
+  bool register_in_place = false;
   // Setup must finish by then (it only waits on the bootstrap, whose own
   // timeout also applies).
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();

@@ -34,6 +34,33 @@ SendQueue::Fragment SendQueue::fill(char* dst, std::size_t room) const {
   return f;
 }
 
+SendQueue::Piece SendQueue::peek(std::size_t room) const {
+  if (empty()) throw Error(ErrorCode::kInternal, "SendQueue::peek on an empty queue");
+  if (room <= kHeader) throw Error(ErrorCode::kInternal, "SendQueue::peek: no room for payload");
+  const Pending& m = queue_[head_];
+  Piece p;
+  p.first = !head_started_;
+  if (p.first) room -= kHeader;
+  p.bytes = std::min<std::size_t>(room, m.header.bytes - head_offset_);
+  p.data = p.bytes > 0 ? m.payload + head_offset_ : nullptr;
+  return p;
+}
+
+SendQueue::Fragment SendQueue::fill_header(char* dst, std::size_t room) const {
+  const Piece p = peek(room);
+  if (p.first) std::memcpy(dst, &queue_[head_].header, kHeader);
+  Fragment f;
+  f.first = p.first;
+  f.bytes = static_cast<std::uint32_t>((p.first ? kHeader : 0) + p.bytes);
+  return f;
+}
+
+SendQueue::Piece SendQueue::message() const {
+  if (empty()) throw Error(ErrorCode::kInternal, "SendQueue::message on an empty queue");
+  const Pending& m = queue_[head_];
+  return {m.payload, m.header.bytes, !head_started_};
+}
+
 std::optional<std::uint64_t> SendQueue::commit(const Fragment& f) {
   const Pending& m = queue_[head_];
   head_started_ = true;
@@ -54,6 +81,63 @@ void SendQueue::clear() {
   bytes_ = 0;
   head_offset_ = 0;
   head_started_ = false;
+}
+
+bool send_in_place(std::size_t piece_bytes, std::size_t min_bytes, std::size_t iov_limit) {
+  return min_bytes > 0 && piece_bytes >= min_bytes && iov_limit >= 2;
+}
+
+InPlaceSends::InPlaceSends(std::uint32_t capacity) : records_(capacity) {
+  if (capacity == 0) throw Error(ErrorCode::kInvalidArgument, "InPlaceSends: capacity must be > 0");
+  free_.reserve(capacity);
+  for (std::uint32_t i = capacity; i-- > 0;) free_.push_back(i);
+}
+
+std::uint32_t InPlaceSends::posted() {
+  if (current_ == kNone) {
+    if (free_.empty()) {
+      throw Error(ErrorCode::kInternal,
+                  "InPlaceSends: more fragments outstanding than its capacity");
+    }
+    current_ = free_.back();
+    free_.pop_back();
+    records_[current_] = Record{};
+  }
+  ++records_[current_].outstanding;
+  return current_;
+}
+
+std::optional<std::uint64_t> InPlaceSends::finished(std::uint64_t token) {
+  const std::uint32_t id = current_;
+  current_ = kNone;
+  if (id == kNone) return token;
+  Record& r = records_[id];
+  if (r.outstanding == 0) {
+    free_.push_back(id);
+    return token;
+  }
+  r.token = token;
+  r.finished = true;
+  ++held_;
+  return std::nullopt;
+}
+
+std::optional<std::uint64_t> InPlaceSends::completed(std::uint32_t id) {
+  if (id >= records_.size() || records_[id].outstanding == 0) {
+    throw Error(ErrorCode::kInternal, "InPlaceSends: completion of an unknown fragment");
+  }
+  Record& r = records_[id];
+  if (--r.outstanding > 0 || !r.finished) return std::nullopt;
+  free_.push_back(id);
+  --held_;
+  return r.token;
+}
+
+void InPlaceSends::clear() {
+  free_.clear();
+  for (auto i = static_cast<std::uint32_t>(records_.size()); i-- > 0;) free_.push_back(i);
+  current_ = kNone;
+  held_ = 0;
 }
 
 Reassembler::Reassembler(std::size_t max_body)

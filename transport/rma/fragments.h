@@ -24,6 +24,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "transport/link.h"
 #include "transport/rma/slot_window.h"
@@ -72,6 +73,24 @@ class SendQueue {
   // sizeof(FrameHeader)). Changes nothing: a fragment the transport does not take (try again
   // later) is simply filled again. Requires !empty().
   [[nodiscard]] Fragment fill(char* dst, std::size_t room) const;
+  // Where the payload of the head message's next fragment lies when its body may hold `room`
+  // bytes (room > sizeof(FrameHeader)): the bytes fill() would copy after the header, if any.
+  // `first`: the fragment starts the message (its body opens with the FrameHeader).
+  struct Piece {
+    const char* data = nullptr;
+    std::size_t bytes = 0;
+    bool first = false;
+  };
+  [[nodiscard]] Piece peek(std::size_t room) const;
+  // The gather form of fill(), for a transport that sends from two places at once: writes only
+  // the FrameHeader (on a first fragment) to `dst`, and the payload stays where peek(room) says;
+  // the transport sends both, in that order. Returns the same Fragment as fill(dst, room), so
+  // commit() is unchanged, but the payload must stay untouched until the transport is done
+  // with it, not only until commit(). Requires !empty().
+  [[nodiscard]] Fragment fill_header(char* dst, std::size_t room) const;
+  // The whole payload of the head message (what a transport registers once for all of its
+  // fragments). Requires !empty().
+  [[nodiscard]] Piece message() const;
   // The fragment last filled has been handed to the transport. Returns the message's token when
   // that fragment was its last: the message is sent (its payload is no longer read).
   [[nodiscard]] std::optional<std::uint64_t> commit(const Fragment& f);
@@ -90,6 +109,52 @@ class SendQueue {
   std::size_t bytes_ = 0;
   std::size_t head_offset_ = 0;  // payload bytes of the head message already fragmented
   bool head_started_ = false;
+};
+
+// Whether a fragment whose payload piece is `piece_bytes` long is sent from the caller's memory
+// (in place, gathered behind its prefix) rather than copied into its slot. In place saves the
+// sender's copy, which dominates on providers that copy again themselves (shm); it needs a
+// provider taking two gather entries per send (`iov_limit`), and is worth it only from
+// `min_bytes` on (0: never), below which the copy costs less than the provider's extra work
+// and, where the provider needs one, a registration lookup.
+[[nodiscard]] bool send_in_place(std::size_t piece_bytes, std::size_t min_bytes,
+                                 std::size_t iov_limit);
+
+// Messages whose payload a transport still reads after their last fragment was handed over
+// (fragments sent in place): a message is reported sent only once every one of its in-place
+// fragments has completed, whatever the order of the completions. Messages are fragmented one
+// at a time, in order: posted() calls belong to the message being fragmented until finished().
+class InPlaceSends {
+ public:
+  // `capacity`: the most fragments the transport may hold at once, plus one (the message
+  // being fragmented may have none outstanding).
+  explicit InPlaceSends(std::uint32_t capacity);
+
+  // An in-place fragment of the message being fragmented was handed over; returns the id its
+  // completion passes to completed().
+  [[nodiscard]] std::uint32_t posted();
+  // The last fragment of the message being fragmented was handed over. Returns `token` when
+  // none of its in-place fragments is outstanding (report it sent now); otherwise holds it.
+  [[nodiscard]] std::optional<std::uint64_t> finished(std::uint64_t token);
+  // The in-place fragment `id` completed. Returns its message's token when that was the last
+  // outstanding fragment of a finished message.
+  [[nodiscard]] std::optional<std::uint64_t> completed(std::uint32_t id);
+  // Messages finished and still held.
+  [[nodiscard]] std::size_t held() const { return held_; }
+  // Forgets everything (the channel closes); nothing is reported.
+  void clear();
+
+ private:
+  static constexpr std::uint32_t kNone = 0xffffffffU;
+  struct Record {
+    std::uint64_t token = 0;
+    std::uint32_t outstanding = 0;
+    bool finished = false;
+  };
+  std::vector<Record> records_;
+  std::vector<std::uint32_t> free_;
+  std::uint32_t current_ = kNone;  // the record of the message being fragmented
+  std::size_t held_ = 0;
 };
 
 // The receiver's side: fragment bodies, in sequence order, turned into RecvSink calls.
