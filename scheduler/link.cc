@@ -16,7 +16,7 @@ int Link::add(int steps, std::int64_t chunk_bytes, std::int64_t credit_bytes, in
   op.issue_s = issue_s;
   op.after = after;
   op.step_left = chunk_bytes;
-  op.ready_s = issue_s;
+  op.ready_s = issue_s + net_.op_overhead_s;  // the operation's software cost comes first
   const int id = static_cast<int>(ops_.size());
   if (after >= id) throw Error(ErrorCode::kInternal, "link: dependency on a later operation");
   ops_.push_back(op);

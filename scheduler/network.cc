@@ -46,7 +46,7 @@ std::int64_t ring_chunk_bytes(std::int64_t elements, int ranks, int element_byte
 double op_time(const NetModel& net, OpKind kind, std::int64_t elements, int ranks,
                int element_bytes) {
   const auto chunk = static_cast<double>(ring_chunk_bytes(elements, ranks, element_bytes));
-  return ring_steps(kind, ranks) * (net.alpha_s + net.beta_s_per_byte * chunk);
+  return net.op_overhead_s + ring_steps(kind, ranks) * (net.alpha_s + net.beta_s_per_byte * chunk);
 }
 
 }  // namespace dear::scheduler

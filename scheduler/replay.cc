@@ -415,7 +415,7 @@ NetModel calibrate_network(Communicator& comm, int repeats) {
   NetModel net;
   net.name = "measured";
   net.slice_bytes = static_cast<std::int64_t>(comm.options().slice_bytes);
-  std::array<double, 2> fit{20e-6, 1e-9};  // alpha, beta: used as is on one rank
+  std::array<double, 3> fit{20e-6, 1e-9, 0};  // alpha, beta, overhead: as is on one rank
   if (n > 1) {
     const std::array<std::int64_t, 2> chunks{16 << 10, 1 << 20};
     std::vector<float> buf(static_cast<std::size_t>(chunks.back() / 4 * n), 1.0F);
@@ -453,14 +453,29 @@ NetModel calibrate_network(Communicator& comm, int repeats) {
     const double y_small = (ys[0] + ys[1]) / 2;
     const double y_big = (ys[2] + ys[3]) / 2;
     const double beta = std::max((y_big - y_small) / (xs[2] - xs[0]), 1e-12);
-    fit = {std::max(y_small - beta * xs[0], 1e-6), beta};
+    const double alpha = std::max(y_small - beta * xs[0], 1e-6);
+    // The per-operation software cost: a one-element ring all_reduce beyond its 2(N-1) alphas.
+    OpOptions ring;
+    ring.algorithm = Algorithm::kRing;
+    float one = 1.0F;
+    std::vector<double> small;
+    for (int r = 0; r < 4 * repeats; ++r) {
+      comm.barrier().wait();
+      const auto t0 = Clock::now();
+      comm.all_reduce(&one, &one, 1, DataType::kFloat32, ReduceOp::kSum, ring).wait();
+      small.push_back(seconds(Clock::now() - t0));
+    }
+    std::sort(small.begin(), small.end());
+    const double overhead = std::max(small[small.size() / 2] - 2.0 * (n - 1) * alpha, 0.0);
+    fit = {alpha, beta, overhead};
     // Every rank must plan with the same numbers: take rank 0's.
-    std::array<double, 2> root{};
-    comm.broadcast(fit.data(), root.data(), 2, DataType::kFloat64, 0).wait();
+    std::array<double, 3> root{};
+    comm.broadcast(fit.data(), root.data(), root.size(), DataType::kFloat64, 0).wait();
     fit = root;
   }
   net.alpha_s = fit[0];
   net.beta_s_per_byte = fit[1];
+  net.op_overhead_s = fit[2];
   net.gap_s = net.alpha_s;
   return net;
 }

@@ -91,6 +91,7 @@ for n in $ranks; do
   }
   alpha=$(jq -r .net.alpha_us "$out/train-$n.json")
   gap=$(jq -r .net.gap_us "$out/train-$n.json")
+  overhead=$(jq -r '.net.op_overhead_us // 0' "$out/train-$n.json")
   gbps=$(jq -r .net.gbps "$out/train-$n.json")
   slice=$(jq -r .net.slice_bytes "$out/train-$n.json")
   names=$(jq -r '.policies | keys_unsorted | join(",")' "$out/train-$n.json")
@@ -100,10 +101,11 @@ for n in $ranks; do
   opt=$(jq -r --arg p "$first" '(.policies.dear // .policies[$p]).optimizer_ms * 1000 /
     (.params / 1e6)' "$out/train-$n.json")
   opt_rates+=("$opt")
-  echo "[$prog] $n ranks: measured alpha $alpha us, $gbps Gb/s, optimizer $opt us/Mparam; dear-sim" >&2
+  echo "[$prog] $n ranks: measured alpha $alpha us, $gbps Gb/s, overhead $overhead us per operation, optimizer $opt us/Mparam; dear-sim" >&2
   "$sim" --model "$model" --workers "$n" --time-scale "$time_scale" \
     --param-scale "$param_scale" --alpha-us "$alpha" --gap-us "$gap" --gbps "$gbps" \
     --slice-bytes "$slice" --engine "$engine" --optimizer-us-per-mparam "$opt" \
+    --op-overhead-us "$overhead" \
     --policies "$names" --json >"$out/sim-$n.json"
   for p in ${names//,/ }; do
     m=$(jq -r ".policies[\"$p\"].iter_ms_p50" "$out/train-$n.json")

@@ -102,6 +102,10 @@ TEST(Network, RingCostModel) {
   EXPECT_NEAR(ds::op_time(n, ds::OpKind::kReduceScatter, 800, 8, 4), 7 * 1.4e-3, 1e-12);
   EXPECT_NEAR(ds::op_time(n, ds::OpKind::kAllReduce, 800, 8, 4), 14 * 1.4e-3, 1e-12);
   EXPECT_EQ(ds::ring_chunk_bytes(801, 8, 4), 404);
+  // A per-operation overhead is paid once, before the steps.
+  auto slow = n;
+  slow.op_overhead_s = 0.25e-3;
+  EXPECT_NEAR(ds::op_time(slow, ds::OpKind::kAllReduce, 800, 8, 4), 0.25e-3 + 14 * 1.4e-3, 1e-12);
   ASSERT_TRUE(ds::net_by_name("10gbe").has_value());
   EXPECT_FALSE(ds::net_by_name("carrier-pigeon").has_value());
 }
@@ -115,6 +119,20 @@ TEST(Link, SerialEngineRunsWholeOperationsByPriority) {
   EXPECT_NEAR(link.finish(a), 6e-3, 1e-12);
   EXPECT_NEAR(link.ops()[b].end_s, 2e-3, 1e-12);
   EXPECT_NEAR(link.ops()[a].start_s, 2e-3, 1e-12);
+}
+
+// The per-operation overhead delays an operation's first step after its issue, on both
+// engines; the link stays free for operations already waiting meanwhile.
+TEST(Link, OperationOverheadDelaysTheFirstStep) {
+  auto net = hand_net();
+  net.op_overhead_s = 0.5e-3;
+  for (const bool interleave : {false, true}) {
+    ds::detail::Link link(net, {interleave, 0});
+    // A issued at 0: starts at 0.5 ms, 2 steps of 1 ms bytes + 1 ms latency: done at 4.5 ms.
+    const int a = link.add(2, 1000, 1000, 0, 0, -1);
+    EXPECT_NEAR(link.finish(a), 4.5e-3, 1e-12) << "interleave " << interleave;
+    EXPECT_NEAR(link.ops()[a].start_s, 0.5e-3, 1e-12) << "interleave " << interleave;
+  }
 }
 
 TEST(Link, InterleavedEngineFillsLatencyWithOtherSlices) {

@@ -20,6 +20,11 @@ struct NetModel {
   // pays it for every slice and cannot fill it with other operations' slices, while the
   // rest of alpha is flight time that other operations' slices may use.
   double gap_s = 0;
+  // Software cost of one operation beyond its steps: from issue until its first step may
+  // start (submission, the engine taking it up, the waiter seeing it end). Measured on the
+  // job's ranks by calibrate_network() as a one-element all_reduce's time beyond its
+  // 2(N-1) alphas; 0 for the built-in networks, whose alpha already holds their software.
+  double op_overhead_s = 0;
   std::int64_t slice_bytes = 512 * 1024;  // engine pipelining unit (CommOptions default)
 };
 
@@ -39,7 +44,7 @@ enum class OpKind : std::uint8_t { kReduceScatter, kAllGather, kAllReduce };
 [[nodiscard]] int ring_steps(OpKind kind, int ranks);
 // Bytes one step moves over one link.
 [[nodiscard]] std::int64_t ring_chunk_bytes(std::int64_t elements, int ranks, int element_bytes);
-// Time of one operation alone on an idle link.
+// Time of one operation alone on an idle link (op_overhead_s included).
 [[nodiscard]] double op_time(const NetModel& net, OpKind kind, std::int64_t elements, int ranks,
                              int element_bytes);
 

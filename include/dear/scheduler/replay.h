@@ -91,9 +91,9 @@ struct ReplayResult {
 
 // Fits alpha and beta of one ring step on `comm` from timed reduce-scatters and all-gathers
 // (median of `repeats` timings each) of 16 KiB and 1 MiB per ring step: the line through
-// the two, and returns rank
-// 0's fit on every rank. Collective. gap_s is set to alpha (on loopback the whole step
-// latency is CPU work).
+// the two. op_overhead_s is the median one-element ring all_reduce (4 x `repeats` timings)
+// beyond its 2(N-1) alphas. Returns rank 0's fit on every rank. Collective. gap_s is set to
+// alpha (on loopback the whole step latency is CPU work).
 [[nodiscard]] NetModel calibrate_network(Communicator& comm, int repeats = 7);
 
 }  // namespace dear::scheduler
