@@ -27,23 +27,10 @@ double max_over_ranks(Communicator& comm, double v) {
   return v;
 }
 
-// Median time of `run`, the same iteration count on every rank (the slowest warm-up decides).
-template <typename F>
-double median_us(Communicator& comm, const CalibrateOptions& opts, F&& run) {
-  const auto warm = Clock::now();
-  for (int i = 0; i < opts.warmup; ++i) run();
-  const double per_iter = max_over_ranks(comm, us_since(warm) / std::max(opts.warmup, 1));
-  const int iters = std::clamp(static_cast<int>(opts.min_time_ms * 1000 / std::max(per_iter, 0.01)),
-                               opts.min_iters, 5000);
-  comm.barrier().wait();
-  std::vector<double> t;
-  t.reserve(static_cast<std::size_t>(iters));
-  for (int i = 0; i < iters; ++i) {
-    const auto t0 = Clock::now();
-    run();
-    t.push_back(us_since(t0));
-  }
-  return max_over_ranks(comm, median(std::move(t)));
+// Median time of `run` alone: interleaved_median_us with one candidate and one round.
+double median_us(Communicator& comm, CalibrateOptions opts, const std::function<void()>& run) {
+  opts.rounds = 1;
+  return interleaved_median_us(comm, opts, {run})[0];
 }
 
 }  // namespace

@@ -107,38 +107,50 @@ double beta_scale(const CostModel& m, Schedule schedule) {
   return 1;
 }
 
-int latency_steps(OpKind kind, Schedule schedule, std::size_t bytes, std::size_t el,
-                  const ModelGeometry& g) {
-  if (is_log_step(schedule)) {
-    el = std::max<std::size_t>(el, 1);
-    return step_cost(kind, schedule, std::max(g.nranks, 1), bytes / el, el).steps;
-  }
-  const SchedulePlan p = schedule_plan(kind, schedule, bytes, el, g);
-  if (kind == OpKind::kBroadcast) return p.forward_steps == 0 ? 0 : p.forward_steps + p.slices - 1;
-  return std::max(p.forward_steps, p.backward_steps) * p.slices;
-}
+namespace {
 
-double bandwidth_us(const CostModel& m, OpKind kind, Schedule schedule, std::size_t bytes,
-                    std::size_t el, const ModelGeometry& g) {
+// latency_steps and bandwidth_us together, from one plan of the schedule (the log-step plan
+// builds a step list; predict_us and fit_schedule need both parts).
+struct Parts {
+  int steps = 0;
+  double bandwidth_us = 0;
+};
+
+Parts parts(const CostModel& m, OpKind kind, Schedule schedule, std::size_t bytes,
+            std::size_t el, const ModelGeometry& g) {
   el = std::max<std::size_t>(el, 1);
   if (is_log_step(schedule)) {
     const StepCost c = step_cost(kind, schedule, std::max(g.nranks, 1), bytes / el, el);
-    return static_cast<double>(c.wire_bytes) * m.beta_us_per_byte +
-           static_cast<double>(c.reduced_bytes + c.copied_bytes) * m.reduce_us_per_byte;
+    return {c.steps,
+            static_cast<double>(c.wire_bytes) * m.beta_us_per_byte +
+                static_cast<double>(c.reduced_bytes + c.copied_bytes) * m.reduce_us_per_byte};
   }
   const SchedulePlan p = schedule_plan(kind, schedule, bytes, el, g);
   const double local = static_cast<double>(p.reduced_bytes + p.copied_bytes) * m.reduce_us_per_byte;
   if (kind == OpKind::kBroadcast) {
     // A pipelined chain: every message (forward_steps + slices - 1 of them on the critical
     // path) carries one slice.
-    if (p.forward_steps == 0) return local;
-    return (p.forward_steps + p.slices - 1) * static_cast<double>(p.chunk_bytes) / p.slices *
-               m.beta_us_per_byte +
-           local;
+    if (p.forward_steps == 0) return {0, local};
+    const int messages = p.forward_steps + p.slices - 1;
+    return {messages,
+            messages * static_cast<double>(p.chunk_bytes) / p.slices * m.beta_us_per_byte + local};
   }
-  // Both directions at once: latencies overlap (latency_steps), bytes share the egress.
+  // Both directions at once: latencies overlap, bytes share the egress.
   const int byte_steps = p.forward_steps + p.backward_steps;
-  return byte_steps * static_cast<double>(p.chunk_bytes) * m.beta_us_per_byte + local;
+  return {std::max(p.forward_steps, p.backward_steps) * p.slices,
+          byte_steps * static_cast<double>(p.chunk_bytes) * m.beta_us_per_byte + local};
+}
+
+}  // namespace
+
+int latency_steps(OpKind kind, Schedule schedule, std::size_t bytes, std::size_t el,
+                  const ModelGeometry& g) {
+  return parts(CostModel{}, kind, schedule, bytes, el, g).steps;
+}
+
+double bandwidth_us(const CostModel& m, OpKind kind, Schedule schedule, std::size_t bytes,
+                    std::size_t el, const ModelGeometry& g) {
+  return parts(m, kind, schedule, bytes, el, g).bandwidth_us;
 }
 
 double size_correction(const CostModel& m, Schedule schedule, double total_bytes) {
@@ -171,8 +183,8 @@ double predict_us(const CostModel& m, OpKind kind, Schedule schedule, std::size_
   const double total =
       static_cast<double>(bytes) *
       (kind == OpKind::kReduceScatter || kind == OpKind::kAllGather ? std::max(g.nranks, 1) : 1);
-  return (latency_steps(kind, schedule, bytes, el, g) * step_alpha_us(m, schedule) +
-          beta_scale(m, schedule) * bandwidth_us(m, kind, schedule, bytes, el, g)) *
+  const Parts p = parts(m, kind, schedule, bytes, el, g);
+  return (p.steps * step_alpha_us(m, schedule) + beta_scale(m, schedule) * p.bandwidth_us) *
          size_correction(m, schedule, total);
 }
 
@@ -330,9 +342,9 @@ double fit_schedule(CostModel& m, Schedule schedule, std::vector<ScheduleSample>
             [](const ScheduleSample& a, const ScheduleSample& b) { return a.bytes < b.bytes; });
   for (const auto& s : samples) {
     if (!(s.bytes >= 0)) throw std::invalid_argument("fit_schedule: a sample has negative bytes");
-    const auto bytes = static_cast<std::size_t>(s.bytes);
-    steps.push_back(latency_steps(OpKind::kAllReduce, schedule, bytes, el, g));
-    band.push_back(bandwidth_us(m, OpKind::kAllReduce, schedule, bytes, el, g));
+    const Parts p = parts(m, OpKind::kAllReduce, schedule, static_cast<std::size_t>(s.bytes), el, g);
+    steps.push_back(p.steps);
+    band.push_back(p.bandwidth_us);
     times.push_back(s.measured_us);
   }
   const TwoFit f = fit_two(steps, band, times, "fit_schedule");

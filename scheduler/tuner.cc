@@ -292,4 +292,22 @@ double ThresholdTuner::predict_ms(std::int64_t threshold_bytes) const {
   return gp.to_ms(m);
 }
 
+TuneResult tune_threshold(const TunerOptions& options, std::int64_t default_bytes,
+                          const std::function<double(std::int64_t)>& measure,
+                          const std::function<void(const TunerTrial&)>& on_trial) {
+  ThresholdTuner tuner(options);
+  while (!tuner.done()) {
+    const std::int64_t threshold = tuner.next();
+    tuner.report(threshold, measure(threshold));
+    if (on_trial) on_trial(tuner.trials().back());
+  }
+  TuneResult r;
+  r.threshold_bytes = tuner.best();
+  r.default_bytes = default_bytes;
+  r.default_ms = measure(default_bytes);
+  r.iter_ms = measure(r.threshold_bytes);
+  r.trials = tuner.trials();
+  return r;
+}
+
 }  // namespace dear::scheduler

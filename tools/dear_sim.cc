@@ -38,31 +38,18 @@ namespace ds = dear::scheduler;
 using dear::tools::profile_path;
 using dear::tools::split;
 
-struct Tuning {
-  ds::ThresholdTuner tuner;
-  std::int64_t threshold = 0;  // the tuned one
-  double iter_ms = 0;
-  double default_ms = 0;
-};
-
 // The dear policy's simulated iteration time at each threshold the tuner proposes. The
 // default threshold is one of the fixed first trials, so the tuned one is never worse.
-Tuning tune_threshold(const ds::Model& model, ds::SimConfig config) {
-  auto dear_ms = [&](std::int64_t threshold) {
-    config.threshold_bytes = threshold;
-    return ds::simulate_named(model, "dear", config).iteration_s * 1e3;
-  };
+ds::TuneResult tune_dear(const ds::Model& model, ds::SimConfig config) {
   ds::TunerOptions options;
   options.middle_bytes = ds::kDefaultThresholdBytes;
-  Tuning t{ds::ThresholdTuner(options)};
-  while (!t.tuner.done()) {
-    const std::int64_t threshold = t.tuner.next();
-    t.tuner.report(threshold, dear_ms(threshold));
-  }
-  t.threshold = t.tuner.best();
-  t.iter_ms = dear_ms(t.threshold);
-  t.default_ms = dear_ms(ds::kDefaultThresholdBytes);
-  return t;
+  return ds::tune_threshold(
+      options, ds::kDefaultThresholdBytes,
+      [&](std::int64_t threshold) {
+        config.threshold_bytes = threshold;
+        return ds::simulate_named(model, "dear", config).iteration_s * 1e3;
+      },
+      {});
 }
 
 double mib(std::int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
@@ -153,8 +140,8 @@ int main(int argc, char** argv) {
       }
     }
     const double samples = static_cast<double>(workers) * model.batch_size;
-    std::optional<Tuning> tuning;
-    if (tune) tuning = tune_threshold(model, config);
+    std::optional<ds::TuneResult> tuning;
+    if (tune) tuning = tune_dear(model, config);
     if (json_out) {
       nlohmann::ordered_json doc;
       doc["model"] = model.name;
@@ -178,11 +165,11 @@ int main(int argc, char** argv) {
       doc["policies"] = std::move(pol);
       if (tuning) {
         nlohmann::ordered_json trials = nlohmann::ordered_json::array();
-        for (const auto& t : tuning->tuner.trials()) {
+        for (const auto& t : tuning->trials) {
           trials.push_back({{"threshold_bytes", t.threshold_bytes}, {"iter_ms", t.iter_ms}});
         }
         doc["tuned"] = {{"policy", "dear"},
-                        {"threshold_bytes", tuning->threshold},
+                        {"threshold_bytes", tuning->threshold_bytes},
                         {"iter_ms", tuning->iter_ms},
                         {"default_threshold_bytes", ds::kDefaultThresholdBytes},
                         {"default_iter_ms", tuning->default_ms},
@@ -205,14 +192,14 @@ int main(int argc, char** argv) {
       }
       if (tuning) {
         std::printf("\ntuning dear's fusion threshold (%zu trials):\n",
-                    tuning->tuner.trials().size());
+                    tuning->trials.size());
         int i = 0;
-        for (const auto& t : tuning->tuner.trials()) {
+        for (const auto& t : tuning->trials) {
           std::printf("  trial %2d: threshold %8.2f MiB  iter %10.2f ms\n", ++i,
                       mib(t.threshold_bytes), t.iter_ms);
         }
         std::printf("dear at the default %.0f MiB: %.2f ms; tuned %.2f MiB: %.2f ms (%.3fx)\n",
-                    mib(ds::kDefaultThresholdBytes), tuning->default_ms, mib(tuning->threshold),
+                    mib(ds::kDefaultThresholdBytes), tuning->default_ms, mib(tuning->threshold_bytes),
                     tuning->iter_ms, tuning->default_ms / tuning->iter_ms);
       }
     }

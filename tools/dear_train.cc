@@ -205,27 +205,26 @@ int main(int argc, char** argv) {
       ds::TunerOptions to;
       to.trials = tune_trials;
       to.middle_bytes = ds::kDefaultThresholdBytes;  // measured among the first trials
-      ds::ThresholdTuner tuner(to);
       if (lead) {
         std::printf("\ntuning dear's fusion threshold (%d trials of %d+%d iterations):\n",
                     tune_trials, options.warmup, options.iterations);
         std::fflush(stdout);
       }
       nlohmann::ordered_json trials = nlohmann::ordered_json::array();
-      while (!tuner.done()) {
-        const std::int64_t threshold = tuner.next();
-        const double ms = dear_p50_ms(*comm, model, options, threshold);
-        tuner.report(threshold, ms);
-        trials.push_back({{"threshold_bytes", threshold}, {"iter_ms", ms}});
-        if (lead) {
-          std::printf("  trial %2zu: threshold %8.2f MiB  p50 %10.3f ms\n",
-                      tuner.trials().size(), mib(threshold), ms);
-          std::fflush(stdout);
-        }
-      }
-      const std::int64_t best = tuner.best();
-      const double default_ms = dear_p50_ms(*comm, model, options, ds::kDefaultThresholdBytes);
-      const double best_ms = dear_p50_ms(*comm, model, options, best);
+      const ds::TuneResult r = ds::tune_threshold(
+          to, ds::kDefaultThresholdBytes,
+          [&](std::int64_t threshold) { return dear_p50_ms(*comm, model, options, threshold); },
+          [&](const ds::TunerTrial& t) {
+            trials.push_back({{"threshold_bytes", t.threshold_bytes}, {"iter_ms", t.iter_ms}});
+            if (lead) {
+              std::printf("  trial %2zu: threshold %8.2f MiB  p50 %10.3f ms\n", trials.size(),
+                          mib(t.threshold_bytes), t.iter_ms);
+              std::fflush(stdout);
+            }
+          });
+      const std::int64_t best = r.threshold_bytes;
+      const double default_ms = r.default_ms;
+      const double best_ms = r.iter_ms;
       if (lead) {
         std::printf("dear at the default %.0f MiB: p50 %.3f ms; tuned %.2f MiB: p50 %.3f ms "
                     "(%.3fx)\n",

@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace dear::scheduler {
@@ -88,5 +89,20 @@ class ThresholdTuner {
   std::vector<std::int64_t> grid_;
   std::vector<TunerTrial> trials_;
 };
+
+// The whole tuning loop, as dear-sim and dear-train run it: `measure` (the iteration time at a
+// threshold, in ms; on several ranks it must return the same value everywhere) at every
+// proposed threshold until the budget is spent, `on_trial` after each (may be empty), then
+// the tuned threshold and `default_bytes` measured once more each.
+struct TuneResult {
+  std::int64_t threshold_bytes = 0;  // the tuned one
+  double iter_ms = 0;
+  std::int64_t default_bytes = 0;
+  double default_ms = 0;
+  std::vector<TunerTrial> trials;
+};
+[[nodiscard]] TuneResult tune_threshold(const TunerOptions& options, std::int64_t default_bytes,
+                                        const std::function<double(std::int64_t)>& measure,
+                                        const std::function<void(const TunerTrial&)>& on_trial);
 
 }  // namespace dear::scheduler
