@@ -182,6 +182,7 @@ bool Engine::set_priority(std::uint64_t seq, int priority) {
     std::lock_guard<std::mutex> lock(submit_mu_);
     if (seq >= next_seq_ || failed_) return false;
     reprioritise_.emplace_back(seq, priority);
+    reprioritise_pending_.store(true, std::memory_order_release);
     pending_submissions_.fetch_add(1);  // the engine's next turn looks at the queues
   }
   if (!wake_if(kActiveSleep)) wake_if(kDeepSleep);
@@ -191,10 +192,12 @@ bool Engine::set_priority(std::uint64_t seq, int priority) {
 void Engine::apply_priorities() {
   // Priority is local (only this rank's send order), so an operation may change it at any
   // point of its life: the active list is re-sorted and the next slices follow it.
+  // Once per engine turn: no lock unless set_priority() queued something.
+  if (!reprioritise_pending_.load(std::memory_order_acquire)) return;
   std::vector<std::pair<std::uint64_t, int>> changes;
   {
     std::lock_guard<std::mutex> lock(submit_mu_);
-    if (reprioritise_.empty()) return;
+    reprioritise_pending_.store(false, std::memory_order_relaxed);
     changes.swap(reprioritise_);
   }
   bool changed = false;

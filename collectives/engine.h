@@ -179,6 +179,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::mutex submit_mu_;
   std::deque<std::unique_ptr<Op>> submitted_;
   std::vector<std::pair<std::uint64_t, int>> reprioritise_;  // (seq, priority), for the engine
+  // Whether reprioritise_ may hold entries: lets the engine's turn skip submit_mu_ when not.
+  std::atomic<bool> reprioritise_pending_{false};
   std::uint64_t next_seq_ = 0;
   std::atomic<int> pending_submissions_{0};
   // What the engine thread is doing, so that wakers write the eventfd only when it sleeps.
