@@ -19,6 +19,7 @@
 #include "collectives/reduce.h"
 #include "common/env.h"
 #include "transport/delay_channel.h"
+#include "transport/signals.h"
 #include "transport/fabric/fabric_link.h"
 #include "transport/verbs/verbs_link.h"
 #include "transport/socket_util.h"
@@ -646,6 +647,7 @@ std::unique_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
   if (!bootstrap) {
     throw Error(ErrorCode::kInvalidArgument, "Communicator::create: bootstrap is null");
   }
+  transport::reset_foreign_fatal_handlers();  // also for bootstraps of the caller's own
   // Device buffers and CUDA streams are handled around the host communicator.
   return collectives::with_device_support(
       std::make_unique<CommunicatorImpl>(std::move(bootstrap), std::move(options)));

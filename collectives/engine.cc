@@ -406,13 +406,30 @@ bool Engine::drive(const Work::State& state, std::chrono::steady_clock::time_poi
 
 bool Engine::drain_submissions() {
   if (pending_submissions_.load() == 0) return false;
-  std::deque<std::unique_ptr<Op>> batch;
-  {
-    std::lock_guard<std::mutex> lock(submit_mu_);
-    batch.swap(submitted_);
-    pending_submissions_.store(0);
+  pending_submissions_.store(0);
+  // One operation at a time leaves the queue: every operation is always in exactly one of
+  // submitted_, active_ or completed. Starting one can fail the communicator (a slice that
+  // arrived early disagrees with it); fail() then completes those still queued, and none is
+  // lost on the way (a lost operation's wait() would never return).
+  for (;;) {
+    std::unique_ptr<Op> op;
+    {
+      std::lock_guard<std::mutex> lock(submit_mu_);
+      if (submitted_.empty()) break;
+      op = std::move(submitted_.front());
+      submitted_.pop_front();
+    }
+    const std::shared_ptr<Work::State> state = op->state;
+    try {
+      start(std::move(op));
+    } catch (...) {
+      // Failed before it reached active_, where fail() would find it: complete it here.
+      if (state->status.load(std::memory_order_acquire) == 0 && find(state->seq) == nullptr) {
+        state->complete(std::current_exception());
+      }
+      throw;
+    }
   }
-  for (auto& op : batch) start(std::move(op));
   return true;
 }
 

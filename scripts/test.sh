@@ -23,7 +23,7 @@ run_ctest() {
   local dir=$1
   shift
   # --no-tests=error: a run that finds no test fails instead of passing silently.
-  (cd "$dir" && ctest --output-on-failure --no-tests=error -j "$(nproc)" --timeout 900 "$@")
+  (cd "$dir" && ctest --output-on-failure --no-tests=error -j "$(nproc)" --timeout 300 "$@")
 }
 
 dear_log "running the tests"

@@ -83,4 +83,41 @@ TEST(Processes, DearRunReportsTheDeadRankAndFails) {
   EXPECT_NE(out.find("rank 1"), std::string::npos) << out;
 }
 
+// SIGINT and SIGTERM end a rank the default way, as they would any program, while its engine
+// threads run; no library loaded with dear turns them into exit() (which, racing those
+// threads, can hang or crash the process).
+TEST(Processes, TerminationSignalsEndARankByThatSignal) {
+  for (const int sig : {SIGTERM, SIGINT}) {
+    dear::UniqueId id;
+    id.host = "127.0.0.1";
+    id.port = free_port();
+    id.secret = dear::transport::random_secret();
+    std::vector<Proc> procs;
+    for (int r = 0; r < 2; ++r) {
+      procs.push_back(spawn({DEAR_WORKER_PATH, "slow", "100000", "5"},
+                            {"DEAR_UNIQUE_ID=" + id.to_string(),
+                             "DEAR_RANK=" + std::to_string(r), "DEAR_WORLD_SIZE=2",
+                             "DEAR_TIMEOUT=120"},
+                            tmp_file("sig" + std::to_string(sig) + "_" + std::to_string(r) +
+                                     ".out")));
+    }
+    const auto ready = [&] {
+      for (const Proc& p : procs) {
+        if (slurp(p.out_path).find("ready rank") == std::string::npos) return false;
+      }
+      return true;
+    };
+    const auto until = std::chrono::steady_clock::now() + 60s;
+    while (!ready() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(20ms);
+    ASSERT_TRUE(ready()) << slurp(procs[0].out_path) << slurp(procs[1].out_path);
+    std::this_thread::sleep_for(100ms);  // mid-run: operations in flight
+    for (const Proc& p : procs) ::kill(p.pid, sig);
+    ASSERT_TRUE(wait_all(procs, 30s)) << "signal " << sig << " did not end a rank";
+    for (const Proc& p : procs) {
+      EXPECT_TRUE(WIFSIGNALED(p.status) && WTERMSIG(p.status) == sig)
+          << "signal " << sig << ": status " << p.status << ": " << slurp(p.out_path);
+    }
+  }
+}
+
 }  // namespace

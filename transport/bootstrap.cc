@@ -18,6 +18,7 @@
 #include "dear/error.h"
 #include "transport/auth.h"
 #include "transport/listener_registry.h"
+#include "transport/signals.h"
 #include "transport/socket_util.h"
 
 namespace dear {
@@ -452,6 +453,8 @@ std::unique_ptr<Bootstrap> Bootstrap::create(const UniqueId& id, int rank, int w
   if (world_size > 1 && id.port == 0) {
     throw Error(ErrorCode::kInvalidArgument, "unique id has no port", rank);
   }
+  // Before the wait for the peers, the first place a Ctrl-C is likely.
+  transport::reset_foreign_fatal_handlers();
   return std::make_unique<TcpBootstrap>(id, rank, world_size, options);
 }
 
