@@ -1,0 +1,813 @@
+// dear-fabric-stream: how fast a libfabric provider itself moves bytes between two processes of
+// this host, next to a plain TCP stream between the same two processes, in one run.
+//
+//   dear-run -n 2 dear-fabric-stream [--provider 'tcp;ofi_rxm'] [-s 64M] [--window 4]
+//                                    [--iters 20] [--warmup 3] [--chunk 1M] [--json FILE]
+//
+// No collective library on top: this is the ceiling a library over the provider can reach.
+//   - fabric: one reliable-datagram endpoint per rank (FI_MSG), sends from and receives into
+//     registered buffers, names exchanged through the bootstrap and inserted into an address
+//     vector. Up to --window messages are in flight; each message goes as chunks of
+//     min(--chunk, the provider's max_msg_size). "uni": rank 0 sends, rank 1 receives. "bidi":
+//     both ranks send and receive at once, as every step of a ring does; its figure is the sum
+//     of both directions.
+//   - tcp: one connection over 127.0.0.1 (Nagle on, kernel buffer sizes), the same messages
+//     with blocking send()/recv() of --chunk bytes; "bidi" uses the connection full duplex,
+//     a sending thread next to the receiving one.
+// Each receiver checks the first and last 8 bytes of every message against a stamp that names
+// the message, so no figure can come out without the data having moved. Time is the slower
+// rank's, from a barrier after the warm-up messages to its last completion; GB = 1e9 bytes.
+// Rank 0 prints one row per measurement and the provider/tcp ratio per direction.
+#include <netinet/in.h>
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "common/env.h"
+#include "dear/bootstrap.h"
+#include "dear/error.h"
+#include "report.h"
+#include "transport/socket_util.h"
+
+namespace dear::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr std::uint32_t kApiVersion = FI_VERSION(1, 9);
+constexpr std::size_t kStamp = sizeof(std::uint64_t);
+constexpr std::size_t kMaxName = 256;  // endpoint names: sockaddrs, shm paths
+// A rank that sees no progress for this long gives up, so that a failure on one rank reaches
+// the other (through the bootstrap) well within the bootstrap's own timeout.
+constexpr auto kStallLimit = std::chrono::seconds(30);
+
+struct Args {
+  std::string provider = "tcp;ofi_rxm";
+  std::uint64_t size = 64ULL << 20;
+  int window = 4;
+  int iters = 20;
+  int warmup = 3;
+  std::uint64_t chunk = 1ULL << 20;
+  std::string json_path;
+};
+
+// One row of the table: `bytes` (both directions for bidi) moved in `seconds`.
+struct Measurement {
+  std::string transport;
+  std::string direction;
+  double seconds = 0;
+  std::uint64_t bytes = 0;
+  [[nodiscard]] double gbps() const { return algbw_gbps(bytes, seconds * 1e6); }
+};
+
+// What the first and last 8 bytes of message `seq` hold: different values, so that a message
+// put together from the wrong pieces fails too.
+std::uint64_t front_stamp(std::uint64_t seq) { return seq * 0x9e3779b97f4a7c15ULL + 1; }
+std::uint64_t back_stamp(std::uint64_t seq) { return ~front_stamp(seq); }
+
+void stamp(char* msg, std::size_t size, std::uint64_t seq) {
+  const std::uint64_t f = front_stamp(seq);
+  const std::uint64_t b = back_stamp(seq);
+  std::memcpy(msg, &f, kStamp);
+  std::memcpy(msg + size - kStamp, &b, kStamp);
+}
+void clear_stamp(char* msg, std::size_t size) {
+  std::memset(msg, 0, kStamp);
+  std::memset(msg + size - kStamp, 0, kStamp);
+}
+void check_stamp(const char* msg, std::size_t size, std::uint64_t seq, int rank,
+                 const std::string& what) {
+  std::uint64_t f = 0;
+  std::uint64_t b = 0;
+  std::memcpy(&f, msg, kStamp);
+  std::memcpy(&b, msg + size - kStamp, kStamp);
+  if (f != front_stamp(seq) || b != back_stamp(seq)) {
+    throw Error(ErrorCode::kMismatch,
+                what + ": message " + std::to_string(seq) + " arrived with wrong first/last bytes",
+                rank, 1 - rank);
+  }
+}
+
+struct FreeDeleter {
+  void operator()(char* p) const { std::free(p); }
+};
+using Memory = std::unique_ptr<char, FreeDeleter>;
+
+// Page-aligned memory, every page touched, so that no page fault lands in a timed run.
+Memory allocate(std::size_t bytes, int fill, int rank) {
+  const std::size_t rounded = (std::max<std::size_t>(bytes, 1) + 4095) / 4096 * 4096;
+  Memory m(static_cast<char*>(std::aligned_alloc(4096, rounded)));
+  if (!m) {
+    throw Error(ErrorCode::kSystem, "out of memory for " + std::to_string(bytes) + " bytes", rank);
+  }
+  std::memset(m.get(), fill, rounded);
+  return m;
+}
+
+// Runs `step` on this rank, then tells every rank whether all succeeded. A failing rank passes
+// its reason along and rank 0 prints each distinct one, so that a missing provider is named once
+// and the other rank does not wait for data that will never come. Collective.
+bool all_ok(Bootstrap& boot, const std::function<void()>& step) {
+  struct Status {
+    std::int32_t ok = 1;
+    char reason[500] = {};
+  };
+  Status mine;
+  try {
+    step();
+  } catch (const Error& e) {
+    mine.ok = 0;  // the bare cause: both ranks often fail alike, and it is said once
+    std::snprintf(mine.reason, sizeof(mine.reason), "%s", e.cause().c_str());
+  } catch (const std::exception& e) {
+    mine.ok = 0;
+    std::snprintf(mine.reason, sizeof(mine.reason), "%s", e.what());
+  }
+  std::vector<Status> all(static_cast<std::size_t>(boot.size()));
+  boot.all_gather(&mine, sizeof(mine), all.data());
+  bool ok = true;
+  std::set<std::string> said;
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    if (all[r].ok != 0) continue;
+    ok = false;
+    const std::string reason(all[r].reason, strnlen(all[r].reason, sizeof(all[r].reason)));
+    if (boot.rank() == 0 && said.insert(reason).second) {
+      std::fprintf(stderr, "dear-fabric-stream: rank %zu: %s\n", r, reason.c_str());
+    }
+  }
+  return ok;
+}
+
+// The slower rank's time.
+double max_over_ranks(Bootstrap& boot, double seconds) {
+  std::vector<double> all(static_cast<std::size_t>(boot.size()));
+  boot.all_gather(&seconds, sizeof(seconds), all.data());
+  return *std::max_element(all.begin(), all.end());
+}
+
+// ---- libfabric ------------------------------------------------------------------------------
+
+std::string fi_text(long rc) { return fi_strerror(static_cast<int>(rc < 0 ? -rc : rc)); }
+
+template <class T>
+struct FidCloser {
+  void operator()(T* p) const {
+    if (p != nullptr) fi_close(&p->fid);
+  }
+};
+template <class T>
+using FidPtr = std::unique_ptr<T, FidCloser<T>>;
+
+struct InfoDeleter {
+  void operator()(fi_info* i) const { fi_freeinfo(i); }
+};
+using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
+
+// The same requirements as the fabric transport (transport/fabric/fabric_link.cc) asks for,
+// so that the ceiling is measured on the endpoint the library would get. Messages from one
+// sender must match receives in the order they were sent (FI_ORDER_SAS): the stamps check that.
+InfoPtr make_hints(const std::string& provider) {
+  InfoPtr hints(fi_allocinfo());
+  if (!hints) throw Error(ErrorCode::kSystem, "fi_allocinfo failed: out of memory");
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->caps = FI_MSG;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;
+  hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+  hints->domain_attr->threading = FI_THREAD_DOMAIN;
+  hints->tx_attr->msg_order = FI_ORDER_SAS;
+  hints->rx_attr->msg_order = FI_ORDER_SAS;
+  if (!provider.empty()) hints->fabric_attr->prov_name = ::strdup(provider.c_str());
+  return hints;
+}
+
+std::string available_providers() {
+  InfoPtr hints = make_hints("");
+  fi_info* list = nullptr;
+  std::vector<std::string> names;
+  if (fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints.get(), &list) == 0) {
+    for (const fi_info* i = list; i != nullptr; i = i->next) {
+      const std::string n = i->fabric_attr->prov_name;
+      if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
+    }
+    fi_freeinfo(list);
+  }
+  std::string s;
+  for (const auto& n : names) s += (s.empty() ? "'" : ", '") + n + "'";
+  return s.empty() ? "none" : s;
+}
+
+std::string mr_mode_text(int mode) {
+  static const std::pair<int, const char*> kBits[] = {
+      {FI_MR_LOCAL, "local"},         {FI_MR_VIRT_ADDR, "virt_addr"},
+      {FI_MR_ALLOCATED, "allocated"}, {FI_MR_PROV_KEY, "prov_key"},
+      {FI_MR_RAW, "raw"},             {FI_MR_ENDPOINT, "endpoint"}};
+  std::string s;
+  for (const auto& [bit, name] : kBits) {
+    if ((mode & bit) != 0) s += (s.empty() ? "" : "|") + std::string(name);
+  }
+  return s.empty() ? "none" : s;
+}
+
+// Completions map back to the operation by address: the context comes first.
+struct Op {
+  fi_context2 ctx;
+  bool recv = false;
+  std::uint32_t slot = 0;
+  std::uint32_t chunk = 0;
+};
+static_assert(std::is_standard_layout_v<Op>, "a completion's op_context is the Op's address");
+
+// One endpoint, its completion queue and window x message-size buffers for each direction.
+class FabricStream {
+ public:
+  FabricStream(const Args& args, int rank) : rank_(rank), size_(args.size) {
+    InfoPtr hints = make_hints(args.provider);
+    fi_info* found = nullptr;
+    int rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints.get(), &found);
+    if (rc != 0 || found == nullptr) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "libfabric provider '" + args.provider +
+                      "' is not available here for FI_EP_RDM with FI_MSG (" + fi_text(rc) +
+                      "); available: " + available_providers(),
+                  rank);
+    }
+    info_.reset(found);
+    provider_ = info_->fabric_attr->prov_name;
+    max_msg_ = info_->ep_attr->max_msg_size;
+    chunk_ = static_cast<std::size_t>(std::min<std::uint64_t>(args.chunk, max_msg_));
+    chunks_ = (size_ + chunk_ - 1) / chunk_;
+    window_ = static_cast<std::uint32_t>(args.window);
+
+    fid_fabric* fabric = nullptr;
+    check("fi_fabric", fi_fabric(info_->fabric_attr, &fabric, nullptr));
+    fabric_.reset(fabric);
+    fid_domain* domain = nullptr;
+    check("fi_domain", fi_domain(fabric, info_.get(), &domain, nullptr));
+    domain_.reset(domain);
+    fi_av_attr av_attr{};
+    av_attr.type = FI_AV_TABLE;
+    av_attr.count = 2;
+    fid_av* av = nullptr;
+    check("fi_av_open", fi_av_open(domain, &av_attr, &av, nullptr));
+    av_.reset(av);
+    // Room for a completion of every operation that can be outstanding at once.
+    fi_cq_attr cq_attr{};
+    cq_attr.format = FI_CQ_FORMAT_MSG;
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    cq_attr.size = 2 * window_ * chunks_ + 64;
+    fid_cq* cq = nullptr;
+    check("fi_cq_open", fi_cq_open(domain, &cq_attr, &cq, nullptr));
+    cq_.reset(cq);
+    fid_ep* ep = nullptr;
+    check("fi_endpoint", fi_endpoint(domain, info_.get(), &ep, nullptr));
+    ep_.reset(ep);
+    check("fi_ep_bind(av)", fi_ep_bind(ep, &av->fid, 0));
+    check("fi_ep_bind(cq)", fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV));
+    check("fi_enable", fi_enable(ep));
+
+    // [0, window) send slots, then [window, 2 window) receive slots, one registration.
+    const std::size_t bytes = 2 * static_cast<std::size_t>(window_) * size_;
+    memory_ = allocate(bytes, 0xa5, rank);
+    std::memset(memory_.get() + bytes / 2, 0, bytes / 2);
+    if ((info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0) {
+      fid_mr* mr = nullptr;
+      check("fi_mr_reg", fi_mr_reg(domain, memory_.get(), bytes, FI_SEND | FI_RECV, 0, 0, 0, &mr,
+                                   nullptr));
+      mr_.reset(mr);
+    }
+    ops_.resize(2 * static_cast<std::size_t>(window_) * chunks_);
+    for (std::size_t i = 0; i < ops_.size(); ++i) {
+      Op& op = ops_[i];
+      op.recv = i >= ops_.size() / 2;
+      op.slot = static_cast<std::uint32_t>((i % (ops_.size() / 2)) / chunks_);
+      op.chunk = static_cast<std::uint32_t>(i % chunks_);
+    }
+  }
+  FabricStream(const FabricStream&) = delete;
+  FabricStream& operator=(const FabricStream&) = delete;
+  ~FabricStream() {
+    // Endpoint before what it is bound to, memory last.
+    ep_.reset();
+    mr_.reset();
+    cq_.reset();
+    av_.reset();
+    domain_.reset();
+    fabric_.reset();
+  }
+
+  [[nodiscard]] const std::string& provider() const { return provider_; }
+  [[nodiscard]] std::size_t chunk() const { return chunk_; }
+  [[nodiscard]] std::string describe() const {
+    const fi_info& i = *info_;
+    return "provider " + provider_ + " (fabric " + i.fabric_attr->name + ", domain " +
+           i.domain_attr->name + "), max_msg_size " + std::to_string(i.ep_attr->max_msg_size) +
+           ", mr_mode " + mr_mode_text(i.domain_attr->mr_mode) + ", inject_size " +
+           std::to_string(i.tx_attr->inject_size) + ", tx_size " + std::to_string(i.tx_attr->size) +
+           ", rx_size " + std::to_string(i.rx_attr->size) + ", chunk " + std::to_string(chunk_) +
+           " (" + std::to_string(chunks_) + " per message)";
+  }
+
+  [[nodiscard]] std::vector<char> name() const {
+    std::vector<char> n(kMaxName);
+    std::size_t len = n.size();
+    check("fi_getname", fi_getname(&ep_->fid, n.data(), &len));
+    n.resize(len);
+    return n;
+  }
+  void set_peer(const char* name) {
+    const int n = fi_av_insert(av_.get(), name, 1, &peer_, 0, nullptr);
+    if (n != 1) {
+      throw Error(ErrorCode::kSystem,
+                  "fi_av_insert of the peer's endpoint failed: " +
+                      (n < 0 ? fi_text(n) : std::string("address not accepted")),
+                  rank_, 1 - rank_);
+    }
+  }
+
+  // Streams messages [first_seq, first_seq + messages): sends them when `send`, receives and
+  // checks them when `recv`. Returns this rank's seconds from the call to its last completion.
+  double run(bool send, bool recv, std::uint64_t messages, std::uint64_t first_seq) {
+    const auto start = Clock::now();
+    Side tx;
+    Side rx;
+    tx.active = send;
+    rx.active = recv;
+    rx.recv = true;
+    tx.done.assign(window_, 0);
+    rx.done.assign(window_, 0);
+    first_seq_ = first_seq;
+    messages_ = messages;
+    auto last_moved = start;
+    std::uint64_t idle = 0;
+    while ((tx.active && tx.oldest < messages) || (rx.active && rx.oldest < messages)) {
+      bool moved = poll(tx, rx);
+      if (tx.active) moved |= post(tx);
+      if (rx.active) moved |= post(rx);
+      if (moved) {
+        idle = 0;
+        continue;
+      }
+      if (++idle % 4096 != 0) continue;
+      const auto now = Clock::now();
+      if (idle == 4096) last_moved = now;
+      if (now - last_moved > kStallLimit) {
+        throw Error(ErrorCode::kTimeout,
+                    provider_ + ": no completion for " + std::to_string(kStallLimit.count()) +
+                        " s; sent " + std::to_string(tx.oldest) + ", received " +
+                        std::to_string(rx.oldest) + " of " + std::to_string(messages) +
+                        " messages",
+                    rank_, 1 - rank_);
+      }
+    }
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  }
+
+ private:
+  // One direction of a run: messages are posted in order, chunk by chunk, while fewer than
+  // `window` of them are incomplete; a message is complete once all its chunks are.
+  struct Side {
+    bool active = false;
+    bool recv = false;
+    std::uint64_t next = 0;        // the message being posted
+    std::size_t next_chunk = 0;    // its chunks posted so far
+    std::uint64_t oldest = 0;      // the oldest incomplete message
+    std::vector<std::size_t> done;  // completed chunks per slot
+  };
+
+  void check(const char* call, long rc) const {
+    if (rc != 0) {
+      throw Error(ErrorCode::kSystem, std::string(call) + " failed: " + fi_text(rc) +
+                                          " (provider " + provider_ + ")",
+                  rank_);
+    }
+  }
+  char* slot(bool recv, std::uint64_t message) const {
+    const std::size_t s = static_cast<std::size_t>(message % window_) + (recv ? window_ : 0);
+    return memory_.get() + s * size_;
+  }
+  std::size_t chunk_len(std::size_t c) const { return std::min(chunk_, size_ - c * chunk_); }
+  void* desc() const { return mr_ ? fi_mr_desc(mr_.get()) : nullptr; }
+
+  bool post(Side& s) {
+    bool moved = false;
+    while (s.next < messages_ && s.next < s.oldest + window_) {
+      char* msg = slot(s.recv, s.next);
+      if (s.next_chunk == 0) {
+        if (s.recv) {
+          clear_stamp(msg, size_);
+        } else {
+          stamp(msg, size_, first_seq_ + s.next);
+        }
+      }
+      const std::size_t off = s.next_chunk * chunk_;
+      const std::size_t len = chunk_len(s.next_chunk);
+      Op& op = ops_[(s.recv ? ops_.size() / 2 : 0) +
+                    static_cast<std::size_t>(s.next % window_) * chunks_ + s.next_chunk];
+      const ssize_t rc =
+          s.recv ? fi_recv(ep_.get(), msg + off, len, desc(), FI_ADDR_UNSPEC, &op.ctx)
+                 : fi_send(ep_.get(), msg + off, len, desc(), peer_, &op.ctx);
+      if (rc == -FI_EAGAIN) break;  // the provider's queue is full: progress, then again
+      if (rc != 0) check(s.recv ? "fi_recv" : "fi_send", rc);
+      moved = true;
+      if (++s.next_chunk == chunks_) {
+        s.next_chunk = 0;
+        ++s.next;
+      }
+    }
+    return moved;
+  }
+
+  bool poll(Side& tx, Side& rx) {
+    auto& c = entries_;
+    const ssize_t n = fi_cq_read(cq_.get(), c.data(), c.size());
+    if (n == -FI_EAGAIN) return false;
+    if (n == -FI_EAVAIL) {
+      fi_cq_err_entry err{};
+      const ssize_t r = fi_cq_readerr(cq_.get(), &err, 0);
+      if (r < 0) check("fi_cq_readerr", r);
+      char buf[256] = {};
+      const char* detail =
+          fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, buf, sizeof(buf));
+      const bool recv = err.op_context != nullptr && static_cast<Op*>(err.op_context)->recv;
+      const std::string why =
+          detail != nullptr && *detail != '\0' ? std::string(" (") + detail + ")" : "";
+      throw Error(ErrorCode::kPeerFailed,
+                  provider_ + ": a " + (recv ? "receive" : "send") + " failed: " +
+                      fi_text(err.err) + why,
+                  rank_, 1 - rank_);
+    }
+    if (n < 0) check("fi_cq_read", n);
+    for (ssize_t k = 0; k < n; ++k) {
+      const fi_cq_msg_entry& e = c[static_cast<std::size_t>(k)];
+      const Op& op = *static_cast<const Op*>(e.op_context);
+      Side& s = op.recv ? rx : tx;
+      if (op.recv && e.len != chunk_len(op.chunk)) {
+        throw Error(ErrorCode::kMismatch,
+                    provider_ + ": a chunk arrived with " + std::to_string(e.len) + " bytes, " +
+                        std::to_string(chunk_len(op.chunk)) + " expected",
+                    rank_, 1 - rank_);
+      }
+      ++s.done[op.slot];
+    }
+    for (Side* s : {&tx, &rx}) {
+      while (s->oldest < s->next && s->done[s->oldest % window_] == chunks_) {
+        if (s->recv) check_stamp(slot(true, s->oldest), size_, first_seq_ + s->oldest, rank_,
+                                 provider_);
+        s->done[s->oldest % window_] = 0;
+        ++s->oldest;
+      }
+    }
+    return n > 0;
+  }
+
+  int rank_;
+  std::size_t size_;
+  std::size_t max_msg_ = 0;
+  std::size_t chunk_ = 0;
+  std::size_t chunks_ = 0;
+  std::uint32_t window_ = 0;
+  std::string provider_;
+  std::uint64_t first_seq_ = 0;
+  std::uint64_t messages_ = 0;
+
+  InfoPtr info_;
+  FidPtr<fid_fabric> fabric_;
+  FidPtr<fid_domain> domain_;
+  FidPtr<fid_av> av_;
+  FidPtr<fid_cq> cq_;
+  FidPtr<fid_ep> ep_;
+  FidPtr<fid_mr> mr_;
+  Memory memory_;
+  std::vector<Op> ops_;
+  std::array<fi_cq_msg_entry, 64> entries_{};
+  fi_addr_t peer_ = FI_ADDR_UNSPEC;
+};
+
+// ---- TCP ------------------------------------------------------------------------------------
+
+// One connection between the two ranks over 127.0.0.1, used with blocking calls.
+class TcpStream {
+ public:
+  TcpStream(const Args& args, int rank)
+      : rank_(rank),
+        size_(args.size),
+        chunk_(static_cast<std::size_t>(std::min(args.chunk, args.size))),
+        send_buf_(allocate(size_, 0xa5, rank)),
+        recv_buf_(allocate(size_, 0, rank)) {}
+
+  // Rank 1 listens on an ephemeral port; returns it (0 on rank 0).
+  std::uint16_t listen() {
+    if (rank_ != 1) return 0;
+    listener_ = transport::listen_on(transport::resolve("127.0.0.1", 0), 1);
+    return transport::local_address(listener_.get()).port();
+  }
+  void connect(std::uint16_t port) {
+    const auto deadline = transport::deadline_after(std::chrono::seconds(30));
+    if (rank_ == 0) {
+      fd_ = transport::connect_with_retry(transport::resolve("127.0.0.1", port), deadline,
+                                          "tcp stream to rank 1");
+    } else {
+      fd_ = transport::accept_until(listener_.get(), deadline);
+      if (!fd_.valid()) throw Error(ErrorCode::kTimeout, "tcp: rank 0 did not connect", rank_, 0);
+      listener_.reset();
+    }
+    // Blocking from here; a dead peer ends a call within the stall limit instead of never.
+    transport::set_nonblocking(fd_.get(), false);
+    timeval tv{};
+    tv.tv_sec = std::chrono::duration_cast<std::chrono::seconds>(kStallLimit).count();
+    ::setsockopt(fd_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    ::setsockopt(fd_.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  }
+
+  // As FabricStream::run, on the connection: a sending thread when this rank also receives.
+  double run(bool send, bool recv, std::uint64_t messages, std::uint64_t first_seq) {
+    const auto start = Clock::now();
+    std::exception_ptr send_error;
+    std::thread sender;
+    if (send && recv) {
+      sender = std::thread([&] {
+        try {
+          send_messages(messages, first_seq);
+        } catch (...) {
+          send_error = std::current_exception();
+        }
+      });
+    } else if (send) {
+      send_messages(messages, first_seq);
+    }
+    std::exception_ptr recv_error;
+    if (recv) {
+      try {
+        recv_messages(messages, first_seq);
+      } catch (...) {
+        // The sender may be blocked on a peer that stopped reading: unblock it.
+        ::shutdown(fd_.get(), SHUT_RDWR);
+        recv_error = std::current_exception();
+      }
+    }
+    if (sender.joinable()) sender.join();
+    if (recv_error) std::rethrow_exception(recv_error);
+    if (send_error) std::rethrow_exception(send_error);
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  }
+
+ private:
+  void fail(const char* call, int err) const {
+    throw Error(ErrorCode::kPeerFailed, std::string("tcp: ") + call + ": " + std::strerror(err),
+                rank_, 1 - rank_);
+  }
+  void send_messages(std::uint64_t messages, std::uint64_t first_seq) {
+    char* msg = send_buf_.get();
+    for (std::uint64_t m = 0; m < messages; ++m) {
+      stamp(msg, size_, first_seq + m);
+      for (std::size_t off = 0; off < size_;) {
+        const std::size_t want = std::min(chunk_, size_ - off);
+        std::size_t sent = 0;
+        while (sent < want) {
+          const ssize_t n = ::send(fd_.get(), msg + off + sent, want - sent, MSG_NOSIGNAL);
+          if (n < 0) {
+            if (errno == EINTR) continue;
+            fail("send", errno);
+          }
+          sent += static_cast<std::size_t>(n);
+        }
+        off += want;
+      }
+    }
+  }
+  void recv_messages(std::uint64_t messages, std::uint64_t first_seq) {
+    char* msg = recv_buf_.get();
+    for (std::uint64_t m = 0; m < messages; ++m) {
+      clear_stamp(msg, size_);
+      for (std::size_t off = 0; off < size_;) {
+        const std::size_t want = std::min(chunk_, size_ - off);
+        const ssize_t n = ::recv(fd_.get(), msg + off, want, MSG_WAITALL);
+        if (n == 0) throw Error(ErrorCode::kPeerFailed, "tcp: rank closed the connection", rank_,
+                                1 - rank_);
+        if (n < 0) {
+          if (errno == EINTR) continue;
+          fail("recv", errno);
+        }
+        off += static_cast<std::size_t>(n);
+      }
+      check_stamp(msg, size_, first_seq + m, rank_, "tcp");
+    }
+  }
+
+  int rank_;
+  std::size_t size_;
+  std::size_t chunk_;
+  Memory send_buf_;
+  Memory recv_buf_;
+  transport::Fd listener_;
+  transport::Fd fd_;
+};
+
+// ---- the two phases -------------------------------------------------------------------------
+
+// Warm-up, a barrier, then the timed messages, one direction and then both; appends a
+// Measurement per direction. `Stream` is FabricStream or TcpStream. False when a rank failed.
+template <class Stream>
+bool measure(Bootstrap& boot, Stream& stream, const std::string& transport, const Args& args,
+             std::vector<Measurement>& out) {
+  const int rank = boot.rank();
+  const auto warmup = static_cast<std::uint64_t>(args.warmup);
+  const auto iters = static_cast<std::uint64_t>(args.iters);
+  std::uint64_t seq = 0;
+  for (const bool both : {false, true}) {
+    const bool send = both || rank == 0;
+    const bool recv = both || rank == 1;
+    double seconds = 0;
+    if (!all_ok(boot, [&] { stream.run(send, recv, warmup, seq); })) return false;
+    seq += warmup;
+    if (!all_ok(boot, [&] { seconds = stream.run(send, recv, iters, seq); })) return false;
+    seq += iters;
+    Measurement m;
+    m.transport = transport;
+    m.direction = both ? "bidi" : "uni";
+    m.seconds = max_over_ranks(boot, seconds);
+    m.bytes = (both ? 2 : 1) * iters * args.size;
+    out.push_back(m);
+  }
+  return true;
+}
+
+bool measure_fabric(Bootstrap& boot, const Args& args, std::vector<Measurement>& out,
+                    std::string& about) {
+  std::unique_ptr<FabricStream> stream;
+  std::vector<char> mine(kMaxName + sizeof(std::uint32_t));
+  if (!all_ok(boot, [&] {
+        stream = std::make_unique<FabricStream>(args, boot.rank());
+        const std::vector<char> n = stream->name();
+        const auto len = static_cast<std::uint32_t>(n.size());
+        std::memcpy(mine.data(), &len, sizeof(len));
+        std::memcpy(mine.data() + sizeof(len), n.data(), n.size());
+      })) {
+    return false;
+  }
+  about = stream->describe();
+  std::vector<char> all(2 * mine.size());
+  boot.all_gather(mine.data(), mine.size(), all.data());
+  const char* theirs = all.data() + static_cast<std::size_t>(1 - boot.rank()) * mine.size();
+  if (!all_ok(boot, [&] { stream->set_peer(theirs + sizeof(std::uint32_t)); })) return false;
+  return measure(boot, *stream, stream->provider(), args, out);
+  // Every rank has finished (measure ends with a collective) before its endpoint closes.
+}
+
+bool measure_tcp(Bootstrap& boot, const Args& args, std::vector<Measurement>& out) {
+  std::unique_ptr<TcpStream> stream;
+  std::uint16_t port = 0;
+  if (!all_ok(boot, [&] {
+        stream = std::make_unique<TcpStream>(args, boot.rank());
+        port = stream->listen();
+      })) {
+    return false;
+  }
+  std::vector<std::uint16_t> ports(2);
+  boot.all_gather(&port, sizeof(port), ports.data());
+  if (!all_ok(boot, [&] { stream->connect(ports[1]); })) return false;
+  return measure(boot, *stream, "tcp", args, out);
+}
+
+void print_table(const Args& args, const std::vector<Measurement>& rows) {
+  std::printf("%-14s %-9s %12s %10s %10s\n", "transport", "direction", "size", "seconds", "GB/s");
+  for (const Measurement& m : rows) {
+    std::printf("%-14s %-9s %12llu %10.4f %10.3f\n", m.transport.c_str(), m.direction.c_str(),
+                static_cast<unsigned long long>(args.size), m.seconds, m.gbps());
+  }
+  for (const char* dir : {"uni", "bidi"}) {
+    const Measurement* fab = nullptr;
+    const Measurement* tcp = nullptr;
+    for (const Measurement& m : rows) {
+      if (m.direction != dir) continue;
+      (m.transport == "tcp" ? tcp : fab) = &m;
+    }
+    if (fab == nullptr || tcp == nullptr || tcp->gbps() <= 0) continue;
+    std::printf("ratio %s/tcp %s: %.3f\n", fab->transport.c_str(), dir, fab->gbps() / tcp->gbps());
+  }
+}
+
+void write_json(const Args& args, const std::string& about, const std::vector<Measurement>& rows) {
+  nlohmann::json j;
+  j["tool"] = "dear-fabric-stream";
+  j["provider"] = args.provider;
+  j["fabric"] = about;
+  j["size"] = args.size;
+  j["window"] = args.window;
+  j["chunk"] = args.chunk;
+  j["iters"] = args.iters;
+  j["warmup"] = args.warmup;
+  j["rows"] = nlohmann::json::array();
+  for (const Measurement& m : rows) {
+    j["rows"].push_back({{"transport", m.transport},
+                         {"direction", m.direction},
+                         {"bytes", m.bytes},
+                         {"seconds", m.seconds},
+                         {"gbps", m.gbps()}});
+  }
+  std::ofstream f(args.json_path, std::ios::trunc);
+  f << j.dump(2) << '\n';
+  if (!f.flush()) throw Error(ErrorCode::kSystem, "--json: cannot write '" + args.json_path + "'");
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"dear-fabric-stream: a libfabric provider's raw streaming rate between two "
+               "ranks, next to a TCP stream between the same ranks"};
+  Args args;
+  const auto bytes_flag = [&app](const std::string& names, std::uint64_t& target,
+                                 const std::string& help) {
+    app.add_option_function<std::string>(
+           names,
+           [&target, names](const std::string& text) {
+             const auto v = env::parse_bytes(text);
+             if (!v || *v == 0) {
+               throw CLI::ValidationError(names, "'" + text + "' is not a size (64K, 1M, 64M)");
+             }
+             target = *v;
+           },
+           help)
+        ->default_str(std::to_string(target));
+  };
+  app.add_option("--provider", args.provider, "libfabric provider: tcp;ofi_rxm, shm, sockets, ...")
+      ->capture_default_str();
+  bytes_flag("-s,--size", args.size, "Bytes per message (K/M/G suffixes)");
+  app.add_option("--window", args.window, "Messages in flight per direction (fabric)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--iters", args.iters, "Timed messages per direction")
+      ->check(CLI::Range(1, 1 << 24))
+      ->capture_default_str();
+  app.add_option("--warmup", args.warmup, "Untimed messages before the timed ones")
+      ->check(CLI::Range(0, 1 << 24))
+      ->capture_default_str();
+  bytes_flag("--chunk", args.chunk,
+             "Bytes per send: fabric sends min(this, max_msg_size), tcp send()/recv() calls");
+  app.add_option("--json", args.json_path, "Also write the rows to this JSON file (rank 0)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (args.size < 2 * kStamp) {
+    std::fprintf(stderr, "dear-fabric-stream: --size must be at least %zu bytes\n", 2 * kStamp);
+    return 2;
+  }
+
+  auto boot = Bootstrap::from_env();
+  if (boot->size() != 2) {
+    if (boot->rank() == 0) {
+      std::fprintf(stderr, "dear-fabric-stream: needs exactly 2 ranks (got %d)\n", boot->size());
+    }
+    return 2;
+  }
+  std::vector<Measurement> rows;
+  std::string about;
+  if (!measure_fabric(*boot, args, rows, about)) return 1;
+  if (!measure_tcp(*boot, args, rows)) return 1;
+  if (boot->rank() == 0) {
+    std::printf("# dear-fabric-stream: %s\n", about.c_str());
+    std::printf("# 2 ranks, %llu-byte messages, window %d, %d timed after %d warm-up per "
+                "direction; bidi = both directions summed; GB = 1e9 bytes\n",
+                static_cast<unsigned long long>(args.size), args.window, args.iters, args.warmup);
+    print_table(args, rows);
+    if (!args.json_path.empty()) write_json(args, about, rows);
+  }
+  boot->barrier();
+  return 0;
+}
+
+}  // namespace
+}  // namespace dear::bench
+
+int main(int argc, char** argv) {
+  try {
+    return dear::bench::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dear-fabric-stream: %s\n", e.what());
+    return 1;
+  }
+}
