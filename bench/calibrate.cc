@@ -154,9 +154,10 @@ collectives::CostModel calibrate(Communicator& comm, const CalibrateOptions& opt
       if (e.code() != ErrorCode::kInvalidArgument) throw;
     }
   }
-  // samples[s][k]: schedule s at schedule_sizes[k]; every rank holds the same maxima.
+  // samples[s][k]: schedule s at the k-th size timed; every rank holds the same maxima, so
+  // every rank makes the same choices from them below.
   std::vector<std::vector<collectives::ScheduleSample>> samples(runnable.size());
-  for (const std::size_t bytes : opts.schedule_sizes) {
+  const auto sample_at = [&](std::size_t bytes) {
     const std::size_t count = std::max<std::size_t>(bytes / sizeof(float), 1);
     std::vector<std::function<void()>> runs;
     for (const auto& [algo, schedule] : runnable) {
@@ -176,6 +177,13 @@ collectives::CostModel calibrate(Communicator& comm, const CalibrateOptions& opt
       sample.measured_us = t[s];
       samples[s].push_back(sample);
     }
+  };
+  std::vector<std::size_t> sizes = opts.schedule_sizes;
+  std::sort(sizes.begin(), sizes.end());
+  for (const std::size_t bytes : sizes) sample_at(bytes);
+  for (const std::size_t bytes :
+       collectives::refinement_sizes(sizes, samples, opts.max_refinements)) {
+    sample_at(bytes);
   }
 
   // Every rank uses rank 0's base fit (they agree already: the times are maxima over ranks).

@@ -9,7 +9,8 @@
 // Then each all_reduce schedule this communicator runs (ring, gather_reduce, and the log-step
 // ones where it has their links) is timed at several sizes, all schedules interleaved, and
 // collectives::fit_schedule fits that schedule's alpha and bandwidth multiplier
-// (CostModel::schedule_alpha_us, schedule_beta_scale).
+// (CostModel::schedule_alpha_us, schedule_beta_scale). Where the fastest schedule changes
+// between two of those sizes, a size in between is timed as well (collectives::refinement_sizes).
 // Collective: every rank calls it, and every rank returns rank 0's fit.
 #pragma once
 
@@ -38,6 +39,9 @@ struct CalibrateOptions {
   // Per schedule and size: the schedules come within a few percent of one another at large
   // sizes, so they get more time than the base fit's all-gathers.
   double schedule_min_time_ms = 100;
+  // Sizes added where the fastest schedule changes between two neighbouring schedule_sizes
+  // (collectives::refinement_sizes), at most this many.
+  int max_refinements = 8;
 };
 
 // The calibration for operations up to `max_bytes`: schedule_sizes beyond the first one at or

@@ -332,6 +332,35 @@ void fit_alpha_beta(CostModel& m) {
   m.median_rel_error = median_of(std::move(errors));
 }
 
+std::vector<std::size_t> refinement_sizes(
+    const std::vector<std::size_t>& sizes,
+    const std::vector<std::vector<ScheduleSample>>& samples, int max_refinements) {
+  // samples[s][k] is schedule s at sizes[k] (sorted). Where the fastest schedule measured at
+  // one size differs from the fastest at the next, their crossover lies in between, and
+  // interpolating each schedule's correction across a factor of 4 or more in size can put it
+  // on the wrong side: the geometric midpoint, rounded to a power of two, is timed too. The
+  // first max_refinements such gaps, smallest sizes first.
+  std::vector<std::size_t> extra;
+  if (samples.size() < 2) return extra;
+  const auto winner = [&](std::size_t k) {
+    std::size_t best = 0;
+    for (std::size_t s = 1; s < samples.size(); ++s) {
+      if (samples[s][k].measured_us < samples[best][k].measured_us) best = s;
+    }
+    return best;
+  };
+  for (std::size_t k = 0; k + 1 < sizes.size(); ++k) {
+    if (static_cast<int>(extra.size()) >= max_refinements) break;
+    if (sizes[k + 1] < 4 * std::max<std::size_t>(sizes[k], 1) || winner(k) == winner(k + 1)) {
+      continue;
+    }
+    const double mid = std::sqrt(static_cast<double>(sizes[k]) * static_cast<double>(sizes[k + 1]));
+    const auto pow2 = static_cast<std::size_t>(std::exp2(std::round(std::log2(mid))));
+    if (pow2 > sizes[k] && pow2 < sizes[k + 1]) extra.push_back(pow2);
+  }
+  return extra;
+}
+
 double fit_schedule(CostModel& m, Schedule schedule, std::vector<ScheduleSample> samples,
                     std::size_t el, const ModelGeometry& g) {
   std::vector<double> steps;

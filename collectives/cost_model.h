@@ -157,6 +157,14 @@ struct SchedulePlan {
 // non-positive time.
 void fit_alpha_beta(CostModel& m);
 
+// Where a calibration should time the schedules again after timing them at `sizes` (sorted;
+// samples[s][k] is schedule s at sizes[k]): between two neighbouring sizes at least a factor
+// 4 apart whose measured fastest schedules differ, the power of two nearest their geometric
+// midpoint; at most max_refinements of them, smallest first.
+[[nodiscard]] std::vector<std::size_t> refinement_sizes(
+    const std::vector<std::size_t>& sizes,
+    const std::vector<std::vector<ScheduleSample>>& samples, int max_refinements);
+
 // Fits `schedule`'s alpha and bandwidth multiplier to all_reduces of it (elements of `el`
 // bytes) measured at several sizes on g.nranks ranks: measured = alpha * latency_steps +
 // scale * bandwidth_us, least squares weighted by relative error, both non-negative, with the

@@ -119,8 +119,17 @@ for n in $ranks; do
   grep -E '^(\[0\] )?# (alpha|fit error)' "$out/calibrate-$n.log" | sed "s/^/  ranks=$n /" >&2
 done
 
+# The sizes each calibration timed (its own grid, plus where it refined): grid points among
+# them are counted apart, since there the model was fitted on the size itself.
+sampled=$out/sampled.csv
+: >"$sampled"
+for n in $ranks; do
+  jq -r --arg n "$n" '[.schedule_samples[][] | .bytes] | unique | .[] | "\($n),\(. | floor)"' \
+    "$out/model-$n.json" >>"$sampled"
+done
+
 # collective(1),nranks(2),size(3),algo(4),median_us(5)
-awk -F, -v tol="$tolerance" -v pred="$pred" -v forced="$forced" '
+awk -F, -v tol="$tolerance" -v pred="$pred" -v forced="$forced" -v sampled="$sampled" '
   BEGIN {
     letter["ring"] = "R"; letter["gather_reduce"] = "G"; letter["recursive_doubling"] = "D"
     letter["halving_doubling"] = "H"; letter["tree"] = "T"
@@ -128,6 +137,10 @@ awk -F, -v tol="$tolerance" -v pred="$pred" -v forced="$forced" '
     while ((getline line < pred) > 0) {
       split(line, f, ",")
       choice[f[1] "," f[2]] = (f[5] in letter) ? letter[f[5]] : "?"
+    }
+    while ((getline line < sampled) > 0) {
+      split(line, f, ",")
+      calibrated[f[1] "," f[2]] = 1
     }
   }
   NR == 1 { next }
@@ -138,7 +151,7 @@ awk -F, -v tol="$tolerance" -v pred="$pred" -v forced="$forced" '
     if (!(($3) in seen_s)) { seen_s[$3] = 1; ss[++ns_] = $3 }
   }
   END {
-    printf "\nauto / best forced all_reduce median time; * = within %s%%; measured winner, then model choice\n", tol
+    printf "\nauto / best forced all_reduce median time; * = within %s%%; measured winner, then model choice; c = a size the calibration timed\n", tol
     printf "%10s", "bytes"
     for (i = 1; i <= nn; i++) printf " %12s", "n=" ns[i]
     printf "\n"
@@ -159,7 +172,9 @@ awk -F, -v tol="$tolerance" -v pred="$pred" -v forced="$forced" '
         ratio = a / best
         ok = ratio <= 1 + tol / 100
         total++; pass += ok
-        printf " %s %5.2f%s %s ", win, ratio, ok ? "*" : " ", choice[key]
+        if (key in calibrated) { cal_total++; cal_pass += ok }
+        printf " %s %5.2f%s %s%s", win, ratio, ok ? "*" : " ", choice[key], \
+          (key in calibrated) ? "c" : " "
       }
       printf "\n"
     }
@@ -169,4 +184,7 @@ awk -F, -v tol="$tolerance" -v pred="$pred" -v forced="$forced" '
       tol, pass, total, total ? 100 * pass / total : 0
     printf "model picked the measured winner: %d of %d points (%.0f%%)\n", \
       agree, total, total ? 100 * agree / total : 0
+    printf "points the calibration also timed (c): %d, %d of them within %s%%; the other points: %d of %d (%.0f%%)\n", \
+      cal_total, cal_pass, tol, pass - cal_pass, total - cal_total, \
+      total - cal_total ? 100 * (pass - cal_pass) / (total - cal_total) : 0
   }' "$csv" | tee "$out/grid.txt"

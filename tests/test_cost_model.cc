@@ -287,6 +287,32 @@ TEST(CostModelSelect, PerScheduleAlphaDecidesSmallSizes) {
                Error);
 }
 
+// Calibration times a size in between wherever the measured fastest schedule changes from
+// one size to the next: the power of two nearest the geometric midpoint, only across gaps of
+// at least a factor 4, smallest gaps first, at most as many as asked for.
+TEST(CostModelFit, RefinementSizesSplitTheGapsWhereTheWinnerChanges) {
+  const std::vector<std::size_t> sizes{8, 256, 4096, 1 << 20, 1 << 22, (1 << 22) + 4};
+  // Two schedules; 'a' wins at 8, 256 and 1 MiB, 'b' at 4096 and from 4 MiB on.
+  const auto at = [](std::initializer_list<double> us) {
+    std::vector<ScheduleSample> v;
+    for (const double t : us) {
+      ScheduleSample s;
+      s.measured_us = t;
+      v.push_back(s);
+    }
+    return v;
+  };
+  const std::vector<std::vector<ScheduleSample>> samples{at({1, 2, 9, 100, 900, 901}),
+                                                         at({2, 3, 8, 200, 800, 800})};
+  // Gaps 256-4096 (midpoint 1024), 4096-1 MiB (65536) and 1-4 MiB (2 MiB) change winner;
+  // 8-256 does not, and 4 MiB to 4 MiB + 4 is too narrow to split.
+  EXPECT_EQ(refinement_sizes(sizes, samples, 8),
+            (std::vector<std::size_t>{1024, 65536, std::size_t{1} << 21}));
+  EXPECT_EQ(refinement_sizes(sizes, samples, 1), (std::vector<std::size_t>{1024}));
+  EXPECT_TRUE(refinement_sizes(sizes, samples, 0).empty());
+  EXPECT_TRUE(refinement_sizes(sizes, {samples[0]}, 8).empty());  // one schedule: no choice
+}
+
 // fit_schedule recovers a schedule's alpha and bandwidth multiplier from samples built with
 // known ones (by hand, from the step counts and bandwidth parts), and auto follows the fit.
 TEST(CostModelFit, ScheduleFitRecoversAlphaAndScale) {
