@@ -2,7 +2,8 @@
 // this host, next to a plain TCP stream between the same two processes, in one run.
 //
 //   dear-run -n 2 dear-fabric-stream [--provider 'tcp;ofi_rxm'] [-s 64M] [--window 4]
-//                                    [--iters 20] [--warmup 3] [--chunk 1M] [--json FILE]
+//                                    [--iters 20] [--warmup 3] [--chunk 1M] [--rounds 1]
+//                                    [--json FILE]
 //
 // No collective library on top: this is the ceiling a library over the provider can reach.
 //   - fabric: one reliable-datagram endpoint per rank (FI_MSG), sends from and receives into
@@ -13,12 +14,21 @@
 //     of both directions.
 //   - tcp: one connection over 127.0.0.1 (Nagle on, kernel buffer sizes), the same messages
 //     with blocking send()/recv() of --chunk bytes; "bidi" uses the connection full duplex,
-//     a sending thread next to the receiving one.
+//     a sending thread next to the receiving one. Only the tail of each run is pushed out
+//     at once (TCP_NODELAY set and cleared), so that no delayed acknowledgement is timed.
+// With --rounds N both transports are measured N times, alternating which goes first, and the
+// ratios are of the medians: on a shared machine a slow spell then hits both alike.
 // Each receiver checks the first and last 8 bytes of every message against a stamp that names
-// the message, so no figure can come out without the data having moved. Time is the slower
-// rank's, from a barrier after the warm-up messages to its last completion; GB = 1e9 bytes.
-// Rank 0 prints one row per measurement and the provider/tcp ratio per direction.
+// the message, so no figure can come out without the data having moved. Warm-up and timed
+// messages form one stream; time is taken where the data arrives, from the arrival of the last
+// warm-up message to that of the last timed one, so the stream is in full flow when the clock
+// starts and no start-up skew between the ranks is timed (bidi: the slower receiver's time).
+// GB = 1e9 bytes.
+// Rank 0 prints one row per measurement and the provider/tcp ratio per direction. Both
+// streams are open for the whole run; the provider busy-polls its completion queue (its
+// progress is manual), the TCP calls block.
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
@@ -72,6 +82,7 @@ struct Args {
   int window = 4;
   int iters = 20;
   int warmup = 3;
+  int rounds = 1;
   std::uint64_t chunk = 1ULL << 20;
   std::string json_path;
 };
@@ -80,6 +91,7 @@ struct Args {
 struct Measurement {
   std::string transport;
   std::string direction;
+  int round = 0;
   double seconds = 0;
   std::uint64_t bytes = 0;
   [[nodiscard]] double gbps() const { return algbw_gbps(bytes, seconds * 1e6); }
@@ -348,10 +360,14 @@ class FabricStream {
     }
   }
 
-  // Streams messages [first_seq, first_seq + messages): sends them when `send`, receives and
-  // checks them when `recv`. Returns this rank's seconds from the call to its last completion.
-  double run(bool send, bool recv, std::uint64_t messages, std::uint64_t first_seq) {
+  // Streams messages [0, messages): sends them when `send`, receives and checks them when
+  // `recv`. Returns the receiving side's seconds from the arrival of message timed_from - 1
+  // (from the call when timed_from is 0) to the arrival of the last; 0 when not receiving.
+  double run(bool send, bool recv, std::uint64_t messages, std::uint64_t timed_from) {
     const auto start = Clock::now();
+    arrived_from_ = start;
+    arrived_last_ = start;
+    timed_from_ = timed_from;
     Side tx;
     Side rx;
     tx.active = send;
@@ -359,7 +375,6 @@ class FabricStream {
     rx.recv = true;
     tx.done.assign(window_, 0);
     rx.done.assign(window_, 0);
-    first_seq_ = first_seq;
     messages_ = messages;
     auto last_moved = start;
     std::uint64_t idle = 0;
@@ -383,7 +398,8 @@ class FabricStream {
                     rank_, 1 - rank_);
       }
     }
-    return std::chrono::duration<double>(Clock::now() - start).count();
+    if (!recv) return 0;
+    return std::chrono::duration<double>(arrived_last_ - arrived_from_).count();
   }
 
  private:
@@ -420,7 +436,7 @@ class FabricStream {
         if (s.recv) {
           clear_stamp(msg, size_);
         } else {
-          stamp(msg, size_, first_seq_ + s.next);
+          stamp(msg, size_, s.next);
         }
       }
       const std::size_t off = s.next_chunk * chunk_;
@@ -475,9 +491,13 @@ class FabricStream {
     }
     for (Side* s : {&tx, &rx}) {
       while (s->oldest < s->next && s->done[s->oldest % window_] == chunks_) {
-        if (s->recv) check_stamp(slot(true, s->oldest), size_, first_seq_ + s->oldest, rank_,
-                                 provider_);
         s->done[s->oldest % window_] = 0;
+        if (s->recv) {
+          check_stamp(slot(true, s->oldest), size_, s->oldest, rank_, provider_);
+          const auto now = Clock::now();
+          if (s->oldest + 1 == timed_from_) arrived_from_ = now;
+          arrived_last_ = now;
+        }
         ++s->oldest;
       }
     }
@@ -491,8 +511,10 @@ class FabricStream {
   std::size_t chunks_ = 0;
   std::uint32_t window_ = 0;
   std::string provider_;
-  std::uint64_t first_seq_ = 0;
   std::uint64_t messages_ = 0;
+  std::uint64_t timed_from_ = 0;
+  Clock::time_point arrived_from_{};
+  Clock::time_point arrived_last_{};
 
   InfoPtr info_;
   FidPtr<fid_fabric> fabric_;
@@ -544,25 +566,25 @@ class TcpStream {
   }
 
   // As FabricStream::run, on the connection: a sending thread when this rank also receives.
-  double run(bool send, bool recv, std::uint64_t messages, std::uint64_t first_seq) {
-    const auto start = Clock::now();
+  double run(bool send, bool recv, std::uint64_t messages, std::uint64_t timed_from) {
+    double seconds = 0;
     std::exception_ptr send_error;
     std::thread sender;
     if (send && recv) {
       sender = std::thread([&] {
         try {
-          send_messages(messages, first_seq);
+          send_messages(messages);
         } catch (...) {
           send_error = std::current_exception();
         }
       });
     } else if (send) {
-      send_messages(messages, first_seq);
+      send_messages(messages);
     }
     std::exception_ptr recv_error;
     if (recv) {
       try {
-        recv_messages(messages, first_seq);
+        seconds = recv_messages(messages, timed_from);
       } catch (...) {
         // The sender may be blocked on a peer that stopped reading: unblock it.
         ::shutdown(fd_.get(), SHUT_RDWR);
@@ -572,7 +594,7 @@ class TcpStream {
     if (sender.joinable()) sender.join();
     if (recv_error) std::rethrow_exception(recv_error);
     if (send_error) std::rethrow_exception(send_error);
-    return std::chrono::duration<double>(Clock::now() - start).count();
+    return seconds;
   }
 
  private:
@@ -580,10 +602,10 @@ class TcpStream {
     throw Error(ErrorCode::kPeerFailed, std::string("tcp: ") + call + ": " + std::strerror(err),
                 rank_, 1 - rank_);
   }
-  void send_messages(std::uint64_t messages, std::uint64_t first_seq) {
+  void send_messages(std::uint64_t messages) {
     char* msg = send_buf_.get();
     for (std::uint64_t m = 0; m < messages; ++m) {
-      stamp(msg, size_, first_seq + m);
+      stamp(msg, size_, m);
       for (std::size_t off = 0; off < size_;) {
         const std::size_t want = std::min(chunk_, size_ - off);
         std::size_t sent = 0;
@@ -598,9 +620,19 @@ class TcpStream {
         off += want;
       }
     }
+    // Nagle holds the stream's last partial segment until the peer acknowledges what is in
+    // flight, and the peer may delay that acknowledgement by 40 ms: a stall at the end of every
+    // run that is no part of the streaming rate. Setting TCP_NODELAY sends what is held at once;
+    // it is cleared again for the next run.
+    for (const int on : {1, 0}) {
+      if (::setsockopt(fd_.get(), IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on)) != 0) {
+        fail("setsockopt(TCP_NODELAY)", errno);
+      }
+    }
   }
-  void recv_messages(std::uint64_t messages, std::uint64_t first_seq) {
+  double recv_messages(std::uint64_t messages, std::uint64_t timed_from) {
     char* msg = recv_buf_.get();
+    auto from = Clock::now();
     for (std::uint64_t m = 0; m < messages; ++m) {
       clear_stamp(msg, size_);
       for (std::size_t off = 0; off < size_;) {
@@ -614,8 +646,10 @@ class TcpStream {
         }
         off += static_cast<std::size_t>(n);
       }
-      check_stamp(msg, size_, first_seq + m, rank_, "tcp");
+      check_stamp(msg, size_, m, rank_, "tcp");
+      if (m + 1 == timed_from) from = Clock::now();
     }
+    return std::chrono::duration<double>(Clock::now() - from).count();
   }
 
   int rank_;
@@ -629,26 +663,25 @@ class TcpStream {
 
 // ---- the two phases -------------------------------------------------------------------------
 
-// Warm-up, a barrier, then the timed messages, one direction and then both; appends a
+// Warm-up and timed messages as one stream, one direction and then both; appends a
 // Measurement per direction. `Stream` is FabricStream or TcpStream. False when a rank failed.
 template <class Stream>
 bool measure(Bootstrap& boot, Stream& stream, const std::string& transport, const Args& args,
-             std::vector<Measurement>& out) {
+             int round, std::vector<Measurement>& out) {
   const int rank = boot.rank();
   const auto warmup = static_cast<std::uint64_t>(args.warmup);
   const auto iters = static_cast<std::uint64_t>(args.iters);
-  std::uint64_t seq = 0;
   for (const bool both : {false, true}) {
     const bool send = both || rank == 0;
     const bool recv = both || rank == 1;
     double seconds = 0;
-    if (!all_ok(boot, [&] { stream.run(send, recv, warmup, seq); })) return false;
-    seq += warmup;
-    if (!all_ok(boot, [&] { seconds = stream.run(send, recv, iters, seq); })) return false;
-    seq += iters;
+    if (!all_ok(boot, [&] { seconds = stream.run(send, recv, warmup + iters, warmup); })) {
+      return false;
+    }
     Measurement m;
     m.transport = transport;
     m.direction = both ? "bidi" : "uni";
+    m.round = round;
     m.seconds = max_over_ranks(boot, seconds);
     m.bytes = (both ? 2 : 1) * iters * args.size;
     out.push_back(m);
@@ -656,8 +689,8 @@ bool measure(Bootstrap& boot, Stream& stream, const std::string& transport, cons
   return true;
 }
 
-bool measure_fabric(Bootstrap& boot, const Args& args, std::vector<Measurement>& out,
-                    std::string& about) {
+// The endpoint of each rank, each knowing the other's; nullptr (on every rank) when a rank failed.
+std::unique_ptr<FabricStream> open_fabric(Bootstrap& boot, const Args& args, std::string& about) {
   std::unique_ptr<FabricStream> stream;
   std::vector<char> mine(kMaxName + sizeof(std::uint32_t));
   if (!all_ok(boot, [&] {
@@ -667,47 +700,71 @@ bool measure_fabric(Bootstrap& boot, const Args& args, std::vector<Measurement>&
         std::memcpy(mine.data(), &len, sizeof(len));
         std::memcpy(mine.data() + sizeof(len), n.data(), n.size());
       })) {
-    return false;
+    return nullptr;
   }
   about = stream->describe();
   std::vector<char> all(2 * mine.size());
   boot.all_gather(mine.data(), mine.size(), all.data());
   const char* theirs = all.data() + static_cast<std::size_t>(1 - boot.rank()) * mine.size();
-  if (!all_ok(boot, [&] { stream->set_peer(theirs + sizeof(std::uint32_t)); })) return false;
-  return measure(boot, *stream, stream->provider(), args, out);
-  // Every rank has finished (measure ends with a collective) before its endpoint closes.
+  if (!all_ok(boot, [&] { stream->set_peer(theirs + sizeof(std::uint32_t)); })) return nullptr;
+  return stream;
 }
 
-bool measure_tcp(Bootstrap& boot, const Args& args, std::vector<Measurement>& out) {
+// The connection between the two ranks; nullptr (on every rank) when a rank failed.
+std::unique_ptr<TcpStream> open_tcp(Bootstrap& boot, const Args& args) {
   std::unique_ptr<TcpStream> stream;
   std::uint16_t port = 0;
   if (!all_ok(boot, [&] {
         stream = std::make_unique<TcpStream>(args, boot.rank());
         port = stream->listen();
       })) {
-    return false;
+    return nullptr;
   }
   std::vector<std::uint16_t> ports(2);
   boot.all_gather(&port, sizeof(port), ports.data());
-  if (!all_ok(boot, [&] { stream->connect(ports[1]); })) return false;
-  return measure(boot, *stream, "tcp", args, out);
+  if (!all_ok(boot, [&] { stream->connect(ports[1]); })) return nullptr;
+  return stream;
 }
 
-void print_table(const Args& args, const std::vector<Measurement>& rows) {
-  std::printf("%-14s %-9s %12s %10s %10s\n", "transport", "direction", "size", "seconds", "GB/s");
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t h = v.size() / 2;
+  return v.size() % 2 == 1 ? v[h] : (v[h - 1] + v[h]) / 2;
+}
+
+// GB/s of every round of one transport and direction, in round order.
+std::vector<double> rates(const std::vector<Measurement>& rows, bool tcp, const char* direction) {
+  std::vector<double> out;
   for (const Measurement& m : rows) {
-    std::printf("%-14s %-9s %12llu %10.4f %10.3f\n", m.transport.c_str(), m.direction.c_str(),
-                static_cast<unsigned long long>(args.size), m.seconds, m.gbps());
+    if ((m.transport == "tcp") == tcp && m.direction == direction) out.push_back(m.gbps());
   }
+  return out;
+}
+
+void print_table(const Args& args, const std::string& provider,
+                 const std::vector<Measurement>& rows) {
+  std::printf("%-14s %-9s %12s %5s %10s %10s\n", "transport", "direction", "size", "round",
+              "seconds", "GB/s");
+  for (const Measurement& m : rows) {
+    std::printf("%-14s %-9s %12llu %5d %10.4f %10.3f\n", m.transport.c_str(), m.direction.c_str(),
+                static_cast<unsigned long long>(args.size), m.round, m.seconds, m.gbps());
+  }
+  // Ratios of the medians over rounds; with several rounds, each round's ratio too (the two
+  // transports of one round ran next to each other, so they saw the same machine).
   for (const char* dir : {"uni", "bidi"}) {
-    const Measurement* fab = nullptr;
-    const Measurement* tcp = nullptr;
-    for (const Measurement& m : rows) {
-      if (m.direction != dir) continue;
-      (m.transport == "tcp" ? tcp : fab) = &m;
+    const std::vector<double> fab = rates(rows, false, dir);
+    const std::vector<double> tcp = rates(rows, true, dir);
+    if (fab.empty() || fab.size() != tcp.size() || median(tcp) <= 0) continue;
+    std::printf("ratio %s/tcp %s: %.3f", provider.c_str(), dir, median(fab) / median(tcp));
+    if (fab.size() > 1) {
+      std::printf(" (median GB/s %.3f / %.3f; per round:", median(fab), median(tcp));
+      for (std::size_t r = 0; r < fab.size(); ++r) {
+        std::printf(" %.3f", tcp[r] > 0 ? fab[r] / tcp[r] : 0.0);
+      }
+      std::printf(")");
     }
-    if (fab == nullptr || tcp == nullptr || tcp->gbps() <= 0) continue;
-    std::printf("ratio %s/tcp %s: %.3f\n", fab->transport.c_str(), dir, fab->gbps() / tcp->gbps());
+    std::printf("\n");
   }
 }
 
@@ -721,10 +778,12 @@ void write_json(const Args& args, const std::string& about, const std::vector<Me
   j["chunk"] = args.chunk;
   j["iters"] = args.iters;
   j["warmup"] = args.warmup;
+  j["rounds"] = args.rounds;
   j["rows"] = nlohmann::json::array();
   for (const Measurement& m : rows) {
     j["rows"].push_back({{"transport", m.transport},
                          {"direction", m.direction},
+                         {"round", m.round},
                          {"bytes", m.bytes},
                          {"seconds", m.seconds},
                          {"gbps", m.gbps()}});
@@ -761,8 +820,15 @@ int run(int argc, char** argv) {
   app.add_option("--iters", args.iters, "Timed messages per direction")
       ->check(CLI::Range(1, 1 << 24))
       ->capture_default_str();
-  app.add_option("--warmup", args.warmup, "Untimed messages before the timed ones")
-      ->check(CLI::Range(0, 1 << 24))
+  app.add_option("--warmup", args.warmup,
+                 "Untimed messages before the timed ones (the clock starts when the last of "
+                 "them has arrived)")
+      ->check(CLI::Range(1, 1 << 24))
+      ->capture_default_str();
+  app.add_option("--rounds", args.rounds,
+                 "Measure both transports this many times, alternating which goes first; "
+                 "ratios are of the medians")
+      ->check(CLI::Range(1, 1000))
       ->capture_default_str();
   bytes_flag("--chunk", args.chunk,
              "Bytes per send: fabric sends min(this, max_msg_size), tcp send()/recv() calls");
@@ -784,16 +850,28 @@ int run(int argc, char** argv) {
     }
     return 2;
   }
-  std::vector<Measurement> rows;
   std::string about;
-  if (!measure_fabric(*boot, args, rows, about)) return 1;
-  if (!measure_tcp(*boot, args, rows)) return 1;
+  const std::unique_ptr<FabricStream> fabric = open_fabric(*boot, args, about);
+  if (!fabric) return 1;
+  const std::unique_ptr<TcpStream> tcp = open_tcp(*boot, args);
+  if (!tcp) return 1;
+  std::vector<Measurement> rows;
+  for (int r = 0; r < args.rounds; ++r) {
+    // Alternating the order cancels a drift of the machine's load within the run.
+    const auto run_fabric = [&] {
+      return measure(*boot, *fabric, fabric->provider(), args, r, rows);
+    };
+    const auto run_tcp = [&] { return measure(*boot, *tcp, "tcp", args, r, rows); };
+    const bool ok = r % 2 == 0 ? run_fabric() && run_tcp() : run_tcp() && run_fabric();
+    if (!ok) return 1;
+  }
   if (boot->rank() == 0) {
     std::printf("# dear-fabric-stream: %s\n", about.c_str());
     std::printf("# 2 ranks, %llu-byte messages, window %d, %d timed after %d warm-up per "
-                "direction; bidi = both directions summed; GB = 1e9 bytes\n",
-                static_cast<unsigned long long>(args.size), args.window, args.iters, args.warmup);
-    print_table(args, rows);
+                "direction, %d round(s); bidi = both directions summed; GB = 1e9 bytes\n",
+                static_cast<unsigned long long>(args.size), args.window, args.iters, args.warmup,
+                args.rounds);
+    print_table(args, fabric->provider(), rows);
     if (!args.json_path.empty()) write_json(args, about, rows);
   }
   boot->barrier();
