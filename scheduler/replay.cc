@@ -221,7 +221,13 @@ class Trainer {
   // sharded optimizer step the reduce-scatter updates this rank's shard, and the all-gather
   // has already written every shard's new parameters in place.
   void consume(const CommRequest& r) {
+    const auto t0 = Clock::now();
+    apply(r);
     consumed_ = true;
+    consumed_s_ += seconds(Clock::now() - t0);
+  }
+
+  void apply(const CommRequest& r) {
     if (r.kind == OpKind::kReduceScatter) {
       if (r.carries_parameters) update_shard(r);
       return;  // otherwise only a shard is averaged so far
@@ -301,15 +307,23 @@ class Trainer {
     if (timing_) hooks_s_ += seconds(Clock::now() - t0);
   }
 
-  // Compute may not start before the policy let it (a wait that blocked, or an update); when
-  // nothing held it back, it starts where the previous layer was meant to end, so that sleep
-  // overshoot does not add up over hundreds of short layers.
+  // Compute may not start before the policy let it. After a wait that blocked it starts now.
+  // Otherwise it starts where the previous layer was meant to end, plus the time the updates
+  // applied since then took (they run on the same device as the compute), so that sleep
+  // overshoot does not add up over hundreds of short layers: a device's kernels run back to
+  // back, and a thread's sleeps overshoot by tens of microseconds each.
   Clock::time_point begin_compute() {
     const auto now = Clock::now();
     const std::int64_t blocked = backend_->blocked_waits();
-    if (first_compute_ || consumed_ || blocked != seen_blocked_) clock_ = now;
+    if (first_compute_ || blocked != seen_blocked_) {
+      clock_ = now;
+    } else if (consumed_) {
+      clock_ = std::min(now, clock_ + std::chrono::duration_cast<Clock::duration>(
+                                          std::chrono::duration<double>(consumed_s_)));
+    }
     first_compute_ = false;
     consumed_ = false;
+    consumed_s_ = 0;
     seen_blocked_ = blocked;
     return now;
   }
@@ -377,6 +391,7 @@ class Trainer {
   bool timing_ = false;
   bool first_compute_ = true;
   bool consumed_ = false;
+  double consumed_s_ = 0;  // time the updates applied since the last layer's compute took
   std::int64_t seen_blocked_ = 0;
   Clock::time_point clock_;
   double hooks_s_ = 0;
