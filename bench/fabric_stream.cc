@@ -7,8 +7,8 @@
 //
 // No collective library on top: this is the ceiling a library over the provider can reach.
 //   - fabric: one reliable-datagram endpoint per rank (FI_MSG), sends from and receives into
-//     registered buffers, names exchanged through the bootstrap and inserted into an address
-//     vector. Up to --window messages are in flight; each message goes as chunks of
+//     buffers posted up front (registered where the provider asks for FI_MR_LOCAL), names
+//     exchanged through the bootstrap and inserted into an address vector. Up to --window messages are in flight; each message goes as chunks of
 //     min(--chunk, the provider's max_msg_size). "uni": rank 0 sends, rank 1 receives. "bidi":
 //     both ranks send and receive at once, as every step of a ring does; its figure is the sum
 //     of both directions.
