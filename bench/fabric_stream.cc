@@ -378,6 +378,8 @@ class FabricStream {
     rx.recv = true;
     tx.done.assign(window_, 0);
     rx.done.assign(window_, 0);
+    tx.limit = std::max<std::size_t>(1, info_->tx_attr->size);
+    rx.limit = std::max<std::size_t>(1, info_->rx_attr->size);
     messages_ = messages;
     auto last_moved = start;
     std::uint64_t idle = 0;
@@ -415,6 +417,10 @@ class FabricStream {
     std::size_t next_chunk = 0;    // its chunks posted so far
     std::uint64_t oldest = 0;      // the oldest incomplete message
     std::vector<std::size_t> done;  // completed chunks per slot
+    // Operations posted and not completed, and how many the provider's queue holds (its
+    // tx_attr/rx_attr size): shm fails a receive beyond that with FI_ENOMEM, not FI_EAGAIN.
+    std::size_t outstanding = 0;
+    std::size_t limit = 0;
   };
 
   void check(const char* call, long rc) const {
@@ -433,7 +439,7 @@ class FabricStream {
 
   bool post(Side& s) {
     bool moved = false;
-    while (s.next < messages_ && s.next < s.oldest + window_) {
+    while (s.next < messages_ && s.next < s.oldest + window_ && s.outstanding < s.limit) {
       char* msg = slot(s.recv, s.next);
       if (s.next_chunk == 0) {
         if (s.recv) {
@@ -452,6 +458,7 @@ class FabricStream {
       if (rc == -FI_EAGAIN) break;  // the provider's queue is full: progress, then again
       if (rc != 0) check(s.recv ? "fi_recv" : "fi_send", rc);
       moved = true;
+      ++s.outstanding;
       if (++s.next_chunk == chunks_) {
         s.next_chunk = 0;
         ++s.next;
@@ -491,6 +498,7 @@ class FabricStream {
                     rank_, 1 - rank_);
       }
       ++s.done[op.slot];
+      --s.outstanding;
     }
     for (Side* s : {&tx, &rx}) {
       while (s->oldest < s->next && s->done[s->oldest % window_] == chunks_) {
