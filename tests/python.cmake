@@ -26,6 +26,7 @@ dear_python_test(python_collectives_4 test_collectives.py 4)
 dear_python_test(python_training_2 test_training.py 2)
 dear_python_test(python_training_4 test_training.py 4)
 dear_python_test(python_features_2 test_features.py 2)
+dear_python_test(python_fusion_2 test_fusion.py 2)
 # DDP over the "dear" torch.distributed backend vs DDP over Gloo and a local reference, and
 # dear.DistributedOptimizer vs DDP over Gloo.
 dear_python_test(python_ddp_2 test_ddp.py 2)

@@ -9,6 +9,15 @@ Policies (all average gradients over ranks, as DDP does):
   just before the first module of group g runs, AG(g) is waited for, AG(g+1) is launched, and
   the wrapped optimizer updates group g's parameters only. ``synchronize()`` applies whatever is
   still pending (call it before evaluating, saving or comparing parameters).
+  Fusion (``fusion=``): ``"threshold"`` (default) fills a group while it stays within
+  ``threshold_mb``; ``"nearby"`` puts every ``layers_per_group`` neighbouring layers (modules
+  owning parameters) in one group; ``"auto"`` tunes the threshold while training, as the
+  reference DeAR does: Bayesian optimisation (dear's ThresholdTuner) over ``tune_range_mb``,
+  ``tune_trials`` trials, each a warm-up step and then ``tune_steps`` measured steps at one
+  threshold (the slowest rank's mean step time is what counts, so every rank makes the same
+  choice); between trials the pending updates are applied and the groups planned again; after
+  the last trial the fastest measured threshold stays. ``fusion_threshold_mb`` and
+  ``tuning_trials`` tell what it chose and measured.
 - ``"wfbp"``: one all-reduce per tensor as soon as its gradient is ready; update in step().
 - ``"bucket"``: PyTorch DDP's buckets (reverse registration order, the first capped at 1 MB or
   ``threshold_mb`` if smaller, the rest at ``threshold_mb``), all-reduced in bucket order;
@@ -27,7 +36,8 @@ each rank's forward pass looks like.
 from __future__ import annotations
 
 import enum
-from typing import Callable, Dict, Iterable, List, Optional
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -88,26 +98,58 @@ class DistributedOptimizer:
             step() needs no closure (SGD, Adam, AdamW, ...).
         model: the module whose forward and backward passes drive communication.
         policy: "dear", "wfbp" or "bucket".
-        threshold_mb: fusion threshold (dear) or bucket size (bucket), in MiB.
+        threshold_mb: fusion threshold (dear) or bucket size (bucket), in MiB; with
+            fusion="auto", the tuner's third trial (so that tuning never settles on a
+            threshold measured slower than this one).
         backward_passes_per_step: gradient accumulation; communication starts only in the
             k-th backward pass since the last step.
+        fusion: "threshold", "nearby" or "auto" (policy "dear" only; see the module's text).
+        layers_per_group: fusion="nearby": neighbouring layers per group.
+        tune_trials, tune_steps, tune_range_mb: fusion="auto": trials, measured steps per
+            trial, and the (smallest, largest) threshold tried, in MiB.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                  policy: str = "dear", threshold_mb: float = 25,
-                 backward_passes_per_step: int = 1) -> None:
+                 backward_passes_per_step: int = 1, fusion: str = "threshold",
+                 layers_per_group: int = 4, tune_trials: int = 10, tune_steps: int = 5,
+                 tune_range_mb: Tuple[float, float] = (1, 256)) -> None:
         from . import size  # the package's communicator; dear.init() must have run
 
         if policy not in ("dear", "wfbp", "bucket"):
             raise ValueError(f"unknown policy {policy!r}; use 'dear', 'wfbp' or 'bucket'")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
+        if fusion not in ("threshold", "nearby", "auto"):
+            raise ValueError(f"unknown fusion {fusion!r}; use 'threshold', 'nearby' or 'auto'")
+        if fusion != "threshold" and policy != "dear":
+            raise ValueError(f"fusion={fusion!r} applies to policy 'dear' only, not {policy!r}")
+        if layers_per_group < 1:
+            raise ValueError(f"layers_per_group must be >= 1, got {layers_per_group}")
+        if fusion == "auto":
+            if tune_trials < 1 or tune_steps < 1:
+                raise ValueError(f"tune_trials and tune_steps must be >= 1, got {tune_trials} "
+                                 f"and {tune_steps}")
+            if not 0 < tune_range_mb[0] < tune_range_mb[1]:
+                raise ValueError(f"tune_range_mb must be (smallest, largest) with "
+                                 f"0 < smallest < largest, got {tune_range_mb}")
         self.optimizer = optimizer
         self.model = model
         self.policy = policy
+        self.fusion = fusion
         self.backward_passes_per_step = backward_passes_per_step
         self._ranks = size()
         self._threshold = int(threshold_mb * _MB)
+        self._layers_per_group = layers_per_group
+        self._tuner = None
+        self._tune_steps = tune_steps
+        self._trial_start: Optional[float] = None  # end of the trial's warm-up step
+        self._trial_steps = 0
+        if fusion == "auto":
+            lo, hi = int(tune_range_mb[0] * _MB), int(tune_range_mb[1] * _MB)
+            self._tuner = _dear.ThresholdTuner(lo, hi, tune_trials,
+                                               middle_bytes=min(max(self._threshold, lo), hi))
+            self._threshold = self._tuner.next()
 
         # Parameters in registration order (the usual stand-in for forward order), each once
         # even when modules share it; frozen ones take no part.
@@ -125,8 +167,21 @@ class DistributedOptimizer:
             if fresh:
                 layers.append(fresh)
 
+        self._owners = owners
+        self._layers = layers
+        self._hooks = []
+        self._accumulators = []
+        self._build()
+
+    def _build(self) -> None:
+        """Plans the groups and registers the hooks (again, after the threshold changed)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._accumulators = []
+        optimizer = self.optimizer
         self._groups = [_Group(i, ps, self._ranks)
-                        for i, ps in enumerate(self._plan(layers))]
+                        for i, ps in enumerate(self._plan(self._layers))]
         self._info: Dict[torch.nn.Parameter, _ParamInfo] = {}
         for g in self._groups:
             for slot, p in enumerate(g.params):
@@ -148,9 +203,7 @@ class DistributedOptimizer:
         self._next_bucket = 0   # bucket: buckets are all-reduced in index order
         self._next_gather = 0   # dear: all-gathers are launched in group order
         self._pending = False   # dear: updates of the last step not yet applied
-        self._hooks = []
-        self._accumulators = []
-        self._register_hooks(owners)
+        self._register_hooks(self._owners)
 
     # ----------------------------------------------------------------------------- planning
 
@@ -161,9 +214,12 @@ class DistributedOptimizer:
             return self._plan_buckets([p for layer in layers for p in layer][::-1])
         sizes = [[p.numel() for p in layer] for layer in layers]
         element_bytes = layers[0][0].element_size() if layers else 4
+        if self.fusion == "nearby":
+            ranges = _dear.plan_nearby(sizes, self._ranks, self._layers_per_group, element_bytes)
+        else:
+            ranges = _dear.plan_threshold(sizes, self._ranks, self._threshold, element_bytes)
         groups = []
-        for first, last in _dear.plan_threshold(sizes, self._ranks, self._threshold,
-                                                element_bytes):
+        for first, last in ranges:
             groups.extend(_split_by_dtype([p for layer in layers[first:last + 1]
                                            for p in layer]))
         return groups
@@ -360,6 +416,8 @@ class DistributedOptimizer:
             self._next_gather = 0
             self._pending = bool(self._groups)
             self._launch_gathers(0)
+            if self._tuner is not None:
+                self._tune()
             return loss
 
         for g in self._groups:
@@ -380,6 +438,33 @@ class DistributedOptimizer:
                         p.grad.copy_(g.view(i))
         self._step_on(self._model_params)
         return loss
+
+    def _tune(self) -> None:
+        """fusion="auto": times the current trial; between trials plans with the next one."""
+        now = time.perf_counter()
+        if self._trial_start is None:  # the trial's warm-up step ends here
+            self._trial_start, self._trial_steps = now, 0
+            return
+        self._trial_steps += 1
+        if self._trial_steps < self._tune_steps:
+            return
+        from . import all_reduce
+
+        # Every rank must report the same time, or the tuners would choose differently.
+        mean_ms = torch.tensor([(now - self._trial_start) / self._trial_steps * 1e3],
+                               dtype=torch.float64)
+        all_reduce(mean_ms, op="max")
+        self._tuner.report(self._threshold, float(mean_ms[0]))
+        self._trial_start = None
+        done = self._tuner.done()
+        threshold = self._tuner.best() if done else self._tuner.next()
+        if threshold != self._threshold:
+            self.synchronize()
+            self._threshold = threshold
+            self._build()
+        if done:
+            self._tuned_trials = self._tuner.trials()
+            self._tuner = None
 
     def synchronize(self) -> None:
         """Completes every pending all-gather and applies every pending update (dear), so that
@@ -417,6 +502,23 @@ class DistributedOptimizer:
     def load_state_dict(self, state_dict: dict) -> None:
         self.synchronize()
         self.optimizer.load_state_dict(state_dict)
+
+    @property
+    def fusion_threshold_mb(self) -> float:
+        """The fusion threshold in use (fusion="auto": the trial's, or the chosen one)."""
+        return self._threshold / _MB
+
+    @property
+    def tuning_trials(self) -> List[Tuple[float, float]]:
+        """fusion="auto": (threshold in MiB, slowest rank's mean step in ms) per trial so far."""
+        trials = self._tuner.trials() if self._tuner is not None else getattr(
+            self, "_tuned_trials", [])
+        return [(t / _MB, ms) for t, ms in trials]
+
+    @property
+    def tuning(self) -> bool:
+        """fusion="auto": whether trials are still running."""
+        return self._tuner is not None
 
     @property
     def num_groups(self) -> int:

@@ -34,6 +34,7 @@
 #include "dear/scheduler/fusion.h"
 #include "dear/scheduler/model.h"
 #include "dear/scheduler/policy.h"
+#include "dear/scheduler/tuner.h"
 #include "dear/types.h"
 
 namespace py = pybind11;
@@ -114,11 +115,9 @@ class PyCommunicator {
   std::unique_ptr<dear::Communicator> comm_;
 };
 
-// Threshold fusion over "layers" given as lists of tensor element counts, in forward order.
-// Returns (first, last) layer ranges, inclusive, one per group.
-std::vector<std::pair<int, int>> plan_threshold(const std::vector<std::vector<std::int64_t>>& layers,
-                                                int ranks, std::int64_t threshold_bytes,
-                                                int element_bytes) {
+// A model of "layers" given as lists of tensor element counts, in forward order.
+dear::scheduler::Model layer_model(const std::vector<std::vector<std::int64_t>>& layers,
+                                   int element_bytes) {
   dear::scheduler::Model model;
   model.element_bytes = element_bytes;
   for (std::size_t i = 0; i < layers.size(); ++i) {
@@ -127,12 +126,29 @@ std::vector<std::pair<int, int>> plan_threshold(const std::vector<std::vector<st
     layer.tensors = layers[i];
     model.layers.push_back(std::move(layer));
   }
+  return model;
+}
+
+std::vector<std::pair<int, int>> ranges(const dear::scheduler::FusionPlan& plan) {
   std::vector<std::pair<int, int>> groups;
-  if (model.layers.empty()) return groups;
-  for (const auto& g : dear::scheduler::plan_threshold(model, ranks, threshold_bytes)) {
-    groups.emplace_back(g.first, g.last);
-  }
+  for (const auto& g : plan) groups.emplace_back(g.first, g.last);
   return groups;
+}
+
+// Fusion plans as (first, last) layer ranges, inclusive, one per group.
+std::vector<std::pair<int, int>> plan_threshold(const std::vector<std::vector<std::int64_t>>& layers,
+                                                int ranks, std::int64_t threshold_bytes,
+                                                int element_bytes) {
+  if (layers.empty()) return {};
+  return ranges(dear::scheduler::plan_threshold(layer_model(layers, element_bytes), ranks,
+                                                threshold_bytes));
+}
+
+std::vector<std::pair<int, int>> plan_nearby(const std::vector<std::vector<std::int64_t>>& layers,
+                                             int ranks, int layers_per_group, int element_bytes) {
+  if (layers.empty()) return {};
+  return ranges(dear::scheduler::plan_nearby(layer_model(layers, element_bytes), ranks,
+                                             layers_per_group));
 }
 
 }  // namespace
@@ -234,6 +250,34 @@ PYBIND11_MODULE(_dear, m) {
   m.def("plan_threshold", &plan_threshold, py::arg("layers"), py::arg("ranks"),
         py::arg("threshold_bytes"), py::arg("element_bytes"),
         "DeAR's threshold fusion (dear::scheduler::plan_threshold): (first, last) layer ranges.");
+  m.def("plan_nearby", &plan_nearby, py::arg("layers"), py::arg("ranks"),
+        py::arg("layers_per_group"), py::arg("element_bytes"),
+        "Every layers_per_group neighbouring layers form a group (dear::scheduler::plan_nearby): "
+        "(first, last) layer ranges.");
+  py::class_<dear::scheduler::ThresholdTuner>(
+      m, "ThresholdTuner",
+      "Bayesian optimisation of DeAR's fusion threshold (dear::scheduler::ThresholdTuner).")
+      .def(py::init([](std::int64_t min_bytes, std::int64_t max_bytes, int trials,
+                       std::int64_t middle_bytes) {
+             dear::scheduler::TunerOptions o;
+             o.min_bytes = min_bytes;
+             o.max_bytes = max_bytes;
+             o.trials = trials;
+             o.middle_bytes = middle_bytes;
+             return dear::scheduler::ThresholdTuner(o);
+           }),
+           py::arg("min_bytes"), py::arg("max_bytes"), py::arg("trials"),
+           py::arg("middle_bytes") = 0)
+      .def("next", &dear::scheduler::ThresholdTuner::next)
+      .def("report", &dear::scheduler::ThresholdTuner::report, py::arg("threshold_bytes"),
+           py::arg("iter_ms"))
+      .def("done", &dear::scheduler::ThresholdTuner::done)
+      .def("best", &dear::scheduler::ThresholdTuner::best)
+      .def("trials", [](const dear::scheduler::ThresholdTuner& t) {
+        std::vector<std::pair<std::int64_t, double>> v;
+        for (const auto& x : t.trials()) v.emplace_back(x.threshold_bytes, x.iter_ms);
+        return v;
+      });
   m.attr("ALL_GATHER_PRIORITY") = dear::scheduler::kAllGatherPriority;
 #ifdef DEAR_HAVE_CUDA
   m.attr("HAVE_CUDA") = true;  // device pointers are accepted (and staged by the communicator)

@@ -7,7 +7,7 @@ reference's gradient, so the parameters must agree up to floating-point rounding
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -85,13 +85,14 @@ def train_reference(optimizer: str, steps: int, ranks: int, passes: int = 1) -> 
 
 def train_dear(optimizer: str, steps: int, policy: str, threshold_mb: float = 25,
                passes: int = 1, set_to_none: bool = False,
-               between_steps: Optional[Callable[[Net, int], None]] = None
-               ) -> tuple[Net, dear.DistributedOptimizer]:
+               between_steps: Optional[Callable[[Net, int], None]] = None,
+               **options: Any) -> tuple[Net, dear.DistributedOptimizer]:
+    """`options` go to dear.DistributedOptimizer as they are (fusion=..., ...)."""
     model = make_model()
     dear.broadcast_parameters(model)
     opt = dear.DistributedOptimizer(OPTIMIZERS[optimizer](list(model.parameters())), model,
                                     policy=policy, threshold_mb=threshold_mb,
-                                    backward_passes_per_step=passes)
+                                    backward_passes_per_step=passes, **options)
     rank, ranks = dear.rank(), dear.size()
     for step in range(steps):
         opt.zero_grad(set_to_none=set_to_none)
