@@ -138,6 +138,7 @@ TEST_P(Fabric, PeerThatLeavesIsNamed) {
 TEST_P(Fabric, LargeSlicesSplitIntoFragments) {
   CommOptions o = options();
   o.slice_bytes = 1024 * 1024 + 7 * 64;  // several 128 KiB slots per message, uneven
+  o.fabric_slot_bytes = 128 * 1024;      // (by default a ring slot holds a whole slice)
   o.channels = 2;
   const int n = 3;
   run_ranks(

@@ -72,6 +72,9 @@ struct CommOptions {
   // "verbs;ofi_rxm"; empty = the first one libfabric offers that reaches other hosts
   // (DEAR_FABRIC_PROVIDER).
   std::string fabric_provider;
+  // transport "fabric": bytes per staging slot, the largest fragment a message is cut into
+  // (DEAR_FABRIC_SLOT_BYTES); 0 = the transport's default.
+  std::size_t fabric_slot_bytes = 0;
   // transport "verbs": the RDMA device, optionally with its port ("mlx5_0", "mlx5_0:1"); empty
   // = the first with an active port (DEAR_IB_DEVICE).
   std::string ib_device;
