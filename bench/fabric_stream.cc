@@ -62,6 +62,8 @@
 #include "dear/bootstrap.h"
 #include "dear/error.h"
 #include "report.h"
+#include "transport/fabric/fabric_link.h"
+#include "transport/fabric/fi_handles.h"
 #include "transport/socket_util.h"
 
 namespace dear::bench {
@@ -69,7 +71,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr std::uint32_t kApiVersion = FI_VERSION(1, 9);
 constexpr std::size_t kStamp = sizeof(std::uint64_t);
 constexpr std::size_t kMaxName = 256;  // endpoint names: sockaddrs, shm paths
 // Bytes per send()/recv() call of the TCP stream: fixed, so that the baseline does not move with
@@ -186,52 +187,27 @@ double max_over_ranks(Bootstrap& boot, double seconds) {
 
 // ---- libfabric ------------------------------------------------------------------------------
 
-std::string fi_text(long rc) { return fi_strerror(static_cast<int>(rc < 0 ? -rc : rc)); }
+using transport::fabric::fi_text;
+using transport::fabric::FidPtr;
+using transport::fabric::InfoPtr;
+using transport::fabric::kApiVersion;
 
-template <class T>
-struct FidCloser {
-  void operator()(T* p) const {
-    if (p != nullptr) fi_close(&p->fid);
-  }
-};
-template <class T>
-using FidPtr = std::unique_ptr<T, FidCloser<T>>;
-
-struct InfoDeleter {
-  void operator()(fi_info* i) const { fi_freeinfo(i); }
-};
-using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
-
-// The same requirements as the fabric transport (transport/fabric/fabric_link.cc) asks for,
-// so that the ceiling is measured on the endpoint the library would get. Messages from one
-// sender must match receives in the order they were sent (FI_ORDER_SAS): the stamps check that.
+// The same endpoint the fabric transport asks for (transport/fabric/fi_handles.h), so that
+// the ceiling is measured on what the library would get; one thread per endpoint here.
+// Messages from one sender must match receives in the order they were sent (FI_ORDER_SAS):
+// the stamps check that.
 InfoPtr make_hints(const std::string& provider) {
-  InfoPtr hints(fi_allocinfo());
-  if (!hints) throw Error(ErrorCode::kSystem, "fi_allocinfo failed: out of memory");
-  hints->ep_attr->type = FI_EP_RDM;
-  hints->caps = FI_MSG;
-  hints->mode = FI_CONTEXT | FI_CONTEXT2;
-  hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
-  hints->domain_attr->threading = FI_THREAD_DOMAIN;
+  InfoPtr hints = transport::fabric::rdm_hints(provider, FI_THREAD_DOMAIN);
   hints->tx_attr->msg_order = FI_ORDER_SAS;
   hints->rx_attr->msg_order = FI_ORDER_SAS;
-  if (!provider.empty()) hints->fabric_attr->prov_name = ::strdup(provider.c_str());
   return hints;
 }
 
 std::string available_providers() {
-  InfoPtr hints = make_hints("");
-  fi_info* list = nullptr;
-  std::vector<std::string> names;
-  if (fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints.get(), &list) == 0) {
-    for (const fi_info* i = list; i != nullptr; i = i->next) {
-      const std::string n = i->fabric_attr->prov_name;
-      if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
-    }
-    fi_freeinfo(list);
-  }
   std::string s;
-  for (const auto& n : names) s += (s.empty() ? "'" : ", '") + n + "'";
+  for (const auto& n : transport::fabric::available_providers()) {
+    s += (s.empty() ? "'" : ", '") + n + "'";
+  }
   return s.empty() ? "none" : s;
 }
 

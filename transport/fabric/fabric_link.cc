@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "dear/error.h"
+#include "transport/fabric/fi_handles.h"
 #include "transport/peer_exchange.h"
 #include "transport/rma/fragments.h"
 #include "transport/rma/slot_window.h"
@@ -39,7 +40,6 @@ using rma::RecvWindow;
 using rma::SendQueue;
 using rma::SendWindow;
 
-constexpr std::uint32_t kApiVersion = FI_VERSION(1, 9);
 constexpr int kMaxChannels = 16;
 constexpr std::size_t kMaxName = 240;       // endpoint names: sockaddrs, shm paths
 // close() waits at most this long for the provider to take what is queued and
@@ -56,37 +56,11 @@ constexpr auto kBusyFor = std::chrono::milliseconds(10);
 
 constexpr std::size_t kHeader = sizeof(FrameHeader);
 
-std::string fi_text(int rc) { return fi_strerror(rc < 0 ? -rc : rc); }
-
 [[noreturn]] void throw_fi(const std::string& call, int rc, int rank, int peer = Error::kNone) {
   throw Error(ErrorCode::kSystem, call + " failed: " + fi_text(rc), rank, peer, "fabric setup");
 }
 
-template <class T>
-struct FidCloser {
-  void operator()(T* p) const {
-    if (p != nullptr) fi_close(&p->fid);
-  }
-};
-template <class T>
-using FidPtr = std::unique_ptr<T, FidCloser<T>>;
-
-struct InfoDeleter {
-  void operator()(fi_info* i) const { fi_freeinfo(i); }
-};
-using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
-
-InfoPtr make_hints(const std::string& provider) {
-  InfoPtr hints(fi_allocinfo());
-  if (!hints) throw Error(ErrorCode::kSystem, "fi_allocinfo failed: out of memory");
-  hints->ep_attr->type = FI_EP_RDM;
-  hints->caps = FI_MSG;
-  hints->mode = FI_CONTEXT | FI_CONTEXT2;
-  hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
-  hints->domain_attr->threading = FI_THREAD_SAFE;
-  if (!provider.empty()) hints->fabric_attr->prov_name = ::strdup(provider.c_str());
-  return hints;
-}
+InfoPtr make_hints(const std::string& provider) { return rdm_hints(provider, FI_THREAD_SAFE); }
 
 // Providers that only reach ranks of this host, skipped by the default choice.
 bool single_host(const std::string& prov) { return prov == "shm" || prov.rfind("shm;", 0) == 0; }

@@ -1,0 +1,51 @@
+// Owning handles and the endpoint hints shared by the libfabric transport and the programs
+// that measure libfabric next to it (bench/fabric_stream.cc), so that both ask the provider
+// for the same kind of endpoint. Needs libfabric's headers (builds with DEAR_HAVE_FABRIC).
+#pragma once
+
+#include <rdma/fabric.h>
+#include <rdma/fi_errno.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "dear/error.h"
+
+namespace dear::transport::fabric {
+
+inline constexpr std::uint32_t kApiVersion = FI_VERSION(1, 9);
+
+inline std::string fi_text(long rc) { return fi_strerror(static_cast<int>(rc < 0 ? -rc : rc)); }
+
+// Closes any libfabric object (endpoint, domain, CQ, MR, AV, fabric) through its fid.
+template <class T>
+struct FidCloser {
+  void operator()(T* p) const {
+    if (p != nullptr) fi_close(&p->fid);
+  }
+};
+template <class T>
+using FidPtr = std::unique_ptr<T, FidCloser<T>>;
+
+struct InfoDeleter {
+  void operator()(fi_info* i) const { fi_freeinfo(i); }
+};
+using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
+
+// Reliable-datagram endpoints with messages (FI_EP_RDM, FI_MSG), operation contexts the
+// provider may use (FI_CONTEXT, FI_CONTEXT2), and the registration modes dear handles
+// (local, virtual addresses, allocated memory, provider keys). `provider` empty: any.
+inline InfoPtr rdm_hints(const std::string& provider, fi_threading threading) {
+  InfoPtr hints(fi_allocinfo());
+  if (!hints) throw Error(ErrorCode::kSystem, "fi_allocinfo failed: out of memory");
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->caps = FI_MSG;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;
+  hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+  hints->domain_attr->threading = threading;
+  if (!provider.empty()) hints->fabric_attr->prov_name = ::strdup(provider.c_str());
+  return hints;
+}
+
+}  // namespace dear::transport::fabric
