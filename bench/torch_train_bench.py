@@ -18,7 +18,8 @@ flight (the next forward pass consumes them), so a segment starts with the previ
 all-gathers pending and ends with its own pending, one step's worth each; synchronize() runs
 after the clock stops. The other policies finish their communication inside step().
 
-Policies: ``dear``, ``wfbp``, ``bucket`` (dear.DistributedOptimizer), ``ddp-gloo`` (torch DDP on
+Policies: ``dear``, ``wfbp``, ``bucket`` (dear.DistributedOptimizer), ``dear-auto`` (DeAR with
+``fusion="auto"``: its threshold is tuned before the timed rounds), ``ddp-gloo`` (torch DDP on
 a Gloo group, default bucket size), ``ddp-dear`` (torch DDP on dear's torch.distributed
 backend) and ``local`` (no communication at all: each rank trains alone; the compute-only bound
 under the same CPU sharing).
@@ -53,7 +54,7 @@ import dear.backend
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from compare_ddp import ConvNet  # noqa: E402  (needs the path above)
 
-POLICIES = ("local", "dear", "wfbp", "bucket", "ddp-gloo", "ddp-dear")
+POLICIES = ("local", "dear", "dear-auto", "wfbp", "bucket", "ddp-gloo", "ddp-dear")
 BASELINE = "ddp-gloo"
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
@@ -95,6 +96,12 @@ class Trainer:
             dear.broadcast_parameters(self.model)
             self.dear_opt = dear.DistributedOptimizer(base, self.model, policy=policy,
                                                       threshold_mb=args.threshold_mb)
+            self.net, self.opt = self.model, self.dear_opt
+        elif policy == "dear-auto":
+            dear.broadcast_parameters(self.model)
+            self.dear_opt = dear.DistributedOptimizer(
+                base, self.model, policy="dear", threshold_mb=args.threshold_mb, fusion="auto",
+                tune_trials=args.tune_trials, tune_steps=args.tune_steps)
             self.net, self.opt = self.model, self.dear_opt
         elif policy in ("ddp-gloo", "ddp-dear"):
             group = gloo if policy == "ddp-gloo" else dist.group.WORLD
@@ -151,6 +158,10 @@ def main() -> None:
     parser.add_argument("--threshold-mb", type=float, default=25,
                         help="dear: fusion threshold / bucket size (MiB)")
     parser.add_argument("--ddp-bucket-mb", type=float, default=25, help="DDP bucket_cap_mb")
+    parser.add_argument("--tune-trials", type=int, default=8,
+                        help="dear-auto: threshold trials (run before the timed rounds)")
+    parser.add_argument("--tune-steps", type=int, default=3,
+                        help="dear-auto: measured steps per trial")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--link", default="loopback", help="label of the link, for the table")
@@ -176,6 +187,16 @@ def main() -> None:
               f"fp32 gradients), {ranks} ranks, batch {args.batch}/rank, link {args.link}, "
               f"{args.rounds} rounds x {args.steps} timed steps, {args.threads} thread(s)/rank",
               flush=True)
+
+    # dear-auto tunes its fusion threshold before the timed rounds (its trials are steps too).
+    for p in policies:
+        opt = trainers[p].dear_opt
+        while opt is not None and opt.tuning:
+            trainers[p].step()
+        if opt is not None and opt.fusion == "auto" and rank == 0:
+            trials = ", ".join(f"{t:.3g} MiB {ms:.1f} ms" for t, ms in opt.tuning_trials)
+            print(f"# {p}: tuned to {opt.fusion_threshold_mb:.3g} MiB ({opt.num_groups} groups) "
+                  f"after trials {trials}", flush=True)
 
     rates: Dict[str, List[float]] = {p: [] for p in policies}
     for r in range(args.rounds):
@@ -216,7 +237,8 @@ def main() -> None:
                 ratio = f"{row['median_ratio']:.2f} ({min(q):.2f}-{max(q):.2f})"
             print(f"{row['policy']:<9} {ranks:>5} {args.link:<10} {text:>28} {ratio:>30} "
                   f"{row['last_loss']:7.4f}")
-        synced = [row["last_loss"] for row in rows if row["policy"] != "local"]
+        # Not local (it does not communicate) nor dear-auto (its tuning trials were extra steps).
+        synced = [row["last_loss"] for row in rows if row["policy"] not in ("local", "dear-auto")]
         spread = max(synced) - min(synced) if synced else 0.0
         agree = spread <= 1e-4 * max(1.0, abs(synced[0])) if synced else True
         print(f"# last loss: communicating policies {'agree' if agree else 'DISAGREE'} "

@@ -12,7 +12,8 @@ Policies (all average gradients over ranks, as DDP does):
   Fusion (``fusion=``): ``"threshold"`` (default) fills a group while it stays within
   ``threshold_mb``; ``"nearby"`` puts every ``layers_per_group`` neighbouring layers (modules
   owning parameters) in one group; ``"auto"`` tunes the threshold while training, as the
-  reference DeAR does: Bayesian optimisation (dear's ThresholdTuner) over ``tune_range_mb``,
+  reference DeAR does: Bayesian optimisation (dear's ThresholdTuner) over ``tune_range_mb``
+  (by default from a 64th of the model, at most 1 MiB, to the whole model),
   ``tune_trials`` trials, each a warm-up step and then ``tune_steps`` measured steps at one
   threshold (the slowest rank's mean step time is what counts, so every rank makes the same
   choice); between trials the pending updates are applied and the groups planned again; after
@@ -106,14 +107,15 @@ class DistributedOptimizer:
         fusion: "threshold", "nearby" or "auto" (policy "dear" only; see the module's text).
         layers_per_group: fusion="nearby": neighbouring layers per group.
         tune_trials, tune_steps, tune_range_mb: fusion="auto": trials, measured steps per
-            trial, and the (smallest, largest) threshold tried, in MiB.
+            trial, and the (smallest, largest) threshold tried, in MiB (default: from a 64th
+            of the model's gradient bytes, at most 1 MiB, to the whole model).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                  policy: str = "dear", threshold_mb: float = 25,
                  backward_passes_per_step: int = 1, fusion: str = "threshold",
                  layers_per_group: int = 4, tune_trials: int = 10, tune_steps: int = 5,
-                 tune_range_mb: Tuple[float, float] = (1, 256)) -> None:
+                 tune_range_mb: Optional[Tuple[float, float]] = None) -> None:
         from . import size  # the package's communicator; dear.init() must have run
 
         if policy not in ("dear", "wfbp", "bucket"):
@@ -130,7 +132,7 @@ class DistributedOptimizer:
             if tune_trials < 1 or tune_steps < 1:
                 raise ValueError(f"tune_trials and tune_steps must be >= 1, got {tune_trials} "
                                  f"and {tune_steps}")
-            if not 0 < tune_range_mb[0] < tune_range_mb[1]:
+            if tune_range_mb is not None and not 0 < tune_range_mb[0] < tune_range_mb[1]:
                 raise ValueError(f"tune_range_mb must be (smallest, largest) with "
                                  f"0 < smallest < largest, got {tune_range_mb}")
         self.optimizer = optimizer
@@ -145,11 +147,6 @@ class DistributedOptimizer:
         self._tune_steps = tune_steps
         self._trial_start: Optional[float] = None  # end of the trial's warm-up step
         self._trial_steps = 0
-        if fusion == "auto":
-            lo, hi = int(tune_range_mb[0] * _MB), int(tune_range_mb[1] * _MB)
-            self._tuner = _dear.ThresholdTuner(lo, hi, tune_trials,
-                                               middle_bytes=min(max(self._threshold, lo), hi))
-            self._threshold = self._tuner.next()
 
         # Parameters in registration order (the usual stand-in for forward order), each once
         # even when modules share it; frozen ones take no part.
@@ -169,6 +166,18 @@ class DistributedOptimizer:
 
         self._owners = owners
         self._layers = layers
+        if fusion == "auto":
+            if tune_range_mb is None:
+                # From a 64th of the model (at most 1 MiB, at least 4 KiB: many groups) to the
+                # whole model (one group).
+                total = sum(p.numel() * p.element_size() for layer in layers for p in layer)
+                lo = max(4096, min(_MB, total // 64))
+                hi = max(2 * lo, total)
+            else:
+                lo, hi = int(tune_range_mb[0] * _MB), int(tune_range_mb[1] * _MB)
+            self._tuner = _dear.ThresholdTuner(lo, hi, tune_trials,
+                                               middle_bytes=min(max(self._threshold, lo), hi))
+            self._threshold = self._tuner.next()
         self._hooks = []
         self._accumulators = []
         self._build()
