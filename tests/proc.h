@@ -54,6 +54,10 @@ inline Proc spawn(const std::vector<std::string>& argv, const std::vector<std::s
   p.out_path = out_path;
   p.pid = ::fork();
   if (p.pid == 0) {
+    // The default action for the termination signals, whatever this process inherited (a
+    // shell starts background jobs with SIGINT ignored, and exec keeps ignored signals).
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
     for (const auto& kv : env) ::putenv(const_cast<char*>(kv.c_str()));
     std::FILE* f = std::fopen(out_path.c_str(), "w");
     ::dup2(::fileno(f), 1);
