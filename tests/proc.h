@@ -40,6 +40,14 @@ inline std::uint16_t free_port() {
   return ntohs(a.sin_port);
 }
 
+// In a forked child before exec: the default action for the termination signals, whatever
+// the test inherited (a shell starts background jobs with SIGINT ignored, and exec keeps
+// ignored signals), so that tests that signal their children see what a user would.
+inline void default_termination_signals() {
+  ::signal(SIGINT, SIG_DFL);
+  ::signal(SIGTERM, SIG_DFL);
+}
+
 struct Proc {
   pid_t pid = -1;
   int status = 0;
@@ -54,10 +62,7 @@ inline Proc spawn(const std::vector<std::string>& argv, const std::vector<std::s
   p.out_path = out_path;
   p.pid = ::fork();
   if (p.pid == 0) {
-    // The default action for the termination signals, whatever this process inherited (a
-    // shell starts background jobs with SIGINT ignored, and exec keeps ignored signals).
-    ::signal(SIGINT, SIG_DFL);
-    ::signal(SIGTERM, SIG_DFL);
+    default_termination_signals();
     for (const auto& kv : env) ::putenv(const_cast<char*>(kv.c_str()));
     std::FILE* f = std::fopen(out_path.c_str(), "w");
     ::dup2(::fileno(f), 1);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "dear/bootstrap.h"
+#include "proc.h"
 
 #ifndef DEAR_RUN_PATH
 #error "DEAR_RUN_PATH must name the dear-run binary"
@@ -62,6 +63,7 @@ class DearRun {
     cargv.push_back(nullptr);
     pid_ = ::fork();
     if (pid_ == 0) {
+      dear::test::default_termination_signals();
       ::dup2(out[1], STDOUT_FILENO);
       ::dup2(err[1], STDERR_FILENO);
       ::execv(cargv[0], cargv.data());
