@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "collectives/reduce.h"
+#include "common/stats.h"
 #include "dear/error.h"
 
 namespace dear::bench {
@@ -14,12 +15,6 @@ using Clock = std::chrono::steady_clock;
 
 double us_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t k = v.size();
-  return k % 2 == 1 ? v[k / 2] : (v[k / 2 - 1] + v[k / 2]) / 2;
 }
 
 double max_over_ranks(Communicator& comm, double v) {

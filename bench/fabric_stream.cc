@@ -59,6 +59,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/env.h"
+#include "common/stats.h"
 #include "dear/bootstrap.h"
 #include "dear/error.h"
 #include "report.h"
@@ -711,13 +712,6 @@ std::unique_ptr<TcpStream> open_tcp(Bootstrap& boot, const Args& args) {
   boot.all_gather(&port, sizeof(port), ports.data());
   if (!all_ok(boot, [&] { stream->connect(ports[1]); })) return nullptr;
   return stream;
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t h = v.size() / 2;
-  return v.size() % 2 == 1 ? v[h] : (v[h - 1] + v[h]) / 2;
 }
 
 // GB/s of every round of one transport and direction, in round order.

@@ -303,11 +303,11 @@ class CommunicatorImpl final : public Communicator {
       // Ring links carry the large operations: a slot holds a whole slice (and its header),
       // so a slice is one fragment. The mesh links carry the log-step schedules of small
       // operations; there are N-1 of them, so they keep the transport's smaller slots.
-      tr::fabric::FabricOptions ring = fo;
-      ring.slot_bytes = options_.fabric_slot_bytes > 0
-                            ? options_.fabric_slot_bytes
-                            : std::min(options_.slice_bytes, kMaxRingSlotPayload) + kSlotHeadroom;
       if (options_.fabric_slot_bytes > 0) fo.slot_bytes = options_.fabric_slot_bytes;
+      tr::fabric::FabricOptions ring = fo;
+      if (options_.fabric_slot_bytes == 0) {
+        ring.slot_bytes = std::min(options_.slice_bytes, kMaxRingSlotPayload) + kSlotHeadroom;
+      }
       connect_rdma(tr::fabric::connect_ring, tr::fabric::connect_peers, ring, fo);
     } else if (options_.transport == "verbs") {
       tr::verbs::VerbsOptions vo;

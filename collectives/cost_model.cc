@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "collectives/steps.h"
+#include "common/stats.h"
 #include "dear/error.h"
 
 namespace dear::collectives {
@@ -297,13 +298,6 @@ TwoFit fit_two(const std::vector<double>& x1, const std::vector<double>& x2,
   return f;
 }
 
-double median_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t k = v.size();
-  if (k == 0) return 0;
-  return k % 2 == 1 ? v[k / 2] : (v[k / 2 - 1] + v[k / 2]) / 2;
-}
-
 }  // namespace
 
 void fit_alpha_beta(CostModel& m) {
@@ -329,7 +323,7 @@ void fit_alpha_beta(CostModel& m) {
     p.rel_error = std::abs(p.model_us - p.step_us) / p.step_us;
     errors.push_back(p.rel_error);
   }
-  m.median_rel_error = median_of(std::move(errors));
+  m.median_rel_error = median(std::move(errors));
 }
 
 std::vector<std::size_t> refinement_sizes(
@@ -387,7 +381,7 @@ double fit_schedule(CostModel& m, Schedule schedule, std::vector<ScheduleSample>
     errors.push_back(samples[i].rel_error);
   }
   m.schedule_samples[name] = std::move(samples);
-  return median_of(std::move(errors));
+  return median(std::move(errors));
 }
 
 std::string to_json_text(const CostModel& m) {

@@ -8,6 +8,7 @@
 #include <thread>
 #include <utility>
 
+#include "common/stats.h"
 #include "dear/error.h"
 #include "dear/scheduler/comm_backend.h"
 
@@ -151,10 +152,7 @@ class Trainer {
     for (double s : r.iteration_s) sum += s;
     const double n = static_cast<double>(r.iteration_s.size());
     r.mean_s = sum / n;
-    auto sorted = r.iteration_s;
-    std::sort(sorted.begin(), sorted.end());
-    const std::size_t mid = sorted.size() / 2;
-    r.p50_s = sorted.size() % 2 == 1 ? sorted[mid] : 0.5 * (sorted[mid - 1] + sorted[mid]);
+    r.p50_s = median(r.iteration_s);
     r.samples_per_s = comm_.size() * model_.batch_size / r.mean_s;
     r.hooks_s = hooks_s_ / n;
     r.gradient_s = gradient_s_ / n;

@@ -147,6 +147,7 @@ class DistributedOptimizer:
         self._tune_steps = tune_steps
         self._trial_start: Optional[float] = None  # end of the trial's warm-up step
         self._trial_steps = 0
+        self._tuned_trials: List[Tuple[int, float]] = []  # the tuner's trials, once done
 
         # Parameters in registration order (the usual stand-in for forward order), each once
         # even when modules share it; frozen ones take no part.
@@ -520,8 +521,7 @@ class DistributedOptimizer:
     @property
     def tuning_trials(self) -> List[Tuple[float, float]]:
         """fusion="auto": (threshold in MiB, slowest rank's mean step in ms) per trial so far."""
-        trials = self._tuner.trials() if self._tuner is not None else getattr(
-            self, "_tuned_trials", [])
+        trials = self._tuner.trials() if self._tuner is not None else self._tuned_trials
         return [(t / _MB, ms) for t, ms in trials]
 
     @property
