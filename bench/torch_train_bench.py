@@ -82,6 +82,11 @@ def workload(args: argparse.Namespace) -> Tuple[Callable[[], nn.Module],
     return ConvNet, batch
 
 
+def gather_window(args: argparse.Namespace):
+    """--gather-window as DistributedOptimizer takes it (0: every all-gather at once)."""
+    return None if args.gather_window == 0 else args.gather_window
+
+
 class Trainer:
     """One policy's model copy, optimizer and step."""
 
@@ -95,13 +100,15 @@ class Trainer:
         if policy in ("dear", "wfbp", "bucket"):
             dear.broadcast_parameters(self.model)
             self.dear_opt = dear.DistributedOptimizer(base, self.model, policy=policy,
-                                                      threshold_mb=args.threshold_mb)
+                                                      threshold_mb=args.threshold_mb,
+                                                      gather_window=gather_window(args))
             self.net, self.opt = self.model, self.dear_opt
         elif policy == "dear-auto":
             dear.broadcast_parameters(self.model)
             self.dear_opt = dear.DistributedOptimizer(
                 base, self.model, policy="dear", threshold_mb=args.threshold_mb, fusion="auto",
-                tune_trials=args.tune_trials, tune_steps=args.tune_steps)
+                tune_trials=args.tune_trials, tune_steps=args.tune_steps,
+                gather_window=gather_window(args))
             self.net, self.opt = self.model, self.dear_opt
         elif policy in ("ddp-gloo", "ddp-dear"):
             group = gloo if policy == "ddp-gloo" else dist.group.WORLD
@@ -157,6 +164,9 @@ def main() -> None:
                         help="untimed steps before each segment (the first round: at least 2)")
     parser.add_argument("--threshold-mb", type=float, default=25,
                         help="dear: fusion threshold / bucket size (MiB)")
+    parser.add_argument("--gather-window", type=int, default=2,
+                        help="dear, dear-auto: all-gathers in flight during the forward pass "
+                             "(1: the reference DeAR; 0: all of them from step() on)")
     parser.add_argument("--ddp-bucket-mb", type=float, default=25, help="DDP bucket_cap_mb")
     parser.add_argument("--tune-trials", type=int, default=8,
                         help="dear-auto: threshold trials (run before the timed rounds)")
@@ -174,6 +184,8 @@ def main() -> None:
     for p in policies:
         if p not in POLICIES:
             parser.error(f"unknown policy {p!r}; use {', '.join(POLICIES)}")
+    if args.gather_window < 0:
+        parser.error(f"--gather-window must be >= 0, got {args.gather_window}")
 
     torch.set_num_threads(args.threads)
     dear.backend.init_process_group()
@@ -185,7 +197,8 @@ def main() -> None:
     if rank == 0:
         print(f"# {args.model}: {params / 1e6:.2f} M parameters ({params * 4 / 2**20:.0f} MiB of "
               f"fp32 gradients), {ranks} ranks, batch {args.batch}/rank, link {args.link}, "
-              f"{args.rounds} rounds x {args.steps} timed steps, {args.threads} thread(s)/rank",
+              f"{args.rounds} rounds x {args.steps} timed steps, {args.threads} thread(s)/rank, "
+              f"DeAR all-gather window {gather_window(args) or 'all'}",
               flush=True)
 
     # dear-auto tunes its fusion threshold before the timed rounds (its trials are steps too).

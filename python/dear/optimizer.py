@@ -6,8 +6,13 @@ Policies (all average gradients over ranks, as DDP does):
   order (dear's threshold planner). During backprop a group's gradients are copied into its
   buffer and reduce-scattered once all are ready. ``step()`` waits for the reduce-scatters and
   starts the all-gather of group 0; the update itself is deferred to the next forward pass:
-  just before the first module of group g runs, AG(g) is waited for, AG(g+1) is launched, and
-  the wrapped optimizer updates group g's parameters only. ``synchronize()`` applies whatever is
+  just before the first module of group g runs, AG(g) is waited for, the next all-gathers are
+  launched (``gather_window``), and the wrapped optimizer updates group g's parameters only.
+  ``gather_window`` all-gathers are in flight while the forward pass waits for one: with 1 (the
+  reference DeAR) only AG(g) itself, and AG(g+1) is launched once it completes; with 2 (the
+  default) AG(g+1) is already moving, so the link does not idle while the waiting thread wakes
+  up and launches the next one; ``None`` launches every group's all-gather in step(), and the
+  engine's priorities order them (group 0 first). ``synchronize()`` applies whatever is
   still pending (call it before evaluating, saving or comparing parameters).
   Fusion (``fusion=``): ``"threshold"`` (default) fills a group while it stays within
   ``threshold_mb``; ``"nearby"`` puts every ``layers_per_group`` neighbouring layers (modules
@@ -106,6 +111,8 @@ class DistributedOptimizer:
             k-th backward pass since the last step.
         fusion: "threshold", "nearby" or "auto" (policy "dear" only; see the module's text).
         layers_per_group: fusion="nearby": neighbouring layers per group.
+        gather_window: policy "dear": all-gathers in flight during the forward pass (>= 1, or
+            None for all of them from step() on; see the module's text).
         tune_trials, tune_steps, tune_range_mb: fusion="auto": trials, measured steps per
             trial, and the (smallest, largest) threshold tried, in MiB (default: from a 64th
             of the model's gradient bytes, at most 1 MiB, to the whole model).
@@ -115,7 +122,8 @@ class DistributedOptimizer:
                  policy: str = "dear", threshold_mb: float = 25,
                  backward_passes_per_step: int = 1, fusion: str = "threshold",
                  layers_per_group: int = 4, tune_trials: int = 10, tune_steps: int = 5,
-                 tune_range_mb: Optional[Tuple[float, float]] = None) -> None:
+                 tune_range_mb: Optional[Tuple[float, float]] = None,
+                 gather_window: Optional[int] = 2) -> None:
         from . import size  # the package's communicator; dear.init() must have run
 
         if policy not in ("dear", "wfbp", "bucket"):
@@ -128,6 +136,8 @@ class DistributedOptimizer:
             raise ValueError(f"fusion={fusion!r} applies to policy 'dear' only, not {policy!r}")
         if layers_per_group < 1:
             raise ValueError(f"layers_per_group must be >= 1, got {layers_per_group}")
+        if gather_window is not None and gather_window < 1:
+            raise ValueError(f"gather_window must be >= 1 or None, got {gather_window}")
         if fusion == "auto":
             if tune_trials < 1 or tune_steps < 1:
                 raise ValueError(f"tune_trials and tune_steps must be >= 1, got {tune_trials} "
@@ -144,6 +154,8 @@ class DistributedOptimizer:
         self._threshold = int(threshold_mb * _MB)
         self._layers_per_group = layers_per_group
         self._tuner = None
+        # None: every all-gather from step() on (no plan has that many groups).
+        self._gather_window = gather_window if gather_window is not None else 1 << 30
         self._tune_steps = tune_steps
         self._trial_start: Optional[float] = None  # end of the trial's warm-up step
         self._trial_steps = 0
@@ -359,10 +371,11 @@ class DistributedOptimizer:
         """dear: consumes group g's all-gather and applies its deferred update."""
         if g.state not in (_State.GATHER_QUEUED, _State.GATHERING):
             return
-        self._launch_gathers(g.index)
+        self._launch_gathers(g.index + self._gather_window - 1)
         g.handle.wait()
         g.handle = None
-        self._launch_gathers(g.index + 1)  # prefetch the next group while this one computes
+        # Prefetch the next groups while this one computes.
+        self._launch_gathers(g.index + self._gather_window)
         g.state = _State.IDLE
         self._apply(g)
         if all(x.state not in (_State.GATHER_QUEUED, _State.GATHERING) for x in self._groups):
@@ -425,7 +438,7 @@ class DistributedOptimizer:
                 g.state = _State.GATHER_QUEUED
             self._next_gather = 0
             self._pending = bool(self._groups)
-            self._launch_gathers(0)
+            self._launch_gathers(self._gather_window - 1)
             if self._tuner is not None:
                 self._tune()
             return loss

@@ -1,7 +1,8 @@
 """dear.DistributedOptimizer's fusion modes: "nearby" groups and "auto" (the threshold tuned
-while training) train to the same parameters as local training (fp32, atol 1e-5); the tuner's
-trials are the ones asked for, every rank chooses the same threshold, and bad options are
-refused naming the argument."""
+while training) train to the same parameters as local training (fp32, atol 1e-5), and so do
+the all-gather windows of the forward pass other than the default; the tuner's trials are the
+ones asked for, every rank chooses the same threshold, and bad options are refused naming the
+argument."""
 from __future__ import annotations
 
 import os
@@ -33,7 +34,8 @@ def check_errors() -> None:
                           ({"policy": "wfbp", "fusion": "nearby"}, "fusion"),
                           ({"fusion": "nearby", "layers_per_group": 0}, "layers_per_group"),
                           ({"fusion": "auto", "tune_steps": 0}, "tune_steps"),
-                          ({"fusion": "auto", "tune_range_mb": (4, 2)}, "tune_range_mb")):
+                          ({"fusion": "auto", "tune_range_mb": (4, 2)}, "tune_range_mb"),
+                          ({"gather_window": 0}, "gather_window")):
         try:
             dear.DistributedOptimizer(sgd, model, **kwargs)
         except ValueError as e:
@@ -56,6 +58,16 @@ def main() -> None:
             if dear.rank() == 0:
                 print(f"nearby({k})/{optimizer}: {opt.num_groups} groups, equal to local "
                       "training", flush=True)
+        # All-gathers in flight during the forward pass: the reference's one, and all of them.
+        # Small groups (nearby, 1 layer each), so that several are in flight at once.
+        for window in (1, None):
+            model, opt = train_dear(optimizer, STEPS, "dear", fusion="nearby", layers_per_group=1,
+                                    gather_window=window)
+            opt.synchronize()
+            assert_same(f"gather_window={window}/{optimizer}", model, want)
+            if dear.rank() == 0:
+                print(f"gather_window={window}/{optimizer}: {opt.num_groups} groups, equal to "
+                      "local training", flush=True)
         # Thresholds from 1 KiB to 64 KiB: the small model's groups differ between trials.
         # 4 trials of a warm-up step and 2 measured steps: tuned after 12 of the 20 steps.
         model, opt = train_dear(optimizer, STEPS, "dear", fusion="auto", tune_trials=4,
