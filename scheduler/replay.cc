@@ -428,7 +428,7 @@ NetModel calibrate_network(Communicator& comm, int repeats) {
   NetModel net;
   net.name = "measured";
   net.slice_bytes = static_cast<std::int64_t>(comm.options().slice_bytes);
-  std::array<double, 3> fit{20e-6, 1e-9, 0};  // alpha, beta, overhead: as is on one rank
+  std::array<double, 4> fit{20e-6, 1e-9, 0, 0};  // alpha, beta, overhead, wake: as on one rank
   if (n > 1) {
     const std::array<std::int64_t, 2> chunks{16 << 10, 1 << 20};
     std::vector<float> buf(static_cast<std::size_t>(chunks.back() / 4 * n), 1.0F);
@@ -480,15 +480,33 @@ NetModel calibrate_network(Communicator& comm, int repeats) {
     }
     std::sort(small.begin(), small.end());
     const double overhead = std::max(small[small.size() / 2] - 2.0 * (n - 1) * alpha, 0.0);
-    fit = {alpha, beta, overhead};
+    // The wake-up after a blocked wait: the same small all-gather as above, now in a chain
+    // where each one is issued as soon as the previous one's wait returns, without a barrier
+    // lining the ranks up in between.
+    constexpr int kChain = 32;
+    const auto shard = static_cast<std::size_t>(chunks.front() / 4);
+    float* mine = buf.data() + static_cast<std::size_t>(comm.rank()) * shard;
+    std::vector<double> chain;
+    for (int r = 0; r < repeats; ++r) {
+      comm.barrier().wait();
+      const auto t0 = Clock::now();
+      for (int k = 0; k < kChain; ++k) {
+        comm.all_gather(mine, buf.data(), shard, DataType::kFloat32).wait();
+      }
+      chain.push_back(seconds(Clock::now() - t0) / kChain);
+    }
+    const double alone = ys[1] * (n - 1);  // the 16 KiB all-gather's median, timed alone
+    const double wake = std::max(median(chain) - alone, 0.0);
+    fit = {alpha, beta, overhead, wake};
     // Every rank must plan with the same numbers: take rank 0's.
-    std::array<double, 3> root{};
+    std::array<double, 4> root{};
     comm.broadcast(fit.data(), root.data(), root.size(), DataType::kFloat64, 0).wait();
     fit = root;
   }
   net.alpha_s = fit[0];
   net.beta_s_per_byte = fit[1];
   net.op_overhead_s = fit[2];
+  net.wake_s = fit[3];
   net.gap_s = net.alpha_s;
   return net;
 }

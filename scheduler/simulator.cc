@@ -40,7 +40,8 @@ class SimBackend final : public Backend {
   // optimizer work it completes runs there, on the compute stream.
   void wait(OpId op) override {
     if (op == kNoOp) return;
-    now_ = std::max(now_, link_.finish(op));
+    const double end = link_.finish(op);
+    if (end > now_) now_ = end + config_.net.wake_s;  // blocked: the worker wakes up
     const auto i = static_cast<std::size_t>(op);
     if (consumed_.at(i)) return;
     consumed_[i] = true;

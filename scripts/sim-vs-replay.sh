@@ -92,6 +92,7 @@ for n in $ranks; do
   alpha=$(jq -r .net.alpha_us "$out/train-$n.json")
   gap=$(jq -r .net.gap_us "$out/train-$n.json")
   overhead=$(jq -r '.net.op_overhead_us // 0' "$out/train-$n.json")
+  wake=$(jq -r '.net.wake_us // 0' "$out/train-$n.json")
   gbps=$(jq -r .net.gbps "$out/train-$n.json")
   slice=$(jq -r .net.slice_bytes "$out/train-$n.json")
   names=$(jq -r '.policies | keys_unsorted | join(",")' "$out/train-$n.json")
@@ -101,16 +102,16 @@ for n in $ranks; do
   opt=$(jq -r --arg p "$first" '(.policies.dear // .policies[$p]).optimizer_ms * 1000 /
     (.params / 1e6)' "$out/train-$n.json")
   opt_rates+=("$opt")
-  echo "[$prog] $n ranks: measured alpha $alpha us, $gbps Gb/s, overhead $overhead us per operation, optimizer $opt us/Mparam; dear-sim" >&2
+  echo "[$prog] $n ranks: measured alpha $alpha us, $gbps Gb/s, overhead $overhead us per operation, wake-up $wake us, optimizer $opt us/Mparam; dear-sim" >&2
   "$sim" --model "$model" --workers "$n" --time-scale "$time_scale" \
     --param-scale "$param_scale" --alpha-us "$alpha" --gap-us "$gap" --gbps "$gbps" \
     --slice-bytes "$slice" --engine "$engine" --optimizer-us-per-mparam "$opt" \
-    --op-overhead-us "$overhead" \
+    --op-overhead-us "$overhead" --wake-us "$wake" \
     --policies "$names" --json >"$out/sim-$n.json"
   for p in ${names//,/ }; do
     m=$(jq -r ".policies[\"$p\"].iter_ms_p50" "$out/train-$n.json")
     s=$(jq -r ".policies[\"$p\"].iter_ms" "$out/sim-$n.json")
-    rows+=("$p $n $alpha $gbps $m $s")
+    rows+=("$p $n $alpha $wake $gbps $m $s")
   done
 done
 
@@ -122,12 +123,17 @@ printf 'all_reduce %s; dear-sim engine %s; measured = median of %s iterations;\n
   "$algo" "$engine" "$iters"
 printf 'optimizer charged in the simulator at the replay'"'"'s measured rate (us per M parameters): %s\n\n' \
   "${opt_rates[*]}"
-printf '%-14s %5s %9s %8s %12s %12s %9s\n' policy ranks alpha_us Gb/s measured_ms simulated_ms error
+printf '%-14s %5s %9s %8s %8s %12s %12s %9s\n' policy ranks alpha_us wake_us Gb/s measured_ms \
+  simulated_ms error
 worst=0
+within=0
 for row in "${rows[@]}"; do
-  read -r p n a g m s <<<"$row"
+  read -r p n a w g m s <<<"$row"
   err=$(awk -v m="$m" -v s="$s" 'BEGIN { printf "%+.1f", (s - m) / m * 100 }')
-  printf '%-14s %5s %9.1f %8.2f %12.2f %12.2f %8s%%\n' "$p" "$n" "$a" "$g" "$m" "$s" "$err"
+  printf '%-14s %5s %9.1f %8.1f %8.2f %12.2f %12.2f %8s%%\n' "$p" "$n" "$a" "$w" "$g" "$m" "$s" \
+    "$err"
   worst=$(awk -v w="$worst" -v e="$err" 'BEGIN { e = e < 0 ? -e : e; print (e > w ? e : w) }')
+  within=$((within + $(awk -v e="$err" 'BEGIN { print (e <= 15 && e >= -15) ? 1 : 0 }')))
 done
-printf '\nlargest |error|: %s%% (target 15%%)\n' "$worst"
+printf '\nwithin 15%%: %d of %d points; largest |error|: %s%% (target 15%%)\n' "$within" \
+  "${#rows[@]}" "$worst"

@@ -228,3 +228,25 @@ TEST(Replay, ScaledModelAndArgumentErrors) {
     }
   });
 }
+
+// The calibration's fit is rank 0's on every rank (every rank must plan with the same
+// numbers), and each term is a finite time of the right sign.
+TEST(Replay, CalibrationIsRankZerosOnEveryRank) {
+  constexpr int kRanks = 3;
+  std::vector<ds::NetModel> fits(kRanks);
+  run_ranks(kRanks, [&](dear::Communicator& comm) {
+    fits[static_cast<std::size_t>(comm.rank())] = ds::calibrate_network(comm, 3);
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    const ds::NetModel& f = fits[static_cast<std::size_t>(r)];
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(f.alpha_s, fits[0].alpha_s);
+    EXPECT_EQ(f.beta_s_per_byte, fits[0].beta_s_per_byte);
+    EXPECT_EQ(f.op_overhead_s, fits[0].op_overhead_s);
+    EXPECT_EQ(f.wake_s, fits[0].wake_s);
+    EXPECT_TRUE(std::isfinite(f.alpha_s) && f.alpha_s > 0 && f.alpha_s < 1);
+    EXPECT_TRUE(std::isfinite(f.beta_s_per_byte) && f.beta_s_per_byte > 0);
+    EXPECT_TRUE(std::isfinite(f.op_overhead_s) && f.op_overhead_s >= 0 && f.op_overhead_s < 1);
+    EXPECT_TRUE(std::isfinite(f.wake_s) && f.wake_s >= 0 && f.wake_s < 1);
+  }
+}

@@ -203,6 +203,21 @@ TEST_F(HandTimeline, DearOneGroup) {
   EXPECT_NEAR(r.step_s[0], 67e-3, 1e-9);
 }
 
+// A worker that blocked in a wait goes on wake_s after the operation ended; a wait that finds
+// its operation done costs nothing.
+TEST_F(HandTimeline, WakeUpAfterABlockedWait) {
+  config.net.wake_s = 1e-3;
+  // WFBP: AR(L1) 40..50 is over when the step waits for it at 60; AR(L0) 60..66 is not: 67.
+  auto wfbp = ds::make_wfbp(model);
+  EXPECT_NEAR(ds::simulate(model, *wfbp, config).iteration_s, 67e-3, 1e-9);
+  // DeAR, one group: first iteration RS 60..67, the step at 68. Then AG S..S+7, the forward
+  // pass waits for it: S+8..S+28; backward ..S+68; RS ..S+75, the step at S+76.
+  auto dear = ds::make_dear(model, ds::plan_threshold(model, 2));
+  const auto r = ds::simulate(model, *dear, config);
+  EXPECT_NEAR(r.step_s[0], 68e-3, 1e-9);
+  EXPECT_NEAR(r.iteration_s, 76e-3, 1e-9);
+}
+
 TEST_F(HandTimeline, EagerAllGatherAndBound) {
   // Per layer, eager: RS(1) 40..45 then AG(1) 45..50 during L0's backward; RS(0) 60..63,
   // AG(0) 63..66 (issued at 60, after RS(0)); the step at 63 waits only for RS(0).

@@ -70,6 +70,7 @@ int main(int argc, char** argv) {
   double gbps = -1;
   double gap_us = -1;
   double op_overhead_us = -1;
+  double wake_us = -1;
   double time_scale = 1;
   double param_scale = 1;
   double optimizer_us_per_mparam = 0;
@@ -88,6 +89,9 @@ int main(int argc, char** argv) {
   app.add_option("--op-overhead-us", op_overhead_us,
                  "override: software cost of one operation beyond its steps, microseconds "
                  "(dear-train --calibrate measures it; default 0)");
+  app.add_option("--wake-us", wake_us,
+                 "override: a worker blocked in a wait goes on this long after the operation "
+                 "ended, microseconds (dear-train --calibrate measures it; default 0)");
   app.add_option("--engine", engine,
                  "engine: policy (each policy's own), serial, or interleaved (dear's, for all)")
       ->check(CLI::IsMember({"policy", "serial", "interleaved"}));
@@ -118,6 +122,7 @@ int main(int argc, char** argv) {
     if (!slice.empty()) net->slice_bytes = std::stoll(slice);
     if (gap_us >= 0) net->gap_s = gap_us * 1e-6;
     if (op_overhead_us >= 0) net->op_overhead_s = op_overhead_us * 1e-6;
+    if (wake_us >= 0) net->wake_s = wake_us * 1e-6;
     const ds::Model model = ds::scale_model(ds::load_model(profile_path(model_name, profiles)),
                                             time_scale, param_scale);
     ds::SimConfig config{*net, workers, iterations};
@@ -152,6 +157,7 @@ int main(int argc, char** argv) {
                     {"gbps", 8.0 / net->beta_s_per_byte / 1e9},
                     {"gap_us", net->gap_s * 1e6},
                     {"op_overhead_us", net->op_overhead_s * 1e6},
+                    {"wake_us", net->wake_s * 1e6},
                     {"slice_bytes", net->slice_bytes}};
       doc["compute_ms"] = (model.forward_s() + model.backward_s()) * 1e3;
       doc["optimizer_us_per_mparam"] = optimizer_us_per_mparam;

@@ -255,6 +255,7 @@ int main(int argc, char** argv) {
                     {"alpha_us", net->alpha_s * 1e6},
                     {"gap_us", net->gap_s * 1e6},
                     {"op_overhead_us", net->op_overhead_s * 1e6},
+                    {"wake_us", net->wake_s * 1e6},
                     {"gbps", 8.0 / net->beta_s_per_byte / 1e9},
                     {"slice_bytes", net->slice_bytes}};
       doc["policies"] = std::move(results);

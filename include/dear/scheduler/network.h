@@ -25,6 +25,12 @@ struct NetModel {
   // job's ranks by calibrate_network() as a one-element all_reduce's time beyond its
   // 2(N-1) alphas; 0 for the built-in networks, whose alpha already holds their software.
   double op_overhead_s = 0;
+  // A worker that blocked waiting for an operation goes on this long after the operation
+  // ended: its thread wakes up, and the operation it issues next cannot move before the last
+  // rank has issued it too. Measured by calibrate_network() as the period of a chain of
+  // dependent all-gathers (each issued when the previous one's wait returns, as a forward
+  // pass issues them) beyond the same all-gather's time alone; 0 for the built-in networks.
+  double wake_s = 0;
   std::int64_t slice_bytes = 512 * 1024;  // engine pipelining unit (CommOptions default)
 };
 

@@ -92,7 +92,9 @@ struct ReplayResult {
 // Fits alpha and beta of one ring step on `comm` from timed reduce-scatters and all-gathers
 // (median of `repeats` timings each) of 16 KiB and 1 MiB per ring step: the line through
 // the two. op_overhead_s is the median one-element ring all_reduce (4 x `repeats` timings)
-// beyond its 2(N-1) alphas. Returns rank 0's fit on every rank. Collective. gap_s is set to
+// beyond its 2(N-1) alphas; wake_s the per-operation period of 32 all-gathers of 16 KiB per
+// step, each issued when the previous one's wait returned (median of `repeats` chains), beyond
+// the same all-gather's time alone. Returns rank 0's fit on every rank. Collective. gap_s is set to
 // alpha (on loopback the whole step latency is CPU work).
 [[nodiscard]] NetModel calibrate_network(Communicator& comm, int repeats = 7);
 
