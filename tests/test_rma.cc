@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -15,6 +17,7 @@
 #include "dear/error.h"
 #include "transport/link.h"
 #include "transport/rma/fragments.h"
+#include "transport/rma/slot_region.h"
 #include "transport/rma/slot_window.h"
 
 namespace dear::testing {
@@ -553,6 +556,183 @@ TEST(Reassembler, ProtocolViolationsAreNamed) {
   }
 }
 
+// ---- one-sided writes into the receiver's slots (slot_region.h)
+// ----------------------------------------------------------
+
+using transport::rma::kPrefix;
+using transport::rma::Prefix;
+using transport::rma::SlotRegion;
+
+TEST(SlotRegion, FragmentsGoToSlotSeqModuloSlotsAcrossTheWrap) {
+  SlotRegion r;
+  r.base = 1 << 20;
+  r.key = 77;
+  r.slot_bytes = 4096 + 64;
+  r.slots = 8;
+  for (const std::uint32_t seq : {0u, 1u, 7u, 8u, 123u, 0xfffffffeu, 0xffffffffu}) {
+    EXPECT_EQ(transport::rma::slot_address(r, seq), r.base + (seq % 8) * r.slot_bytes) << seq;
+  }
+  // Any `slots` consecutive fragments, across the wrap too, go to distinct slots (why slot
+  // counts are powers of two: check_slot_options).
+  std::vector<bool> used(r.slots, false);
+  for (std::uint32_t k = 0; k < r.slots; ++k) {
+    const std::uint32_t seq = 0xfffffffcu + k;
+    const std::uint64_t slot = (transport::rma::slot_address(r, seq) - r.base) / r.slot_bytes;
+    ASSERT_LT(slot, r.slots);
+    EXPECT_FALSE(used[slot]) << "fragment " << seq << " shares slot " << slot;
+    used[slot] = true;
+  }
+  r.slots = 0;
+  EXPECT_THROW((void)transport::rma::slot_address(r, 1), Error);
+}
+
+TEST(SlotRegion, BaseIsAVirtualAddressOrAnOffset) {
+  std::vector<char> mem(256);
+  const auto at = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(mem.data()));
+  EXPECT_EQ(transport::rma::region_base(mem.data(), 64, true), at + 64);
+  EXPECT_EQ(transport::rma::region_base(mem.data(), 64, false), 64u);
+  EXPECT_EQ(transport::rma::region_base(mem.data(), 0, false), 0u);
+}
+
+TEST(SlotRegion, RecordSurvivesTheBytesOfTheExchange) {
+  SlotRegion r;
+  r.base = 0x7f0012345000ULL;
+  r.key = 0xfedcba9876543210ULL;
+  r.slot_bytes = (1 << 20) + 4096;
+  r.slots = 8;
+  std::array<char, sizeof(SlotRegion)> wire{};
+  std::memcpy(wire.data(), &r, sizeof(r));
+  SlotRegion back;
+  std::memcpy(&back, wire.data(), sizeof(back));
+  EXPECT_EQ(back.base, r.base);
+  EXPECT_EQ(back.key, r.key);
+  EXPECT_EQ(back.slot_bytes, r.slot_bytes);
+  EXPECT_EQ(back.slots, r.slots);
+  EXPECT_EQ(transport::rma::slot_address(back, 11), r.base + 3 * r.slot_bytes);
+}
+
+TEST(SlotRegion, PeersWithOtherSlotsAreNamedWithBothViews) {
+  SlotRegion r;
+  r.slot_bytes = 131072;
+  r.slots = 8;
+  EXPECT_FALSE(transport::rma::check_region(r, 131072, 8, 0, 1));
+  const auto fewer = transport::rma::check_region(r, 131072, 4, 2, 5);
+  ASSERT_TRUE(fewer);
+  EXPECT_NE(fewer->find("rank 5 offers 8 slots of 131072 bytes"), std::string::npos) << *fewer;
+  EXPECT_NE(fewer->find("rank 2 has 4 of 131072"), std::string::npos) << *fewer;
+  EXPECT_TRUE(transport::rma::check_region(r, 65536, 8, 0, 1));
+  EXPECT_TRUE(transport::rma::check_region(SlotRegion{}, 131072, 8, 0, 1))
+      << "a peer that published no slots (send data path) does not fit";
+}
+
+TEST(SlotRegion, WrittenPrefixMustMatchItsAnnouncement) {
+  Prefix p;
+  p.tag = 42;
+  p.seq = 9;
+  p.bytes = 1000;
+  p.kind = transport::rma::Kind::kData;
+  EXPECT_FALSE(transport::rma::check_written(p, 9, 42, 4096, std::nullopt));
+  EXPECT_FALSE(transport::rma::check_written(p, 9, 42, 4096, kPrefix + 1000));
+  EXPECT_FALSE(transport::rma::check_written(p, 9, 42, kPrefix + 1000, std::nullopt))
+      << "a fragment filling its slot exactly";
+  const auto expect = [&](const std::optional<std::string>& got, const std::string& part) {
+    ASSERT_TRUE(got) << part;
+    EXPECT_NE(got->find("fragment 9"), std::string::npos) << *got;
+    EXPECT_NE(got->find(part), std::string::npos) << *got;
+  };
+  expect(transport::rma::check_written(p, 9, 43, 4096, std::nullopt), "another communicator");
+  expect(transport::rma::check_written(p, 9, 42, kPrefix + 999, std::nullopt), "1000 bytes");
+  expect(transport::rma::check_written(p, 9, 42, 4096, kPrefix + 999), "1031 bytes");
+  Prefix stale = p;
+  stale.seq = 1;  // the slot's previous occupant: the write has not landed where announced
+  expect(transport::rma::check_written(stale, 9, 42, 4096, std::nullopt), "left fragment 1");
+  Prefix credit = p;
+  credit.kind = transport::rma::Kind::kCredit;
+  expect(transport::rma::check_written(credit, 9, 42, 4096, std::nullopt), "of kind 2");
+}
+
+// A sender writing into a receiver's slots under the credit rules, with writes landing in a
+// shuffled order and the receiver consuming at random moments: no write ever lands in a slot
+// whose fragment has not been consumed, and every fragment is read back whole, in order.
+TEST(SlotRegion, SimulatedWritesNeverOverwriteAnUnconsumedSlot) {
+  // (With 6 slots, which check_slot_options refuses, fragments 2^32-2 and 2 share a slot and
+  // some of these runs overwrite it.)
+  constexpr std::uint32_t kSlots = 8;
+  constexpr std::size_t kSlotBytes = 256;
+  for (unsigned seed = 1; seed <= 20; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937 rng(seed);
+    std::vector<char> memory(kSlots * kSlotBytes);
+    SlotRegion region;
+    region.base = 0;  // offset addressing
+    region.slot_bytes = kSlotBytes;
+    region.slots = kSlots;
+    SendWindow send(kSlots, 0xfffffff0u);  // crosses the wrap
+    RecvWindow recv(kSlots, kSlots / 2, 0xfffffff0u);
+    std::vector<bool> occupied(kSlots, false);
+    struct InFlight {
+      std::uint32_t seq;
+      std::vector<char> bytes;
+    };
+    std::vector<InFlight> flying;
+    const std::uint32_t total = 500;
+    std::uint32_t written = 0, consumed = 0, credits_in_flight = 0;
+    const auto fill = [](std::uint32_t seq, std::size_t i) {
+      return static_cast<char>((seq * 17 + i * 3) & 0xff);
+    };
+    while (consumed < total) {
+      const int action = static_cast<int>(rng() % 4);
+      if (action == 0 && written < total && send.can_send()) {
+        const std::uint32_t seq = send.take();
+        InFlight f{seq, std::vector<char>(kSlotBytes)};
+        Prefix p;
+        p.seq = seq;
+        p.bytes = static_cast<std::uint32_t>(kSlotBytes - kPrefix);
+        std::memcpy(f.bytes.data(), &p, kPrefix);
+        for (std::size_t i = kPrefix; i < kSlotBytes; ++i) f.bytes[i] = fill(seq, i);
+        flying.push_back(std::move(f));
+        ++written;
+      } else if (action == 1 && !flying.empty()) {
+        // A write lands (any of those in flight) and is announced.
+        const std::size_t k = rng() % flying.size();
+        InFlight f = std::move(flying[k]);
+        flying.erase(flying.begin() + static_cast<std::ptrdiff_t>(k));
+        const std::uint64_t at = transport::rma::slot_address(region, f.seq);
+        const std::size_t slot = static_cast<std::size_t>(at / kSlotBytes);
+        ASSERT_FALSE(occupied[slot]) << "fragment " << f.seq << " overwrote an unconsumed slot";
+        occupied[slot] = true;
+        std::memcpy(memory.data() + at, f.bytes.data(), kSlotBytes);
+        Prefix p;
+        std::memcpy(&p, memory.data() + at, kPrefix);
+        ASSERT_FALSE(transport::rma::check_written(p, f.seq, 0, kSlotBytes, kSlotBytes));
+        ASSERT_FALSE(
+            transport::rma::accept_fragment(recv, f.seq, static_cast<std::uint32_t>(slot)));
+      } else if (action == 2) {
+        while (auto slot = recv.next_ready()) {
+          const char* body = memory.data() + *slot * kSlotBytes;
+          Prefix p;
+          std::memcpy(&p, body, kPrefix);
+          ASSERT_EQ(p.seq, recv.expected());
+          for (std::size_t i = kPrefix; i < kSlotBytes; ++i) {
+            ASSERT_EQ(body[i], fill(p.seq, i)) << "fragment " << p.seq << " byte " << i;
+          }
+          occupied[*slot] = false;
+          recv.consume();
+          ++consumed;
+        }
+      } else if (action == 3) {
+        // Credits travel back (piggybacked or in a control message: the same to the windows).
+        credits_in_flight += recv.take_owed();
+        const std::uint32_t n = credits_in_flight == 0 ? 0 : 1 + rng() % credits_in_flight;
+        ASSERT_FALSE(transport::rma::accept_credits(send, n, 1));
+        credits_in_flight -= n;
+      }
+    }
+    EXPECT_EQ(written, total);
+    EXPECT_TRUE(flying.empty());
+  }
+}
+
 // ---- arrival checks and options
 // ----------------------------------------------------------
 
@@ -585,6 +765,15 @@ TEST(RmaChecks, SlotOptionsNameTheTransport) {
   EXPECT_THROW(transport::rma::check_slot_options("fabric", 1024 + 32, 8, 0), Error);
   EXPECT_THROW(transport::rma::check_slot_options("fabric", 128u << 20, 8, 0), Error);
   EXPECT_THROW(transport::rma::check_slot_options("fabric", 4096, 2048, 0), Error);
+  try {
+    transport::rma::check_slot_options("fabric", 4096, 6, 1);
+    ADD_FAILURE() << "slots=6 was accepted: fragments 2^32-1 and 0 would share slot 3";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("fabric: slots=6 is not a power of two"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

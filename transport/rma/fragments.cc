@@ -247,6 +247,12 @@ void check_slot_options(std::string_view transport, std::size_t slot_bytes, std:
     throw Error(ErrorCode::kInvalidArgument,
                 name + ": slots=" + std::to_string(slots) + " is outside [2, 1024]", rank);
   }
+  // Fragment seq lives in slot seq % slots; across the wrap of the 32-bit sequence numbers
+  // consecutive fragments keep distinct slots only when slots divides 2^32.
+  if ((slots & (slots - 1)) != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                name + ": slots=" + std::to_string(slots) + " is not a power of two", rank);
+  }
   if (slot_bytes < 1024 || slot_bytes > (64U << 20) || slot_bytes % 64 != 0) {
     throw Error(ErrorCode::kInvalidArgument,
                 name + ": slot_bytes=" + std::to_string(slot_bytes) +

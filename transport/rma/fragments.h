@@ -204,7 +204,7 @@ class Reassembler {
                                                          std::uint32_t buffer);
 
 // Throws dear::Error(kInvalidArgument), naming `transport` ("fabric", "verbs"), unless slots is
-// in [2, 1024] and slot_bytes a multiple of 64 in [1 KiB, 64 MiB].
+// a power of two in [2, 1024] and slot_bytes a multiple of 64 in [1 KiB, 64 MiB].
 void check_slot_options(std::string_view transport, std::size_t slot_bytes, std::uint32_t slots,
                         int rank);
 

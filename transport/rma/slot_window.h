@@ -15,7 +15,8 @@
 // fragment. It
 //   never has more than `slots` fragments unacknowledged, so fragment k can
 //   only land in a slot the receiver has free, and sequence numbers in flight
-//   are distinct modulo `slots`.
+//   are distinct modulo `slots` (across the 32-bit wrap too, as transports keep
+//   `slots` a power of two: check_slot_options).
 // - Fragments may complete at the receiver out of order (a provider may reorder
 // completions);
 //   RecvWindow holds them until the next one in sequence is there and hands
