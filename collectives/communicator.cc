@@ -268,6 +268,12 @@ class CommunicatorImpl final : public Communicator {
                       (transport::verbs::built() ? ", verbs" : "") + ")",
                   rank_);
     }
+    if (!transport::fabric::parse_data_path(options_.fabric_data_path)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "CommOptions::fabric_data_path='" + options_.fabric_data_path +
+                      "' is not one of auto, write, send (DEAR_FABRIC_DATA_PATH)",
+                  rank_);
+    }
     if (options_.eager_window < 1) {
       throw Error(ErrorCode::kInvalidArgument, "CommOptions::eager_window must be at least 1",
                   rank_);
@@ -299,6 +305,7 @@ class CommunicatorImpl final : public Communicator {
     if (options_.transport == "fabric") {
       tr::fabric::FabricOptions fo;
       fo.provider = options_.fabric_provider;
+      fo.data_path = *tr::fabric::parse_data_path(options_.fabric_data_path);
       fo.deadline = deadline;
       // Ring links carry the large operations: a slot holds a whole slice (and its header),
       // so a slice is one fragment. The mesh links carry the log-step schedules of small
@@ -681,6 +688,7 @@ CommOptions apply_env(CommOptions options) {
   if (auto v = env::get("DEAR_TRANSPORT")) options.transport = *v;
   if (auto v = env::get("DEAR_FABRIC_PROVIDER")) options.fabric_provider = *v;
   if (auto v = env::get_bytes("DEAR_FABRIC_SLOT_BYTES")) options.fabric_slot_bytes = *v;
+  if (auto v = env::get("DEAR_FABRIC_DATA_PATH")) options.fabric_data_path = *v;
   if (auto v = env::get("DEAR_IB_DEVICE")) options.ib_device = *v;
   if (auto v = env::get_int("DEAR_IB_GID_INDEX", 0, 255)) {
     options.ib_gid_index = static_cast<int>(*v);

@@ -25,14 +25,17 @@
 namespace dear::testing {
 
 // The transport a suite runs over. A suite compiled with DEAR_TEST_TRANSPORT (and, for
-// "fabric", DEAR_TEST_FABRIC_PROVIDER) runs every rank over it: tests/CMakeLists.txt builds the
-// conformance suite once per transport this way.
+// "fabric", DEAR_TEST_FABRIC_PROVIDER and DEAR_TEST_FABRIC_DATA_PATH) runs every rank over it:
+// tests/CMakeLists.txt builds the conformance suite once per transport this way.
 inline void use_suite_transport([[maybe_unused]] CommOptions& options) {
 #if defined(DEAR_TEST_TRANSPORT)
   options.transport = DEAR_TEST_TRANSPORT;
 #endif
 #if defined(DEAR_TEST_FABRIC_PROVIDER)
   options.fabric_provider = DEAR_TEST_FABRIC_PROVIDER;
+#endif
+#if defined(DEAR_TEST_FABRIC_DATA_PATH)
+  options.fabric_data_path = DEAR_TEST_FABRIC_DATA_PATH;
 #endif
 }
 
@@ -42,10 +45,16 @@ inline std::optional<std::string> suite_transport_unavailable() {
   if (std::string(DEAR_TEST_TRANSPORT) == "verbs") return transport::verbs::unavailable_reason();
   if (std::string(DEAR_TEST_TRANSPORT) != "fabric") return std::nullopt;
 #if defined(DEAR_TEST_FABRIC_PROVIDER)
-  return transport::fabric::unavailable_reason(DEAR_TEST_FABRIC_PROVIDER);
+  const std::string provider = DEAR_TEST_FABRIC_PROVIDER;
 #else
-  return transport::fabric::unavailable_reason("");
+  const std::string provider;
 #endif
+#if defined(DEAR_TEST_FABRIC_DATA_PATH)
+  if (std::string(DEAR_TEST_FABRIC_DATA_PATH) == "write") {
+    return transport::fabric::write_unavailable_reason(provider);
+  }
+#endif
+  return transport::fabric::unavailable_reason(provider);
 }
 #define DEAR_SKIP_UNLESS_SUITE_TRANSPORT()                                    \
   do {                                                                       \

@@ -75,6 +75,11 @@ struct CommOptions {
   // transport "fabric": bytes per staging slot, the largest fragment a message is cut into
   // (DEAR_FABRIC_SLOT_BYTES); 0 = the transport's default.
   std::size_t fabric_slot_bytes = 0;
+  // transport "fabric": how fragments reach the peer's staging slots: "write" (RMA writes into
+  // slots the receiver registered, announced by remote CQ data), "send" (sends into receives
+  // the receiver keeps posted), or "auto" (write where the provider offers it, else send)
+  // (DEAR_FABRIC_DATA_PATH). Every rank must end up on the same path.
+  std::string fabric_data_path = "auto";
   // transport "verbs": the RDMA device, optionally with its port ("mlx5_0", "mlx5_0:1"); empty
   // = the first with an active port (DEAR_IB_DEVICE).
   std::string ib_device;

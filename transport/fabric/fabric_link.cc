@@ -5,6 +5,7 @@
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <sys/timerfd.h>
@@ -24,6 +25,7 @@
 #include "transport/fabric/fi_handles.h"
 #include "transport/peer_exchange.h"
 #include "transport/rma/fragments.h"
+#include "transport/rma/slot_region.h"
 #include "transport/rma/slot_window.h"
 #include "transport/socket_util.h"
 #include "transport/verbs/reg_cache.h"
@@ -42,6 +44,8 @@ using rma::SendWindow;
 
 constexpr int kMaxChannels = 16;
 constexpr std::size_t kMaxName = 240;       // endpoint names: sockaddrs, shm paths
+// The write data path's control buffers (a Prefix fits; data goes to the slots).
+constexpr std::size_t kControlBytes = 64;
 // close() waits at most this long for the provider to take what is queued and
 // the closing message.
 constexpr auto kCloseLinger = std::chrono::milliseconds(200);
@@ -60,13 +64,15 @@ constexpr std::size_t kHeader = sizeof(FrameHeader);
   throw Error(ErrorCode::kSystem, call + " failed: " + fi_text(rc), rank, peer, "fabric setup");
 }
 
-InfoPtr make_hints(const std::string& provider) { return rdm_hints(provider, FI_THREAD_SAFE); }
+InfoPtr make_hints(const std::string& provider, bool writes) {
+  return rdm_hints(provider, FI_THREAD_SAFE, writes);
+}
 
 // Providers that only reach ranks of this host, skipped by the default choice.
 bool single_host(const std::string& prov) { return prov == "shm" || prov.rfind("shm;", 0) == 0; }
 
-InfoPtr query(const std::string& provider, int* rc_out) {
-  InfoPtr hints = make_hints(provider);
+InfoPtr query(const std::string& provider, int* rc_out, bool writes = false) {
+  InfoPtr hints = make_hints(provider, writes);
   fi_info* info = nullptr;
   const int rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints.get(), &info);
   if (rc_out != nullptr) *rc_out = rc;
@@ -89,6 +95,33 @@ struct Domain {
   // one per domain); each channel inserts its peer's endpoint.
   FidPtr<fid_av> av;
   std::string provider;
+  // The data path (FabricOptions::data_path as resolved for this provider): RMA writes into
+  // the peers' slots, or sends.
+  bool write = false;
+  // Requested registration keys, unique in this domain (providers without FI_MR_PROV_KEY).
+  std::uint64_t next_key = 1;
+
+  // Registers [p, p + n) for `access`, bound to `ep` and enabled where registrations belong to
+  // endpoints (FI_MR_ENDPOINT; then `ep` is required). Returns the fi_* code, 0 on success.
+  int register_memory(const void* p, std::size_t n, std::uint64_t access, fid_ep* ep,
+                      fid_mr** out) {
+    const std::uint64_t mr_mode = info->domain_attr->mr_mode;
+    if ((mr_mode & FI_MR_ENDPOINT) != 0 && ep == nullptr) return -FI_EINVAL;
+    const std::uint64_t key = (mr_mode & FI_MR_PROV_KEY) != 0 ? 0 : next_key++;
+    fid_mr* mr = nullptr;
+    int rc = fi_mr_reg(domain.get(), p, n, access, 0, key, 0, &mr, nullptr);
+    if (rc != 0) return rc;
+    if ((mr_mode & FI_MR_ENDPOINT) != 0) {
+      rc = fi_mr_bind(mr, &ep->fid, 0);
+      if (rc == 0) rc = fi_mr_enable(mr);
+      if (rc != 0) {
+        fi_close(&mr->fid);
+        return rc;
+      }
+    }
+    *out = mr;
+    return 0;
+  }
 
   // In-place sends (FabricOptions::in_place_bytes) on a provider that needs local
   // registrations: the callers' memory, registered once per range and looked up after. A
@@ -110,8 +143,10 @@ struct Domain {
     if (registration_failed) return std::nullopt;
     const auto span = verbs::RegistrationCache::page_span(p, n);
     fid_mr* mr = nullptr;
-    if (fi_mr_reg(domain.get(), reinterpret_cast<const void*>(span.begin), span.end - span.begin,
-                  FI_SEND, 0, 0, 0, &mr, nullptr) != 0) {
+    // Shared by the domain's endpoints, so not possible where registrations belong to one
+    // (FI_MR_ENDPOINT): those providers copy.
+    if (register_memory(reinterpret_cast<const void*>(span.begin), span.end - span.begin,
+                        write ? FI_WRITE : FI_SEND, nullptr, &mr) != 0) {
       registration_failed = true;
       return std::nullopt;
     }
@@ -154,6 +189,27 @@ struct Buf {
 };
 static_assert(std::is_standard_layout_v<Buf>, "completions map back to Buf by address");
 
+// The buffer of `bufs` whose context `ctx` is, or null when it is none of them. Completions are
+// checked this way rather than trusted: some providers hand back a context that is not one
+// given to them (shm reports 0x1 for some writes of its peers).
+Buf* own(std::vector<Buf>& bufs, void* ctx) {
+  const auto at = reinterpret_cast<std::uintptr_t>(ctx);
+  const auto first = reinterpret_cast<std::uintptr_t>(bufs.data());
+  if (bufs.empty() || at < first || (at - first) % sizeof(Buf) != 0 ||
+      (at - first) / sizeof(Buf) >= bufs.size()) {
+    return nullptr;
+  }
+  return &bufs[(at - first) / sizeof(Buf)];
+}
+
+// A completion announcing a peer's write into this end's data slots, as opposed to the
+// completion of one of this end's own operations (which sockets also flags with
+// FI_REMOTE_CQ_DATA when the write carried data).
+bool peer_write(std::uint64_t flags) {
+  return (flags & FI_REMOTE_CQ_DATA) != 0 &&
+         ((flags & FI_REMOTE_WRITE) != 0 || (flags & (FI_WRITE | FI_SEND)) == 0);
+}
+
 // Endpoints of destroyed channels, kept until their peer has closed too. Why: a
 // peer may still send before it learns of the close (its engine may be busy
 // closing its other channels), and with some providers (shm, ranks in one
@@ -166,6 +222,7 @@ class Graveyard {
     std::shared_ptr<Domain> dom;  // first: released last
     std::unique_ptr<char, FreeDeleter> memory;
     std::vector<Buf> bufs;
+    FidPtr<fid_mr> slot_mr;
     FidPtr<fid_mr> mr;
     FidPtr<fid_cq> cq;
     FidPtr<fid_ep> ep;
@@ -216,10 +273,12 @@ class Graveyard {
         }
         if (n <= 0) break;
         for (ssize_t k = 0; k < n; ++k) {
-          const Buf& b = *static_cast<const Buf*>(c[static_cast<std::size_t>(k)].op_context);
-          if (b.recv && c[static_cast<std::size_t>(k)].len >= kPrefix) {
+          // Writes of the peer carry no context of ours (or a receive with no message in it).
+          const fi_cq_data_entry& ck = c[static_cast<std::size_t>(k)];
+          const Buf* b = peer_write(ck.flags) ? nullptr : own(e.bufs, ck.op_context);
+          if (b != nullptr && b->recv && ck.len >= kPrefix) {
             Prefix p;
-            std::memcpy(&p, b.data, kPrefix);
+            std::memcpy(&p, b->data, kPrefix);
             if (p.tag == e.tag && p.kind == Kind::kBye) e.peer_bye = true;
           }
         }
@@ -241,7 +300,10 @@ class FabricChannel final : public Channel {
 
   // This endpoint's name, to be given to the peer.
   [[nodiscard]] std::vector<char> name() const;
-  void set_peer(const char* name, std::size_t len);
+  // Write data path: where the peer writes into this channel's data slots; zeros otherwise.
+  [[nodiscard]] rma::SlotRegion region() const;
+  // The peer's endpoint name and (write data path) data slots.
+  void set_peer(const char* name, std::size_t len, const rma::SlotRegion& region);
 
   bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
   std::size_t queued() const override { return sendq_.size(); }
@@ -270,7 +332,14 @@ class FabricChannel final : public Channel {
   void post_recv(Buf& b);
   bool repost_pending();
   bool poll_cq(RecvSink& sink);
+  [[noreturn]] void fail_completion();
   void on_arrival(Buf& b, std::size_t len);
+  void on_written(const fi_cq_data_entry& e);
+  // Hands one fragment (prefix and body, gathered from `iov`) to the provider: a write into
+  // the peer's slot for `seq` announced by `seq`, or a send. The provider's return code.
+  ssize_t post_fragment(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
+                        std::size_t count, std::size_t bytes);
+  bool is_control(const Buf& b) const { return b.index >= bufs_.size() - kControlSlots; }
   bool deliver(RecvSink& sink);
   bool pump(RecvSink& sink);
   bool send_control(Kind kind, std::uint32_t seq, std::uint32_t credits);
@@ -286,10 +355,17 @@ class FabricChannel final : public Channel {
   std::uint32_t slots_;
   std::size_t in_place_min_;  // FabricOptions::in_place_bytes
   std::size_t iov_limit_;     // gather entries the provider takes per send
+  bool write_;                // the write data path (else send)
+  std::uint64_t corrupt_key_;  // FabricOptions::corrupt_write_key
+  std::uint32_t recv_bufs_;   // receive buffers kept posted
+  std::size_t recv_bytes_;    // bytes of each
 
   FidPtr<fid_cq> cq_;
   FidPtr<fid_ep> ep_;
-  FidPtr<fid_mr> mr_;
+  FidPtr<fid_mr> mr_;       // local buffers, where the provider needs that (FI_MR_LOCAL)
+  FidPtr<fid_mr> slot_mr_;  // write data path: the data slots, for the peer's writes
+  char* slot_mem_ = nullptr;
+  rma::SlotRegion remote_{};  // write data path: the peer's data slots
   fi_addr_t peer_addr_ = FI_ADDR_UNSPEC;
   int wait_fd_ = -1;  // the CQ's, owned by the provider; -1 when it has none
   Fd ready_fd_;       // always readable
@@ -299,8 +375,8 @@ class FabricChannel final : public Channel {
   Clock::time_point timer_due_{};  // the timer may have expired since it was last drained
 
   std::unique_ptr<char, FreeDeleter> memory_;
-  std::vector<Buf> bufs_;  // [0, slots + kControlSlots): receive; then data
-                           // sends, control sends
+  // [0, recv_bufs_): receives; then `slots` data sends, then kControlSlots control sends.
+  std::vector<Buf> bufs_;
   std::vector<std::uint32_t> free_data_;
   std::vector<std::uint32_t> free_ctrl_;
   std::vector<std::uint32_t> repost_;  // receive buffers the provider refused for now
@@ -331,6 +407,10 @@ FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, in
       slots_(o.slots),
       in_place_min_(o.in_place_bytes),
       iov_limit_(dom_->info->tx_attr->iov_limit),
+      write_(dom_->write),
+      corrupt_key_(o.corrupt_write_key),
+      recv_bufs_(o.slots + kControlSlots),
+      recv_bytes_(write_ ? kControlBytes : o.slot_bytes),
       sendw_(o.slots),
       recvw_(o.slots, std::max<std::uint32_t>(1, o.slots / 2)),
       in_place_(o.slots + 1),
@@ -376,28 +456,53 @@ FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, in
   check("fi_ep_bind(cq)", fi_ep_bind(ep, &cq_->fid, FI_TRANSMIT | FI_RECV));
   check("fi_enable", fi_enable(ep));
 
-  // One allocation for every staging buffer: receive pool, then data and
-  // control send buffers.
-  const std::size_t total = 2 * static_cast<std::size_t>(pool) * slot_bytes_;
+  // One allocation for every buffer. Send path: the receives (data slots and control
+  // buffers), then the data and control send buffers, each a slot. Write path: the data slots
+  // the peer writes into, the data send buffers (a slot each), then the small control
+  // buffers: receives, then sends.
+  const std::size_t slot_area = static_cast<std::size_t>(slots_) * slot_bytes_;
+  const std::size_t small = (static_cast<std::size_t>(recv_bufs_) + kControlSlots) * kControlBytes;
+  const std::size_t total = write_ ? 2 * slot_area + small
+                                   : 2 * static_cast<std::size_t>(pool) * slot_bytes_;
   memory_.reset(static_cast<char*>(std::aligned_alloc(4096, (total + 4095) / 4096 * 4096)));
   if (!memory_) throw Error(ErrorCode::kSystem, "out of memory for fabric staging", self_);
+  char* const local = write_ ? memory_.get() + slot_area : memory_.get();
+  const std::size_t local_bytes = write_ ? slot_area + small : total;
   if (info->domain_attr->mr_mode & FI_MR_LOCAL) {
     fid_mr* mr = nullptr;
-    check("fi_mr_reg", fi_mr_reg(dom_->domain.get(), memory_.get(), total, FI_SEND | FI_RECV, 0, 0,
-                                 0, &mr, nullptr));
+    check("fi_mr_reg", dom_->register_memory(local, local_bytes,
+                                             FI_SEND | FI_RECV | (write_ ? FI_WRITE : 0),
+                                             ep_.get(), &mr));
     mr_.reset(mr);
   }
-  bufs_.resize(2 * static_cast<std::size_t>(pool));
+  if (write_) {
+    slot_mem_ = memory_.get();
+    fid_mr* mr = nullptr;
+    check("fi_mr_reg(data slots)",
+          dom_->register_memory(slot_mem_, slot_area, FI_REMOTE_WRITE, ep_.get(), &mr));
+    slot_mr_.reset(mr);
+  }
+  bufs_.resize(static_cast<std::size_t>(recv_bufs_) + slots_ + kControlSlots);
   for (std::uint32_t i = 0; i < bufs_.size(); ++i) {
     Buf& b = bufs_[i];
     b.ctx = {};
-    b.data = memory_.get() + static_cast<std::size_t>(i) * slot_bytes_;
     b.index = i;
-    b.recv = i < pool;
+    b.recv = i < recv_bufs_;
+    if (!write_) {
+      b.data = memory_.get() + static_cast<std::size_t>(i) * slot_bytes_;
+    } else if (i >= recv_bufs_ && i < recv_bufs_ + slots_) {
+      b.data = local + static_cast<std::size_t>(i - recv_bufs_) * slot_bytes_;
+    } else {
+      // receives [0, recv_bufs_), then control sends: consecutive small buffers
+      const std::uint32_t k = i < recv_bufs_ ? i : i - slots_;
+      b.data = local + slot_area + static_cast<std::size_t>(k) * kControlBytes;
+    }
   }
-  for (std::uint32_t i = 0; i < slots_; ++i) free_data_.push_back(pool + slots_ - 1 - i);
-  for (std::uint32_t i = 0; i < kControlSlots; ++i) free_ctrl_.push_back(2 * pool - 1 - i);
-  for (std::uint32_t i = 0; i < pool; ++i) post_recv(bufs_[i]);
+  for (std::uint32_t i = 0; i < slots_; ++i) free_data_.push_back(recv_bufs_ + slots_ - 1 - i);
+  for (std::uint32_t i = 0; i < kControlSlots; ++i) {
+    free_ctrl_.push_back(static_cast<std::uint32_t>(bufs_.size()) - 1 - i);
+  }
+  for (std::uint32_t i = 0; i < recv_bufs_; ++i) post_recv(bufs_[i]);
 }
 
 FabricChannel::~FabricChannel() {
@@ -407,6 +512,7 @@ FabricChannel::~FabricChannel() {
   e.dom = dom_;
   e.memory = std::move(memory_);
   e.bufs = std::move(bufs_);  // the completions' contexts point into this storage: kept
+  e.slot_mr = std::move(slot_mr_);
   e.mr = std::move(mr_);
   e.cq = std::move(cq_);
   e.ep = std::move(ep_);
@@ -431,8 +537,26 @@ std::vector<char> FabricChannel::name() const {
   return n;
 }
 
-void FabricChannel::set_peer(const char* name, std::size_t len) {
+rma::SlotRegion FabricChannel::region() const {
+  rma::SlotRegion r;
+  if (!write_) return r;
+  const bool virtual_addresses = (dom_->info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
+  r.base = rma::region_base(slot_mem_, 0, virtual_addresses);
+  r.key = fi_mr_key(slot_mr_.get());
+  r.slot_bytes = slot_bytes_;
+  r.slots = slots_;
+  return r;
+}
+
+void FabricChannel::set_peer(const char* name, std::size_t len, const rma::SlotRegion& region) {
   (void)len;
+  if (write_) {
+    if (auto bad = rma::check_region(region, slot_bytes_, slots_, self_, peer_)) {
+      throw Error(ErrorCode::kMismatch, *bad + " on " + describe(), self_, peer_, "create");
+    }
+    remote_ = region;
+    remote_.key ^= corrupt_key_;
+  }
   const int n = fi_av_insert(dom_->av.get(), name, 1, &peer_addr_, 0, nullptr);
   if (n != 1) {
     throw Error(ErrorCode::kSystem,
@@ -443,13 +567,14 @@ void FabricChannel::set_peer(const char* name, std::size_t len) {
 }
 
 std::string FabricChannel::describe() const {
-  return "fabric (" + dom_->provider + ") channel " + std::to_string(index_) + " between rank " +
+  return "fabric (" + dom_->provider + ", " + (write_ ? "write" : "send") + ") channel " +
+         std::to_string(index_) + " between rank " +
          std::to_string(self_) + " and rank " + std::to_string(peer_);
 }
 
 void FabricChannel::post_recv(Buf& b) {
   const int rc =
-      static_cast<int>(fi_recv(ep_.get(), b.data, slot_bytes_, desc(), FI_ADDR_UNSPEC, &b.ctx));
+      static_cast<int>(fi_recv(ep_.get(), b.data, recv_bytes_, desc(), FI_ADDR_UNSPEC, &b.ctx));
   if (rc == -FI_EAGAIN) {
     repost_.push_back(b.index);
     return;
@@ -536,42 +661,77 @@ bool FabricChannel::poll_cq(RecvSink& sink) {
   for (int batch = 0; batch < 64; ++batch) {
     const ssize_t n = fi_cq_read(cq_.get(), entries.data(), entries.size());
     if (n == -FI_EAGAIN) break;
-    if (n == -FI_EAVAIL) {
-      fi_cq_err_entry err{};
-      const ssize_t r = fi_cq_readerr(cq_.get(), &err, 0);
-      if (r < 0) fail("fi_cq_readerr failed: " + fi_text(static_cast<int>(r)));
-      char buf[256] = {};
-      const char* detail =
-          fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, buf, sizeof(buf));
-      const bool recv = err.op_context != nullptr && static_cast<Buf*>(err.op_context)->recv;
-      fail(std::string(recv ? "a receive" : "a send") + " to/from rank " + std::to_string(peer_) +
-           " failed: " + fi_text(err.err) +
-           (detail != nullptr && *detail != '\0' ? std::string(" (") + detail + ")" : ""));
-    }
+    if (n == -FI_EAVAIL) fail_completion();
     if (n < 0) fail("fi_cq_read failed: " + fi_text(static_cast<int>(n)));
     moved = true;
     for (ssize_t i = 0; i < n; ++i) {
-      Buf& b = *static_cast<Buf*>(entries[static_cast<std::size_t>(i)].op_context);
-      if (b.recv) {
-        on_arrival(b, entries[static_cast<std::size_t>(i)].len);
+      const fi_cq_data_entry& e = entries[static_cast<std::size_t>(i)];
+      if (peer_write(e.flags)) {
+        on_written(e);
+        continue;
+      }
+      Buf* const b = own(bufs_, e.op_context);
+      if (b == nullptr) {
+        fail("a completion (flags " + std::to_string(e.flags) +
+             ") whose context is none of this channel's buffers");
+      } else if (b->recv) {
+        on_arrival(*b, e.len);
       } else {
         --in_flight_;
-        if (b.held != kNotHeld) {
-          const std::uint32_t id = b.held;
-          b.held = kNotHeld;
+        if (b->held != kNotHeld) {
+          const std::uint32_t id = b->held;
+          b->held = kNotHeld;
           if (--dom_->in_place_in_flight == 0) dom_->release_displaced();
           if (const auto sent = in_place_.completed(id)) sink.on_sent(index_, *sent);
         }
-        if (b.index >= bufs_.size() - kControlSlots) {
-          free_ctrl_.push_back(b.index);
+        if (is_control(*b)) {
+          free_ctrl_.push_back(b->index);
         } else {
-          free_data_.push_back(b.index);
+          free_data_.push_back(b->index);
         }
       }
     }
     if (static_cast<std::size_t>(n) < entries.size()) break;
   }
   return moved;
+}
+
+void FabricChannel::fail_completion() {
+  fi_cq_err_entry err{};
+  const ssize_t r = fi_cq_readerr(cq_.get(), &err, 0);
+  if (r < 0) fail("fi_cq_readerr failed: " + fi_text(static_cast<int>(r)));
+  char buf[256] = {};
+  const char* detail = fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, buf, sizeof(buf));
+  // What failed: a write of the peer's arriving here carries no context of ours (or, where
+  // such writes consume a receive, a receive's), so flags say it first.
+  const Buf* b = peer_write(err.flags) ? nullptr : own(bufs_, err.op_context);
+  std::string what;
+  if (b != nullptr && !b->recv) {
+    what = write_ && !is_control(*b) ? "an RMA write to rank " : "a send to rank ";
+  } else if (b != nullptr) {
+    what = "a receive from rank ";
+  } else if (write_) {
+    what = "an RMA write from rank ";
+  } else {
+    what = "an operation with rank ";
+  }
+  fail(what + std::to_string(peer_) + " failed: " + fi_text(err.err) +
+       (detail != nullptr && *detail != '\0' ? std::string(" (") + detail + ")" : ""));
+}
+
+void FabricChannel::on_written(const fi_cq_data_entry& e) {
+  if (!write_) fail("protocol violation: an RMA write arrived on a channel of the send data path");
+  // Where writes with CQ data consume a posted receive (FI_RX_CQ_DATA), it is posted again.
+  if ((dom_->info->mode & FI_RX_CQ_DATA) != 0) {
+    if (Buf* b = own(bufs_, e.op_context); b != nullptr && b->recv) post_recv(*b);
+  }
+  const auto seq = static_cast<std::uint32_t>(e.data);
+  const std::uint32_t slot = seq % slots_;
+  Prefix p;
+  std::memcpy(&p, slot_mem_ + static_cast<std::size_t>(slot) * slot_bytes_, kPrefix);
+  if (auto bad = rma::check_written(p, seq, tag_, slot_bytes_, std::nullopt)) fail(*bad);
+  if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
+  if (auto bad = rma::accept_fragment(recvw_, seq, slot)) fail(*bad);
 }
 
 void FabricChannel::on_arrival(Buf& b, std::size_t len) {
@@ -602,6 +762,7 @@ void FabricChannel::on_arrival(Buf& b, std::size_t len) {
       post_recv(b);
       return;
     case Kind::kData:
+      if (write_) fail("protocol violation: a data fragment sent on the write data path");
       if (auto bad = rma::accept_fragment(recvw_, p.seq, b.index)) fail(*bad);
       return;
   }
@@ -611,14 +772,16 @@ void FabricChannel::on_arrival(Buf& b, std::size_t len) {
 bool FabricChannel::deliver(RecvSink& sink) {
   bool moved = false;
   while (auto bi = recvw_.next_ready()) {
-    Buf& b = bufs_[*bi];
+    // Write path: the slot the fragment was written into; send path: the receive it landed in.
+    const char* base =
+        write_ ? slot_mem_ + static_cast<std::size_t>(*bi) * slot_bytes_ : bufs_[*bi].data;
     Prefix p;
-    std::memcpy(&p, b.data, kPrefix);
-    if (auto bad = reasm_.on_fragment(sink, index_, b.data + kPrefix, p.bytes, p.first != 0)) {
+    std::memcpy(&p, base, kPrefix);
+    if (auto bad = reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
       fail(*bad);
     }
-    recvw_.consume();
-    post_recv(b);
+    recvw_.consume();  // write path: the slot is free for the fragment `slots` later
+    if (!write_) post_recv(bufs_[*bi]);
     moved = true;
   }
   if (peer_bye_ && !peer_closed_ && recvw_.expected() == bye_seq_) {
@@ -657,21 +820,22 @@ bool FabricChannel::pump(RecvSink& sink) {
     p.kind = Kind::kData;
     p.first = f.first ? 1 : 0;
     std::memcpy(b.data, &p, kPrefix);
-    ssize_t rc = 0;
+    // In place: the prefix (and header) from the staging buffer, the payload from where it
+    // lies; else all of it from the staging buffer.
+    std::array<iovec, 2> iov{};
+    std::array<void*, 2> descs{desc(), nullptr};
+    iov[0] = {b.data, kPrefix + (in_place ? (f.first ? kHeader : 0) : p.bytes)};
     if (in_place) {
-      // The prefix (and header) from the slot, the payload from where it lies.
-      std::array<iovec, 2> iov{};
-      iov[0] = {b.data, kPrefix + (f.first ? kHeader : 0)};
       iov[1] = {const_cast<char*>(piece.data), piece.bytes};
-      std::array<void*, 2> descs{desc(), *piece_desc};
-      rc = fi_sendv(ep_.get(), iov.data(), descs.data(), iov.size(), peer_addr_, &b.ctx);
-    } else {
-      rc = fi_send(ep_.get(), b.data, kPrefix + p.bytes, desc(), peer_addr_, &b.ctx);
+      descs[1] = *piece_desc;
     }
+    const ssize_t rc =
+        post_fragment(b, p.seq, iov.data(), descs.data(), in_place ? 2 : 1, kPrefix + p.bytes);
     if (rc == -FI_EAGAIN) break;
-    if (rc != 0)
-      fail("fi_send to rank " + std::to_string(peer_) +
-           " failed: " + fi_text(static_cast<int>(rc)));
+    if (rc != 0) {
+      fail(std::string(write_ ? "fi_writemsg" : "fi_send") + " to rank " +
+           std::to_string(peer_) + " failed: " + fi_text(static_cast<int>(rc)));
+    }
     free_data_.pop_back();
     ++in_flight_;
     sendw_.take();
@@ -687,6 +851,30 @@ bool FabricChannel::pump(RecvSink& sink) {
     }
   }
   return moved;
+}
+
+ssize_t FabricChannel::post_fragment(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
+                                     std::size_t count, std::size_t bytes) {
+  if (!write_) {
+    if (count == 1) {
+      return fi_send(ep_.get(), iov[0].iov_base, iov[0].iov_len, descs[0], peer_addr_, &b.ctx);
+    }
+    return fi_sendv(ep_.get(), iov, descs, count, peer_addr_, &b.ctx);
+  }
+  fi_rma_iov target{};
+  target.addr = rma::slot_address(remote_, seq);
+  target.len = bytes;
+  target.key = remote_.key;
+  fi_msg_rma msg{};
+  msg.msg_iov = iov;
+  msg.desc = descs;
+  msg.iov_count = count;
+  msg.addr = peer_addr_;
+  msg.rma_iov = &target;
+  msg.rma_iov_count = 1;
+  msg.context = &b.ctx;
+  msg.data = seq;
+  return fi_writemsg(ep_.get(), &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION);
 }
 
 bool FabricChannel::send_control(Kind kind, std::uint32_t seq, std::uint32_t credits) {
@@ -748,19 +936,70 @@ std::uint64_t random_u64() {
   return v;
 }
 
+// What one end of a channel tells the other: its endpoint's name and, on the write data path,
+// where its data slots are.
+struct EndpointRecord {
+  std::uint32_t len = 0;
+  char bytes[kMaxName] = {};
+  rma::SlotRegion region;
+};
+
+// What each rank gives the ring: its choices (all must agree) and its channels' endpoints.
 struct NameRecord {
   static constexpr std::uint32_t kMagic = 0x64656166;  // "deaf": dear fabric
   std::uint32_t magic = kMagic;
   std::int32_t channels = 0;
   std::uint64_t tag = 0;
   char provider[64] = {};
-  struct Name {
-    std::uint32_t len = 0;
-    char bytes[kMaxName] = {};
-  };
+  std::uint32_t write = 0;  // the write data path
+  std::uint32_t reserved = 0;
+  using Name = EndpointRecord;
   std::array<Name, kMaxChannels> to_next{};
   std::array<Name, kMaxChannels> from_prev{};
 };
+
+// The provider `provider` names ("" = the first that reaches other hosts) in `list`.
+const fi_info* choose(const fi_info* list, const std::string& provider) {
+  for (const fi_info* i = list; i != nullptr; i = i->next) {
+    if (provider.empty() && single_host(i->fabric_attr->prov_name)) continue;
+    return i;
+  }
+  return nullptr;
+}
+
+// The write data path's description of `chosen`'s provider and domain: RMA writes with remote
+// CQ data that holds a sequence number. Null, with `why` saying what is missing, when there is
+// none.
+InfoPtr write_info(const fi_info* chosen, std::string* why) {
+  const std::string prov = chosen->fabric_attr->prov_name;
+  const char* domain = chosen->domain_attr->name;
+  int rc = 0;
+  InfoPtr list = query(prov, &rc, true);
+  if (!list) {
+    *why = "it offers no RMA writes with " + std::to_string(kWriteDataBytes) +
+           " bytes of remote CQ data: " + fi_text(rc);
+    return nullptr;
+  }
+  for (const fi_info* i = list.get(); i != nullptr; i = i->next) {
+    if (prov != i->fabric_attr->prov_name) continue;
+    if (domain != nullptr && i->domain_attr->name != nullptr &&
+        std::strcmp(domain, i->domain_attr->name) != 0) {
+      continue;
+    }
+    if ((i->caps & FI_RMA) == 0 || i->domain_attr->cq_data_size < kWriteDataBytes) {
+      *why = "its remote CQ data holds " + std::to_string(i->domain_attr->cq_data_size) +
+             " bytes, fewer than a sequence number's " + std::to_string(kWriteDataBytes);
+      continue;
+    }
+    if (i->tx_attr->iov_limit < 1 || i->tx_attr->rma_iov_limit < 1) {
+      *why = "its RMA writes take no gather entries";
+      continue;
+    }
+    return InfoPtr(fi_dupinfo(i));
+  }
+  if (why->empty()) *why = "it offers RMA writes on other domains only";
+  return nullptr;
+}
 
 }  // namespace
 
@@ -793,6 +1032,17 @@ std::optional<std::string> unavailable_reason(const std::string& provider) {
          "; available: " + join(all) + ")";
 }
 
+std::optional<std::string> write_unavailable_reason(const std::string& provider) {
+  if (auto why = unavailable_reason(provider)) return why;
+  InfoPtr list = query(provider, nullptr);
+  const fi_info* chosen = choose(list.get(), provider);
+  if (chosen == nullptr) return "libfabric provider '" + provider + "' is not available here";
+  std::string why;
+  if (write_info(chosen, &why)) return std::nullopt;
+  return "libfabric provider '" + std::string(chosen->fabric_attr->prov_name) +
+         "' cannot take the write data path: " + why;
+}
+
 namespace {
 
 void check_options(const FabricOptions& options, int rank) {
@@ -807,12 +1057,7 @@ std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank, std:
   auto dom = std::make_shared<Domain>();
   int rc = 0;
   InfoPtr list = query(options.provider, &rc);
-  const fi_info* chosen = nullptr;
-  for (const fi_info* i = list.get(); i != nullptr; i = i->next) {
-    if (options.provider.empty() && single_host(i->fabric_attr->prov_name)) continue;
-    chosen = i;
-    break;
-  }
+  const fi_info* chosen = choose(list.get(), options.provider);
   if (chosen == nullptr) {
     const std::string asked =
         options.provider.empty() ? "the default" : "'" + options.provider + "'";
@@ -823,12 +1068,29 @@ std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank, std:
                     " (set CommOptions::fabric_provider or DEAR_FABRIC_PROVIDER)",
                 rank);
   }
-  dom->info.reset(fi_dupinfo(chosen));
+  // The provider is chosen by its messages, so that the data path does not change which one
+  // the default is; then its RMA writes, where asked for or (auto) offered.
   dom->provider = chosen->fabric_attr->prov_name;
+  InfoPtr writes;
+  if (options.data_path != DataPath::kSend) {
+    std::string why;
+    writes = write_info(chosen, &why);
+    if (!writes && options.data_path == DataPath::kWrite) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "fabric: libfabric provider '" + dom->provider +
+                      "' cannot take the write data path (" + why +
+                      "); ask for 'send' or 'auto' (CommOptions::fabric_data_path or "
+                      "DEAR_FABRIC_DATA_PATH)",
+                  rank);
+    }
+  }
+  dom->write = writes != nullptr;
+  const fi_info* use = writes ? writes.get() : chosen;
+  dom->info.reset(fi_dupinfo(use));
   dom->register_sends =
-      options.register_in_place || (chosen->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
+      options.register_in_place || (use->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
   o = options;
-  const std::size_t max_msg = chosen->ep_attr->max_msg_size;
+  const std::size_t max_msg = use->ep_attr->max_msg_size;
   if (max_msg < o.slot_bytes) o.slot_bytes = max_msg - max_msg % 64;
   if (o.slot_bytes < kPrefix + kHeader + 64) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -852,6 +1114,13 @@ std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank, std:
   if (rc != 0) throw_fi("fi_av_open(" + dom->provider + ")", rc, rank);
   dom->av.reset(av);
   return dom;
+}
+
+std::string data_path_disagreement(int peer, bool peer_writes, int self, bool self_writes) {
+  const auto name = [](bool w) { return w ? "'write'" : "'send'"; };
+  return "rank " + std::to_string(peer) + " uses the fabric data path " + name(peer_writes) +
+         ", rank " + std::to_string(self) + " " + name(self_writes) +
+         " (DEAR_FABRIC_DATA_PATH must agree, and 'auto' needs the same libfabric on every host)";
 }
 
 // Channels stamp rank 0's tag on every message, so it is gathered before they are made.
@@ -882,6 +1151,7 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
   const int prev = (rank - 1 + size) % size;
   NameRecord mine;
   mine.channels = channels;
+  mine.write = dom->write ? 1 : 0;
   std::snprintf(mine.provider, sizeof(mine.provider), "%s", dom->provider.c_str());
   std::vector<NameRecord> all(static_cast<std::size_t>(size));
   // The endpoints exist (with receives posted) before any peer learns their
@@ -892,12 +1162,14 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
   for (int c = 0; c < channels; ++c) {
     to_next.push_back(std::make_unique<FabricChannel>(dom, rank, next, c, tag, o));
     from_prev.push_back(std::make_unique<FabricChannel>(dom, rank, prev, c, tag, o));
-    const auto put = [](NameRecord::Name& slot, const std::vector<char>& n) {
+    const auto put = [](NameRecord::Name& slot, const FabricChannel& ch) {
+      const std::vector<char> n = ch.name();
       slot.len = static_cast<std::uint32_t>(n.size());
       std::memcpy(slot.bytes, n.data(), n.size());
+      slot.region = ch.region();
     };
-    put(mine.to_next[static_cast<std::size_t>(c)], to_next.back()->name());
-    put(mine.from_prev[static_cast<std::size_t>(c)], from_prev.back()->name());
+    put(mine.to_next[static_cast<std::size_t>(c)], *to_next.back());
+    put(mine.from_prev[static_cast<std::size_t>(c)], *from_prev.back());
   }
   if (Clock::now() >= options.deadline) {
     throw Error(ErrorCode::kTimeout, "fabric: setup ran past its deadline", rank);
@@ -922,13 +1194,17 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
                       " (DEAR_FABRIC_PROVIDER and DEAR_CHANNELS must agree)",
                   rank, r, "create");
     }
+    if (rec.write != mine.write) {
+      throw Error(ErrorCode::kMismatch, data_path_disagreement(r, rec.write != 0, rank, dom->write),
+                  rank, r, "create");
+    }
   }
   RingLinks out;
   for (int c = 0; c < channels; ++c) {
     const auto& n = all[static_cast<std::size_t>(next)].from_prev[static_cast<std::size_t>(c)];
     const auto& p = all[static_cast<std::size_t>(prev)].to_next[static_cast<std::size_t>(c)];
-    to_next[static_cast<std::size_t>(c)]->set_peer(n.bytes, n.len);
-    from_prev[static_cast<std::size_t>(c)]->set_peer(p.bytes, p.len);
+    to_next[static_cast<std::size_t>(c)]->set_peer(n.bytes, n.len, n.region);
+    from_prev[static_cast<std::size_t>(c)]->set_peer(p.bytes, p.len, p.region);
   }
   for (auto& ch : to_next) out.to_next.push_back(std::move(ch));
   for (auto& ch : from_prev) out.from_prev.push_back(std::move(ch));
@@ -949,7 +1225,9 @@ std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
   // What each end tells the other: its provider (both must agree) and its endpoint's name.
   struct PeerName {
     char provider[64] = {};
-    NameRecord::Name name;
+    std::uint32_t write = 0;  // the write data path
+    std::uint32_t reserved = 0;
+    EndpointRecord name;
   };
   std::vector<std::unique_ptr<FabricChannel>> chans;
   std::vector<std::vector<char>> mine;
@@ -958,9 +1236,11 @@ std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
         std::make_unique<FabricChannel>(dom, rank, peers[i], static_cast<int>(i), tag, o));
     PeerName rec;
     std::snprintf(rec.provider, sizeof(rec.provider), "%s", dom->provider.c_str());
+    rec.write = dom->write ? 1 : 0;
     const std::vector<char> n = chans.back()->name();
     rec.name.len = static_cast<std::uint32_t>(n.size());
     std::memcpy(rec.name.bytes, n.data(), n.size());
+    rec.name.region = chans.back()->region();
     const char* raw = reinterpret_cast<const char*>(&rec);
     mine.emplace_back(raw, raw + sizeof(rec));
   }
@@ -981,12 +1261,17 @@ std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
                       "' (DEAR_FABRIC_PROVIDER must agree)",
                   rank, peers[i], "create");
     }
+    if ((rec.write != 0) != dom->write) {
+      throw Error(ErrorCode::kMismatch,
+                  data_path_disagreement(peers[i], rec.write != 0, rank, dom->write), rank,
+                  peers[i], "create");
+    }
     if (rec.name.len > kMaxName) {
       throw Error(ErrorCode::kMismatch,
                   "rank " + std::to_string(peers[i]) + " sent a malformed endpoint name", rank,
                   peers[i], "create");
     }
-    chans[i]->set_peer(rec.name.bytes, rec.name.len);
+    chans[i]->set_peer(rec.name.bytes, rec.name.len, rec.name.region);
     out.push_back(std::move(chans[i]));
   }
   return out;

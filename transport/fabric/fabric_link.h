@@ -6,20 +6,28 @@
 // of two) keep the two links apart. Endpoint names are exchanged over the
 // bootstrap; an RDM endpoint needs no connection handshake.
 //
-// Data path (see transport/rma/slot_window.h for the protocol): the receiver keeps data slots
-// and a few control buffers posted; the sender copies each message into send
-// staging buffers in fragments of at most one slot (the provider's message size
-// limit included), spends one credit per fragment, and reports the message sent
-// once its last fragment is handed to the provider (its payload is no longer
-// needed then). Large fragments are not copied: the provider gathers the prefix
-// from the slot and the payload from the caller's memory (registered through a
-// cache where the provider needs that), and the message is reported sent once
-// every such fragment has completed. Every fragment starts with a 32-byte prefix carrying the
-// communicator's tag, the fragment's sequence number and credits returned to
-// the peer; the first fragment of a message then holds the FrameHeader.
-// Fragments are consumed in sequence order even when completions arrive out of
-// order; a closing message says how many fragments preceded it, so the peer
-// reports on_closed() only after it has delivered all of them.
+// Data path (see transport/rma/slot_window.h for the protocol): the sender cuts each message
+// into fragments of at most one slot (the provider's message size limit included), spends one
+// credit per fragment, and reports the message sent once its last fragment is handed to the
+// provider (its payload is no longer needed then). Large fragments are not copied into a send
+// staging buffer: the provider gathers the prefix from the staging buffer and the payload from
+// the caller's memory (registered through a cache where the provider needs that), and the
+// message is reported sent once every such fragment has completed. Every fragment starts with
+// a 32-byte prefix carrying the communicator's tag, the fragment's sequence number and credits
+// returned to the peer; the first fragment of a message then holds the FrameHeader. How a
+// fragment reaches the peer's slot (DataPath):
+// - write (transport/rma/slot_region.h): each channel registers its data slots for remote
+//   writes (FI_REMOTE_WRITE) and publishes their address and key with its endpoint name; the
+//   sender writes fragment k into slot k % slots with one RMA write carrying k as remote CQ
+//   data, and the receiver learns of it from that completion. Only control messages (credit
+//   returns, the closing message) are sent, into small buffers kept posted (as many as the
+//   data slots besides, for providers whose writes with CQ data consume a receive:
+//   FI_RX_CQ_DATA).
+// - send: the receiver keeps its data slots and the control buffers posted as receives, and
+//   fragments are sent into whichever of them the provider matches.
+// Fragments are consumed in sequence order even when completions arrive out of order; a
+// closing message says how many fragments preceded it, so the peer reports on_closed() only
+// after it has delivered all of them.
 //
 // Waiting: wait_spec() returns the completion queue's wait descriptor
 // (FI_WAIT_FD) after fi_trywait() said it is safe to sleep on; when it is not,
@@ -28,8 +36,8 @@
 // descriptors (shm) gets a timer descriptor instead: the engine then polls the
 // channel every 50 us while traffic flows and every 2 ms when idle.
 //
-// Errors: a failed completion is thrown from progress() as
-// dear::Error(kPeerFailed) with the peer's rank and the provider's error text;
+// Errors: a failed completion (a send, a receive, or an RMA write at either end) is thrown from
+// progress() as dear::Error(kPeerFailed) with the peer's rank and the provider's error text;
 // setup failures name the provider asked for and the ones this host offers.
 // Nothing here aborts or blocks for long: close() waits at most kCloseLinger
 // for the provider to take what is queued.
@@ -41,6 +49,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dear/bootstrap.h"
@@ -48,14 +57,42 @@
 
 namespace dear::transport::fabric {
 
+// How fragments reach the peer's data slots (see the data path above).
+enum class DataPath : std::uint8_t {
+  kAuto,   // kWrite where the provider offers RMA writes with remote CQ data, else kSend
+  kWrite,  // RMA writes into slots the peer registered; setup fails where not offered
+  kSend,   // sends into receives the peer keeps posted
+};
+
+// "auto", "write", "send" (CommOptions::fabric_data_path, DEAR_FABRIC_DATA_PATH); nullopt for
+// anything else.
+[[nodiscard]] inline std::optional<DataPath> parse_data_path(std::string_view s) {
+  if (s == "auto") return DataPath::kAuto;
+  if (s == "write") return DataPath::kWrite;
+  if (s == "send") return DataPath::kSend;
+  return std::nullopt;
+}
+[[nodiscard]] inline const char* data_path_name(DataPath p) {
+  switch (p) {
+    case DataPath::kWrite:
+      return "write";
+    case DataPath::kSend:
+      return "send";
+    case DataPath::kAuto:
+      break;
+  }
+  return "auto";
+}
+
 struct FabricOptions {
   // libfabric provider name as fi_info prints it ("tcp;ofi_rxm", "sockets",
   // "shm", "verbs;ofi_rxm", "efa"); empty = the first RDM provider libfabric
   // offers, skipping single-host ones (shm).
   std::string provider;
   // Bytes per data slot (fragment size, prefix included) and data slots per
-  // channel and direction; each channel holds 2 * (slots + kControlSlots) *
-  // slot_bytes of staging memory.
+  // channel and direction (a power of two); each channel holds 2 * slots * slot_bytes of
+  // staging memory on the write data path, 2 * (slots + kControlSlots) * slot_bytes on the
+  // send data path.
   std::size_t slot_bytes = 128 * 1024;
   std::uint32_t slots = 8;
   // Fragments carrying at least this many payload bytes are sent from the caller's memory
@@ -66,6 +103,11 @@ struct FabricOptions {
   // Register the memory of in-place sends even where the provider does not need it (tests the
   // path that providers needing FI_MR_LOCAL take, on providers that run here).
   bool register_in_place = false;
+  // The data path; every rank must end up on the same one (kAuto does, given one provider).
+  DataPath data_path = DataPath::kAuto;
+  // Tests: XORed into the key the peer published for its data slots, so that this rank's
+  // writes are refused (the error path of RMA completions). 0 in real use.
+  std::uint64_t corrupt_write_key = 0;
   // Setup must finish by then (it only waits on the bootstrap, whose own
   // timeout also applies).
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
@@ -84,11 +126,16 @@ using RingLinks = transport::RingLinks;
 // it can.
 [[nodiscard]] std::optional<std::string> unavailable_reason(const std::string& provider);
 
+// Why `provider` ("" = the default choice) cannot take the write data path here, or nullopt
+// when it can (DataPath::kAuto then chooses it).
+[[nodiscard]] std::optional<std::string> write_unavailable_reason(const std::string& provider);
+
 // Builds `channels` channels to the next and from the previous rank of the
 // ring. Collective over the bootstrap (one all_gather of endpoint names).
 // Throws dear::Error: kInvalidArgument (bad options, provider not available:
-// the message names it and the available ones), kMismatch (ranks chose
-// different providers or channel counts), kSystem (a libfabric call failed:
+// the message names it and the available ones; DataPath::kWrite on a provider
+// without it), kMismatch (ranks chose different providers, channel counts, data
+// paths or slot sizes), kSystem (a libfabric call failed:
 // names it and its error text).
 [[nodiscard]] RingLinks connect_ring(Bootstrap& bootstrap, int channels,
                                      const FabricOptions& options);

@@ -16,6 +16,10 @@ std::vector<std::string> available_providers() { return {}; }
 
 std::optional<std::string> unavailable_reason(const std::string&) { return std::string(kWhy); }
 
+std::optional<std::string> write_unavailable_reason(const std::string&) {
+  return std::string(kWhy);
+}
+
 RingLinks connect_ring(Bootstrap& bootstrap, int, const FabricOptions&) {
   throw Error(ErrorCode::kInvalidArgument, kWhy, bootstrap.rank());
 }

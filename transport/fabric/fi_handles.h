@@ -6,6 +6,8 @@
 #include <rdma/fabric.h>
 #include <rdma/fi_errno.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -33,16 +35,29 @@ struct InfoDeleter {
 };
 using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
 
+// Bytes of remote CQ data a write must carry: a fragment's 32-bit sequence number.
+inline constexpr std::size_t kWriteDataBytes = 4;
+
 // Reliable-datagram endpoints with messages (FI_EP_RDM, FI_MSG), operation contexts the
 // provider may use (FI_CONTEXT, FI_CONTEXT2), and the registration modes dear handles
 // (local, virtual addresses, allocated memory, provider keys). `provider` empty: any.
-inline InfoPtr rdm_hints(const std::string& provider, fi_threading threading) {
+// `writes`: also RMA writes to and from this endpoint with remote CQ data (FI_RMA, FI_WRITE,
+// FI_REMOTE_WRITE), accepting that such a write consumes a posted receive (FI_RX_CQ_DATA) and
+// that registrations belong to an endpoint (FI_MR_ENDPOINT): the write data path handles both.
+inline InfoPtr rdm_hints(const std::string& provider, fi_threading threading,
+                         bool writes = false) {
   InfoPtr hints(fi_allocinfo());
   if (!hints) throw Error(ErrorCode::kSystem, "fi_allocinfo failed: out of memory");
   hints->ep_attr->type = FI_EP_RDM;
   hints->caps = FI_MSG;
   hints->mode = FI_CONTEXT | FI_CONTEXT2;
   hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+  if (writes) {
+    hints->caps |= FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
+    hints->mode |= FI_RX_CQ_DATA;
+    hints->domain_attr->mr_mode |= FI_MR_ENDPOINT;
+    hints->domain_attr->cq_data_size = kWriteDataBytes;
+  }
   hints->domain_attr->threading = threading;
   if (!provider.empty()) hints->fabric_attr->prov_name = ::strdup(provider.c_str());
   return hints;
