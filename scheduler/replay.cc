@@ -460,26 +460,40 @@ NetModel calibrate_network(Communicator& comm, int repeats) {
         ys.push_back(t[t.size() / 2] / (n - 1));
       }
     }
-    // The line through the two sizes (each the mean of RS and AG). Loopback is not quite
-    // linear: larger steps run out of cache and cost more per byte, which pulls a
+    // Beta: the slope between the two sizes (each the mean of RS and AG). Loopback is not
+    // quite linear: larger steps run out of cache and cost more per byte, which pulls a
     // least-squares line over more sizes below zero at zero bytes.
     const double y_small = (ys[0] + ys[1]) / 2;
     const double y_big = (ys[2] + ys[3]) / 2;
     const double beta = std::max((y_big - y_small) / (xs[2] - xs[0]), 1e-12);
-    const double alpha = std::max(y_small - beta * xs[0], 1e-6);
-    // The per-operation software cost: a one-element ring all_reduce beyond its 2(N-1) alphas.
+    // Alpha and the per-operation software cost from one-element ring operations, whose bytes
+    // cost nothing: an all_reduce takes overhead + 2(N-1) alpha, an all_gather overhead +
+    // (N-1) alpha. (The line's intercept is no measure of alpha: at many ranks on few cores it
+    // falls below zero, and the steps' cost would all land in the overhead, which the
+    // simulator lets operations pay at the same time, while a step occupies the engine.)
     OpOptions ring;
     ring.algorithm = Algorithm::kRing;
-    float one = 1.0F;
-    std::vector<double> small;
-    for (int r = 0; r < 4 * repeats; ++r) {
-      comm.barrier().wait();
-      const auto t0 = Clock::now();
-      comm.all_reduce(&one, &one, 1, DataType::kFloat32, ReduceOp::kSum, ring).wait();
-      small.push_back(seconds(Clock::now() - t0));
-    }
-    std::sort(small.begin(), small.end());
-    const double overhead = std::max(small[small.size() / 2] - 2.0 * (n - 1) * alpha, 0.0);
+    std::vector<float> ones(static_cast<std::size_t>(n), 1.0F);
+    auto tiny = [&](bool reduce) {
+      std::vector<double> t;
+      for (int r = 0; r < 4 * repeats; ++r) {
+        comm.barrier().wait();
+        const auto t0 = Clock::now();
+        if (reduce) {
+          comm.all_reduce(ones.data(), ones.data(), 1, DataType::kFloat32, ReduceOp::kSum, ring)
+              .wait();
+        } else {
+          comm.all_gather(ones.data() + comm.rank(), ones.data(), 1, DataType::kFloat32, ring)
+              .wait();
+        }
+        t.push_back(seconds(Clock::now() - t0));
+      }
+      return median(t);
+    };
+    const double t_reduce = tiny(true);
+    const double t_gather = tiny(false);
+    const double alpha = std::max((t_reduce - t_gather) / (n - 1), 1e-6);
+    const double overhead = std::max(t_gather - (n - 1) * alpha, 0.0);
     // The wake-up after a blocked wait: the same small all-gather as above, now in a chain
     // where each one is issued as soon as the previous one's wait returns, without a barrier
     // lining the ranks up in between.

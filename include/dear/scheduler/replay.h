@@ -89,13 +89,14 @@ struct ReplayResult {
 [[nodiscard]] ReplayResult replay(Communicator& comm, const Model& model, std::string_view policy,
                                   const ReplayOptions& options);
 
-// Fits alpha and beta of one ring step on `comm` from timed reduce-scatters and all-gathers
-// (median of `repeats` timings each) of 16 KiB and 1 MiB per ring step: the line through
-// the two. op_overhead_s is the median one-element ring all_reduce (4 x `repeats` timings)
-// beyond its 2(N-1) alphas; wake_s the per-operation period of 32 all-gathers of 16 KiB per
-// step, each issued when the previous one's wait returned (median of `repeats` chains), beyond
-// the same all-gather's time alone. Returns rank 0's fit on every rank. Collective. gap_s is set to
-// alpha (on loopback the whole step latency is CPU work).
+// Fits the network model of one ring step on `comm`. beta: the slope between timed
+// reduce-scatters and all-gathers (median of `repeats` timings each) of 16 KiB and 1 MiB per
+// step. alpha and op_overhead_s: from one-element ring operations (medians of 4 x `repeats`),
+// an all_reduce taking overhead + 2(N-1) alpha and an all_gather overhead + (N-1) alpha.
+// wake_s: the per-operation period of 32 all-gathers of 16 KiB per step, each issued when the
+// previous one's wait returned (median of `repeats` chains), beyond the same all-gather's time
+// alone. gap_s is set to alpha (on loopback the whole step latency is CPU work). Returns rank
+// 0's fit on every rank. Collective.
 [[nodiscard]] NetModel calibrate_network(Communicator& comm, int repeats = 7);
 
 }  // namespace dear::scheduler
