@@ -246,6 +246,13 @@ class CommunicatorImpl final : public Communicator {
 
  private:
   void validate_options() {
+    // Read by every TCP channel; checked before any link is built, so that a bad value fails
+    // every rank at once instead of the first channel's rank alone.
+    try {
+      (void)transport::tcp::socket_buffer_from_env();
+    } catch (const Error& e) {
+      throw Error(e.code(), e.cause(), rank_, Error::kNone, "create");
+    }
     if (options_.channels < 1 || options_.channels > collectives::kMaxChannels) {
       throw Error(ErrorCode::kInvalidArgument,
                   "CommOptions::channels=" + std::to_string(options_.channels) +

@@ -110,6 +110,24 @@ TEST(InvalidArguments, BadCommunicatorOptions) {
   EXPECT_NE(what_of(errors[0]).find("CommOptions::channels=0"), std::string::npos);
 }
 
+// A malformed or out-of-range DEAR_SOCKET_BUFFER fails every rank's create naming the
+// variable, instead of turning into a socket buffer of nothing (a crawl) or of garbage.
+TEST(InvalidArguments, BadSocketBufferNamesTheVariable) {
+  CommOptions o;
+  o.timeout = 20s;
+  for (const char* value : {"lots", "1", "2G"}) {
+    ::setenv("DEAR_SOCKET_BUFFER", value, 1);
+    const auto errors = run_ranks_collect(2, [](Communicator&) {}, o);
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(errors[static_cast<std::size_t>(r)]) << value << ": rank " << r;
+      EXPECT_NE(what_of(errors[static_cast<std::size_t>(r)]).find("DEAR_SOCKET_BUFFER"),
+                std::string::npos)
+          << value << ": " << what_of(errors[static_cast<std::size_t>(r)]);
+    }
+  }
+  ::unsetenv("DEAR_SOCKET_BUFFER");
+}
+
 TEST(Mismatch, DifferentCountsFailEveryRankNamingBothViews) {
   CommOptions o;
   o.timeout = 20s;

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/env.h"
 #include "dear/error.h"
 #include "transport/auth.h"
 
@@ -27,6 +28,9 @@ constexpr std::size_t kReadBudget = 4 * 1024 * 1024;
 
 bool would_block(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
 
+constexpr std::uint64_t kMinSocketBuffer = 4 << 10;
+constexpr std::uint64_t kMaxSocketBuffer = 1 << 30;
+
 }  // namespace
 
 TcpChannel::TcpChannel(Fd fd, int self_rank, int peer_rank, int index)
@@ -37,11 +41,21 @@ TcpChannel::TcpChannel(Fd fd, int self_rank, int peer_rank, int index)
       inbox_(new char[kInboxBytes]) {
   set_nonblocking(fd_.get());
   set_nodelay(fd_.get());
-  if (const char* b = std::getenv("DEAR_SOCKET_BUFFER")) {
-    const int bytes = std::atoi(b);
+  if (const auto b = socket_buffer_from_env()) {
+    const int bytes = static_cast<int>(*b);
     ::setsockopt(fd_.get(), SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
     ::setsockopt(fd_.get(), SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
   }
+}
+
+std::optional<std::size_t> socket_buffer_from_env() {
+  const auto b = env::get_bytes("DEAR_SOCKET_BUFFER");
+  if (b && (*b < kMinSocketBuffer || *b > kMaxSocketBuffer)) {
+    throw Error(ErrorCode::kInvalidArgument, "environment variable DEAR_SOCKET_BUFFER=" +
+                                                 std::to_string(*b) +
+                                                 " is outside [4K, 1G] bytes");
+  }
+  return b;
 }
 
 TcpChannel::~TcpChannel() { close(); }

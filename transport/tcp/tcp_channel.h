@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <sys/uio.h>
 #include <vector>
 
@@ -13,6 +14,12 @@
 #include "transport/socket_util.h"
 
 namespace dear::transport::tcp {
+
+// DEAR_SOCKET_BUFFER (K/M/G suffixes): both socket buffers of every TCP channel fixed at that
+// size, which turns off the kernel's autotuning of them (the kernel caps it at
+// net.core.[rw]mem_max); nullopt when unset or empty. Throws dear::Error(kInvalidArgument)
+// naming the variable when it is malformed or outside [4K, 1G].
+[[nodiscard]] std::optional<std::size_t> socket_buffer_from_env();
 
 class TcpChannel final : public Channel {
  public:
