@@ -23,6 +23,32 @@
 namespace dear::testing {
 namespace {
 
+// all_reduce (sum) and all_gather of `count` elements of type `t` on every rank of an
+// `n`-rank communicator, each result checked element by element against the reference;
+// `what` names the case in a failure.
+void expect_reduce_and_gather(Communicator& comm, int n, DataType t, std::size_t count,
+                              const std::string& what) {
+  const int r = comm.rank();
+  std::vector<char> in(count * dtype_size(t));
+  for (std::size_t i = 0; i < count; ++i) {
+    store(in.data(), i, t, input_value(r, i, t, ReduceOp::kSum));
+  }
+  std::vector<char> out(in.size());
+  comm.all_reduce(in.data(), out.data(), count, t, ReduceOp::kSum).wait();
+  Mismatches bad = check_all_reduce(out.data(), count, n, t, ReduceOp::kSum);
+  ASSERT_EQ(bad.count, 0u) << "all_reduce " << what << " rank " << r << ": " << bad.first;
+  std::vector<char> all(in.size() * static_cast<std::size_t>(n));
+  comm.all_gather(in.data(), all.data(), count, t).wait();
+  for (int src = 0; src < n; ++src) {
+    for (std::size_t i = 0; i < count; ++i) {
+      const double want = input_value(src, i, t, ReduceOp::kSum);
+      const double got = load(all.data(), static_cast<std::size_t>(src) * count + i, t);
+      if (got != want) bad.add(i, got, want);
+    }
+  }
+  ASSERT_EQ(bad.count, 0u) << "all_gather " << what << " rank " << r << ": " << bad.first;
+}
+
 using namespace std::chrono_literals;
 
 // ---- the fabric transport
@@ -147,27 +173,8 @@ TEST_P(Fabric, LargeSlicesSplitIntoFragments) {
   run_ranks(
       n,
       [&](Communicator& comm) {
-        const int r = comm.rank();
         for (const auto t : {DataType::kFloat32, DataType::kFloat64, DataType::kInt8}) {
-          const std::size_t count = 300007;  // prime
-          std::vector<char> in(count * dtype_size(t));
-          for (std::size_t i = 0; i < count; ++i) {
-            store(in.data(), i, t, input_value(r, i, t, ReduceOp::kSum));
-          }
-          std::vector<char> out(in.size());
-          comm.all_reduce(in.data(), out.data(), count, t, ReduceOp::kSum).wait();
-          Mismatches bad = check_all_reduce(out.data(), count, n, t, ReduceOp::kSum);
-          ASSERT_EQ(bad.count, 0u) << to_string(t) << " rank " << r << ": " << bad.first;
-          std::vector<char> all(in.size() * static_cast<std::size_t>(n));
-          comm.all_gather(in.data(), all.data(), count, t).wait();
-          for (int src = 0; src < n; ++src) {
-            for (std::size_t i = 0; i < count; ++i) {
-              const double want = input_value(src, i, t, ReduceOp::kSum);
-              const double got = load(all.data(), static_cast<std::size_t>(src) * count + i, t);
-              if (got != want) bad.add(i, got, want);
-            }
-          }
-          ASSERT_EQ(bad.count, 0u) << "all_gather " << to_string(t) << ": " << bad.first;
+          expect_reduce_and_gather(comm, n, t, 300007, std::string(to_string(t)));  // prime
         }
       },
       o);
@@ -334,28 +341,11 @@ TEST_P(FabricPath, CollectivesMatchTheReference) {
   run_ranks(
       n,
       [&](Communicator& comm) {
-        const int r = comm.rank();
         for (const auto t : {DataType::kFloat32, DataType::kInt32}) {
           for (const std::size_t count : {std::size_t{1}, std::size_t{1000}, std::size_t{200003}}) {
-            std::vector<char> in(count * dtype_size(t));
-            for (std::size_t i = 0; i < count; ++i) {
-              store(in.data(), i, t, input_value(r, i, t, ReduceOp::kSum));
-            }
-            std::vector<char> out(in.size());
-            comm.all_reduce(in.data(), out.data(), count, t, ReduceOp::kSum).wait();
-            Mismatches bad = check_all_reduce(out.data(), count, n, t, ReduceOp::kSum);
-            ASSERT_EQ(bad.count, 0u) << to_string(t) << " count " << count << ": " << bad.first;
-            std::vector<char> all(in.size() * static_cast<std::size_t>(n));
-            comm.all_gather(in.data(), all.data(), count, t).wait();
-            for (int src = 0; src < n; ++src) {
-              for (std::size_t i = 0; i < count; ++i) {
-                const double want = input_value(src, i, t, ReduceOp::kSum);
-                const double got =
-                    load(all.data(), static_cast<std::size_t>(src) * count + i, t);
-                if (got != want) bad.add(i, got, want);
-              }
-            }
-            ASSERT_EQ(bad.count, 0u) << "all_gather " << to_string(t) << ": " << bad.first;
+            expect_reduce_and_gather(comm, n, t, count,
+                                     std::string(to_string(t)) + " count " +
+                                         std::to_string(count));
           }
         }
       },
