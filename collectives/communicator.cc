@@ -237,6 +237,14 @@ class CommunicatorImpl final : public Communicator {
     if (engine_) engine_->abort(reason);
   }
 
+  void forget_memory(const void* addr, std::size_t bytes) override {
+    if (addr == nullptr && bytes > 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "forget_memory: addr is null with bytes=" + std::to_string(bytes), rank_);
+    }
+    if (engine_ && bytes > 0) engine_->forget_memory(addr, bytes);
+  }
+
   bool set_priority(const Work& work, int priority) override {
     const Work::State* s = work.state();
     if (s == nullptr || !engine_ || s->owner != engine_.get()) return false;

@@ -123,6 +123,9 @@ class DeviceCommunicator final : public Communicator {
 
   // Host operations run on the inner communicator; staged device operations have Work of
   // their own, which it does not know (and reports so).
+  void forget_memory(const void* addr, std::size_t bytes) override {
+    inner_->forget_memory(addr, bytes);
+  }
   bool set_priority(const Work& work, int priority) override {
     return inner_->set_priority(work, priority);
   }

@@ -189,6 +189,15 @@ bool Engine::set_priority(std::uint64_t seq, int priority) {
   return true;
 }
 
+void Engine::forget_memory(const void* addr, std::size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    forgotten_.push_back({addr, bytes, next_seq_});
+    pending_submissions_.fetch_add(1);  // the engine's next turn looks at the queues
+  }
+  if (!wake_if(kActiveSleep)) wake_if(kDeepSleep);
+}
+
 void Engine::apply_priorities() {
   // Priority is local (only this rank's send order), so an operation may change it at any
   // point of its life: the active list is re-sorted and the next slices follow it.
@@ -413,11 +422,28 @@ bool Engine::drain_submissions() {
   // lost on the way (a lost operation's wait() would never return).
   for (;;) {
     std::unique_ptr<Op> op;
+    std::vector<Forget> forget;
     {
       std::lock_guard<std::mutex> lock(submit_mu_);
-      if (submitted_.empty()) break;
-      op = std::move(submitted_.front());
-      submitted_.pop_front();
+      // Ranges forgotten before the next queued operation was submitted go first.
+      const std::uint64_t next = submitted_.empty() ? next_seq_ : submitted_.front()->seq;
+      while (!forgotten_.empty() && forgotten_.front().before <= next) {
+        forget.push_back(forgotten_.front());
+        forgotten_.pop_front();
+      }
+      if (forget.empty()) {
+        if (submitted_.empty()) break;
+        op = std::move(submitted_.front());
+        submitted_.pop_front();
+      }
+    }
+    if (!forget.empty()) {
+      for (const Forget& f : forget) {
+        for (auto& link : links_) {
+          for (auto& ch : link) ch->forget_memory(f.addr, f.bytes);
+        }
+      }
+      continue;
     }
     const std::shared_ptr<Work::State> state = op->state;
     try {

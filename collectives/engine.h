@@ -96,6 +96,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Queues a priority change for operation `seq`, applied at the next turn (the active list
   // is re-sorted then); thread-safe. False when that operation has already completed.
   bool set_priority(std::uint64_t seq, int priority);
+  // Queues Communicator::forget_memory for every link: applied on the engine's thread before
+  // any operation submitted after this call starts; thread-safe, returns at once.
+  void forget_memory(const void* addr, std::size_t bytes);
   bool drive(const Work::State& state, std::chrono::steady_clock::time_point until,
              std::chrono::microseconds idle);
 
@@ -178,6 +181,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Submission queue, shared with caller threads.
   std::mutex submit_mu_;
   std::deque<std::unique_ptr<Op>> submitted_;
+  // Ranges to forget (forget_memory), each before the operation with sequence number `before`.
+  struct Forget {
+    const void* addr;
+    std::size_t bytes;
+    std::uint64_t before;
+  };
+  std::deque<Forget> forgotten_;
   std::vector<std::pair<std::uint64_t, int>> reprioritise_;  // (seq, priority), for the engine
   // Whether reprioritise_ may hold entries: lets the engine's turn skip submit_mu_ when not.
   std::atomic<bool> reprioritise_pending_{false};

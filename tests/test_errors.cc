@@ -128,6 +128,37 @@ TEST(InvalidArguments, BadSocketBufferNamesTheVariable) {
   ::unsetenv("DEAR_SOCKET_BUFFER");
 }
 
+// forget_memory refuses a null range naming the argument, and queued between operations it
+// neither drops nor reorders them (they all complete with the right sums).
+TEST(InvalidArguments, ForgetMemoryChecksItsRangeAndKeepsTheQueue) {
+  run_ranks(3, [](Communicator& comm) {
+    try {
+      comm.forget_memory(nullptr, 16);
+      ADD_FAILURE() << "a null range was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("addr"), std::string::npos) << e.what();
+      EXPECT_EQ(e.rank(), comm.rank());
+    }
+    comm.forget_memory(nullptr, 0);  // an empty range is nothing to forget
+    std::vector<float> a(1000);
+    std::vector<float> b(3000);
+    for (int round = 0; round < 20; ++round) {
+      std::fill(a.begin(), a.end(), static_cast<float>(comm.rank() + round));
+      std::fill(b.begin(), b.end(), 1.0F);
+      Work wa = comm.all_reduce(a.data(), a.data(), a.size(), DataType::kFloat32, ReduceOp::kSum);
+      comm.forget_memory(b.data(), b.size() * sizeof(float));
+      Work wb = comm.all_reduce(b.data(), b.data(), b.size(), DataType::kFloat32, ReduceOp::kSum);
+      comm.forget_memory(a.data(), a.size() * sizeof(float));
+      wa.wait();
+      wb.wait();
+      const float want = static_cast<float>(0 + 1 + 2 + 3 * round);
+      for (const float v : a) ASSERT_EQ(v, want) << "round " << round;
+      for (const float v : b) ASSERT_EQ(v, 3.0F) << "round " << round;
+    }
+  });
+}
+
 TEST(Mismatch, DifferentCountsFailEveryRankNamingBothViews) {
   CommOptions o;
   o.timeout = 20s;

@@ -429,6 +429,82 @@ TEST(FabricWrite, RefusedWriteFailsNamingThePeer) {
   }
 }
 
+// Communicator::forget_memory reaches the registration cache: messages sent from one buffer
+// register it once; once the buffer is forgotten the next message from the same address
+// registers it again (a new allocation there may sit on other pages). Every byte is checked.
+TEST_P(FabricPath, ForgottenMemoryIsRegisteredAgain) {
+  constexpr int kMessages = 3;
+  constexpr std::size_t kBytes = 64 * 1024;
+  const UniqueId id = UniqueId::create("127.0.0.1");
+  std::vector<std::string> failures(2);
+  std::vector<std::uint64_t> registered;  // rank 0: registrations after each message
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      std::string& failure = failures[static_cast<std::size_t>(r)];
+      try {
+        auto bs = Bootstrap::create(id, r, 2);
+        auto fo = fabric_options();
+        fo.in_place_bytes = 1;  // every payload from the caller's memory
+        fo.register_in_place = true;
+        auto chans = transport::fabric::connect_peers(*bs, {1 - r}, fo);
+        transport::Channel& ch = *chans.at(0);
+        CollectSink sink(1);
+        const auto deadline = std::chrono::steady_clock::now() + 20s;
+        auto until = [&](auto&& done, const char* what) {
+          while (!done()) {
+            ch.progress(sink, true);
+            if (std::chrono::steady_clock::now() > deadline) {
+              throw std::runtime_error(std::string("timed out waiting for ") + what);
+            }
+            std::this_thread::yield();
+          }
+        };
+        auto send = [&](transport::FrameHeader h, const void* payload, std::uint64_t token) {
+          until([&] { return ch.try_send(h, payload, token); }, "room to send");
+        };
+        if (r == 0) {
+          std::vector<char> buf(kBytes);
+          for (int m = 0; m < kMessages; ++m) {
+            if (m == kMessages - 1) ch.forget_memory(buf.data(), buf.size());
+            for (std::size_t i = 0; i < kBytes; ++i) buf[i] = peer_byte(0, 1, m, i);
+            transport::FrameHeader h;
+            h.bytes = static_cast<std::uint32_t>(kBytes);
+            h.seq = static_cast<std::uint64_t>(m);
+            send(h, buf.data(), static_cast<std::uint64_t>(m));
+            until([&] { return sink.sent == static_cast<std::size_t>(m) + 1; }, "a send");
+            registered.push_back(transport::fabric::registrations_made(ch));
+          }
+          until([&] { return !sink.got[0].empty(); }, "the acknowledgement");
+        } else {
+          until([&] { return sink.got[0].size() == kMessages; }, "the messages");
+          for (int m = 0; m < kMessages; ++m) {
+            const auto& g = sink.got[0][static_cast<std::size_t>(m)];
+            for (std::size_t i = 0; i < kBytes; ++i) {
+              if (g.size() != kBytes || g[i] != peer_byte(0, 1, m, i)) {
+                failure = "message " + std::to_string(m) + " differs at byte " + std::to_string(i);
+                return;
+              }
+            }
+          }
+          transport::FrameHeader ack;
+          ack.type = transport::FrameType::kPosted;
+          send(ack, nullptr, 0);
+          until([&] { return sink.sent == 1; }, "the acknowledgement to leave");
+        }
+        ch.close();
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures[0], "");
+  EXPECT_EQ(failures[1], "");
+  EXPECT_EQ(registered, (std::vector<std::uint64_t>{1, 1, 2}))
+      << "registrations after each message (the buffer forgotten before the third)";
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Providers, FabricPath,
     ::testing::Combine(::testing::ValuesIn(kPathProviders), ::testing::Values("write", "send")),

@@ -59,6 +59,9 @@ class DelayChannel final : public Channel {
   bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
   bool polled() const override { return inner_->polled(); }
+  void forget_memory(const void* addr, std::size_t bytes) override {
+    inner_->forget_memory(addr, bytes);
+  }
   void close() override;
   bool closed() const override { return inner_->closed(); }
   std::string describe() const override;

@@ -107,6 +107,14 @@ class Channel {
   // progress): the caller then calls progress() every turn, ready descriptor or not, and does
   // not sleep for long while it has work in flight.
   [[nodiscard]] virtual bool polled() const { return false; }
+  // The owner of [addr, addr + bytes) is about to free or reuse it: registrations the channel
+  // keeps for sending from callers' memory (cached by address) and overlapping it are dropped,
+  // so that a new allocation there is registered afresh. Called between the operations that
+  // use the memory, never while a message from it is queued. Default: nothing is cached.
+  virtual void forget_memory(const void* addr, std::size_t bytes) {
+    (void)addr;
+    (void)bytes;
+  }
   // Sends what can be sent now and closes; never blocks for long.
   virtual void close() = 0;
   [[nodiscard]] virtual bool closed() const = 0;

@@ -188,6 +188,20 @@ class Communicator {
     (void)priority;
     return false;
   }
+
+  // The caller is about to free or reuse [addr, addr + bytes): transports that register
+  // callers' memory with the NIC and cache the registrations by address (libfabric providers
+  // that need local registration, e.g. verbs;ofi_rxm and efa) drop those overlapping it, so
+  // that memory allocated there later is registered afresh instead of being reached through a
+  // registration of the old pages. Call it once the operations that used the memory have
+  // completed; it takes effect before any operation issued after it starts. Local (nothing
+  // needs to agree across ranks) and cheap where nothing is cached (TCP; the default, e.g.
+  // the MPI and NCCL communicators of the scheduler). Throws dear::Error(kInvalidArgument)
+  // for a null addr with bytes > 0.
+  virtual void forget_memory(const void* addr, std::size_t bytes) {
+    (void)addr;
+    (void)bytes;
+  }
 };
 
 }  // namespace dear

@@ -29,7 +29,7 @@ __all__ = [
     "HAVE_CUDA", "Error", "Handle", "init", "is_initialized", "shutdown", "rank", "size",
     "all_reduce", "all_reduce_async", "reduce_scatter", "reduce_scatter_async",
     "all_gather", "all_gather_async", "broadcast", "broadcast_async", "barrier",
-    "barrier_async", "broadcast_parameters", "DistributedOptimizer",
+    "barrier_async", "broadcast_parameters", "forget_memory", "DistributedOptimizer",
 ]
 
 _DTYPES = {
@@ -254,6 +254,14 @@ def broadcast(tensor: torch.Tensor, root: int = 0, priority: int = 0) -> torch.T
 
 def barrier(priority: int = 0) -> None:
     barrier_async(priority).wait()
+
+
+def forget_memory(tensor: torch.Tensor) -> None:
+    """Tells dear that `tensor`'s memory is about to be freed or reused, after the operations
+    that used it have completed: transports that cache registrations of callers' memory with
+    the NIC drop those for it (Communicator::forget_memory). Nothing to do over TCP."""
+    storage = tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else tensor.storage()
+    _communicator().forget_memory(storage.data_ptr(), storage.nbytes())
 
 
 def broadcast_parameters(model: torch.nn.Module | Iterable[torch.Tensor], root: int = 0) -> None:

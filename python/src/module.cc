@@ -245,7 +245,13 @@ PYBIND11_MODULE(_dear, m) {
           "barrier",
           [](PyCommunicator& c, int priority) { return c.get().barrier(op_options(priority, 0)); },
           py::arg("priority") = 0)
-      .def("abort", [](PyCommunicator& c, const std::string& reason) { c.get().abort(reason); });
+      .def("abort", [](PyCommunicator& c, const std::string& reason) { c.get().abort(reason); })
+      .def(
+          "forget_memory",
+          [](PyCommunicator& c, std::uintptr_t ptr, std::size_t bytes) {
+            c.get().forget_memory(as_ptr(ptr), bytes);
+          },
+          py::arg("ptr"), py::arg("bytes"));
 
   m.def("plan_threshold", &plan_threshold, py::arg("layers"), py::arg("ranks"),
         py::arg("threshold_bytes"), py::arg("element_bytes"),

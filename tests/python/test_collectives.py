@@ -105,6 +105,16 @@ def main() -> None:
     dear.barrier()
     assert dear.barrier_async().wait() is True
 
+    # forget_memory between operations on the same buffer (its memory about to be reused):
+    # nothing lost or reordered.
+    t = data(rank, 3000, torch.float32)
+    dear.all_reduce(t)
+    dear.forget_memory(t)
+    dear.forget_memory(t[100:200])
+    dear.all_reduce(t)
+    want = reference([data(r, 3000, torch.float32) for r in range(n)], "sum") * n
+    check("all_reduce after forget_memory", t, want)
+
     # Argument errors are caught before anything is sent and name the problem.
     for bad, why in [(lambda: dear.all_reduce(torch.ones(4)[::2]), "contiguous"),
                      (lambda: dear.all_reduce(torch.ones(2, dtype=torch.complex64)), "dtype"),

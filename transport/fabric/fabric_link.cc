@@ -132,6 +132,7 @@ struct Domain {
   verbs::RegistrationCache registrations;
   std::vector<std::uint64_t> displaced;
   std::uint64_t in_place_in_flight = 0;
+  std::uint64_t registered = 0;  // ranges registered by descriptor(), for tests
 
   // The descriptor for sending from [p, p + n), registering the range when it is not yet;
   // nullopt when it cannot be registered (the caller copies instead).
@@ -150,6 +151,7 @@ struct Domain {
       registration_failed = true;
       return std::nullopt;
     }
+    ++registered;
     for (const std::uint64_t h :
          registrations.insert(reinterpret_cast<const void*>(span.begin), span.end - span.begin,
                               reinterpret_cast<std::uint64_t>(mr))) {
@@ -157,6 +159,13 @@ struct Domain {
     }
     release_displaced();
     return fi_mr_desc(mr);
+  }
+  // Communicator::forget_memory: the registrations overlapping [p, p + n) leave the cache (and
+  // are closed once no in-place send is in flight).
+  void forget(const void* p, std::size_t n) {
+    if (n == 0) return;
+    for (const std::uint64_t h : registrations.invalidate(p, n)) displaced.push_back(h);
+    release_displaced();
   }
   void release_displaced() {
     if (in_place_in_flight > 0) return;
@@ -313,6 +322,9 @@ class FabricChannel final : public Channel {
   // The providers here progress only inside fi_cq_read() (manual progress), and their wait
   // descriptors do not signal everything that needs it (rxm's rendezvous steps).
   bool polled() const override { return true; }
+  void forget_memory(const void* addr, std::size_t bytes) override { dom_->forget(addr, bytes); }
+  // Callers' memory ranges the domain has registered for in-place sends so far.
+  [[nodiscard]] std::uint64_t registrations_made() const { return dom_->registered; }
   void close() override;
   bool closed() const override { return closed_ || peer_closed_; }
   std::string describe() const override;
@@ -1004,6 +1016,11 @@ InfoPtr write_info(const fi_info* chosen, std::string* why) {
 }  // namespace
 
 bool built() { return true; }
+
+std::uint64_t registrations_made(const Channel& channel) {
+  const auto* f = dynamic_cast<const FabricChannel*>(&channel);
+  return f != nullptr ? f->registrations_made() : 0;
+}
 
 std::vector<std::string> available_providers() {
   std::vector<std::string> out;

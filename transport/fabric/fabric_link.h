@@ -133,6 +133,11 @@ using RingLinks = transport::RingLinks;
 // when it can (DataPath::kAuto then chooses it).
 [[nodiscard]] std::optional<std::string> write_unavailable_reason(const std::string& provider);
 
+// Callers' memory ranges registered so far for in-place sends by the domain `channel` belongs
+// to (FabricOptions::register_in_place, or a provider that needs local registrations); 0 for a
+// channel of another back-end. For tests of the registration cache.
+[[nodiscard]] std::uint64_t registrations_made(const Channel& channel);
+
 // Builds `channels` channels to the next and from the previous rank of the
 // ring. Collective over the bootstrap (one all_gather of endpoint names).
 // Throws dear::Error: kInvalidArgument (bad options, provider not available:

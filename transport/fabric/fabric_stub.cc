@@ -20,6 +20,8 @@ std::optional<std::string> write_unavailable_reason(const std::string&) {
   return std::string(kWhy);
 }
 
+std::uint64_t registrations_made(const Channel&) { return 0; }
+
 RingLinks connect_ring(Bootstrap& bootstrap, int, const FabricOptions&) {
   throw Error(ErrorCode::kInvalidArgument, kWhy, bootstrap.rank());
 }
