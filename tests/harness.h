@@ -72,6 +72,33 @@ inline std::optional<std::string> suite_transport_unavailable() {
 using CommFactory =
     std::function<std::unique_ptr<Communicator>(std::unique_ptr<Bootstrap>&, CommOptions)>;
 
+// Calls fn(bootstrap) on each of n ranks (threads) joined by one fresh unique id; fn may take
+// the bootstrap over. Returns each rank's failure (null where fn returned).
+inline std::vector<std::exception_ptr> run_bootstraps_owned(
+    int n, const std::function<void(std::unique_ptr<Bootstrap>&)>& fn) {
+  const UniqueId id = UniqueId::create("127.0.0.1");
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto boot = Bootstrap::create(id, r, n);
+        fn(boot);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+// As run_bootstraps_owned, for tests below the communicator (transports).
+inline std::vector<std::exception_ptr> run_bootstraps(int n,
+                                                      const std::function<void(Bootstrap&)>& fn) {
+  return run_bootstraps_owned(n, [&](std::unique_ptr<Bootstrap>& boot) { fn(*boot); });
+}
+
 // Calls fn(comm) on each of n ranks (threads); returns each rank's failure (null where the
 // rank succeeded). Ranks that fail leave their communicator, so peers see the failure too.
 inline std::vector<std::exception_ptr> run_ranks_collect(
@@ -81,22 +108,34 @@ inline std::vector<std::exception_ptr> run_ranks_collect(
     options.timeout = std::chrono::milliseconds(std::atoi(t));
   }
   use_suite_transport(options);
-  const UniqueId id = UniqueId::create("127.0.0.1");
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        auto boot = Bootstrap::create(id, r, n);
-        auto comm = make ? make(boot, options) : Communicator::create(std::move(boot), options);
-        fn(*comm);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-    });
+  return run_bootstraps_owned(n, [&](std::unique_ptr<Bootstrap>& boot) {
+    auto comm = make ? make(boot, options) : Communicator::create(std::move(boot), options);
+    fn(*comm);
+  });
+}
+
+// The text of a failure run_ranks_collect or run_bootstraps returned; "" for none.
+inline std::string what_of(const std::exception_ptr& e) {
+  if (!e) return "";
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception that is no std::exception";
   }
-  for (auto& t : threads) t.join();
-  return errors;
+}
+
+// The code of a dear::Error failure; kInternal for any other exception or none.
+inline ErrorCode code_of(const std::exception_ptr& e) {
+  if (!e) return ErrorCode::kInternal;
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& x) {
+    return x.code();
+  } catch (...) {
+    return ErrorCode::kInternal;
+  }
 }
 
 // As run_ranks_collect, but prints every rank's failure (the first one thrown is not always

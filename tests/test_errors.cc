@@ -27,24 +27,6 @@ Error expect_error(F&& fn) {
   return Error(ErrorCode::kInternal, "none thrown");
 }
 
-std::string what_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  }
-}
-
-ErrorCode code_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const Error& x) {
-    return x.code();
-  } catch (...) {
-    return ErrorCode::kInternal;
-  }
-}
-
 TEST(InvalidArguments, NameTheArgumentAndTheRank) {
   run_ranks(2, [](Communicator& comm) {
     std::vector<float> buf(16);

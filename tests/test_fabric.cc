@@ -70,14 +70,6 @@ class Fabric : public ::testing::TestWithParam<std::string> {
   }
 };
 
-std::string what_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  }
-}
-
 const Error* as_error(const std::exception_ptr& e, Error& storage) {
   try {
     std::rethrow_exception(e);
@@ -216,25 +208,15 @@ TEST_P(Fabric, ConnectPeersExchangesWithCopiedAndRegisteredPayloads) {
 
 // Asymmetric lists are named, not hung: rank 0 lists rank 1, rank 1 lists nobody.
 TEST_P(Fabric, ConnectPeersNamesAPeerThatDoesNotListThisRank) {
-  const UniqueId id = UniqueId::create("127.0.0.1");
-  std::vector<std::string> failures(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        auto bs = Bootstrap::create(id, r, 2);
-        transport::fabric::FabricOptions fo;
-        fo.provider = GetParam();
-        auto chans = transport::fabric::connect_peers(
-            *bs, r == 0 ? std::vector<int>{1} : std::vector<int>{}, fo);
-      } catch (const std::exception& e) {
-        failures[static_cast<std::size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  EXPECT_NE(failures[0].find("does not list rank 0"), std::string::npos) << failures[0];
-  EXPECT_EQ(failures[1], "");
+  const auto errors = run_bootstraps(2, [&](Bootstrap& bs) {
+    transport::fabric::FabricOptions fo;
+    fo.provider = GetParam();
+    auto chans = transport::fabric::connect_peers(
+        bs, bs.rank() == 0 ? std::vector<int>{1} : std::vector<int>{}, fo);
+  });
+  EXPECT_NE(what_of(errors[0]).find("does not list rank 0"), std::string::npos)
+      << what_of(errors[0]);
+  EXPECT_EQ(what_of(errors[1]), "");
 }
 
 // ---- the data paths (FabricOptions::data_path, CommOptions::fabric_data_path)
@@ -435,72 +417,61 @@ TEST(FabricWrite, RefusedWriteFailsNamingThePeer) {
 TEST_P(FabricPath, ForgottenMemoryIsRegisteredAgain) {
   constexpr int kMessages = 3;
   constexpr std::size_t kBytes = 64 * 1024;
-  const UniqueId id = UniqueId::create("127.0.0.1");
-  std::vector<std::string> failures(2);
   std::vector<std::uint64_t> registered;  // rank 0: registrations after each message
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      std::string& failure = failures[static_cast<std::size_t>(r)];
-      try {
-        auto bs = Bootstrap::create(id, r, 2);
-        auto fo = fabric_options();
-        fo.in_place_bytes = 1;  // every payload from the caller's memory
-        fo.register_in_place = true;
-        auto chans = transport::fabric::connect_peers(*bs, {1 - r}, fo);
-        transport::Channel& ch = *chans.at(0);
-        CollectSink sink(1);
-        const auto deadline = std::chrono::steady_clock::now() + 20s;
-        auto until = [&](auto&& done, const char* what) {
-          while (!done()) {
-            ch.progress(sink, true);
-            if (std::chrono::steady_clock::now() > deadline) {
-              throw std::runtime_error(std::string("timed out waiting for ") + what);
-            }
-            std::this_thread::yield();
-          }
-        };
-        auto send = [&](transport::FrameHeader h, const void* payload, std::uint64_t token) {
-          until([&] { return ch.try_send(h, payload, token); }, "room to send");
-        };
-        if (r == 0) {
-          std::vector<char> buf(kBytes);
-          for (int m = 0; m < kMessages; ++m) {
-            if (m == kMessages - 1) ch.forget_memory(buf.data(), buf.size());
-            for (std::size_t i = 0; i < kBytes; ++i) buf[i] = peer_byte(0, 1, m, i);
-            transport::FrameHeader h;
-            h.bytes = static_cast<std::uint32_t>(kBytes);
-            h.seq = static_cast<std::uint64_t>(m);
-            send(h, buf.data(), static_cast<std::uint64_t>(m));
-            until([&] { return sink.sent == static_cast<std::size_t>(m) + 1; }, "a send");
-            registered.push_back(transport::fabric::registrations_made(ch));
-          }
-          until([&] { return !sink.got[0].empty(); }, "the acknowledgement");
-        } else {
-          until([&] { return sink.got[0].size() == kMessages; }, "the messages");
-          for (int m = 0; m < kMessages; ++m) {
-            const auto& g = sink.got[0][static_cast<std::size_t>(m)];
-            for (std::size_t i = 0; i < kBytes; ++i) {
-              if (g.size() != kBytes || g[i] != peer_byte(0, 1, m, i)) {
-                failure = "message " + std::to_string(m) + " differs at byte " + std::to_string(i);
-                return;
-              }
-            }
-          }
-          transport::FrameHeader ack;
-          ack.type = transport::FrameType::kPosted;
-          send(ack, nullptr, 0);
-          until([&] { return sink.sent == 1; }, "the acknowledgement to leave");
+  const auto errors = run_bootstraps(2, [&](Bootstrap& bs) {
+    const int r = bs.rank();
+    auto fo = fabric_options();
+    fo.in_place_bytes = 1;  // every payload from the caller's memory
+    fo.register_in_place = true;
+    auto chans = transport::fabric::connect_peers(bs, {1 - r}, fo);
+    transport::Channel& ch = *chans.at(0);
+    CollectSink sink(1);
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    auto until = [&](auto&& done, const char* what) {
+      while (!done()) {
+        ch.progress(sink, true);
+        if (std::chrono::steady_clock::now() > deadline) {
+          throw std::runtime_error(std::string("timed out waiting for ") + what);
         }
-        ch.close();
-      } catch (const std::exception& e) {
-        failure = e.what();
+        std::this_thread::yield();
       }
-    });
-  }
-  for (auto& t : threads) t.join();
-  EXPECT_EQ(failures[0], "");
-  EXPECT_EQ(failures[1], "");
+    };
+    auto send = [&](transport::FrameHeader h, const void* payload, std::uint64_t token) {
+      until([&] { return ch.try_send(h, payload, token); }, "room to send");
+    };
+    if (r == 0) {
+      std::vector<char> buf(kBytes);
+      for (int m = 0; m < kMessages; ++m) {
+        if (m == kMessages - 1) ch.forget_memory(buf.data(), buf.size());
+        for (std::size_t i = 0; i < kBytes; ++i) buf[i] = peer_byte(0, 1, m, i);
+        transport::FrameHeader h;
+        h.bytes = static_cast<std::uint32_t>(kBytes);
+        h.seq = static_cast<std::uint64_t>(m);
+        send(h, buf.data(), static_cast<std::uint64_t>(m));
+        until([&] { return sink.sent == static_cast<std::size_t>(m) + 1; }, "a send");
+        registered.push_back(transport::fabric::registrations_made(ch));
+      }
+      until([&] { return !sink.got[0].empty(); }, "the acknowledgement");
+    } else {
+      until([&] { return sink.got[0].size() == kMessages; }, "the messages");
+      for (int m = 0; m < kMessages; ++m) {
+        const auto& g = sink.got[0][static_cast<std::size_t>(m)];
+        for (std::size_t i = 0; i < kBytes; ++i) {
+          if (g.size() != kBytes || g[i] != peer_byte(0, 1, m, i)) {
+            throw std::runtime_error("message " + std::to_string(m) + " differs at byte " +
+                                     std::to_string(i));
+          }
+        }
+      }
+      transport::FrameHeader ack;
+      ack.type = transport::FrameType::kPosted;
+      send(ack, nullptr, 0);
+      until([&] { return sink.sent == 1; }, "the acknowledgement to leave");
+    }
+    ch.close();
+  });
+  EXPECT_EQ(what_of(errors[0]), "");
+  EXPECT_EQ(what_of(errors[1]), "");
   EXPECT_EQ(registered, (std::vector<std::uint64_t>{1, 1, 2}))
       << "registrations after each message (the buffer forgotten before the third)";
 }
@@ -537,32 +508,18 @@ TEST_P(Fabric, AutoWritesWhereTheProviderOffersIt) {
 // other's fragments.
 TEST_P(Fabric, RanksOnDifferentDataPathsFailNamingBoth) {
   if (auto why = transport::fabric::write_unavailable_reason(GetParam())) GTEST_SKIP() << *why;
-  const UniqueId id = UniqueId::create("127.0.0.1");
-  std::vector<std::string> failures(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        auto bs = Bootstrap::create(id, r, 2);
-        transport::fabric::FabricOptions fo;
-        fo.provider = GetParam();
-        fo.data_path = r == 0 ? transport::fabric::DataPath::kWrite
-                              : transport::fabric::DataPath::kSend;
-        auto chans = transport::fabric::connect_peers(*bs, {1 - r}, fo);
-      } catch (const Error& e) {
-        failures[static_cast<std::size_t>(r)] = e.code() == ErrorCode::kMismatch
-                                                    ? e.what()
-                                                    : std::string("wrong code: ") + e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  const auto errors = run_bootstraps(2, [&](Bootstrap& bs) {
+    transport::fabric::FabricOptions fo;
+    fo.provider = GetParam();
+    fo.data_path = bs.rank() == 0 ? transport::fabric::DataPath::kWrite
+                                  : transport::fabric::DataPath::kSend;
+    auto chans = transport::fabric::connect_peers(bs, {1 - bs.rank()}, fo);
+  });
   for (std::size_t r = 0; r < 2; ++r) {
-    EXPECT_NE(failures[r].find("'write'"), std::string::npos) << "rank " << r << ": "
-                                                               << failures[r];
-    EXPECT_NE(failures[r].find("'send'"), std::string::npos) << "rank " << r << ": "
-                                                              << failures[r];
-    EXPECT_EQ(failures[r].find("wrong code"), std::string::npos) << failures[r];
+    const std::string what = what_of(errors[r]);
+    EXPECT_EQ(code_of(errors[r]), ErrorCode::kMismatch) << "rank " << r << ": " << what;
+    EXPECT_NE(what.find("'write'"), std::string::npos) << "rank " << r << ": " << what;
+    EXPECT_NE(what.find("'send'"), std::string::npos) << "rank " << r << ": " << what;
   }
 }
 

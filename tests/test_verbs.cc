@@ -12,6 +12,7 @@
 #include "channel_exchange.h"
 #include "dear/bootstrap.h"
 #include "dear/error.h"
+#include "harness.h"
 #include "transport/verbs/qp_plan.h"
 #include "transport/verbs/reg_cache.h"
 #include "transport/verbs/verbs_link.h"
@@ -319,23 +320,13 @@ TEST(VerbsSetup, UnavailableReasonSaysWhy) {
 
 TEST(VerbsSetup, ConnectWithoutADeviceFailsOnEveryRankNamingTheReason) {
   if (transport::verbs::available()) GTEST_SKIP() << "an RDMA device is present";
-  const UniqueId id = UniqueId::create("127.0.0.1");
-  std::vector<std::string> failures(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        auto bs = Bootstrap::create(id, r, 2);
-        auto ring = transport::verbs::connect_ring(*bs, 1, {});
-      } catch (const Error& e) {
-        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-        failures[static_cast<std::size_t>(r)] = e.cause();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const auto& f : failures) {
-    EXPECT_EQ(f, *transport::verbs::unavailable_reason()) << "connect names the same reason";
+  const auto errors = run_bootstraps(
+      2, [](Bootstrap& bs) { auto ring = transport::verbs::connect_ring(bs, 1, {}); });
+  for (const auto& e : errors) {
+    ASSERT_TRUE(e) << "connect succeeded without a device";
+    EXPECT_EQ(code_of(e), ErrorCode::kInvalidArgument) << what_of(e);
+    EXPECT_NE(what_of(e).find(*transport::verbs::unavailable_reason()), std::string::npos)
+        << "connect names the same reason: " << what_of(e);
   }
 }
 
