@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -16,6 +17,7 @@
 
 #include "dear/bootstrap.h"
 #include "dear/communicator.h"
+#include "channel_exchange.h"
 #include "reference.h"
 #include "transport/auth.h"
 #include "transport/listener_registry.h"
@@ -375,6 +377,75 @@ TEST(Links, FormDespiteGarbageConnections) {
   EXPECT_LT(took, 4s) << log;
   EXPECT_EQ(attacker.wrong_secret_rejected(), 1) << log;
   EXPECT_NE(log.find("wrong secret"), std::string::npos) << log;
+}
+
+// One TCP channel each way between two ranks of this process: [r] is rank r's end of the
+// connection rank 0 opened.
+std::array<std::unique_ptr<transport::Channel>, 2> tcp_channel_pair() {
+  const auto secret = transport::random_secret();
+  Fd listeners[2] = {transport::listen_on(transport::resolve("127.0.0.1", 0)),
+                     transport::listen_on(transport::resolve("127.0.0.1", 0))};
+  std::vector<std::unique_ptr<transport::Channel>> out[2];
+  std::vector<std::vector<std::unique_ptr<transport::Channel>>> in[2];
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      const auto deadline = transport::deadline_after(10s);
+      const auto port = transport::local_address(listeners[1 - r].get()).port();
+      out[r] = transport::tcp::connect_link(transport::resolve("127.0.0.1", port), r, 1 - r, 1,
+                                            secret.data(), 0x77, deadline);
+      in[r] = transport::tcp::accept_links(listeners[r].get(), r, {1 - r}, 1, secret.data(),
+                                           0x77, deadline);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  return {std::move(out[0][0]), std::move(in[1][0][0])};
+}
+
+// A rank that finished and closed while its neighbour was still sending to it resets the
+// connection (its socket held data it never read). The neighbour must still receive every
+// byte the closed rank sent, and learn of the close as a close, not as a broken link: whether
+// that is an error depends on whether an operation still needed the link.
+TEST(Links, APeerThatClosesWithUnreadDataStillDeliversWhatItSent) {
+  auto pair = tcp_channel_pair();
+  transport::Channel& early = *pair[0];
+  transport::Channel& late = *pair[1];
+  CollectSink early_sink(1);
+  CollectSink late_sink(1);
+  std::vector<char> last(64 * 1024);
+  for (std::size_t i = 0; i < last.size(); ++i) last[i] = peer_byte(0, 1, 0, i);
+  transport::FrameHeader h;
+  h.bytes = static_cast<std::uint32_t>(last.size());
+  ASSERT_TRUE(early.try_send(h, last.data(), 1));
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (early.queued() > 0 && std::chrono::steady_clock::now() < deadline) {
+    early.progress(early_sink, false);
+  }
+  ASSERT_EQ(early.queued(), 0u);
+  // The neighbour sends more than the closing rank's socket can hold, which it never reads.
+  std::vector<char> flood(32u << 20, 'f');
+  h.bytes = static_cast<std::uint32_t>(flood.size());
+  ASSERT_TRUE(late.try_send(h, flood.data(), 2));
+  for (int i = 0; i < 50; ++i) {
+    late.progress(late_sink, false);
+    std::this_thread::sleep_for(1ms);
+  }
+  early.close();
+  std::string error;
+  try {
+    while (late_sink.closed == 0 && std::chrono::steady_clock::now() < deadline) {
+      late.progress(late_sink, true);
+      std::this_thread::sleep_for(1ms);
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  EXPECT_EQ(error, "");
+  EXPECT_EQ(late_sink.closed, 1u);
+  EXPECT_TRUE(late.closed());
+  EXPECT_EQ(late_sink.sent, 0u) << "the flood cannot have been delivered";
+  ASSERT_EQ(late_sink.got[0].size(), 1u);
+  EXPECT_TRUE(late_sink.got[0][0] == last) << "the closed rank's last message arrived damaged";
 }
 
 TEST(Interface, LoopbackResolvesAndAnUnknownNameIsNamedInTheError) {

@@ -1,11 +1,15 @@
 #include "transport/tcp/tcp_channel.h"
 
 #include <fcntl.h>
+#include <linux/sockios.h>
+#include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +31,13 @@ constexpr std::size_t kHeaderReadBytes = 16 * 1024;
 constexpr std::size_t kReadBudget = 4 * 1024 * 1024;
 
 bool would_block(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
+
+// The peer's side is gone: it closed its socket (a reset when our data, or data arriving
+// after its close, found it unread) or its process ended.
+bool peer_gone(int err) { return err == ECONNRESET || err == EPIPE; }
+
+// How long close() waits for the peer to acknowledge the bytes already handed to the kernel.
+constexpr auto kLingerLimit = std::chrono::milliseconds(500);
 
 constexpr std::uint64_t kMinSocketBuffer = 4 << 10;
 constexpr std::uint64_t kMaxSocketBuffer = 1 << 30;
@@ -93,6 +104,10 @@ bool TcpChannel::progress(RecvSink& sink, bool may_read) {
 }
 
 bool TcpChannel::flush(RecvSink& sink) {
+  if (send_gone_) {
+    drop_queue();
+    return false;
+  }
   bool moved = false;
   while (count_ > 0) {
     // Gather as many queued messages as fit in one sendmsg().
@@ -122,6 +137,14 @@ bool TcpChannel::flush(RecvSink& sink) {
       if (would_block(errno)) {
         write_blocked_ = errno != EINTR;
         return moved;
+      }
+      // A peer that closed its end cannot take what is queued. What it sent before closing
+      // may still wait in the socket, so the close is reported by receive() once that has
+      // been read; operations that still expected to send here learn of it then.
+      if (peer_gone(errno)) {
+        send_gone_ = true;
+        drop_queue();
+        return true;
       }
       fail(std::string("connection lost while sending (") + std::strerror(errno) + ")");
     }
@@ -250,11 +273,14 @@ bool TcpChannel::receive(RecvSink& sink, std::size_t budget) {
       }
       continue;
     }
-    if (n == 0) {
-      if (in_payload_ || wpos_ != rpos_) fail("connection closed in the middle of a message");
-      fd_.reset();
-      sink.on_closed(index_);
-      return true;
+    // The kernel hands over every byte that arrived before it reports the peer's close or
+    // reset, so either means the peer has sent all it ever will.
+    if (n == 0 || peer_gone(errno)) {
+      if (in_payload_ || wpos_ != rpos_) {
+        fail(std::string("connection ") + (n == 0 ? "closed" : "reset") +
+             " in the middle of a message");
+      }
+      return peer_closed(sink);
     }
     if (would_block(errno)) break;
     fail(std::string("connection lost while receiving (") + std::strerror(errno) + ")");
@@ -262,25 +288,53 @@ bool TcpChannel::receive(RecvSink& sink, std::size_t budget) {
   return moved;
 }
 
+void TcpChannel::drop_queue() {
+  count_ = 0;
+  queued_bytes_ = 0;
+  head_offset_ = 0;
+}
+
+bool TcpChannel::peer_closed(RecvSink& sink) {
+  fd_.reset();
+  drop_queue();
+  sink.on_closed(index_);
+  return true;
+}
+
 void TcpChannel::close() {
   if (!fd_.valid()) return;
-  // Hand over what is queued if the socket takes it at once; then drain what has arrived, so
-  // the close is a FIN and not a reset that could destroy data the peer has yet to read.
+  // Hand over what is queued if the socket takes it at once, then send a FIN.
   NullSink null_sink;
   try {
     flush(null_sink);
   } catch (const Error&) {
     // Closing anyway.
   }
+  if (send_gone_) {
+    fd_.reset();
+    return;
+  }
   ::shutdown(fd_.get(), SHUT_WR);
+  // Anything the peer sends from now on (an announcement of its next operation, say) finds
+  // this socket closed and draws a reset, and a reset throws away what the kernel has not yet
+  // delivered. So wait, boundedly, until the peer has acknowledged every byte handed over,
+  // discarding what arrives meanwhile; after that a reset can only reach data the peer's
+  // kernel already holds, which it still hands to the reader before reporting the reset.
+  const auto deadline = std::chrono::steady_clock::now() + kLingerLimit;
   char buf[4096];
-  for (int i = 0; i < 64; ++i) {
-    const ssize_t n = ::recv(fd_.get(), buf, sizeof(buf), MSG_DONTWAIT);
-    if (n <= 0) break;
+  for (;;) {
+    ssize_t n = 0;
+    while ((n = ::recv(fd_.get(), buf, sizeof(buf), MSG_DONTWAIT)) > 0) {
+    }
+    if (n == 0 || !would_block(errno)) break;  // the peer closed too, or the connection is gone
+    int unacknowledged = 0;
+    if (::ioctl(fd_.get(), SIOCOUTQ, &unacknowledged) != 0 || unacknowledged == 0) break;
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    pollfd p{fd_.get(), POLLIN, 0};
+    (void)::poll(&p, 1, 1);
   }
   fd_.reset();
-  count_ = 0;
-  queued_bytes_ = 0;
+  drop_queue();
 }
 
 namespace {

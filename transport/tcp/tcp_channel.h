@@ -50,6 +50,9 @@ class TcpChannel final : public Channel {
   // Consumes payload bytes buffered in the inbox; true when the message completed.
   bool consume_buffered(RecvSink& sink);
   [[noreturn]] void fail(const std::string& why) const;
+  // The peer closed (or reset) the connection: forget what is queued, tell the sink.
+  bool peer_closed(RecvSink& sink);
+  void drop_queue();
 
   Fd fd_;
   int self_;
@@ -62,6 +65,7 @@ class TcpChannel final : public Channel {
   std::size_t head_offset_ = 0;  // bytes of the head message already written
   std::size_t queued_bytes_ = 0;
   bool write_blocked_ = false;
+  bool send_gone_ = false;  // a send found the peer's end closed; receive() reports it
   std::array<iovec, kMaxIov> iov_{};
 
   std::unique_ptr<char[]> inbox_;
