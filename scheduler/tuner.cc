@@ -276,7 +276,9 @@ std::int64_t ThresholdTuner::best() const {
 }
 
 std::int64_t ThresholdTuner::middle() const {
-  if (options_.middle_bytes != 0) return options_.middle_bytes;
+  // A caller's threshold at an end of the range was measured already by the first two trials.
+  const std::int64_t m = options_.middle_bytes;
+  if (m != 0 && m != grid_.front() && m != grid_.back()) return m;
   return grid_[grid_.size() / 2];  // the grid is log-spaced
 }
 

@@ -65,6 +65,17 @@ TEST(Tuner, FirstTrialsAreTheEndsAndTheMiddle) {
   seeded.report(seeded.next(), 50);
   seeded.report(seeded.next(), 60);
   EXPECT_EQ(seeded.next(), ds::kDefaultThresholdBytes);
+
+  // A caller's threshold at an end of the range was measured by the first two trials: the
+  // third is the geometric middle, so that the fixed trials always spread over three points.
+  for (const std::int64_t end : {o.min_bytes, o.max_bytes}) {
+    ds::TunerOptions at_end;
+    at_end.middle_bytes = end;
+    ds::ThresholdTuner clamped(at_end);
+    clamped.report(clamped.next(), 50);
+    clamped.report(clamped.next(), 60);
+    EXPECT_EQ(clamped.next(), 16 * kMiB) << "middle_bytes " << end;
+  }
 }
 
 TEST(Tuner, NoiselessBowlWithinFactorOneAndAHalf) {

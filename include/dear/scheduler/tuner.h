@@ -45,7 +45,8 @@ struct TunerOptions {
   int initial_trials = 3;
   // The third fixed trial; 0 is the geometric middle of the range (16 MiB by default). A
   // caller that wants the tuned threshold never to measure worse than the one it would use
-  // otherwise passes that one (e.g. kDefaultThresholdBytes).
+  // otherwise passes that one (e.g. kDefaultThresholdBytes). One at an end of the range (the
+  // first two trials measure those) gives way to the geometric middle.
   std::int64_t middle_bytes = 0;
   int grid_per_octave = 16;  // candidate thresholds per doubling, rounded to whole KiB
   // Expected improvement asked for beyond the best prediction, in standard deviations of the
