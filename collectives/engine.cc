@@ -1139,7 +1139,7 @@ void Engine::fail(const Error& e) {
       try {
         send_control(l, FrameType::kAbort, 0, text, blame, static_cast<int>(e.code()));
         for (auto& ch : links_[l]) {
-          if (!ch->closed()) ch->close();
+          if (!ch->closed()) ch->abandon();
         }
       } catch (const Error&) {
         // The link is already broken; the peer learns from that.

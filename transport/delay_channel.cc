@@ -153,7 +153,11 @@ pollfd DelayChannel::wait_spec() const {
   return {epoll_.get(), POLLIN, 0};
 }
 
-void DelayChannel::close() {
+void DelayChannel::close() { shut(false); }
+
+void DelayChannel::abandon() { shut(true); }
+
+void DelayChannel::shut(bool abandon) {
   if (!inner_) return;
   if (!inner_->closed()) {
     try {
@@ -162,7 +166,11 @@ void DelayChannel::close() {
       // Closing anyway; the inner channel is broken.
     }
   }
-  inner_->close();
+  if (abandon) {
+    inner_->abandon();
+  } else {
+    inner_->close();
+  }
   head_ = 0;
   held_ = 0;
   held_bytes_ = 0;

@@ -63,6 +63,7 @@ class DelayChannel final : public Channel {
     inner_->forget_memory(addr, bytes);
   }
   void close() override;
+  void abandon() override;
   bool closed() const override { return inner_->closed(); }
   std::string describe() const override;
 
@@ -70,6 +71,8 @@ class DelayChannel final : public Channel {
   [[nodiscard]] std::size_t held() const { return held_; }
 
  private:
+  // close() or abandon(): hands held messages to the inner channel, then closes that.
+  void shut(bool abandon);
   struct Held {
     FrameHeader header;
     const void* payload;

@@ -115,8 +115,11 @@ class Channel {
     (void)addr;
     (void)bytes;
   }
-  // Sends what can be sent now and closes; never blocks for long.
+  // Sends what can be sent now and closes; never blocks for long (a back-end may wait a
+  // bounded moment for the peer to take what was sent).
   virtual void close() = 0;
+  // Closes after a failure, when what was sent no longer matters: no waiting at all.
+  virtual void abandon() { close(); }
   [[nodiscard]] virtual bool closed() const = 0;
   [[nodiscard]] virtual std::string describe() const = 0;
 };

@@ -22,6 +22,8 @@
 namespace dear::transport::tcp {
 namespace {
 
+using namespace std::chrono_literals;
+
 constexpr std::size_t kHeader = sizeof(FrameHeader);
 // Payload remainders at least this large are read straight into their destination; smaller
 // ones go through the inbox so that one read can also pick up the next headers.
@@ -301,7 +303,11 @@ bool TcpChannel::peer_closed(RecvSink& sink) {
   return true;
 }
 
-void TcpChannel::close() {
+void TcpChannel::close() { shut(true); }
+
+void TcpChannel::abandon() { shut(false); }
+
+void TcpChannel::shut(bool linger) {
   if (!fd_.valid()) return;
   // Hand over what is queued if the socket takes it at once, then send a FIN.
   NullSink null_sink;
@@ -320,13 +326,13 @@ void TcpChannel::close() {
   // delivered. So wait, boundedly, until the peer has acknowledged every byte handed over,
   // discarding what arrives meanwhile; after that a reset can only reach data the peer's
   // kernel already holds, which it still hands to the reader before reporting the reset.
-  const auto deadline = std::chrono::steady_clock::now() + kLingerLimit;
+  const auto deadline = std::chrono::steady_clock::now() + (linger ? kLingerLimit : 0ms);
   char buf[4096];
   for (;;) {
     ssize_t n = 0;
-    while ((n = ::recv(fd_.get(), buf, sizeof(buf), MSG_DONTWAIT)) > 0) {
+    for (int i = 0; i < 64 && (n = ::recv(fd_.get(), buf, sizeof(buf), MSG_DONTWAIT)) > 0; ++i) {
     }
-    if (n == 0 || !would_block(errno)) break;  // the peer closed too, or the connection is gone
+    if (n == 0 || (n < 0 && !would_block(errno))) break;  // the peer closed, or the link is gone
     int unacknowledged = 0;
     if (::ioctl(fd_.get(), SIOCOUTQ, &unacknowledged) != 0 || unacknowledged == 0) break;
     if (std::chrono::steady_clock::now() >= deadline) break;

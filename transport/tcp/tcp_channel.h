@@ -32,6 +32,7 @@ class TcpChannel final : public Channel {
   bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
   void close() override;
+  void abandon() override;
   bool closed() const override { return !fd_.valid(); }
   std::string describe() const override;
 
@@ -53,6 +54,8 @@ class TcpChannel final : public Channel {
   // The peer closed (or reset) the connection: forget what is queued, tell the sink.
   bool peer_closed(RecvSink& sink);
   void drop_queue();
+  // close() (linger: wait, boundedly, for the peer to acknowledge what was sent) or abandon().
+  void shut(bool linger);
 
   Fd fd_;
   int self_;
