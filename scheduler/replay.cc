@@ -455,9 +455,8 @@ NetModel calibrate_network(Communicator& comm, int repeats) {
           once();
           t.push_back(seconds(Clock::now() - t0));
         }
-        std::sort(t.begin(), t.end());
         xs.push_back(static_cast<double>(chunk));
-        ys.push_back(t[t.size() / 2] / (n - 1));
+        ys.push_back(median(t) / (n - 1));
       }
     }
     // Beta: the slope between the two sizes (each the mean of RS and AG). Loopback is not
@@ -474,24 +473,25 @@ NetModel calibrate_network(Communicator& comm, int repeats) {
     OpOptions ring;
     ring.algorithm = Algorithm::kRing;
     std::vector<float> ones(static_cast<std::size_t>(n), 1.0F);
-    auto tiny = [&](bool reduce) {
-      std::vector<double> t;
-      for (int r = 0; r < 4 * repeats; ++r) {
+    // Alpha is a difference of the two: they are timed alternately, so that a shared machine's
+    // slower and faster moments fall on both alike.
+    std::array<std::vector<double>, 2> tiny;  // [0] all_reduce, [1] all_gather
+    for (int r = 0; r < 4 * repeats; ++r) {
+      for (int kind = 0; kind < 2; ++kind) {
         comm.barrier().wait();
         const auto t0 = Clock::now();
-        if (reduce) {
+        if (kind == 0) {
           comm.all_reduce(ones.data(), ones.data(), 1, DataType::kFloat32, ReduceOp::kSum, ring)
               .wait();
         } else {
           comm.all_gather(ones.data() + comm.rank(), ones.data(), 1, DataType::kFloat32, ring)
               .wait();
         }
-        t.push_back(seconds(Clock::now() - t0));
+        tiny[static_cast<std::size_t>(kind)].push_back(seconds(Clock::now() - t0));
       }
-      return median(t);
-    };
-    const double t_reduce = tiny(true);
-    const double t_gather = tiny(false);
+    }
+    const double t_reduce = median(tiny[0]);
+    const double t_gather = median(tiny[1]);
     const double alpha = std::max((t_reduce - t_gather) / (n - 1), 1e-6);
     const double overhead = std::max(t_gather - (n - 1) * alpha, 0.0);
     // The wake-up after a blocked wait: the same small all-gather as above, now in a chain
