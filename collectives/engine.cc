@@ -287,8 +287,10 @@ void Engine::run() {
   fail_all(std::make_exception_ptr(
       Error(ErrorCode::kAborted, "the communicator was destroyed with this operation pending",
             cfg_.rank)));
+  // One deadline for all: a stalled peer costs the linger once, not once per channel.
+  const auto linger_until = std::chrono::steady_clock::now() + transport::kCloseLinger;
   for (auto& link : links_) {
-    for (auto& ch : link) ch->close();
+    for (auto& ch : link) ch->close_by(linger_until);
   }
 }
 

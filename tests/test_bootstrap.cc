@@ -448,6 +448,32 @@ TEST(Links, APeerThatClosesWithUnreadDataStillDeliversWhatItSent) {
   EXPECT_TRUE(late_sink.got[0][0] == last) << "the closed rank's last message arrived damaged";
 }
 
+// Closing waits for the peer to acknowledge what was sent, but boundedly: channels closed with
+// one shared deadline to a peer that reads nothing wait for that deadline once, not each in
+// turn (a communicator's teardown closes all its channels so).
+TEST(Links, ClosingToAPeerThatReadsNothingWaitsOneSharedDeadline) {
+  constexpr int kPairs = 4;
+  std::vector<std::array<std::unique_ptr<transport::Channel>, 2>> pairs;
+  for (int i = 0; i < kPairs; ++i) pairs.push_back(tcp_channel_pair());
+  std::vector<char> flood(32u << 20, 'f');
+  transport::FrameHeader h;
+  h.bytes = static_cast<std::uint32_t>(flood.size());
+  CollectSink sink(1);
+  for (auto& p : pairs) {
+    ASSERT_TRUE(p[0]->try_send(h, flood.data(), 1));
+    for (int i = 0; i < 20; ++i) p[0]->progress(sink, false);  // fills the socket buffers
+    ASSERT_EQ(p[0]->queued(), 1u) << "the peer's buffers took 32 MiB";
+  }
+  constexpr auto kLinger = 300ms;
+  const auto start = std::chrono::steady_clock::now();
+  for (auto& p : pairs) p[0]->close_by(start + kLinger);
+  const auto took = std::chrono::steady_clock::now() - start;
+  for (auto& p : pairs) EXPECT_TRUE(p[0]->closed());
+  EXPECT_GE(took, kLinger - 10ms) << "closed before the deadline with unacknowledged data";
+  EXPECT_LT(took, kLinger + 700ms) << "the waits added up";
+  EXPECT_EQ(sink.sent, 0u);
+}
+
 TEST(Interface, LoopbackResolvesAndAnUnknownNameIsNamedInTheError) {
   EXPECT_EQ(interface_address("lo", 0), "127.0.0.1");
   try {

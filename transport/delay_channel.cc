@@ -153,11 +153,19 @@ pollfd DelayChannel::wait_spec() const {
   return {epoll_.get(), POLLIN, 0};
 }
 
-void DelayChannel::close() { shut(false); }
+void DelayChannel::close() {
+  shut([](Channel& inner) { inner.close(); });
+}
 
-void DelayChannel::abandon() { shut(true); }
+void DelayChannel::close_by(std::chrono::steady_clock::time_point linger_until) {
+  shut([&](Channel& inner) { inner.close_by(linger_until); });
+}
 
-void DelayChannel::shut(bool abandon) {
+void DelayChannel::abandon() {
+  shut([](Channel& inner) { inner.abandon(); });
+}
+
+void DelayChannel::shut(const std::function<void(Channel&)>& close_inner) {
   if (!inner_) return;
   if (!inner_->closed()) {
     try {
@@ -166,11 +174,7 @@ void DelayChannel::shut(bool abandon) {
       // Closing anyway; the inner channel is broken.
     }
   }
-  if (abandon) {
-    inner_->abandon();
-  } else {
-    inner_->close();
-  }
+  close_inner(*inner_);
   head_ = 0;
   held_ = 0;
   held_bytes_ = 0;

@@ -31,6 +31,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -63,6 +64,7 @@ class DelayChannel final : public Channel {
     inner_->forget_memory(addr, bytes);
   }
   void close() override;
+  void close_by(std::chrono::steady_clock::time_point linger_until) override;
   void abandon() override;
   bool closed() const override { return inner_->closed(); }
   std::string describe() const override;
@@ -71,8 +73,9 @@ class DelayChannel final : public Channel {
   [[nodiscard]] std::size_t held() const { return held_; }
 
  private:
-  // close() or abandon(): hands held messages to the inner channel, then closes that.
-  void shut(bool abandon);
+  // close(), close_by() or abandon(): hands held messages to the inner channel, then closes
+  // that with `close_inner`.
+  void shut(const std::function<void(Channel&)>& close_inner);
   struct Held {
     FrameHeader header;
     const void* payload;

@@ -32,6 +32,7 @@
 
 #include <poll.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -88,6 +89,10 @@ struct NullSink final : RecvSink {
   void on_closed(int) override {}
 };
 
+// How long a closing channel waits at most for its peer to acknowledge what was sent (a reset
+// that followed would destroy it); close_by() lets an engine share one such deadline.
+inline constexpr std::chrono::milliseconds kCloseLinger{500};
+
 class Channel {
  public:
   virtual ~Channel() = default;
@@ -118,6 +123,12 @@ class Channel {
   // Sends what can be sent now and closes; never blocks for long (a back-end may wait a
   // bounded moment for the peer to take what was sent).
   virtual void close() = 0;
+  // close(), waiting for the peer at most until `linger_until` (an engine closing all its
+  // channels gives them one shared deadline, so that the waits do not add up).
+  virtual void close_by(std::chrono::steady_clock::time_point linger_until) {
+    (void)linger_until;
+    close();
+  }
   // Closes after a failure, when what was sent no longer matters: no waiting at all.
   virtual void abandon() { close(); }
   [[nodiscard]] virtual bool closed() const = 0;

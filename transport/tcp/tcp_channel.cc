@@ -22,8 +22,6 @@
 namespace dear::transport::tcp {
 namespace {
 
-using namespace std::chrono_literals;
-
 constexpr std::size_t kHeader = sizeof(FrameHeader);
 // Payload remainders at least this large are read straight into their destination; smaller
 // ones go through the inbox so that one read can also pick up the next headers.
@@ -37,9 +35,6 @@ bool would_block(int err) { return err == EAGAIN || err == EWOULDBLOCK || err ==
 // The peer's side is gone: it closed its socket (a reset when our data, or data arriving
 // after its close, found it unread) or its process ended.
 bool peer_gone(int err) { return err == ECONNRESET || err == EPIPE; }
-
-// How long close() waits for the peer to acknowledge the bytes already handed to the kernel.
-constexpr auto kLingerLimit = std::chrono::milliseconds(500);
 
 constexpr std::uint64_t kMinSocketBuffer = 4 << 10;
 constexpr std::uint64_t kMaxSocketBuffer = 1 << 30;
@@ -303,11 +298,15 @@ bool TcpChannel::peer_closed(RecvSink& sink) {
   return true;
 }
 
-void TcpChannel::close() { shut(true); }
+void TcpChannel::close() { shut(std::chrono::steady_clock::now() + kCloseLinger); }
 
-void TcpChannel::abandon() { shut(false); }
+void TcpChannel::close_by(std::chrono::steady_clock::time_point linger_until) {
+  shut(linger_until);
+}
 
-void TcpChannel::shut(bool linger) {
+void TcpChannel::abandon() { shut(std::chrono::steady_clock::time_point{}); }
+
+void TcpChannel::shut(std::chrono::steady_clock::time_point linger_until) {
   if (!fd_.valid()) return;
   // Hand over what is queued if the socket takes it at once, then send a FIN.
   NullSink null_sink;
@@ -326,7 +325,6 @@ void TcpChannel::shut(bool linger) {
   // delivered. So wait, boundedly, until the peer has acknowledged every byte handed over,
   // discarding what arrives meanwhile; after that a reset can only reach data the peer's
   // kernel already holds, which it still hands to the reader before reporting the reset.
-  const auto deadline = std::chrono::steady_clock::now() + (linger ? kLingerLimit : 0ms);
   char buf[4096];
   for (;;) {
     ssize_t n = 0;
@@ -335,7 +333,7 @@ void TcpChannel::shut(bool linger) {
     if (n == 0 || (n < 0 && !would_block(errno))) break;  // the peer closed, or the link is gone
     int unacknowledged = 0;
     if (::ioctl(fd_.get(), SIOCOUTQ, &unacknowledged) != 0 || unacknowledged == 0) break;
-    if (std::chrono::steady_clock::now() >= deadline) break;
+    if (std::chrono::steady_clock::now() >= linger_until) break;
     pollfd p{fd_.get(), POLLIN, 0};
     (void)::poll(&p, 1, 1);
   }
