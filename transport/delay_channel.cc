@@ -161,10 +161,6 @@ void DelayChannel::close_by(std::chrono::steady_clock::time_point linger_until) 
   shut([&](Channel& inner) { inner.close_by(linger_until); });
 }
 
-void DelayChannel::abandon() {
-  shut([](Channel& inner) { inner.abandon(); });
-}
-
 void DelayChannel::shut(const std::function<void(Channel&)>& close_inner) {
   if (!inner_) return;
   if (!inner_->closed()) {

@@ -65,7 +65,6 @@ class DelayChannel final : public Channel {
   }
   void close() override;
   void close_by(std::chrono::steady_clock::time_point linger_until) override;
-  void abandon() override;
   bool closed() const override { return inner_->closed(); }
   std::string describe() const override;
 
@@ -73,7 +72,7 @@ class DelayChannel final : public Channel {
   [[nodiscard]] std::size_t held() const { return held_; }
 
  private:
-  // close(), close_by() or abandon(): hands held messages to the inner channel, then closes
+  // close() or close_by(): hands held messages to the inner channel, then closes
   // that with `close_inner`.
   void shut(const std::function<void(Channel&)>& close_inner);
   struct Held {

@@ -130,7 +130,7 @@ class Channel {
     close();
   }
   // Closes after a failure, when what was sent no longer matters: no waiting at all.
-  virtual void abandon() { close(); }
+  void abandon() { close_by(std::chrono::steady_clock::time_point::min()); }
   [[nodiscard]] virtual bool closed() const = 0;
   [[nodiscard]] virtual std::string describe() const = 0;
 };

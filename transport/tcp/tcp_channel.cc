@@ -298,15 +298,11 @@ bool TcpChannel::peer_closed(RecvSink& sink) {
   return true;
 }
 
-void TcpChannel::close() { shut(std::chrono::steady_clock::now() + kCloseLinger); }
+void TcpChannel::close() { close_by(std::chrono::steady_clock::now() + kCloseLinger); }
 
+// Sends a FIN after what is queued, then waits until `linger_until` at most for the peer to
+// acknowledge every byte sent, and closes.
 void TcpChannel::close_by(std::chrono::steady_clock::time_point linger_until) {
-  shut(linger_until);
-}
-
-void TcpChannel::abandon() { shut(std::chrono::steady_clock::time_point{}); }
-
-void TcpChannel::shut(std::chrono::steady_clock::time_point linger_until) {
   if (!fd_.valid()) return;
   // Hand over what is queued if the socket takes it at once, then send a FIN.
   NullSink null_sink;

@@ -34,7 +34,6 @@ class TcpChannel final : public Channel {
   pollfd wait_spec() const override;
   void close() override;
   void close_by(std::chrono::steady_clock::time_point linger_until) override;
-  void abandon() override;
   bool closed() const override { return !fd_.valid(); }
   std::string describe() const override;
 
@@ -56,9 +55,6 @@ class TcpChannel final : public Channel {
   // The peer closed (or reset) the connection: forget what is queued, tell the sink.
   bool peer_closed(RecvSink& sink);
   void drop_queue();
-  // Sends a FIN after what is queued, then waits until `linger_until` at most for the peer to
-  // acknowledge every byte sent, and closes.
-  void shut(std::chrono::steady_clock::time_point linger_until);
 
   Fd fd_;
   int self_;
