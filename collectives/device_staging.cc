@@ -8,9 +8,12 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -30,22 +33,135 @@ namespace {
 // The wrapped communicator's call, given the pointers and the (per-rank) count it should use.
 using Issue = std::function<Work(Communicator&, const void* in, void* out, std::size_t count)>;
 
+// Pinned, mapped host memory for staged operations. A block serves one operation at a time
+// and is recycled once its copies have drained; blocks are freed only with the pool (after the
+// device is synchronised), never while an operation may be on a stream: freeing pinned memory
+// waits for the whole device.
+class PinnedPool {
+ public:
+  struct Block {
+    std::byte* host = nullptr;
+    std::byte* device = nullptr;  // the same memory as the device addresses it
+    std::size_t size = 0;
+    bool busy = false;
+  };
+
+  PinnedPool() = default;
+  PinnedPool(const PinnedPool&) = delete;
+  PinnedPool& operator=(const PinnedPool&) = delete;
+  ~PinnedPool() {
+    for (const auto& b : blocks_) (void)cudaFreeHost(b->host);
+  }
+
+  // The smallest idle block of at least `bytes`, or a new one (sizes rounded up so that blocks
+  // are reused across nearby sizes). Caller's thread.
+  Block* take(std::size_t bytes, int rank) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Block* best = nullptr;
+      for (const auto& b : blocks_) {
+        if (!b->busy && b->size >= bytes && (best == nullptr || b->size < best->size)) {
+          best = b.get();
+        }
+      }
+      if (best != nullptr) {
+        best->busy = true;
+        return best;
+      }
+    }
+    const std::size_t size = rounded(bytes);
+    void* p = nullptr;
+    cuda::check(cudaHostAlloc(&p, size, cudaHostAllocPortable | cudaHostAllocMapped),
+                "cudaHostAlloc of " + std::to_string(size) + " pinned staging bytes", rank);
+    void* d = nullptr;
+    const cudaError_t rc = cudaHostGetDevicePointer(&d, p, 0);
+    if (rc != cudaSuccess) {
+      (void)cudaFreeHost(p);
+      cuda::check(rc, "cudaHostGetDevicePointer of the pinned staging memory", rank);
+    }
+    auto block = std::make_unique<Block>();
+    block->host = static_cast<std::byte*>(p);
+    block->device = static_cast<std::byte*>(d);
+    block->size = size;
+    block->busy = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    blocks_.push_back(std::move(block));
+    return blocks_.back().get();
+  }
+
+  // Staging thread; no CUDA call.
+  void give_back(Block* b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    b->busy = false;
+  }
+
+ private:
+  static std::size_t rounded(std::size_t bytes) {
+    constexpr std::size_t kSmall = std::size_t{64} << 10;
+    constexpr std::size_t kLarge = std::size_t{64} << 20;
+    if (bytes >= kLarge) return (bytes + (kLarge / 4) - 1) / (kLarge / 4) * (kLarge / 4);
+    std::size_t size = kSmall;
+    while (size < bytes) size *= 2;
+    return size;
+  }
+
+  mutable std::mutex mu_;
+  std::vector<std::unique_ptr<Block>> blocks_;
+};
+
 struct Job {
   const char* name = "";
   Issue issue;
-  StagedKind kind = StagedKind::kOther;
   std::size_t count = 0;  // per-rank count of the whole operation
-  bool split = false;     // may be split into pieces (a device buffer is involved)
-  StagingSpan in;
-  StagingSpan out;
-  std::size_t elem = 1;
-  int device = -1;                // of the staged buffers; -1 when none is staged
-  cudaEvent_t ready = nullptr;    // recorded on the caller's stream; null without one
-  std::uint64_t ticket = 0;       // published to release the caller's stream; 0: none
-  bool peers_told = false;        // the wrapped communicator was aborted for this job
+  const void* in = nullptr;
+  void* out = nullptr;
+  PiecePlan plan;
+  // Null: a host operation queued behind staged ones (nothing on a stream). Otherwise its
+  // first bytes are the flags the stream sets (flag i: piece i is in pinned memory; flag n:
+  // every copy-out is done), then the plan's pinned regions from `data`.
+  PinnedPool::Block* block = nullptr;
+  std::size_t data = 0;
+  std::uint64_t first_ticket = 0;  // piece i's copy-out waits for first_ticket + i
+  // Set by the caller's thread once everything is on the stream (kEnqueued), or when that
+  // failed part way (kFailed: the stream may hold part of it).
+  enum : int { kEnqueuing, kEnqueued, kFailed };
+  std::shared_ptr<std::atomic<int>> enqueued;
+  bool peers_told = false;         // the wrapped communicator was aborted for this job
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<Work::State> state;
 };
+
+// What the caller's thread puts on the stream for a job (the job itself belongs to the staging
+// thread once queued).
+struct Staged {
+  PiecePlan plan;
+  PinnedPool::Block* block = nullptr;
+  std::size_t data = 0;
+  std::uint64_t first_ticket = 0;
+};
+
+// Makes `device` current for the caller's thread and restores the previous one.
+class CurrentDevice {
+ public:
+  CurrentDevice(int device, int rank) {
+    cuda::check(cudaGetDevice(&previous_), "cudaGetDevice", rank);
+    if (device != previous_) cuda::check(cudaSetDevice(device), "cudaSetDevice", rank);
+    device_ = device;
+  }
+  ~CurrentDevice() {
+    if (device_ != previous_) (void)cudaSetDevice(previous_);
+  }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+  int device_ = 0;
+};
+
+std::size_t flags_bytes(std::size_t pieces) {
+  return ((pieces + 1) * sizeof(std::uint64_t) + 255) / 256 * 256;
+}
 
 class DeviceCommunicator final : public Communicator {
  public:
@@ -59,9 +175,16 @@ class DeviceCommunicator final : public Communicator {
     }
     cv_.notify_all();
     if (worker_.joinable()) worker_.join();
-    for (cudaEvent_t e : events_) (void)cudaEventDestroy(e);
-    if (in_stream_ != nullptr) (void)cudaStreamDestroy(in_stream_);
-    if (out_stream_ != nullptr) (void)cudaStreamDestroy(out_stream_);
+    if (device_ < 0) return;
+    // Releases every stream still waiting and synchronises the device, so that no copy still
+    // uses the pool when it is freed (after this body).
+    int previous = device_;
+    (void)cudaGetDevice(&previous);
+    (void)cudaSetDevice(device_);
+    signal_.reset();
+    (void)cudaStreamDestroy(own_stream_);
+    (void)cudaEventDestroy(order_event_);
+    (void)cudaSetDevice(previous);
   }
 
   int rank() const override { return inner_->rank(); }
@@ -158,180 +281,158 @@ class DeviceCommunicator final : public Communicator {
                   rank(), Error::kNone, name);
     }
 
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!in_dev && !out_dev && opts.cuda_stream == nullptr && queued_ == 0) {
-      // Plain host operation with nothing queued before it: issued at once, in order.
-      return call(*inner_, in, out, count, inner_opts);
-    }
-    if (aborted_.load(std::memory_order_acquire)) {
-      throw Error(ErrorCode::kAborted, "the communicator was aborted", rank(), Error::kNone,
-                  name);
-    }
-
     Job job;
     job.name = name;
     job.issue = [call, inner_opts](Communicator& c, const void* i, void* o, std::size_t n) {
       return call(c, i, o, n, inner_opts);
     };
-    job.kind = kind;
     job.count = count;
-    // Decided by where this rank's buffers live, never by timing (a host operation queued
-    // behind staged ones is not split): every rank that passes device memory splits alike.
-    job.split = in_dev || out_dev;
-    job.in = {in, in_bytes, in_dev};
-    job.out = {out, out_bytes, out_dev};
-    job.elem = std::max<std::size_t>(dtype_size(dtype), 1);
-    job.device = in_dev ? in_loc.device : out_dev ? out_loc.device : -1;
+    job.in = in;
+    job.out = out;
     job.timeout = opts.timeout.count() > 0 ? opts.timeout : options().timeout;
     job.state = std::make_shared<Work::State>();
-    if (stream != nullptr) {
-      // The staging side starts after the work already on the caller's stream...
-      cuda::check(cudaEventCreateWithFlags(&job.ready, cudaEventDisableTiming),
-                  std::string(name) + ": cudaEventCreate", rank());
-      try {
-        cuda::check(cudaEventRecord(job.ready, stream),
-                    std::string(name) + ": cudaEventRecord on OpOptions::cuda_stream", rank());
-        // ...and work enqueued later on that stream waits for the result. (A ticket lost to a
-        // failure here is harmless: later, larger ones release every wait.)
-        if (!signal_) signal_ = std::make_unique<cuda::HostSignal>();
-        job.ticket = ++last_ticket_;
-        signal_->enqueue_wait(stream, job.ticket);
-      } catch (...) {
-        (void)cudaEventDestroy(job.ready);
-        throw;
-      }
+
+    if (!in_dev && !out_dev && stream == nullptr) {
+      std::lock_guard<std::mutex> lock(mu_);
+      // Plain host operation with nothing queued before it: issued at once, in order.
+      if (queued_ == 0) return call(*inner_, in, out, count, inner_opts);
+      check_not_aborted(name);
+      Work work(job.state);
+      push(std::move(job));
+      return work;
     }
+
+    // Decided by where this rank's buffers live, never by timing (a host operation queued
+    // behind staged ones is not split): every rank that passes device memory splits alike.
+    const bool split = in_dev || out_dev;
+    job.plan = plan_pieces(kind, {in, in_bytes, in_dev}, {out, out_bytes, out_dev}, count,
+                           std::max<std::size_t>(dtype_size(dtype), 1), rank(), size(), split,
+                           pieces_);
+    const std::size_t n = job.plan.pieces.size();
+    // CUDA calls that may wait for the device (allocations) are made before the job is
+    // queued and without mu_, which the staging thread needs to move earlier jobs on.
+    int device = in_dev ? in_loc.device : out_dev ? out_loc.device : device_of_streams();
+    const CurrentDevice current(device, rank());
+    use_device(device, name);
+    job.data = flags_bytes(n);
+    job.block = pool_.take(job.data + job.plan.pinned_bytes, rank());
+    std::memset(job.block->host, 0, job.data);
+    job.enqueued = std::make_shared<std::atomic<int>>(Job::kEnqueuing);
+    const std::shared_ptr<std::atomic<int>> enqueued = job.enqueued;
+    Staged staged{job.plan, job.block, job.data, 0};
     Work work(job.state);
-    jobs_.push_back(std::move(job));
-    ++queued_;
-    if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
-    lock.unlock();
-    cv_.notify_all();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborted_.load(std::memory_order_acquire)) {
+        pool_.give_back(job.block);
+        check_not_aborted(name);
+      }
+      // Tickets in queue order: the staging thread publishes them job after job.
+      job.first_ticket = last_ticket_ + 1;
+      last_ticket_ += n;
+      staged.first_ticket = job.first_ticket;
+      push(std::move(job));
+    }
+    try {
+      enqueue(staged, stream, name);
+    } catch (const std::exception& e) {
+      enqueued->store(Job::kFailed, std::memory_order_release);
+      // This rank will not take part: the peers are told rather than left to time out.
+      inner_->abort(std::string(name) + " could not be staged on rank " +
+                    std::to_string(rank()) + ": " + e.what());
+      throw;
+    }
+    enqueued->store(Job::kEnqueued, std::memory_order_release);
     return work;
   }
 
-  void run() {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      std::exception_ptr error;
-      bool issued = false;
-      try {
-        if (stopping_) {
-          throw Error(ErrorCode::kAborted, "the communicator was destroyed", rank(),
-                      Error::kNone, job.name);
-        }
-        execute(job, issued);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      if (!issued) {
-        std::lock_guard<std::mutex> lock(mu_);
-        --queued_;
-      }
-      if (error && !issued) tell_peers(job, error);
-      if (job.ready != nullptr) (void)cudaEventDestroy(job.ready);
-      job.state->complete(error);
-      if (job.ticket != 0) signal_->publish(job.ticket);
+  void check_not_aborted(const char* name) const {
+    if (aborted_.load(std::memory_order_acquire)) {
+      throw Error(ErrorCode::kAborted, "the communicator was aborted", rank(), Error::kNone,
+                  name);
     }
   }
 
-  // Waits for the caller's stream up to the operation's deadline, polling so that abort() and
-  // destruction are noticed.
-  void wait_ready(const Job& job) {
-    if (job.ready == nullptr) return;
-    const auto deadline = std::chrono::steady_clock::now() + job.timeout;
-    for (;;) {
-      const cudaError_t rc = cudaEventQuery(job.ready);
-      if (rc == cudaSuccess) return;
-      if (rc != cudaErrorNotReady) {
-        cuda::check(rc, std::string(job.name) + ": waiting for OpOptions::cuda_stream", rank());
-      }
-      if (aborted_.load(std::memory_order_acquire) || stopping_) {
-        throw Error(ErrorCode::kAborted, "aborted while waiting for OpOptions::cuda_stream",
-                    rank(), Error::kNone, job.name);
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw Error(ErrorCode::kTimeout,
-                    "the work before it on OpOptions::cuda_stream did not finish within " +
-                        std::to_string(job.timeout.count()) + " ms",
-                    rank(), Error::kNone, job.name);
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
+  void push(Job job) {
+    jobs_.push_back(std::move(job));
+    ++queued_;
+    if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
+    cv_.notify_all();
   }
 
-  // Fails the peers of an operation this rank will not (fully) hand to the engine, rather
-  // than let them time out waiting for its pieces.
-  void tell_peers(Job& job, const std::exception_ptr& error) {
-    if (job.peers_told) return;
-    job.peers_told = true;
-    try {
-      std::rethrow_exception(error);
-    } catch (const std::exception& e) {
-      inner_->abort(std::string(job.name) + " could not be staged on rank " +
-                    std::to_string(rank()) + ": " + e.what());
-    }
+  // Operations on a stream with host buffers stage on the communicator's device, or the
+  // caller's current one before the first staged operation.
+  int device_of_streams() {
+    std::lock_guard<std::mutex> lock(setup_mu_);
+    if (device_ >= 0) return device_;
+    int device = 0;
+    cuda::check(cudaGetDevice(&device), "cudaGetDevice", rank());
+    return device;
   }
 
-  void use_device(const Job& job) {
-    if (job.device < 0) return;
+  // The first staged operation fixes the device; the communicator's stream and the signal
+  // are made for it.
+  void use_device(int device, const char* name) {
+    std::lock_guard<std::mutex> lock(setup_mu_);
     if (device_ < 0) {
-      cuda::check(cudaSetDevice(job.device), "cudaSetDevice for staging", rank());
-      cuda::check(cudaStreamCreateWithFlags(&in_stream_, cudaStreamNonBlocking),
-                  "creating the staging copy-in stream", rank());
-      cuda::check(cudaStreamCreateWithFlags(&out_stream_, cudaStreamNonBlocking),
-                  "creating the staging copy-out stream", rank());
+      cuda::check(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking),
+                  "creating the staging stream", rank());
+      cuda::check(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming),
+                  "creating the staging stream's event", rank());
       int pitch = 0;
-      if (cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, job.device) == cudaSuccess &&
+      if (cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, device) == cudaSuccess &&
           pitch > 0) {
         max_pitch_ = static_cast<std::size_t>(pitch);
       }
       (void)cudaGetLastError();
-      device_ = job.device;
-    } else if (device_ != job.device) {
+      signal_ = std::make_unique<cuda::HostSignal>();
+      device_ = device;
+    } else if (device_ != device) {
       throw Error(ErrorCode::kInvalidArgument,
-                  "buffers on CUDA device " + std::to_string(job.device) +
+                  "buffers on CUDA device " + std::to_string(device) +
                       ", but this communicator stages for device " + std::to_string(device_),
-                  rank(), Error::kNone, job.name);
+                  rank(), Error::kNone, name);
     }
   }
 
-  cudaEvent_t event(std::size_t i, const Job& job) {
-    while (events_.size() <= i) {
-      cudaEvent_t e = nullptr;
-      cuda::check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
-                  std::string(job.name) + ": cudaEventCreate for staging", rank());
-      events_.push_back(e);
+  // Puts the whole operation on `stream`, in the caller's thread: every piece's copy-in and
+  // then a flag the staging thread polls; then, per piece, a wait for its ticket (published by
+  // the staging thread once the piece's host collective is done) and its copy-out; then a last
+  // flag. The staging thread makes no CUDA call at all, so an operation in flight never
+  // depends on a CUDA call that could wait for the device (cudaFree in another thread waits
+  // for every stream, these waits included).
+  void enqueue(const Staged& st, cudaStream_t user_stream, const char* name) {
+    cudaStream_t stream = user_stream;
+    if (stream == nullptr) {
+      // No stream given: the operation comes after the work already on the legacy default
+      // stream (a cudaMemcpy that filled the input may still be landing), while later work
+      // there does not wait for it.
+      stream = own_stream_;
+      cuda::check(cudaEventRecord(order_event_, cudaStreamLegacy),
+                  std::string(name) + ": cudaEventRecord on the default stream", rank());
+      cuda::check(cudaStreamWaitEvent(stream, order_event_, 0),
+                  std::string(name) + ": cudaStreamWaitEvent", rank());
     }
-    return events_[i];
+    const std::size_t n = st.plan.pieces.size();
+    const auto flag = [&](std::size_t i) {
+      return reinterpret_cast<unsigned long long*>(st.block->device) + i;
+    };
+    for (std::size_t i = 0; i < n; ++i) {
+      for (const auto& c : st.plan.pieces[i].copy_in) enqueue_copy(c, true, stream, st, i, name);
+      cuda::set_flag(flag(i), 1, stream);
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      signal_->enqueue_wait(stream, st.first_ticket + i);
+      for (const auto& c : st.plan.pieces[i].copy_out) {
+        enqueue_copy(c, false, stream, st, i, name);
+      }
+    }
+    cuda::set_flag(flag(n), 1, stream);
   }
 
-  // True once `e` has completed; throws on a CUDA error (a failed copy).
-  bool done(cudaEvent_t e, const Job& job, const std::string& what) {
-    const cudaError_t rc = cudaEventQuery(e);
-    if (rc == cudaSuccess) return true;
-    if (rc != cudaErrorNotReady) cuda::check(rc, std::string(job.name) + ": " + what, rank());
-    return false;
-  }
-
-  static std::string piece_name(const PiecePlan& plan, std::size_t i) {
-    if (plan.pieces.size() == 1) return "";
-    const StagedPiece& p = plan.pieces[i];
-    return "piece " + std::to_string(i + 1) + " of " + std::to_string(plan.pieces.size()) +
-           " (elements [" + std::to_string(p.first) + ", " + std::to_string(p.first + p.count) +
-           ") of each rank's data)";
-  }
-
-  void enqueue_copy(const PieceCopy& c, bool to_pinned, cudaStream_t stream, const Job& job,
-                    const PiecePlan& plan, std::size_t piece) {
-    std::byte* pinned = pinned_.data() + c.pinned_offset;
+  void enqueue_copy(const PieceCopy& c, bool to_pinned, cudaStream_t stream, const Staged& st,
+                    std::size_t piece, const char* name) {
+    std::byte* pinned = st.block->host + st.data + c.pinned_offset;
     auto* user = reinterpret_cast<std::byte*>(c.user);
     void* dst = to_pinned ? pinned : user;
     const void* src = to_pinned ? static_cast<const void*>(user) : pinned;
@@ -352,9 +453,9 @@ class DeviceCommunicator final : public Communicator {
       }
     }
     if (rc != cudaSuccess) {
-      const std::string where = piece_name(plan, piece);
+      const std::string where = piece_name(st.plan, piece);
       cuda::check(rc,
-                  std::string(job.name) + ": staging copy of " + std::to_string(c.rows) + " x " +
+                  std::string(name) + ": staging copy of " + std::to_string(c.rows) + " x " +
                       std::to_string(c.row_bytes) +
                       (to_pinned ? " bytes device->pinned" : " bytes pinned->device") +
                       (where.empty() ? "" : ", " + where),
@@ -362,77 +463,119 @@ class DeviceCommunicator final : public Communicator {
     }
   }
 
+  void run() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      std::exception_ptr error;
+      bool issued = false;
+      try {
+        if (stopping_) {
+          throw Error(ErrorCode::kAborted, "the communicator was destroyed", rank(),
+                      Error::kNone, job.name);
+        }
+        if (job.block == nullptr) {
+          run_host(job, issued);
+        } else {
+          run_staged(job, issued);
+        }
+      } catch (...) {
+        error = std::current_exception();
+      }
+      if (!issued) {
+        std::lock_guard<std::mutex> lock(mu_);
+        --queued_;
+      }
+      if (error && !issued) tell_peers(job, error);
+      // Whatever happened, the stream moves on (its copy-outs then carry no result).
+      if (job.first_ticket != 0) signal_->publish(job.first_ticket + job.plan.pieces.size() - 1);
+      job.state->complete(error);
+    }
+  }
+
+  // A host operation queued behind staged ones: issued in its turn, waited for here so that
+  // its Work completes with it.
+  void run_host(Job& job, bool& issued) {
+    Work w;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      w = job.issue(*inner_, job.in, job.out, job.count);
+      issued = true;
+      --queued_;
+    }
+    (void)w.wait();
+  }
+
+  // Fails the peers of an operation this rank will not (fully) hand to the engine, rather
+  // than let them time out waiting for its pieces.
+  void tell_peers(Job& job, const std::exception_ptr& error) {
+    if (job.peers_told) return;
+    job.peers_told = true;
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      inner_->abort(std::string(job.name) + " could not be staged on rank " +
+                    std::to_string(rank()) + ": " + e.what());
+    }
+  }
+
+  static std::string piece_name(const PiecePlan& plan, std::size_t i) {
+    if (plan.pieces.size() == 1) return "";
+    const StagedPiece& p = plan.pieces[i];
+    return "piece " + std::to_string(i + 1) + " of " + std::to_string(plan.pieces.size()) +
+           " (elements [" + std::to_string(p.first) + ", " + std::to_string(p.first + p.count) +
+           ") of each rank's data)";
+  }
+
   // A piece's failure as the operation's: the same code, peer and sequence, the piece named.
   [[noreturn]] void rethrow_piece(const std::exception_ptr& error, const Job& job,
-                                  const PiecePlan& plan, std::size_t i) {
-    if (plan.pieces.size() == 1) std::rethrow_exception(error);
+                                  std::size_t i) {
+    if (job.plan.pieces.size() == 1) std::rethrow_exception(error);
     try {
       std::rethrow_exception(error);
     } catch (const Error& e) {
-      throw Error(e.code(), piece_name(plan, i) + ": " + e.cause(),
+      throw Error(e.code(), piece_name(job.plan, i) + ": " + e.cause(),
                   e.rank() != Error::kNone ? e.rank() : rank(), e.peer(), job.name, e.seq());
     }
   }
 
-  // After a failure: lets every issued piece finish (the engine completes each, at the latest
-  // at its deadline) and every copy drain, so that nothing still uses the pinned buffer when
-  // the next operation reuses it.
-  void drain(std::vector<Work>& works) {
-    for (const Work& w : works) {
-      try {
-        (void)w.wait();
-      } catch (...) {  // NOLINT(bugprone-empty-catch): the first error is already reported
-      }
-    }
-    if (in_stream_ != nullptr) (void)cudaStreamSynchronize(in_stream_);
-    if (out_stream_ != nullptr) (void)cudaStreamSynchronize(out_stream_);
-    (void)cudaGetLastError();
+  static bool flag_set(const Job& job, std::size_t i) {
+    auto* flags = reinterpret_cast<std::uint64_t*>(job.block->host);
+    return std::atomic_ref<std::uint64_t>(flags[i]).load(std::memory_order_acquire) != 0;
   }
 
-  // One staged operation, as pieces (staging_pieces.h) in a pipeline over two streams:
-  // - every piece's copy-in is enqueued at once on in_stream_, an event after each;
-  // - piece i is handed to the wrapped communicator as soon as its copy-in event completes
-  //   (pieces in order, so every rank issues the same sequence);
-  // - when piece i's host collective completes, its copy-out is enqueued on out_stream_, an
-  //   event after it; the operation is done when the last copy-out's event completes.
-  // So copy-in of later pieces, host collectives and copy-out of earlier pieces overlap. The
-  // staging thread polls events with short sleeps, or blocks in Work::wait for a bounded time
-  // once everything is issued. `issued_all` is set when the last piece is issued.
-  void execute(Job& job, bool& issued_all) {
-    use_device(job);
-    wait_ready(job);
-    const PiecePlan plan = plan_pieces(job.kind, job.in, job.out, job.count, job.elem, rank(),
-                                       size(), job.split, pieces_);
-    const std::size_t n = plan.pieces.size();
-    if (plan.pinned_bytes > 0) pinned_.reserve(plan.pinned_bytes);
-    // Without a device (host buffers on a stream) nothing is copied and no event is needed.
-    const bool copies = job.device >= 0;
-    const auto in_event = [&](std::size_t i) { return event(2 * i, job); };
-    const auto out_event = [&](std::size_t i) { return event(2 * i + 1, job); };
+  // One staged operation, with no CUDA call: piece i is handed to the wrapped communicator
+  // once the stream has set its flag (its copy-in is done; pieces in order, so every rank
+  // issues the same sequence); when piece i's host collective completes its ticket is
+  // published and the stream copies it out, overlapping the later pieces. The operation is
+  // done when the stream has set the last flag. Polls with short sleeps, or blocks in
+  // Work::wait for a bounded time once only the network is left.
+  void run_staged(Job& job, bool& issued_all) {
+    const std::size_t n = job.plan.pieces.size();
+    const auto deadline = std::chrono::steady_clock::now() + job.timeout;
+    const auto late = [&](const std::string& what) {
+      return Error(ErrorCode::kTimeout,
+                   what + " did not finish within " + std::to_string(job.timeout.count()) +
+                       " ms",
+                   rank(), Error::kNone, job.name);
+    };
     std::vector<Work> works;
     works.reserve(n);
+    std::size_t published = 0;
     try {
-      if (copies) {
-        for (std::size_t i = 0; i < n; ++i) {
-          for (const auto& c : plan.pieces[i].copy_in) {
-            enqueue_copy(c, true, in_stream_, job, plan, i);
-          }
-          cuda::check(cudaEventRecord(in_event(i), in_stream_),
-                      std::string(job.name) + ": cudaEventRecord after a copy-in", rank());
-        }
-      }
-      std::size_t out_queued = 0;  // pieces whose copy-out is enqueued
       for (;;) {
         bool moved = false;
-        while (works.size() < n &&
-               (!copies || done(in_event(works.size()), job, "staging copy device->pinned"))) {
-          const StagedPiece& p = plan.pieces[works.size()];
-          const void* in = p.in_offset == StagingPlan::kUnstaged
-                               ? job.in.ptr
-                               : pinned_.data() + p.in_offset;
-          void* out = p.out_offset == StagingPlan::kUnstaged
-                          ? const_cast<void*>(job.out.ptr)
-                          : pinned_.data() + p.out_offset;
+        while (works.size() < n && flag_set(job, works.size())) {
+          const StagedPiece& p = job.plan.pieces[works.size()];
+          std::byte* data = job.block->host + job.data;
+          const void* in = p.in_offset == StagingPlan::kUnstaged ? job.in : data + p.in_offset;
+          void* out = p.out_offset == StagingPlan::kUnstaged ? job.out : data + p.out_offset;
           std::lock_guard<std::mutex> lock(mu_);
           works.push_back(job.issue(*inner_, in, out, p.count));
           if (works.size() == n) {
@@ -441,43 +584,62 @@ class DeviceCommunicator final : public Communicator {
           }
           moved = true;
         }
-        while (out_queued < works.size() && works[out_queued].test()) {
-          if (auto e = works[out_queued].error()) rethrow_piece(e, job, plan, out_queued);
-          if (copies) {
-            for (const auto& c : plan.pieces[out_queued].copy_out) {
-              enqueue_copy(c, false, out_stream_, job, plan, out_queued);
-            }
-            cuda::check(cudaEventRecord(out_event(out_queued), out_stream_),
-                        std::string(job.name) + ": cudaEventRecord after a copy-out", rank());
-          }
-          ++out_queued;
+        while (published < works.size() && works[published].test()) {
+          if (auto e = works[published].error()) rethrow_piece(e, job, published);
+          signal_->publish(job.first_ticket + published);
+          ++published;
           moved = true;
         }
-        if (out_queued == n &&
-            (!copies || done(out_event(n - 1), job, "staging copy pinned->device"))) {
-          return;
-        }
+        if (published == n) break;
         if (moved) continue;
-        if (works.size() < n && (aborted_.load(std::memory_order_acquire) || stopping_)) {
-          throw Error(ErrorCode::kAborted, "aborted while staging", rank(), Error::kNone,
-                      job.name);
-        }
-        if (works.size() == n && out_queued < n) {
+        if (works.size() < n) {
+          if (job.enqueued->load(std::memory_order_acquire) == Job::kFailed) {
+            throw Error(ErrorCode::kSystem, "could not be put on its CUDA stream", rank(),
+                        Error::kNone, job.name);
+          }
+          if (aborted_.load(std::memory_order_acquire) || stopping_) {
+            throw Error(ErrorCode::kAborted, "aborted while staging", rank(), Error::kNone,
+                        job.name);
+          }
+          if (std::chrono::steady_clock::now() > deadline) {
+            throw late("the work before it on its CUDA stream and the copy of " +
+                       (n == 1 ? std::string("its input")
+                               : piece_name(job.plan, works.size())) +
+                       " to pinned memory");
+          }
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
+        } else {
           // Only the network is left to wait for: block on it (woken when it completes).
           try {
-            (void)works[out_queued].wait(std::chrono::milliseconds(1));
+            (void)works[published].wait(std::chrono::milliseconds(1));
           } catch (...) {  // NOLINT(bugprone-empty-catch): reported through error() above
           }
-        } else {
-          std::this_thread::sleep_for(std::chrono::microseconds(20));
         }
       }
     } catch (...) {
       const std::exception_ptr error = std::current_exception();
       if (!issued_all && !works.empty()) tell_peers(job, error);
-      drain(works);
+      // The engine completes every issued piece (at the latest at its deadline) before the
+      // pinned memory is left to the stream.
+      for (const Work& w : works) {
+        try {
+          (void)w.wait();
+        } catch (...) {  // NOLINT(bugprone-empty-catch): the first error is already reported
+        }
+      }
+      // The block is not reused: the stream may still copy into and out of it.
       throw;
     }
+    // Every copy-out is on its way; the operation completes once they are done.
+    signal_->publish(job.first_ticket + n - 1);
+    const auto drained = std::chrono::steady_clock::now() + job.timeout;
+    while (!flag_set(job, n)) {
+      if (std::chrono::steady_clock::now() > drained) {
+        throw late("the copy of its result from pinned memory to the device");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(10));
+    }
+    pool_.give_back(job.block);
   }
 
   std::unique_ptr<Communicator> inner_;
@@ -489,15 +651,15 @@ class DeviceCommunicator final : public Communicator {
   std::deque<Job> jobs_;
   std::size_t queued_ = 0;  // jobs not yet handed to inner_
   std::atomic<bool> stopping_{false};
-  std::uint64_t last_ticket_ = 0;
-  std::unique_ptr<cuda::HostSignal> signal_;
-  // Staging thread only:
+  std::uint64_t last_ticket_ = 0;  // under mu_
+  // Set once, by the first staged operation, under setup_mu_:
+  std::mutex setup_mu_;
   int device_ = -1;
-  cudaStream_t in_stream_ = nullptr;   // device -> pinned copies
-  cudaStream_t out_stream_ = nullptr;  // pinned -> device copies
+  cudaStream_t own_stream_ = nullptr;  // for operations without OpOptions::cuda_stream
+  cudaEvent_t order_event_ = nullptr;  // orders them after the legacy default stream
   std::size_t max_pitch_ = 0;          // cudaMemcpy2D's limit; larger strides copy row by row
-  std::vector<cudaEvent_t> events_;    // two per piece: after its copy-in, after its copy-out
-  cuda::PinnedBuffer pinned_;
+  std::unique_ptr<cuda::HostSignal> signal_;  // published by the staging thread only
+  PinnedPool pool_;
   std::thread worker_;  // last: joined before the rest is destroyed
 };
 

@@ -5,37 +5,46 @@
 // with CUDA it returns a wrapper that, per operation:
 // - finds where `in` and `out` live (cudaPointerGetAttributes); host buffers without a stream
 //   go straight to the wrapped communicator, at the cost of that one query;
-// - otherwise queues the operation to one staging thread per communicator, which runs the
-//   queued operations one after the other, in issue order: it waits (on the device) for the
-//   work already on OpOptions::cuda_stream, stages the operation through pinned host memory,
-//   completes the Work and releases the caller's stream. Operations issued while staged ones
-//   are queued (host ones included) are queued behind them, so every rank hands the same
-//   order to the engine.
+// - otherwise puts the whole operation on a CUDA stream at once, in the caller's thread:
+//   OpOptions::cuda_stream, or without one the communicator's own stream, made to wait for the
+//   work already on the legacy default stream (later work there does not wait for it). On the
+//   stream go, per piece, the copy of its input into pinned host memory and a flag; then, per
+//   piece, a wait for a ticket and the copy of its result out; then a last flag. Flags and
+//   waits are the driver's stream memory operations where the device has them (else
+//   one-thread kernels), on mapped pinned memory.
+// - One staging thread per communicator takes the queued operations in issue order (host ones
+//   queued behind staged ones too, so every rank hands the same order to the engine): it hands
+//   piece i to the wrapped communicator once its flag is set, publishes piece i's ticket once
+//   its host collective completes (the stream then copies it out while later pieces are on the
+//   network), and completes the Work when the last flag is set. That thread makes no CUDA call:
+//   an operation in flight never depends on a CUDA call that could wait for the device, so a
+//   cudaFree elsewhere in the process only waits for it to finish.
 // - Staging is pipelined (staging_pieces.h). An all_reduce, reduce_scatter, all_gather or
 //   broadcast with at least PieceOptions::min_split_bytes of per-rank data, and a device
 //   buffer on this rank, is split into pieces of about PieceOptions::piece_bytes per rank,
 //   each a host collective of its own on its part of two pinned regions (input, output; out
 //   of place even when the operation is in place; reduce_scatter's input and all_gather's
-//   output staged with strided 2-D copies). All copy-ins (device -> pinned) are enqueued at
-//   once on a copy-in stream, with an event after each piece; piece i is issued to the wrapped
-//   communicator as soon as its event completes, so the network works on piece i while piece
-//   i+1 is copied in; when piece i's host collective completes, its copy-out
-//   (pinned -> device) is enqueued on a separate copy-out stream, overlapping the later
-//   pieces. The Work completes, and the caller's stream is released, when the last copy-out
-//   has finished. A failed piece fails the operation with that piece's error (code, peer,
-//   sequence; the piece and the operation named), after every issued piece and copy has
-//   drained; a rank that cannot issue all its pieces aborts the wrapped communicator, so the
-//   peers fail too rather than wait. Smaller operations are one piece, staged as
-//   staging_plan.h lays them out. Pieces of one operation overlap each other; operations do
-//   not overlap each other.
+//   output staged with strided 2-D copies). Smaller operations are one piece, staged as
+//   staging_plan.h lays them out. Pieces of one operation overlap each other; operations on
+//   one stream do not overlap each other.
+// - Pinned memory comes from a pool per communicator: a block serves one operation and is
+//   reused once its last flag is set; blocks are freed with the communicator.
+// - A failed piece fails the operation with that piece's error (code, peer, sequence; the
+//   piece and the operation named), after every issued piece has completed; the stream is
+//   released all the same (its copies out then carry no result), and the block is not reused.
+//   A rank that cannot issue all its pieces aborts the wrapped communicator, so the peers fail
+//   too rather than wait.
 // - The split depends only on the operation, its count, the element size and PieceOptions,
 //   and on whether this rank passes device memory: every rank must pass device memory for a
 //   large staged operation, or every rank host memory (a mix hands the engines different
 //   sequences, which they report as a mismatch), and every rank must use the same
 //   PieceOptions.
-// - Status: compiled, and the piece arithmetic simulated on the CPU (tests/test_staging.cc),
-//   but this pipelined CUDA path has not yet been run on a GPU; tests/test_cuda.cc holds the
-//   device tests that validate it.
+// - Ranks as threads of one process sharing a GPU: a CUDA call that waits for the device
+//   (cudaMalloc, cudaFree, a copy to pageable memory) in one rank's thread can wait for another
+//   rank's operation, which may need this rank to issue its part first. Such ranks allocate and
+//   free only while no operation is in flight (tests/test_cuda.cc does). One rank per process
+//   has no such hazard.
+// - Status: run on a GPU (one H200, ranks as threads and as processes; tests/test_cuda.cc).
 // Without CUDA it returns `comm` unchanged.
 #pragma once
 

@@ -172,6 +172,14 @@ __global__ void wait_counter_kernel(const volatile unsigned long long* counter,
   while (*counter < target) __nanosleep(2000);
 }
 
+// Tells the host that the work before it on the stream is done (its copies to pinned memory
+// included): a system-wide fence, then the store.
+__global__ void set_flag_kernel(volatile unsigned long long* flag, unsigned long long value) {
+  __threadfence_system();
+  *flag = value;
+  __threadfence_system();
+}
+
 }  // namespace
 
 void reduce(void* dst, const void* a, const void* b, std::size_t n, DataType dtype, ReduceOp op,
@@ -186,6 +194,12 @@ void reduce_final(void* dst, const void* a, const void* b, std::size_t n, DataTy
                 "cuda::reduce_final: nranks must be at least 1, got " + std::to_string(nranks));
   }
   dispatch(dst, a, b, n, dtype, op, op == ReduceOp::kAvg ? nranks : 1, stream);
+}
+
+void enqueue_set_flag(unsigned long long* device_flag, unsigned long long value,
+                      cudaStream_t stream) {
+  set_flag_kernel<<<1, 1, 0, stream>>>(device_flag, value);
+  check(cudaGetLastError(), "launching the flag kernel");
 }
 
 void enqueue_wait_counter(const unsigned long long* device_counter, unsigned long long target,

@@ -7,11 +7,12 @@
 
 namespace dear::cuda {
 
-// A monotonic counter in mapped pinned memory. enqueue_wait() puts on a stream a one-thread
-// kernel that polls the counter until it reaches a target (a stream-side wait: later work on
-// that stream starts only after it); publish() raises the counter from the host. Values must
-// be published in increasing order. The destructor releases every waiting stream first
-// (publishes the maximum), so a stream never waits on a counter that no longer exists.
+// A monotonic counter in mapped pinned memory. enqueue_wait() puts on a stream a wait until the
+// counter reaches a target (cuStreamWaitValue64 where the device has stream memory operations,
+// else a one-thread kernel that polls it): later work on that stream starts only after it.
+// publish() raises the counter from the host. Values must be published in increasing order and
+// stay below 2^63. The destructor releases every waiting stream first (publishes 2^63 - 1), so
+// a stream never waits on a counter that no longer exists.
 class HostSignal {
  public:
   HostSignal();  // throws dear::Error naming the CUDA error
@@ -26,6 +27,20 @@ class HostSignal {
   unsigned long long* host_ = nullptr;
   unsigned long long* device_ = nullptr;
 };
+
+// Stores `value` into `device_flag` (mapped pinned memory) once the work before it on `stream`
+// is done, for the host to poll without a CUDA call: a stream memory operation where the device
+// has them (uses_stream_memops()), else enqueue_set_flag's kernel.
+void set_flag(unsigned long long* device_flag, unsigned long long value, cudaStream_t stream);
+
+// True when waits and flags use the driver's stream memory operations rather than kernels.
+[[nodiscard]] bool uses_stream_memops();
+
+// Puts on `stream` a one-thread kernel that stores `value` into `device_flag` (mapped pinned
+// memory) once the work before it on the stream is done, for the host to poll without a CUDA
+// call (defined in reduce.cu).
+void enqueue_set_flag(unsigned long long* device_flag, unsigned long long value,
+                      cudaStream_t stream);
 
 // The kernel behind HostSignal::enqueue_wait (defined in reduce.cu).
 void enqueue_wait_counter(const unsigned long long* device_counter, unsigned long long target,

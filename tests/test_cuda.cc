@@ -4,9 +4,12 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <barrier>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -51,6 +54,31 @@ class Gpu : public ::testing::Test {
   }
 };
 
+// Ranks here are threads of one process sharing one GPU. CUDA's allocation calls may wait for
+// the whole device, a stream's wait for another rank's operation included, so every rank
+// allocates before its fence is built and frees after it is gone: in between, no rank
+// allocates or frees while another has an operation in flight.
+class RankFence {
+ public:
+  explicit RankFence(std::barrier<>& b) : b_(b) { b_.arrive_and_wait(); }
+  ~RankFence() { b_.arrive_and_wait(); }
+  RankFence(const RankFence&) = delete;
+  RankFence& operator=(const RankFence&) = delete;
+
+ private:
+  std::barrier<>& b_;
+};
+
+// Equal bytes; for floating types also two NaNs, whose payload IEEE 754 leaves to the
+// hardware (the GPU returns its canonical NaN where the CPU keeps an input's payload).
+bool same_element(const std::byte* want, const std::byte* got, DataType t) {
+  if (std::memcmp(want, got, dtype_size(t)) == 0) return true;
+  const bool floating = t == DataType::kFloat16 || t == DataType::kBFloat16 ||
+                        t == DataType::kFloat32 || t == DataType::kFloat64;
+  return floating && std::isnan(dear::testing::load(want, 0, t)) &&
+         std::isnan(dear::testing::load(got, 0, t));
+}
+
 constexpr DataType kTypes[] = {DataType::kInt8,    DataType::kUint8,    DataType::kInt32,
                                DataType::kInt64,   DataType::kFloat16,  DataType::kBFloat16,
                                DataType::kFloat32, DataType::kFloat64};
@@ -87,7 +115,7 @@ TEST_F(Gpu, KernelsMatchTheCpuKernelsBitForBit) {
           ck(cudaMemcpy(got.data(), dd.get() + o.d * el, got.size(), cudaMemcpyDeviceToHost),
              "copy result");
           for (std::size_t i = 0; i < n; ++i) {
-            ASSERT_EQ(std::memcmp(want.data() + i * el, got.data() + i * el, el), 0)
+            ASSERT_TRUE(same_element(want.data() + i * el, got.data() + i * el, t))
                 << to_string(t) << " " << to_string(op) << " n=" << n << " offsets " << o.d
                 << "," << o.a << "," << o.b << " element " << i;
           }
@@ -99,8 +127,11 @@ TEST_F(Gpu, KernelsMatchTheCpuKernelsBitForBit) {
         ck(cudaMemcpy(alias.get(), a.data(), n * el, cudaMemcpyHostToDevice), "copy a");
         cuda::reduce(alias.get(), alias.get(), db.get(), n, t, op, nullptr);
         ck(cudaMemcpy(got.data(), alias.get(), n * el, cudaMemcpyDeviceToHost), "copy result");
-        ASSERT_EQ(std::memcmp(want.data(), got.data(), n * el), 0)
-            << to_string(t) << " " << to_string(op) << " in place, n=" << n;
+        for (std::size_t i = 0; i < n; ++i) {
+          ASSERT_TRUE(same_element(want.data() + i * el, got.data() + i * el, t))
+              << to_string(t) << " " << to_string(op) << " in place, n=" << n << " element "
+              << i;
+        }
       }
     }
   }
@@ -138,13 +169,16 @@ class GpuRanks : public Gpu, public ::testing::WithParamInterface<int> {};
 
 TEST_P(GpuRanks, AllReduceOnDeviceBuffers) {
   const int n = GetParam();
+  std::barrier<> sync(n);
   dear::testing::run_ranks(n, [&](Communicator& comm) {
     ck(cudaSetDevice(0), "cudaSetDevice");
+    constexpr std::size_t kMaxCount = 300000;
+    DeviceBuffer in(kMaxCount * 8), out(kMaxCount * 8);
+    const RankFence fence(sync);
     for (const DataType t : kTypes) {
       for (const ReduceOp op : kOps) {
-        for (const std::size_t count : {std::size_t{1}, std::size_t{1000}, std::size_t{300000}}) {
+        for (const std::size_t count : {std::size_t{1}, std::size_t{1000}, kMaxCount}) {
           const std::size_t bytes = count * dtype_size(t);
-          DeviceBuffer in(bytes), out(bytes);
           fill_device(in.get(), count, comm.rank(), t, op, 1);
           comm.all_reduce(in.get(), out.get(), count, t, op).wait();
           const auto got = to_host(out.get(), bytes);
@@ -167,6 +201,7 @@ TEST_P(GpuRanks, AllReduceOnDeviceBuffers) {
 
 TEST_P(GpuRanks, ReduceScatterAllGatherBroadcastOnDeviceBuffers) {
   const int n = GetParam();
+  std::barrier<> sync(n);
   dear::testing::run_ranks(n, [&](Communicator& comm) {
     ck(cudaSetDevice(0), "cudaSetDevice");
     const DataType t = DataType::kFloat32;
@@ -174,6 +209,7 @@ TEST_P(GpuRanks, ReduceScatterAllGatherBroadcastOnDeviceBuffers) {
     const auto nn = static_cast<std::size_t>(n);
     const auto r = static_cast<std::size_t>(comm.rank());
     DeviceBuffer big(block * nn * 4), small(block * 4);
+    const RankFence fence(sync);
     // reduce_scatter, out of place then in place.
     fill_device(big.get(), block * nn, comm.rank(), t, ReduceOp::kSum, 2);
     comm.reduce_scatter(big.get(), small.get(), block, t, ReduceOp::kSum).wait();
@@ -213,6 +249,7 @@ TEST_P(GpuRanks, ReduceScatterAllGatherBroadcastOnDeviceBuffers) {
 // copies. Out of place and in place, then on a stream.
 TEST_F(Gpu, LargeOperationsArePipelinedInPieces) {
   const int n = 2;
+  std::barrier<> sync(n);
   dear::testing::run_ranks(n, [&](Communicator& comm) {
     ck(cudaSetDevice(0), "cudaSetDevice");
     const DataType t = DataType::kFloat32;
@@ -222,6 +259,13 @@ TEST_F(Gpu, LargeOperationsArePipelinedInPieces) {
     const auto r = static_cast<std::size_t>(comm.rank());
     const std::size_t bytes = count * 4;
     DeviceBuffer big(bytes * nn), small(bytes);
+    cudaStream_t stream = nullptr;
+    ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    // Pinned, so that the read on the stream below does not block this thread inside CUDA
+    // (a copy to pageable memory does, and the other rank's next CUDA call would wait for it).
+    std::byte* read_back = nullptr;
+    ck(cudaMallocHost(reinterpret_cast<void**>(&read_back), bytes), "cudaMallocHost");
+    std::optional<RankFence> fence(std::in_place, sync);
     const auto check_reduced = [&](const std::vector<std::byte>& got, std::size_t first,
                                    int salt, const char* what) {
       for (std::size_t i = 0; i < count; ++i) {
@@ -268,19 +312,19 @@ TEST_F(Gpu, LargeOperationsArePipelinedInPieces) {
       ASSERT_EQ(dear::testing::load(b.data(), i, t), input_value(1, i, t, ReduceOp::kSum, 8))
           << "broadcast element " << i;
     }
-    cudaStream_t stream = nullptr;
-    ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
     fill_device(small.get(), count, comm.rank(), t, ReduceOp::kSum, 9);
     ck(cudaMemsetAsync(big.get(), 0xff, bytes, stream), "poison out on the stream");
     OpOptions o;
     o.cuda_stream = stream;
     Work w = comm.all_reduce(small.get(), big.get(), count, t, ReduceOp::kSum, o);
-    std::vector<std::byte> got(bytes);
-    ck(cudaMemcpyAsync(got.data(), big.get(), bytes, cudaMemcpyDeviceToHost, stream),
+    ck(cudaMemcpyAsync(read_back, big.get(), bytes, cudaMemcpyDeviceToHost, stream),
        "read the result on the stream");
     ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-    check_reduced(got, 0, 9, "all_reduce on a stream");
+    check_reduced(std::vector<std::byte>(read_back, read_back + bytes), 0, 9,
+                  "all_reduce on a stream");
     EXPECT_TRUE(w.wait(std::chrono::seconds(30)));
+    fence.reset();
+    (void)cudaFreeHost(read_back);
     (void)cudaStreamDestroy(stream);
   });
 }
@@ -290,6 +334,7 @@ TEST_F(Gpu, LargeOperationsArePipelinedInPieces) {
 // input is written by a host function that sleeps first, then copied in on the stream.
 TEST_P(GpuRanks, StreamOrdering) {
   const int n = GetParam();
+  std::barrier<> sync(n);
   dear::testing::run_ranks(n, [&](Communicator& comm) {
     ck(cudaSetDevice(0), "cudaSetDevice");
     const std::size_t count = 1 << 20;
@@ -304,6 +349,7 @@ TEST_P(GpuRanks, StreamOrdering) {
     ck(cudaMemset(in.get(), 0xff, bytes), "poison in");  // NaNs if read too early
     ck(cudaMemset(out.get(), 0xff, bytes), "poison out");
     std::memset(result, 0, bytes);
+    std::optional<RankFence> fence(std::in_place, sync);
     struct Fill { float* p; std::size_t n; int rank; };
     Fill fill{staged_in, count, comm.rank()};
     ck(cudaLaunchHostFunc(stream, [](void* arg) {
@@ -330,9 +376,47 @@ TEST_P(GpuRanks, StreamOrdering) {
     EXPECT_EQ(h, static_cast<float>(n));
     w2.wait();
     ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    fence.reset();
     (void)cudaFreeHost(staged_in);
     (void)cudaFreeHost(result);
     (void)cudaStreamDestroy(stream);
+  });
+}
+
+// Without a stream, an operation comes after the work already on the legacy default stream:
+// here the input is copied in there only after a host function that sleeps, so an operation
+// that read it any earlier would reduce the poison (NaNs) instead.
+TEST_P(GpuRanks, WithoutAStreamTheDefaultStreamComesFirst) {
+  const int n = GetParam();
+  std::barrier<> sync(n);
+  dear::testing::run_ranks(n, [&](Communicator& comm) {
+    ck(cudaSetDevice(0), "cudaSetDevice");
+    const std::size_t count = 4096;  // small: one piece
+    const std::size_t bytes = count * 4;
+    float* staged_in = nullptr;
+    ck(cudaMallocHost(reinterpret_cast<void**>(&staged_in), bytes), "cudaMallocHost");
+    DeviceBuffer in(bytes), out(bytes);
+    ck(cudaMemset(in.get(), 0xff, bytes), "poison in");
+    std::optional<RankFence> fence(std::in_place, sync);
+    struct Fill { float* p; std::size_t n; int rank; };
+    Fill fill{staged_in, count, comm.rank()};
+    ck(cudaLaunchHostFunc(nullptr, [](void* arg) {
+         auto* f = static_cast<Fill*>(arg);
+         std::this_thread::sleep_for(std::chrono::milliseconds(100));
+         for (std::size_t i = 0; i < f->n; ++i) f->p[i] = static_cast<float>(f->rank + i % 5);
+       }, &fill), "cudaLaunchHostFunc on the default stream");
+    ck(cudaMemcpyAsync(in.get(), staged_in, bytes, cudaMemcpyHostToDevice, nullptr),
+       "copy in on the default stream");
+    comm.all_reduce(in.get(), out.get(), count, DataType::kFloat32, ReduceOp::kSum).wait();
+    const auto got = to_host(out.get(), bytes);
+    const float ranks_sum = static_cast<float>(n * (n - 1) / 2);
+    for (std::size_t i = 0; i < count; ++i) {
+      ASSERT_EQ(dear::testing::load(got.data(), i, DataType::kFloat32),
+                ranks_sum + static_cast<float>(n) * static_cast<float>(i % 5))
+          << "element " << i;
+    }
+    fence.reset();
+    (void)cudaFreeHost(staged_in);
   });
 }
 

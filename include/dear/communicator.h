@@ -54,8 +54,9 @@ struct OpOptions {
   std::chrono::milliseconds timeout{0};         // deadline from issue; 0 = communicator's
   // A cudaStream_t (builds with CUDA only): the operation starts after the work already on
   // this stream and work enqueued on it later waits for the result, without the host waiting
-  // for the stream. Null: no stream ordering. Device buffers (in, out) are detected
-  // automatically, with or without a stream; see collectives/device_staging.h.
+  // for the stream. Null: the operation starts after the work already on the legacy default
+  // stream. Device buffers (in, out) are detected automatically, with or without a stream; see
+  // collectives/device_staging.h.
   void* cuda_stream = nullptr;
 };
 
