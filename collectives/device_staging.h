@@ -10,8 +10,8 @@
 //   work already on the legacy default stream (later work there does not wait for it). On the
 //   stream go, per piece, the copy of its input into pinned host memory and a flag; then, per
 //   piece, a wait for a ticket and the copy of its result out; then a last flag. Flags and
-//   waits are the driver's stream memory operations where the device has them (else
-//   one-thread kernels), on mapped pinned memory.
+//   waits are one-thread kernels on mapped pinned memory (DEAR_CUDA_MEMOPS=1: the driver's
+//   stream memory operations, see cuda/stream.cc).
 // - One staging thread per communicator takes the queued operations in issue order (host ones
 //   queued behind staged ones too, so every rank hands the same order to the engine): it hands
 //   piece i to the wrapped communicator once its flag is set, publishes piece i's ticket once

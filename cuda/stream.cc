@@ -15,10 +15,13 @@ namespace {
 using StreamValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 using DeviceAttribute = CUresult (*)(int*, CUdevice_attribute, CUdevice);
 
-// The driver's stream memory operations, where the device has them: a wait on a value in
-// mapped memory is then done by the GPU's front end, with no kernel occupying the device (a
-// spinning kernel keeps the context busy, which time-sliced contexts of other processes on the
-// same GPU pay for). DEAR_CUDA_MEMOPS=0 uses the kernels instead.
+// The driver's stream memory operations, with DEAR_CUDA_MEMOPS=1 where the device has them:
+// a wait on a value in mapped memory is then done by the GPU's front end, with no kernel
+// occupying the device (a spinning kernel keeps its context busy, which the time-sliced
+// contexts of other processes on the same GPU pay for: on one H200 with two processes, an 8-byte
+// all_reduce took 0.39 ms with them against 2.7 ms with the kernels). Not the default: with four
+// ranks as threads of one process, one rank's copy never ran while the others' streams waited
+// (a wait holds up the hardware queue it shares with other streams), and the kernels never hung.
 struct MemOps {
   StreamValue64 wait = nullptr;
   StreamValue64 write = nullptr;
@@ -38,7 +41,7 @@ void* entry_point(const char* symbol) {
 
 MemOps find_memops() {
   const char* env = std::getenv("DEAR_CUDA_MEMOPS");
-  if (env != nullptr && std::string_view(env) == "0") return {};
+  if (env == nullptr || std::string_view(env) != "1") return {};
   auto* attribute = reinterpret_cast<DeviceAttribute>(entry_point("cuDeviceGetAttribute"));
   int device = 0;
   int usable = 0;

@@ -8,8 +8,8 @@
 namespace dear::cuda {
 
 // A monotonic counter in mapped pinned memory. enqueue_wait() puts on a stream a wait until the
-// counter reaches a target (cuStreamWaitValue64 where the device has stream memory operations,
-// else a one-thread kernel that polls it): later work on that stream starts only after it.
+// counter reaches a target (a one-thread kernel that polls it; with DEAR_CUDA_MEMOPS=1,
+// cuStreamWaitValue64 where the device has stream memory operations): later work on that stream starts only after it.
 // publish() raises the counter from the host. Values must be published in increasing order and
 // stay below 2^63. The destructor releases every waiting stream first (publishes 2^63 - 1), so
 // a stream never waits on a counter that no longer exists.
@@ -29,8 +29,8 @@ class HostSignal {
 };
 
 // Stores `value` into `device_flag` (mapped pinned memory) once the work before it on `stream`
-// is done, for the host to poll without a CUDA call: a stream memory operation where the device
-// has them (uses_stream_memops()), else enqueue_set_flag's kernel.
+// is done, for the host to poll without a CUDA call: enqueue_set_flag's kernel, or a stream
+// memory operation when uses_stream_memops().
 void set_flag(unsigned long long* device_flag, unsigned long long value, cudaStream_t stream);
 
 // True when waits and flags use the driver's stream memory operations rather than kernels.
