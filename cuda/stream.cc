@@ -21,7 +21,8 @@ using DeviceAttribute = CUresult (*)(int*, CUdevice_attribute, CUdevice);
 // contexts of other processes on the same GPU pay for: on one H200 with two processes, an 8-byte
 // all_reduce took 0.39 ms with them against 2.7 ms with the kernels). Not the default: with four
 // ranks as threads of one process, one rank's copy never ran while the others' streams waited
-// (a wait holds up the hardware queue it shares with other streams), and the kernels never hung.
+// (twice; presumably a wait holds up a hardware queue it shares with other streams), and the
+// kernels never hung.
 struct MemOps {
   StreamValue64 wait = nullptr;
   StreamValue64 write = nullptr;
