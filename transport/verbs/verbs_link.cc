@@ -16,6 +16,7 @@
 #include "dear/error.h"
 #include "transport/peer_exchange.h"
 #include "transport/rma/fragments.h"
+#include "transport/rma/slot_region.h"
 #include "transport/rma/slot_window.h"
 #include "transport/socket_util.h"
 #include "transport/verbs/qp_plan.h"
@@ -204,13 +205,11 @@ struct QpRecord {
   std::uint16_t lid = 0;
   std::uint8_t link = 0;
   std::uint8_t gid_index = 0;
-  std::uint32_t rkey = 0;
   std::uint8_t gid[16] = {};
-  std::uint64_t addr = 0;  // the receive slots
-  std::uint64_t slot_bytes = 0;
-  std::uint32_t slots = 0;
   std::uint32_t reserved = 0;
+  rma::SlotRegion slots;  // the receive slots the peer writes into (key: their rkey)
 };
+static_assert(sizeof(QpRecord) == 72, "exchanged as plain bytes, with no padding");
 
 struct FreeDeleter {
   void operator()(char* p) const { std::free(p); }
@@ -282,8 +281,7 @@ class VerbsChannel final : public Channel {
   ibv_mr* send_mr_ = nullptr;
   std::unique_ptr<char, FreeDeleter> recv_mem_;  // data slots the peer writes into
   std::unique_ptr<char, FreeDeleter> send_mem_;  // data staging, control staging, control recv
-  std::uint64_t remote_addr_ = 0;
-  std::uint32_t remote_rkey_ = 0;
+  rma::SlotRegion remote_{};  // the peer's receive slots
   std::uint32_t max_inline_ = 0;
   bool armed_ = false;
   bool connected_ = false;
@@ -408,11 +406,12 @@ QpRecord VerbsChannel::record() const {
   r.lid = ctx_->lid;
   r.link = static_cast<std::uint8_t>(ctx_->link);
   r.gid_index = static_cast<std::uint8_t>(ctx_->gid_index);
-  r.rkey = recv_mr_->rkey;
   std::memcpy(r.gid, ctx_->gid.data(), 16);
-  r.addr = reinterpret_cast<std::uintptr_t>(recv_mem_.get());
-  r.slot_bytes = slot_bytes_;
-  r.slots = slots_;
+  // ibverbs addresses registered memory by virtual address.
+  r.slots.base = rma::region_base(recv_mem_.get(), 0, true);
+  r.slots.key = recv_mr_->rkey;
+  r.slots.slot_bytes = slot_bytes_;
+  r.slots.slots = slots_;
   return r;
 }
 
@@ -423,13 +422,8 @@ void VerbsChannel::connect(const QpRecord& remote, const VerbsOptions& o) {
                     " sent no verbs connection record (does it use transport 'verbs' too?)",
                 self_, peer_, "create");
   }
-  if (remote.slot_bytes != slot_bytes_ || remote.slots != slots_) {
-    throw Error(ErrorCode::kMismatch,
-                "rank " + std::to_string(peer_) + " uses " + std::to_string(remote.slots) +
-                    " slots of " + std::to_string(remote.slot_bytes) + " bytes, rank " +
-                    std::to_string(self_) + " " + std::to_string(slots_) + " of " +
-                    std::to_string(slot_bytes_),
-                self_, peer_, "create");
+  if (auto bad = rma::check_region(remote.slots, slot_bytes_, slots_, self_, peer_)) {
+    throw Error(ErrorCode::kMismatch, *bad, self_, peer_, "create");
   }
   QpEndpoint local;
   local.link_layer = ctx_->link;
@@ -485,8 +479,7 @@ void VerbsChannel::connect(const QpRecord& remote, const VerbsOptions& o) {
                         IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) != 0) {
     throw_sys("ibv_modify_qp(RTS) towards rank " + std::to_string(peer_), errno, self_, peer_);
   }
-  remote_addr_ = remote.addr;
-  remote_rkey_ = remote.rkey;
+  remote_ = remote.slots;
   connected_ = true;
 }
 
@@ -524,7 +517,7 @@ void VerbsChannel::add_wr(const ibv_sge& sge, ibv_wr_opcode op, std::uint32_t im
   if (op == IBV_WR_RDMA_WRITE_WITH_IMM) {
     wr.imm_data = htonl(imm);
     wr.wr.rdma.remote_addr = raddr;
-    wr.wr.rdma.rkey = remote_rkey_;
+    wr.wr.rdma.rkey = static_cast<std::uint32_t>(remote_.key);
   }
   sq_[sq_next_ % sq_.size()] = what;
   ++sq_next_;
@@ -611,10 +604,8 @@ bool VerbsChannel::poll_cq() {
         const std::uint32_t s = seq % slots_;
         Prefix p;
         std::memcpy(&p, slot(s), kPrefix);
-        if (p.kind != Kind::kData || kPrefix + p.bytes != c.byte_len) {
-          fail("protocol violation: fragment " + std::to_string(seq) + " of " +
-               std::to_string(c.byte_len) + " bytes says it holds " + std::to_string(p.bytes));
-        }
+        // Tag 0: a queue pair has one peer.
+        if (auto bad = rma::check_written(p, seq, 0, slot_bytes_, c.byte_len)) fail(*bad);
         if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
         if (auto bad = rma::accept_fragment(recvw_, seq, s)) fail(*bad);
         post_recv(recv_index);
@@ -722,7 +713,7 @@ bool VerbsChannel::pump(RecvSink& sink) {
     sge.length = static_cast<std::uint32_t>(kPrefix + p.bytes);
     sge.lkey = send_mr_->lkey;
     add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, p.seq,
-           remote_addr_ + static_cast<std::uint64_t>(p.seq % slots_) * slot_bytes_,
+           rma::slot_address(remote_, p.seq),
            Posted{b, false});
     moved = true;
     if (const auto token = sendq_.commit(f)) sink.on_sent(index_, *token);
