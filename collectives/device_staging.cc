@@ -70,18 +70,10 @@ class PinnedPool {
       }
     }
     const std::size_t size = rounded(bytes);
-    void* p = nullptr;
-    cuda::check(cudaHostAlloc(&p, size, cudaHostAllocPortable | cudaHostAllocMapped),
-                "cudaHostAlloc of " + std::to_string(size) + " pinned staging bytes", rank);
-    void* d = nullptr;
-    const cudaError_t rc = cudaHostGetDevicePointer(&d, p, 0);
-    if (rc != cudaSuccess) {
-      (void)cudaFreeHost(p);
-      cuda::check(rc, "cudaHostGetDevicePointer of the pinned staging memory", rank);
-    }
+    const cuda::MappedMemory m = cuda::alloc_mapped(size, "pinned staging", rank);
     auto block = std::make_unique<Block>();
-    block->host = static_cast<std::byte*>(p);
-    block->device = static_cast<std::byte*>(d);
+    block->host = static_cast<std::byte*>(m.host);
+    block->device = static_cast<std::byte*>(m.device);
     block->size = size;
     block->busy = true;
     std::lock_guard<std::mutex> lock(mu_);

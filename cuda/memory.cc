@@ -19,6 +19,18 @@ Location locate(const void* p) noexcept {
   return {};
 }
 
+MappedMemory alloc_mapped(std::size_t bytes, const std::string& what, int rank) {
+  MappedMemory m;
+  check(cudaHostAlloc(&m.host, bytes, cudaHostAllocPortable | cudaHostAllocMapped),
+        "cudaHostAlloc of " + std::to_string(bytes) + " bytes for " + what, rank);
+  const cudaError_t rc = cudaHostGetDevicePointer(&m.device, m.host, 0);
+  if (rc != cudaSuccess) {
+    (void)cudaFreeHost(m.host);
+    check(rc, "cudaHostGetDevicePointer for " + what, rank);
+  }
+  return m;
+}
+
 PinnedBuffer::PinnedBuffer(std::size_t bytes) { reserve(bytes); }
 
 PinnedBuffer::~PinnedBuffer() { release(); }

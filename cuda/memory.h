@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 namespace dear::cuda {
 
@@ -19,6 +20,16 @@ struct Location {
 // pointer when no driver or device is present are kHost; so is managed memory, which the CPU
 // can touch (more slowly) without staging. Never throws.
 [[nodiscard]] Location locate(const void* p) noexcept;
+
+// Page-locked host memory that the device addresses too (cudaHostAlloc, portable and mapped):
+// `host` for the CPU, `device` for kernels and stream operations. Freed with cudaFreeHost(host).
+// Throws dear::Error naming the CUDA error and `what`, with `rank`.
+struct MappedMemory {
+  void* host = nullptr;
+  void* device = nullptr;
+};
+[[nodiscard]] MappedMemory alloc_mapped(std::size_t bytes, const std::string& what,
+                                        int rank = -1);
 
 // Page-locked host memory from cudaHostAlloc (portable: usable from every device). Throws
 // dear::Error naming the CUDA error when the allocation fails.

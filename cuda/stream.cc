@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "cuda/error.h"
+#include "cuda/memory.h"
 
 namespace dear::cuda {
 namespace {
@@ -65,10 +66,18 @@ const MemOps& memops() {
   return ops;
 }
 
-void check_driver(CUresult rc, const char* what) {
-  if (rc == CUDA_SUCCESS) return;
-  throw Error(ErrorCode::kSystem,
-              std::string(what) + " failed with CUDA driver error " + std::to_string(rc));
+// Calls a stream memory operation `fn` on `addr`; false (nothing enqueued) when the driver's
+// operations are not in use.
+bool stream_memop(StreamValue64 fn, cudaStream_t stream, const void* addr, std::uint64_t value,
+                  unsigned flags, const char* what) {
+  if (fn == nullptr) return false;
+  const CUresult rc = fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr),
+                         value, flags);
+  if (rc != CUDA_SUCCESS) {
+    throw Error(ErrorCode::kSystem,
+                std::string(what) + " failed with CUDA driver error " + std::to_string(rc));
+  }
+  return true;
 }
 
 }  // namespace
@@ -76,30 +85,18 @@ void check_driver(CUresult rc, const char* what) {
 bool uses_stream_memops() { return memops().wait != nullptr; }
 
 void set_flag(unsigned long long* device_flag, unsigned long long value, cudaStream_t stream) {
-  if (const MemOps& ops = memops(); ops.write != nullptr) {
-    // The default flags order the write after every earlier write of the stream.
-    check_driver(ops.write(reinterpret_cast<CUstream>(stream),
-                           reinterpret_cast<CUdeviceptr>(device_flag), value,
-                           CU_STREAM_WRITE_VALUE_DEFAULT),
-                 "cuStreamWriteValue64");
-    return;
+  // The default flags order the write after every earlier write of the stream.
+  if (!stream_memop(memops().write, stream, device_flag, value, CU_STREAM_WRITE_VALUE_DEFAULT,
+                    "cuStreamWriteValue64")) {
+    enqueue_set_flag(device_flag, value, stream);
   }
-  enqueue_set_flag(device_flag, value, stream);
 }
 
 HostSignal::HostSignal() {
-  void* p = nullptr;
-  check(cudaHostAlloc(&p, sizeof(unsigned long long), cudaHostAllocMapped | cudaHostAllocPortable),
-        "cudaHostAlloc of the stream signal");
-  host_ = static_cast<unsigned long long*>(p);
+  const MappedMemory m = alloc_mapped(sizeof(unsigned long long), "the stream signal");
+  host_ = static_cast<unsigned long long*>(m.host);
   *host_ = 0;
-  void* d = nullptr;
-  const cudaError_t rc = cudaHostGetDevicePointer(&d, p, 0);
-  if (rc != cudaSuccess) {
-    (void)cudaFreeHost(p);
-    check(rc, "cudaHostGetDevicePointer of the stream signal");
-  }
-  device_ = static_cast<unsigned long long*>(d);
+  device_ = static_cast<unsigned long long*>(m.device);
 }
 
 HostSignal::~HostSignal() {
@@ -111,14 +108,10 @@ HostSignal::~HostSignal() {
 }
 
 void HostSignal::enqueue_wait(cudaStream_t stream, std::uint64_t target) {
-  if (const MemOps& ops = memops(); ops.wait != nullptr) {
-    check_driver(ops.wait(reinterpret_cast<CUstream>(stream),
-                          reinterpret_cast<CUdeviceptr>(device_), target,
-                          CU_STREAM_WAIT_VALUE_GEQ),
-                 "cuStreamWaitValue64");
-    return;
+  if (!stream_memop(memops().wait, stream, device_, target, CU_STREAM_WAIT_VALUE_GEQ,
+                    "cuStreamWaitValue64")) {
+    enqueue_wait_counter(device_, target, stream);
   }
-  enqueue_wait_counter(device_, target, stream);
 }
 
 void HostSignal::publish(std::uint64_t value) noexcept {

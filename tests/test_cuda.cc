@@ -165,6 +165,29 @@ std::vector<std::byte> to_host(const std::byte* dev, std::size_t bytes) {
   return host;
 }
 
+// An input that arrives late on a stream: a host function sleeps `delay_ms`, then writes
+// rank + i % period into pinned `staged`, which is then copied to the device, all on `stream`.
+// Lives until the stream has run it.
+struct LateInput {
+  float* staged;
+  std::size_t n;
+  int rank;
+  int period;
+  int delay_ms;
+
+  void enqueue(cudaStream_t stream, std::byte* dev) {
+    ck(cudaLaunchHostFunc(stream, [](void* arg) {
+         const auto* in = static_cast<const LateInput*>(arg);
+         std::this_thread::sleep_for(std::chrono::milliseconds(in->delay_ms));
+         for (std::size_t i = 0; i < in->n; ++i) {
+           in->staged[i] = static_cast<float>(in->rank + static_cast<int>(i % in->period));
+         }
+       }, this), "cudaLaunchHostFunc");
+    ck(cudaMemcpyAsync(dev, staged, n * sizeof(float), cudaMemcpyHostToDevice, stream),
+       "copy in");
+  }
+};
+
 class GpuRanks : public Gpu, public ::testing::WithParamInterface<int> {};
 
 TEST_P(GpuRanks, AllReduceOnDeviceBuffers) {
@@ -350,14 +373,8 @@ TEST_P(GpuRanks, StreamOrdering) {
     ck(cudaMemset(out.get(), 0xff, bytes), "poison out");
     std::memset(result, 0, bytes);
     std::optional<RankFence> fence(std::in_place, sync);
-    struct Fill { float* p; std::size_t n; int rank; };
-    Fill fill{staged_in, count, comm.rank()};
-    ck(cudaLaunchHostFunc(stream, [](void* arg) {
-         auto* f = static_cast<Fill*>(arg);
-         std::this_thread::sleep_for(std::chrono::milliseconds(200));
-         for (std::size_t i = 0; i < f->n; ++i) f->p[i] = static_cast<float>(f->rank + i % 7);
-       }, &fill), "cudaLaunchHostFunc");
-    ck(cudaMemcpyAsync(in.get(), staged_in, bytes, cudaMemcpyHostToDevice, stream), "copy in");
+    LateInput late{staged_in, count, comm.rank(), 7, 200};
+    late.enqueue(stream, in.get());
     OpOptions o;
     o.cuda_stream = stream;
     Work w = comm.all_reduce(in.get(), out.get(), count, DataType::kFloat32, ReduceOp::kSum, o);
@@ -398,15 +415,8 @@ TEST_P(GpuRanks, WithoutAStreamTheDefaultStreamComesFirst) {
     DeviceBuffer in(bytes), out(bytes);
     ck(cudaMemset(in.get(), 0xff, bytes), "poison in");
     std::optional<RankFence> fence(std::in_place, sync);
-    struct Fill { float* p; std::size_t n; int rank; };
-    Fill fill{staged_in, count, comm.rank()};
-    ck(cudaLaunchHostFunc(nullptr, [](void* arg) {
-         auto* f = static_cast<Fill*>(arg);
-         std::this_thread::sleep_for(std::chrono::milliseconds(100));
-         for (std::size_t i = 0; i < f->n; ++i) f->p[i] = static_cast<float>(f->rank + i % 5);
-       }, &fill), "cudaLaunchHostFunc on the default stream");
-    ck(cudaMemcpyAsync(in.get(), staged_in, bytes, cudaMemcpyHostToDevice, nullptr),
-       "copy in on the default stream");
+    LateInput late{staged_in, count, comm.rank(), 5, 100};
+    late.enqueue(nullptr, in.get());  // the legacy default stream
     comm.all_reduce(in.get(), out.get(), count, DataType::kFloat32, ReduceOp::kSum).wait();
     const auto got = to_host(out.get(), bytes);
     const float ranks_sum = static_cast<float>(n * (n - 1) / 2);
