@@ -18,7 +18,8 @@
 //   an operation past its deadline aborts the NCCL communicator (ncclCommAbort) and fails with
 //   kTimeout, and every later operation fails too.
 //
-// Compiled in builds with CUDA and NCCL; it has not run on a GPU in this project's CI.
+// Compiled in builds with CUDA and NCCL. Run on one H200 with one rank (tests/test_nccl_comm.cc);
+// CI has no GPU, and several ranks need several GPUs.
 #pragma once
 
 #include <memory>
