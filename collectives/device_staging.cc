@@ -626,6 +626,10 @@ class DeviceCommunicator final : public Communicator {
     signal_->publish(job.first_ticket + n - 1);
     const auto drained = std::chrono::steady_clock::now() + job.timeout;
     while (!flag_set(job, n)) {
+      if (job.enqueued->load(std::memory_order_acquire) == Job::kFailed) {
+        throw Error(ErrorCode::kSystem, "its last flag could not be put on its CUDA stream",
+                    rank(), Error::kNone, job.name);
+      }
       if (std::chrono::steady_clock::now() > drained) {
         throw late("the copy of its result from pinned memory to the device");
       }
