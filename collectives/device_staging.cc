@@ -273,27 +273,32 @@ class DeviceCommunicator final : public Communicator {
                   rank(), Error::kNone, name);
     }
 
-    Job job;
-    job.name = name;
-    job.issue = [call, inner_opts](Communicator& c, const void* i, void* o, std::size_t n) {
-      return call(c, i, o, n, inner_opts);
+    const auto make_job = [&] {
+      Job job;
+      job.name = name;
+      job.issue = [call, inner_opts](Communicator& c, const void* i, void* o, std::size_t n) {
+        return call(c, i, o, n, inner_opts);
+      };
+      job.count = count;
+      job.in = in;
+      job.out = out;
+      job.timeout = opts.timeout.count() > 0 ? opts.timeout : options().timeout;
+      job.state = std::make_shared<Work::State>();
+      return job;
     };
-    job.count = count;
-    job.in = in;
-    job.out = out;
-    job.timeout = opts.timeout.count() > 0 ? opts.timeout : options().timeout;
-    job.state = std::make_shared<Work::State>();
 
     if (!in_dev && !out_dev && stream == nullptr) {
       std::lock_guard<std::mutex> lock(mu_);
       // Plain host operation with nothing queued before it: issued at once, in order.
       if (queued_ == 0) return call(*inner_, in, out, count, inner_opts);
       check_not_aborted(name);
+      Job job = make_job();
       Work work(job.state);
       push(std::move(job));
       return work;
     }
 
+    Job job = make_job();
     // Decided by where this rank's buffers live, never by timing (a host operation queued
     // behind staged ones is not split): every rank that passes device memory splits alike.
     const bool split = in_dev || out_dev;
