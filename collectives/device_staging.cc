@@ -97,8 +97,33 @@ class PinnedPool {
     return size;
   }
 
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::vector<std::unique_ptr<Block>> blocks_;
+};
+
+// What a staged operation puts on its stream, and how far the stream has got. The caller's
+// thread fills it before the job is queued; after that only `enqueued` and the flags in the
+// block change, so both threads read it without a lock.
+struct Staging {
+  PiecePlan plan;
+  // Its first bytes are the flags the stream sets (flag i: piece i is in pinned memory; flag
+  // n: every copy-out is done), then the plan's pinned regions from `data`.
+  PinnedPool::Block* block = nullptr;
+  std::size_t data = 0;
+  std::uint64_t first_ticket = 0;  // piece i's copy-out waits for first_ticket + i
+  // Set by the caller's thread once everything is on the stream (kEnqueued), or when that
+  // failed part way (kFailed: the stream may hold part of it).
+  enum : int { kEnqueuing, kEnqueued, kFailed };
+  std::atomic<int> enqueued{kEnqueuing};
+
+  [[nodiscard]] std::size_t pieces() const { return plan.pieces.size(); }
+  [[nodiscard]] bool flag_set(std::size_t i) const {
+    auto* flags = reinterpret_cast<std::uint64_t*>(block->host);
+    return std::atomic_ref<std::uint64_t>(flags[i]).load(std::memory_order_acquire) != 0;
+  }
+  [[nodiscard]] bool failed() const {
+    return enqueued.load(std::memory_order_acquire) == kFailed;
+  }
 };
 
 struct Job {
@@ -107,29 +132,11 @@ struct Job {
   std::size_t count = 0;  // per-rank count of the whole operation
   const void* in = nullptr;
   void* out = nullptr;
-  PiecePlan plan;
-  // Null: a host operation queued behind staged ones (nothing on a stream). Otherwise its
-  // first bytes are the flags the stream sets (flag i: piece i is in pinned memory; flag n:
-  // every copy-out is done), then the plan's pinned regions from `data`.
-  PinnedPool::Block* block = nullptr;
-  std::size_t data = 0;
-  std::uint64_t first_ticket = 0;  // piece i's copy-out waits for first_ticket + i
-  // Set by the caller's thread once everything is on the stream (kEnqueued), or when that
-  // failed part way (kFailed: the stream may hold part of it).
-  enum : int { kEnqueuing, kEnqueued, kFailed };
-  std::shared_ptr<std::atomic<int>> enqueued;
-  bool peers_told = false;         // the wrapped communicator was aborted for this job
+  // Null: a host operation queued behind staged ones (nothing on a stream).
+  std::shared_ptr<Staging> staging;
+  bool peers_told = false;  // the wrapped communicator was aborted for this job
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<Work::State> state;
-};
-
-// What the caller's thread puts on the stream for a job (the job itself belongs to the staging
-// thread once queued).
-struct Staged {
-  PiecePlan plan;
-  PinnedPool::Block* block = nullptr;
-  std::size_t data = 0;
-  std::uint64_t first_ticket = 0;
 };
 
 // Makes `device` current for the caller's thread and restores the previous one.
@@ -302,44 +309,40 @@ class DeviceCommunicator final : public Communicator {
     // Decided by where this rank's buffers live, never by timing (a host operation queued
     // behind staged ones is not split): every rank that passes device memory splits alike.
     const bool split = in_dev || out_dev;
-    job.plan = plan_pieces(kind, {in, in_bytes, in_dev}, {out, out_bytes, out_dev}, count,
+    auto st = std::make_shared<Staging>();
+    st->plan = plan_pieces(kind, {in, in_bytes, in_dev}, {out, out_bytes, out_dev}, count,
                            std::max<std::size_t>(dtype_size(dtype), 1), rank(), size(), split,
                            pieces_);
-    const std::size_t n = job.plan.pieces.size();
+    const std::size_t n = st->pieces();
     // CUDA calls that may wait for the device (allocations) are made before the job is
     // queued and without mu_, which the staging thread needs to move earlier jobs on.
     int device = in_dev ? in_loc.device : out_dev ? out_loc.device : device_of_streams();
     const CurrentDevice current(device, rank());
     use_device(device, name);
-    job.data = flags_bytes(n);
-    job.block = pool_.take(job.data + job.plan.pinned_bytes, rank());
-    std::memset(job.block->host, 0, job.data);
-    job.enqueued = std::make_shared<std::atomic<int>>(Job::kEnqueuing);
-    const std::shared_ptr<std::atomic<int>> enqueued = job.enqueued;
-    Staged staged{job.plan, job.block, job.data, 0};
+    st->data = flags_bytes(n);
+    st->block = pool_.take(st->data + st->plan.pinned_bytes, rank());
+    std::memset(st->block->host, 0, st->data);
+    job.staging = st;
     Work work(job.state);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (aborted_.load(std::memory_order_acquire)) {
-        pool_.give_back(job.block);
+        pool_.give_back(st->block);
         check_not_aborted(name);
       }
       // Tickets in queue order: the staging thread publishes them job after job.
-      job.first_ticket = last_ticket_ + 1;
+      st->first_ticket = last_ticket_ + 1;
       last_ticket_ += n;
-      staged.first_ticket = job.first_ticket;
       push(std::move(job));
     }
     try {
-      enqueue(staged, stream, name);
+      enqueue(*st, stream, name);
     } catch (const std::exception& e) {
-      enqueued->store(Job::kFailed, std::memory_order_release);
-      // This rank will not take part: the peers are told rather than left to time out.
-      inner_->abort(std::string(name) + " could not be staged on rank " +
-                    std::to_string(rank()) + ": " + e.what());
+      st->enqueued.store(Staging::kFailed, std::memory_order_release);
+      abort_peers(name, e);  // this rank will not take part
       throw;
     }
-    enqueued->store(Job::kEnqueued, std::memory_order_release);
+    st->enqueued.store(Staging::kEnqueued, std::memory_order_release);
     return work;
   }
 
@@ -398,7 +401,7 @@ class DeviceCommunicator final : public Communicator {
   // flag. The staging thread makes no CUDA call at all, so an operation in flight never
   // depends on a CUDA call that could wait for the device (cudaFree in another thread waits
   // for every stream, these waits included).
-  void enqueue(const Staged& st, cudaStream_t user_stream, const char* name) {
+  void enqueue(const Staging& st, cudaStream_t user_stream, const char* name) {
     cudaStream_t stream = user_stream;
     if (stream == nullptr) {
       // No stream given: the operation comes after the work already on the legacy default
@@ -410,7 +413,7 @@ class DeviceCommunicator final : public Communicator {
       cuda::check(cudaStreamWaitEvent(stream, order_event_, 0),
                   std::string(name) + ": cudaStreamWaitEvent", rank());
     }
-    const std::size_t n = st.plan.pieces.size();
+    const std::size_t n = st.pieces();
     const auto flag = [&](std::size_t i) {
       return reinterpret_cast<unsigned long long*>(st.block->device) + i;
     };
@@ -427,7 +430,7 @@ class DeviceCommunicator final : public Communicator {
     cuda::set_flag(flag(n), 1, stream);
   }
 
-  void enqueue_copy(const PieceCopy& c, bool to_pinned, cudaStream_t stream, const Staged& st,
+  void enqueue_copy(const PieceCopy& c, bool to_pinned, cudaStream_t stream, const Staging& st,
                     std::size_t piece, const char* name) {
     std::byte* pinned = st.block->host + st.data + c.pinned_offset;
     auto* user = reinterpret_cast<std::byte*>(c.user);
@@ -477,7 +480,7 @@ class DeviceCommunicator final : public Communicator {
           throw Error(ErrorCode::kAborted, "the communicator was destroyed", rank(),
                       Error::kNone, job.name);
         }
-        if (job.block == nullptr) {
+        if (!job.staging) {
           run_host(job, issued);
         } else {
           run_staged(job, issued);
@@ -491,7 +494,10 @@ class DeviceCommunicator final : public Communicator {
       }
       if (error && !issued) tell_peers(job, error);
       // Whatever happened, the stream moves on (its copy-outs then carry no result).
-      if (job.first_ticket != 0) signal_->publish(job.first_ticket + job.plan.pieces.size() - 1);
+      if (job.staging) {
+        const Staging& st = *job.staging;
+        signal_->publish(st.first_ticket + st.pieces() - 1);
+      }
       job.state->complete(error);
     }
   }
@@ -511,14 +517,18 @@ class DeviceCommunicator final : public Communicator {
 
   // Fails the peers of an operation this rank will not (fully) hand to the engine, rather
   // than let them time out waiting for its pieces.
+  void abort_peers(const char* name, const std::exception& e) {
+    inner_->abort(std::string(name) + " could not be staged on rank " + std::to_string(rank()) +
+                  ": " + e.what());
+  }
+
   void tell_peers(Job& job, const std::exception_ptr& error) {
     if (job.peers_told) return;
     job.peers_told = true;
     try {
       std::rethrow_exception(error);
     } catch (const std::exception& e) {
-      inner_->abort(std::string(job.name) + " could not be staged on rank " +
-                    std::to_string(rank()) + ": " + e.what());
+      abort_peers(job.name, e);
     }
   }
 
@@ -533,18 +543,14 @@ class DeviceCommunicator final : public Communicator {
   // A piece's failure as the operation's: the same code, peer and sequence, the piece named.
   [[noreturn]] void rethrow_piece(const std::exception_ptr& error, const Job& job,
                                   std::size_t i) {
-    if (job.plan.pieces.size() == 1) std::rethrow_exception(error);
+    const PiecePlan& plan = job.staging->plan;
+    if (plan.pieces.size() == 1) std::rethrow_exception(error);
     try {
       std::rethrow_exception(error);
     } catch (const Error& e) {
-      throw Error(e.code(), piece_name(job.plan, i) + ": " + e.cause(),
+      throw Error(e.code(), piece_name(plan, i) + ": " + e.cause(),
                   e.rank() != Error::kNone ? e.rank() : rank(), e.peer(), job.name, e.seq());
     }
-  }
-
-  static bool flag_set(const Job& job, std::size_t i) {
-    auto* flags = reinterpret_cast<std::uint64_t*>(job.block->host);
-    return std::atomic_ref<std::uint64_t>(flags[i]).load(std::memory_order_acquire) != 0;
   }
 
   // One staged operation, with no CUDA call: piece i is handed to the wrapped communicator
@@ -554,7 +560,8 @@ class DeviceCommunicator final : public Communicator {
   // done when the stream has set the last flag. Polls with short sleeps, or blocks in
   // Work::wait for a bounded time once only the network is left.
   void run_staged(Job& job, bool& issued_all) {
-    const std::size_t n = job.plan.pieces.size();
+    const Staging& st = *job.staging;
+    const std::size_t n = st.pieces();
     const auto deadline = std::chrono::steady_clock::now() + job.timeout;
     const auto late = [&](const std::string& what) {
       return Error(ErrorCode::kTimeout,
@@ -568,9 +575,9 @@ class DeviceCommunicator final : public Communicator {
     try {
       for (;;) {
         bool moved = false;
-        while (works.size() < n && flag_set(job, works.size())) {
-          const StagedPiece& p = job.plan.pieces[works.size()];
-          std::byte* data = job.block->host + job.data;
+        while (works.size() < n && st.flag_set(works.size())) {
+          const StagedPiece& p = st.plan.pieces[works.size()];
+          std::byte* data = st.block->host + st.data;
           const void* in = p.in_offset == StagingPlan::kUnstaged ? job.in : data + p.in_offset;
           void* out = p.out_offset == StagingPlan::kUnstaged ? job.out : data + p.out_offset;
           std::lock_guard<std::mutex> lock(mu_);
@@ -583,14 +590,14 @@ class DeviceCommunicator final : public Communicator {
         }
         while (published < works.size() && works[published].test()) {
           if (auto e = works[published].error()) rethrow_piece(e, job, published);
-          signal_->publish(job.first_ticket + published);
+          signal_->publish(st.first_ticket + published);
           ++published;
           moved = true;
         }
         if (published == n) break;
         if (moved) continue;
         if (works.size() < n) {
-          if (job.enqueued->load(std::memory_order_acquire) == Job::kFailed) {
+          if (st.failed()) {
             throw Error(ErrorCode::kSystem, "could not be put on its CUDA stream", rank(),
                         Error::kNone, job.name);
           }
@@ -601,7 +608,7 @@ class DeviceCommunicator final : public Communicator {
           if (std::chrono::steady_clock::now() > deadline) {
             throw late("the work before it on its CUDA stream and the copy of " +
                        (n == 1 ? std::string("its input")
-                               : piece_name(job.plan, works.size())) +
+                               : piece_name(st.plan, works.size())) +
                        " to pinned memory");
           }
           std::this_thread::sleep_for(std::chrono::microseconds(20));
@@ -627,11 +634,11 @@ class DeviceCommunicator final : public Communicator {
       // The block is not reused: the stream may still copy into and out of it.
       throw;
     }
-    // Every copy-out is on its way; the operation completes once they are done.
-    signal_->publish(job.first_ticket + n - 1);
+    // Every ticket is published, so every copy-out is on its way; the operation completes once
+    // they are done.
     const auto drained = std::chrono::steady_clock::now() + job.timeout;
-    while (!flag_set(job, n)) {
-      if (job.enqueued->load(std::memory_order_acquire) == Job::kFailed) {
+    while (!st.flag_set(n)) {
+      if (st.failed()) {
         throw Error(ErrorCode::kSystem, "its last flag could not be put on its CUDA stream",
                     rank(), Error::kNone, job.name);
       }
@@ -640,7 +647,7 @@ class DeviceCommunicator final : public Communicator {
       }
       std::this_thread::sleep_for(std::chrono::microseconds(10));
     }
-    pool_.give_back(job.block);
+    pool_.give_back(st.block);
   }
 
   std::unique_ptr<Communicator> inner_;

@@ -31,27 +31,4 @@ struct MappedMemory {
 [[nodiscard]] MappedMemory alloc_mapped(std::size_t bytes, const std::string& what,
                                         int rank = -1);
 
-// Page-locked host memory from cudaHostAlloc (portable: usable from every device). Throws
-// dear::Error naming the CUDA error when the allocation fails.
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  explicit PinnedBuffer(std::size_t bytes);
-  ~PinnedBuffer();
-  PinnedBuffer(PinnedBuffer&& other) noexcept;
-  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-
-  [[nodiscard]] std::byte* data() const noexcept { return data_; }
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
-  // Grows (never shrinks) to at least `bytes`; the contents are not kept.
-  void reserve(std::size_t bytes);
-
- private:
-  void release() noexcept;
-  std::byte* data_ = nullptr;
-  std::size_t size_ = 0;
-};
-
 }  // namespace dear::cuda
