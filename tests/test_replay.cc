@@ -2,6 +2,7 @@
 // every policy the parameters equal a single-process SGD on the averaged synthetic gradients,
 // and the real back-end keeps the policies' orderings.
 #include <gtest/gtest.h>
+#include <sys/prctl.h>
 
 #include <cmath>
 #include <map>
@@ -226,6 +227,30 @@ TEST(Replay, ScaledModelAndArgumentErrors) {
     for (std::size_t i = 0; i < ref.size(); ++i) {
       ASSERT_NEAR(r.params[i], ref[i], 2e-5) << "element " << i;
     }
+  });
+}
+
+// A sleeping replay tightens its thread's timer slack while it runs (so that short layers'
+// sleeps do not overshoot) and gives the caller's setting back afterwards, also when it fails.
+TEST(Replay, SleepingReplayRestoresTheTimerSlack) {
+  const ds::Model m = tiny_model(20e-6, 40e-6);
+  constexpr unsigned long kSlack = 123457;
+  run_ranks(1, [&](dear::Communicator& comm) {
+    ASSERT_EQ(::prctl(PR_SET_TIMERSLACK, kSlack, 0, 0, 0), 0);
+    ds::ReplayOptions opt;
+    opt.warmup = 1;
+    opt.iterations = 1;
+    opt.compute = ds::ComputeMode::kSleep;
+    std::vector<int> during;  // the slack seen from inside the replay, once per iteration
+    opt.progress = [&during](int, int, double) {
+      during.push_back(::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0));
+    };
+    const auto r = ds::replay(comm, m, "dear", opt);
+    EXPECT_EQ(r.iteration_s.size(), 1U);
+    EXPECT_EQ(during, (std::vector<int>{1, 1}));
+    EXPECT_EQ(::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0), static_cast<int>(kSlack));
+    EXPECT_THROW((void)ds::replay(comm, m, "no_such_policy", opt), dear::Error);
+    EXPECT_EQ(::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0), static_cast<int>(kSlack));
   });
 }
 
