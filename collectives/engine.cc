@@ -708,23 +708,33 @@ void Engine::flush_links() {
 bool Engine::progress_links() {
   // One poll() tells which channels have something to read, instead of a read attempt on
   // every channel each turn: on a small operation those system calls are the latency.
+  // Channels that move data only when asked (polled(): libfabric's manual progress) are
+  // progressed every turn anyway, so they stay out of it, and with only such channels there
+  // is no system call at all.
   ready_fds_.clear();
   for (std::size_t l = 0; l < links_.size(); ++l) {
     for (auto& ch : links_[l]) {
-      pollfd p = ch->wait_spec();
-      p.events = POLLIN;
+      pollfd p{-1, 0, 0};
+      if (!ch->polled()) {
+        p = ch->wait_spec();
+        p.events = POLLIN;
+      }
       ready_fds_.push_back(p);
     }
   }
-  if (::poll(ready_fds_.data(), ready_fds_.size(), 0) < 0) {
+  const bool any = std::any_of(ready_fds_.begin(), ready_fds_.end(),
+                               [](const pollfd& p) { return p.fd >= 0; });
+  if (any && ::poll(ready_fds_.data(), ready_fds_.size(), 0) < 0) {
     for (auto& p : ready_fds_) p.revents = POLLIN;  // unknown: try them all
   }
   bool moved = false;
   std::size_t i = 0;
   for (std::size_t l = 0; l < links_.size(); ++l) {
     for (auto& ch : links_[l]) {
-      const bool ready = ready_fds_[i++].revents != 0;
-      if (!ch->closed() && (ready || ch->queued() > 0 || ch->polled())) {
+      const bool polled = ch->polled();
+      const bool ready = polled || ready_fds_[i].revents != 0;
+      ++i;
+      if (!ch->closed() && (ready || ch->queued() > 0)) {
         moved |= ch->progress(*sinks_[l], ready);
       }
     }
@@ -1062,19 +1072,22 @@ void Engine::check_deadlines() {
 void Engine::wait_for_events(std::unique_lock<std::mutex>& turn) {
   pollfds_.clear();
   pollfds_.push_back({wake_fd_.get(), POLLIN, 0});
-  bool polled = false;
+  for (auto& link : links_) {
+    for (auto& ch : link) {
+      if (ch->polled() && !ch->closed()) {
+        // A transport that moves data only when asked: keep asking, yielding the CPU in
+        // between (and without asking it for a descriptor to sleep on).
+        turn.unlock();
+        sched_yield();
+        return;
+      }
+    }
+  }
   for (auto& link : links_) {
     for (auto& ch : link) {
       const pollfd p = ch->wait_spec();
       if (p.fd >= 0) pollfds_.push_back(p);
-      polled = polled || (ch->polled() && !ch->closed());
     }
-  }
-  if (polled) {
-    // A transport that moves data only when asked: keep asking, yielding the CPU in between.
-    turn.unlock();
-    sched_yield();
-    return;
   }
   auto deadline = transport::Deadline::max();
   for (const auto& op : active_) deadline = std::min(deadline, op->deadline);
