@@ -61,8 +61,11 @@ long long wrong_in(const void* output, std::size_t bytes, const CheckSpec& spec,
   return count_wrong(host.data(), spec);
 }
 
+// `first`: the sweep's first measurement, which also warms up the process and the library
+// under test (its threads, caches and lazily made state), not only this size.
 Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bool in_place,
-               std::uint64_t seed, const Binder& bind, const BufferMemory* memory) {
+               bool first, std::uint64_t seed, const Binder& bind,
+               const BufferMemory* memory) {
   CheckSpec spec;
   spec.collective = args.collective;
   spec.dtype = args.dtype;
@@ -102,7 +105,13 @@ Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bo
     // Every rank must run the same count: the slowest rank's warm-up decides.
     const double per_iter_us = comm.max_over_ranks(warm.elapsed_us() / args.warmup_iters);
     const double wanted = args.min_time_ms * 1000.0 / std::max(per_iter_us, 0.01);
-    iters = std::max(iters, static_cast<int>(std::min<double>(wanted, kMaxAutoIters)));
+    const int filling = static_cast<int>(std::min<double>(wanted, kMaxAutoIters));
+    // The first measurement of a sweep warms up as long as it will be timed: its few warm-up
+    // iterations alone left its mean several times the next size's, for every library.
+    if (first) {
+      for (int i = 0; i < filling; ++i) op->run();
+    }
+    iters = std::max(iters, filling);
   }
   comm.barrier();
   Samples samples;
@@ -154,8 +163,8 @@ int run_sweep(PeerComm& comm, const BenchArgs& args, DriverConfig config, const 
     Row row = make_row(points[i], args.collective, args.dtype, args.op, args.root);
     // A distinct seed per run, so a result left over from the previous run is wrong.
     const BufferMemory* memory = config.memory ? &*config.memory : nullptr;
-    row.oop = measure(comm, args, points[i], false, 2 * i, bind, memory);
-    row.ip = measure(comm, args, points[i], true, 2 * i + 1, bind, memory);
+    row.oop = measure(comm, args, points[i], false, i == 0, 2 * i, bind, memory);
+    row.ip = measure(comm, args, points[i], true, false, 2 * i + 1, bind, memory);
     reporter.add(std::move(row));
     print_progress(config.tool, args.collective, points[i].bytes, i + 1, points.size(),
                    comm.rank());

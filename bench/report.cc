@@ -335,7 +335,8 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
       ->capture_default_str();
   app.add_option("--min_time_ms", args.min_time_ms,
                  "Time at least this long per size and placement: sizes where -n iterations "
-                 "would take less get more (estimated from the warm-up; 0: exactly -n)")
+                 "would take less get more (estimated from the warm-up; 0: exactly -n); the "
+                 "sweep's first size also warms up that long")
       ->check(CLI::Range(0.0, 3.6e6))
       ->capture_default_str();
   app.add_option("-c,--check", args.check, "Run one checked iteration per placement (0/1)")
