@@ -172,6 +172,28 @@ TEST_P(Fabric, LargeSlicesSplitIntoFragments) {
       o);
 }
 
+// With no spinning anywhere (spin_us = 0: a waiting thread sleeps at once and the engine
+// sleeps as soon as nothing moves), after the ranks were idle long enough for their engines to
+// sleep deeply (on shm, which has no wait descriptor, on the channel's one-shot timer), and
+// with one rank arriving late, every operation is carried to the end by the engine threads.
+TEST_P(Fabric, SleepingEnginesCarryOperationsAfterIdlePeriods) {
+  CommOptions o = options();
+  o.spin_us = 0;
+  const int n = 3;
+  run_ranks(
+      n,
+      [&](Communicator& comm) {
+        for (int round = 0; round < 3; ++round) {
+          comm.barrier().wait();
+          std::this_thread::sleep_for(30ms);  // longer than the engine's idle ticks
+          if (comm.rank() == round % n) std::this_thread::sleep_for(20ms);
+          expect_reduce_and_gather(comm, n, DataType::kFloat32, 1000 + 77 * round,
+                                   "round " + std::to_string(round));
+        }
+      },
+      o);
+}
+
 // ---- links to arbitrary peers (connect_peers)
 // ----------------------------------------------------------------
 

@@ -55,9 +55,10 @@ constexpr auto kRetireFor = std::chrono::seconds(10);
 // Without a wait descriptor (shm) an engine asleep with nothing in flight
 // wakes on a timer to progress the provider. An engine with work in flight
 // never sleeps on such a channel (it keeps polling, see polled()), so the timer
-// need not be fast: a 50 us timer while traffic flowed cost its interrupts on
-// every period, and an 8-byte all_reduce over shm (2 ranks) took 20-40 us
-// instead of 2.
+// need not be fast, and it runs only while the engine sleeps: armed, once, when
+// the engine asks what to sleep on (wait_spec). A periodic 50 us timer while
+// traffic flowed cost its interrupts on every period: an 8-byte all_reduce over
+// shm (2 ranks) took 20-40 us instead of 2.
 constexpr auto kTimerPeriod = std::chrono::milliseconds(2);
 
 constexpr std::size_t kHeader = sizeof(FrameHeader);
@@ -383,8 +384,10 @@ class FabricChannel final : public Channel {
   fi_addr_t peer_addr_ = FI_ADDR_UNSPEC;
   int wait_fd_ = -1;  // the CQ's, owned by the provider; -1 when it has none
   Fd ready_fd_;       // always readable
-  Fd timer_fd_;       // providers without a wait descriptor
-  Clock::time_point timer_due_{};  // the timer may have expired since it was last drained
+  Fd timer_fd_;       // providers without a wait descriptor; one-shot, see kTimerPeriod
+  // Armed and not yet drained, and when it expires (wait_spec() arms it, so both are mutable).
+  mutable bool timer_armed_ = false;
+  mutable Clock::time_point timer_due_{};
 
   std::unique_ptr<char, FreeDeleter> memory_;
   // [0, recv_bufs_): receives; then `slots` data sends, then kControlSlots control sends.
@@ -455,10 +458,6 @@ FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, in
       throw Error(ErrorCode::kSystem, "timerfd_create: " + std::string(std::strerror(errno)),
                   self_);
     }
-    itimerspec t{};
-    t.it_value.tv_nsec = std::chrono::nanoseconds(kTimerPeriod).count();
-    t.it_interval = t.it_value;
-    ::timerfd_settime(timer_fd_.get(), 0, &t, nullptr);
   }
 
   fid_ep* ep = nullptr;
@@ -614,7 +613,16 @@ pollfd FabricChannel::wait_spec() const {
   // Sends in the provider's hands may need this side's progress to leave
   // (manual progress).
   if (in_flight_ > 0 || !repost_.empty()) return {ready_fd_.get(), POLLIN, 0};
-  if (wait_fd_ < 0) return {timer_fd_.get(), POLLIN, 0};
+  if (wait_fd_ < 0) {
+    if (!timer_armed_) {
+      itimerspec t{};
+      t.it_value.tv_nsec = std::chrono::nanoseconds(kTimerPeriod).count();
+      ::timerfd_settime(timer_fd_.get(), 0, &t, nullptr);
+      timer_armed_ = true;
+      timer_due_ = Clock::now() + kTimerPeriod;
+    }
+    return {timer_fd_.get(), POLLIN, 0};
+  }
   fid* f = &cq_->fid;
   if (fi_trywait(dom_->fabric.get(), &f, 1) != FI_SUCCESS) return {ready_fd_.get(), POLLIN, 0};
   return {wait_fd_, POLLIN, 0};
@@ -643,14 +651,13 @@ bool FabricChannel::progress(RecvSink& sink, bool may_read) {
 }
 
 void FabricChannel::tend_timer() {
-  // Drain the expirations so that a sleeping engine is woken by the next one, not by one it
-  // already served. Only once a period can have passed: the engine calls progress() every turn
-  // while it has work, and a read() per channel per turn cost more than the polling it serves.
-  const auto now = Clock::now();
-  if (now < timer_due_) return;
+  // Drain the expiration, so that the engine does not find the descriptor readable when it
+  // next sleeps, once it can have happened: the engine calls progress() every turn while it has
+  // work, and a read() per channel per turn cost more than the polling it serves.
+  if (!timer_armed_ || Clock::now() < timer_due_) return;
   std::uint64_t ticks = 0;
   [[maybe_unused]] const ssize_t n = ::read(timer_fd_.get(), &ticks, sizeof(ticks));
-  timer_due_ = now + kTimerPeriod;
+  timer_armed_ = false;
 }
 
 bool FabricChannel::poll_cq(RecvSink& sink) {
