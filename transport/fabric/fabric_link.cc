@@ -358,7 +358,7 @@ class FabricChannel final : public Channel {
   bool deliver(RecvSink& sink);
   bool pump(RecvSink& sink);
   bool send_control(Kind kind, std::uint32_t seq, std::uint32_t credits);
-  // The poll timer (providers without a wait descriptor): its period follows the traffic.
+  // The poll timer (providers without a wait descriptor): wait_spec() arms it, this drains it.
   void tend_timer();
 
   std::shared_ptr<Domain> dom_;  // first: outlives the endpoint resources below
