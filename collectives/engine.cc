@@ -712,18 +712,18 @@ bool Engine::progress_links() {
   // progressed every turn anyway, so they stay out of it, and with only such channels there
   // is no system call at all.
   ready_fds_.clear();
+  bool any = false;
   for (std::size_t l = 0; l < links_.size(); ++l) {
     for (auto& ch : links_[l]) {
-      pollfd p{-1, 0, 0};
+      pollfd p{-1, 0, 0};  // poll() skips it and leaves revents 0
       if (!ch->polled()) {
         p = ch->wait_spec();
         p.events = POLLIN;
+        any = any || p.fd >= 0;
       }
       ready_fds_.push_back(p);
     }
   }
-  const bool any = std::any_of(ready_fds_.begin(), ready_fds_.end(),
-                               [](const pollfd& p) { return p.fd >= 0; });
   if (any && ::poll(ready_fds_.data(), ready_fds_.size(), 0) < 0) {
     for (auto& p : ready_fds_) p.revents = POLLIN;  // unknown: try them all
   }
@@ -731,8 +731,7 @@ bool Engine::progress_links() {
   std::size_t i = 0;
   for (std::size_t l = 0; l < links_.size(); ++l) {
     for (auto& ch : links_[l]) {
-      const bool polled = ch->polled();
-      const bool ready = polled || ready_fds_[i].revents != 0;
+      const bool ready = ch->polled() || ready_fds_[i].revents != 0;
       ++i;
       if (!ch->closed() && (ready || ch->queued() > 0)) {
         moved |= ch->progress(*sinks_[l], ready);

@@ -9,10 +9,10 @@ namespace dear::cuda {
 
 // A monotonic counter in mapped pinned memory. enqueue_wait() puts on a stream a wait until the
 // counter reaches a target (a one-thread kernel that polls it; with DEAR_CUDA_MEMOPS=1,
-// cuStreamWaitValue64 where the device has stream memory operations): later work on that stream starts only after it.
-// publish() raises the counter from the host. Values must be published in increasing order and
-// stay below 2^63. The destructor releases every waiting stream first (publishes 2^63 - 1), so
-// a stream never waits on a counter that no longer exists.
+// cuStreamWaitValue64 where the device has stream memory operations): later work on that
+// stream starts only after it. publish() raises the counter from the host. Values must be
+// published in increasing order and stay below 2^63. The destructor releases every waiting
+// stream first (publishes 2^63 - 1), so a stream never waits on a counter that no longer exists.
 class HostSignal {
  public:
   HostSignal();  // throws dear::Error naming the CUDA error
