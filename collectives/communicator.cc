@@ -326,6 +326,9 @@ class CommunicatorImpl final : public Communicator {
       // so a slice is one fragment. The mesh links carry the log-step schedules of small
       // operations; there are N-1 of them, so they keep the transport's smaller slots.
       if (options_.fabric_slot_bytes > 0) fo.slot_bytes = options_.fabric_slot_bytes;
+      if (options_.fabric_direct_bytes >= 0) {
+        fo.direct_bytes = static_cast<std::size_t>(options_.fabric_direct_bytes);
+      }
       tr::fabric::FabricOptions ring = fo;
       if (options_.fabric_slot_bytes == 0) {
         ring.slot_bytes = std::min(options_.slice_bytes, kMaxRingSlotPayload) + kSlotHeadroom;
@@ -704,6 +707,9 @@ CommOptions apply_env(CommOptions options) {
   if (auto v = env::get("DEAR_FABRIC_PROVIDER")) options.fabric_provider = *v;
   if (auto v = env::get_bytes("DEAR_FABRIC_SLOT_BYTES")) options.fabric_slot_bytes = *v;
   if (auto v = env::get("DEAR_FABRIC_DATA_PATH")) options.fabric_data_path = *v;
+  if (auto v = env::get_bytes("DEAR_FABRIC_DIRECT_BYTES")) {
+    options.fabric_direct_bytes = static_cast<std::int64_t>(*v);
+  }
   if (auto v = env::get("DEAR_IB_DEVICE")) options.ib_device = *v;
   if (auto v = env::get_int("DEAR_IB_GID_INDEX", 0, 255)) {
     options.ib_gid_index = static_cast<int>(*v);

@@ -34,6 +34,8 @@ using transport::RecvTarget;
 constexpr int kNext = 0;  // link to the next rank: forward data out, announcements in
 constexpr int kPrev = 1;  // link to the previous rank: forward data in, announcements out
 constexpr std::uint64_t kControlToken = std::numeric_limits<std::uint64_t>::max();
+// A kPosted frame carrying a window (its payload lives in window_wire_ until it is sent).
+constexpr std::uint64_t kWindowToken = kControlToken - 1;
 // Announce every this many eager operations (large ones are always announced), so a sender
 // running ahead learns how far the receiver has got without a frame per small operation.
 constexpr std::uint64_t kAnnounceEvery = 16;
@@ -488,6 +490,7 @@ void Engine::start(std::unique_ptr<Op> op) {
     if (op->schedule == Schedule::kGatherReduce) op->work = op->scratch;
   }
   start_local(*op);
+  open_window(*op);
   posted_ = static_cast<std::int64_t>(op->seq);
   if (!op->eager || op->seq % kAnnounceEvery == 0) announce_ = posted_;
   Op* raw = op.get();
@@ -502,6 +505,37 @@ void Engine::start(std::unique_ptr<Op> op) {
     for (std::size_t c = 0; c < links_[l].size(); ++c) {
       if (links_[l][c]->closed()) check_link_needed(*raw, static_cast<int>(l), static_cast<int>(c));
     }
+  }
+}
+
+void Engine::open_window(Op& op) {
+  // This rank's window for what the previous rank sends it, announced with the operation.
+  if (links_[kPrev].empty() || links_[kPrev][0]->closed()) return;
+  const DirectRegion r = direct_region(op);
+  if (r.bytes > 0) {
+    if (auto w = links_[kPrev][0]->open_window(r.base, r.bytes)) {
+      op.window = *w;
+      op.window_open = true;
+      windows_to_announce_.emplace_back(op.seq, *w);
+    }
+  }
+  // The next rank may have announced its window before this rank posted the operation.
+  if (const auto it = peer_windows_.find(op.seq); it != peer_windows_.end()) {
+    op.peer_window = it->second;
+    op.has_peer_window = true;
+    peer_windows_.erase(it);
+  }
+}
+
+void Engine::close_window(Op& op) noexcept {
+  // Before the operation completes: once the caller has its memory back, no peer may write
+  // there.
+  if (!op.window_open) return;
+  op.window_open = false;
+  try {
+    links_[kPrev][0]->close_window(op.window);
+  } catch (...) {
+    // Closing a registration does not fail in a way that could be acted on here.
   }
 }
 
@@ -546,9 +580,24 @@ Op* Engine::find(std::uint64_t seq) {
 void Engine::announce() {
   // Announcements are cumulative ("posted everything up to seq"), so only the latest matters:
   // one frame covers a burst of posts, and a full control queue merely delays it.
-  if (announce_ <= announced_) return;
   auto& chans = links_[kPrev];
   if (chans.empty() || chans[0]->closed()) return;
+  // An operation's window travels in its own kPosted frame, ahead of any later announcement.
+  while (!windows_to_announce_.empty()) {
+    const auto& [seq, window] = windows_to_announce_.front();
+    FrameHeader w;
+    w.type = FrameType::kPosted;
+    w.seq = seq;
+    w.bytes = sizeof(transport::Window);
+    window_wire_.push_back(window);
+    if (!chans[0]->try_send(w, &window_wire_.back(), kWindowToken)) {
+      window_wire_.pop_back();
+      return;
+    }
+    announced_ = std::max(announced_, static_cast<std::int64_t>(seq));
+    windows_to_announce_.pop_front();
+  }
+  if (announce_ <= announced_) return;
   FrameHeader h;
   h.type = FrameType::kPosted;
   h.seq = static_cast<std::uint64_t>(announce_);
@@ -600,7 +649,13 @@ bool Engine::schedule_sends(int dir) {
         h.index = next;
         h.root = op.root;
         h.count = op.user_count;
-        if (!ch.try_send(h, send_source(op, m), op.seq)) break;
+        const std::int64_t at =
+            dir == kForward && op.has_peer_window ? direct_offset(op, m) : std::int64_t{-1};
+        const char* src = send_source(op, m);
+        const bool queued =
+            at >= 0 ? ch.try_send_to(h, src, op.seq, op.peer_window, static_cast<std::size_t>(at))
+                    : ch.try_send(h, src, op.seq);
+        if (!queued) break;
         ++next;
         moved = true;
       }
@@ -747,6 +802,10 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
   const int peer = peer_of(link);
   switch (h.type) {
     case FrameType::kPosted:
+      // With a window (from the next rank only: it receives this rank's kForward messages).
+      if (h.bytes == sizeof(transport::Window) && link == kNext) {
+        return {RecvTarget::kDirect, reinterpret_cast<char*>(&window_in_), 1};
+      }
       if (h.bytes != 0) break;
       return {RecvTarget::kDiscard, nullptr, 1};
     case FrameType::kAbort: {
@@ -867,6 +926,14 @@ void Engine::on_message(int link, int channel, const FrameHeader& h) {
   RecvCtx& ctx = recv_ctx_[link][static_cast<std::size_t>(channel)];
   if (h.type == FrameType::kPosted) {
     peer_posted_ = std::max(peer_posted_, static_cast<std::int64_t>(h.seq));
+    if (h.bytes == sizeof(transport::Window)) {
+      if (Op* op = find(h.seq)) {
+        op->peer_window = window_in_;
+        op->has_peer_window = true;
+      } else if (static_cast<std::int64_t>(h.seq) > posted_) {
+        peer_windows_[h.seq] = window_in_;
+      }
+    }
     return;
   }
   if (h.type == FrameType::kAbort) {
@@ -940,6 +1007,11 @@ void Engine::replay_unexpected(Op& op) {
 
 void Engine::on_sent(int link, int channel, std::uint64_t token) {
   if (token == kControlToken) return;
+  if (token == kWindowToken) {
+    // Frames of one channel are sent in the order queued.
+    if (!window_wire_.empty()) window_wire_.pop_front();
+    return;
+  }
   if (link >= 2) {
     // Mesh sends carry (sequence, step).
     Op* op = find(token >> 8);
@@ -968,6 +1040,7 @@ void Engine::complete_finished() {
       continue;
     }
     finish_local(op);
+    close_window(op);
     op.state->complete(nullptr);
     scratch_.release(std::move(op.scratch_owner), op.scratch_capacity);
     it = active_.erase(it);
@@ -1177,7 +1250,10 @@ void Engine::fail_all(std::exception_ptr e) {
     pending_submissions_.store(0);
   }
   for (auto& op : batch) op->state->complete(e);
-  for (auto& op : active_) op->state->complete(e);
+  for (auto& op : active_) {
+    close_window(*op);
+    op->state->complete(e);
+  }
   active_.clear();
 }
 

@@ -21,6 +21,7 @@
 #include <deque>
 #include <exception>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -150,6 +151,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void on_sent(int link, int channel, std::uint64_t token);
   void on_closed(int link, int channel);
   void check_link_needed(const Op& op, int link, int channel);
+  void open_window(Op& op);
+  void close_window(Op& op) noexcept;
   transport::RecvTarget target_for(Op& op, int dir, int channel,
                                    const transport::FrameHeader& h, RecvCtx& ctx);
   void replay_unexpected(Op& op);
@@ -171,6 +174,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   [[nodiscard]] std::string describe_progress(const Op& op) const;
 
   EngineConfig cfg_;
+  // Windows announced to the previous rank (kPosted payloads) until their frame is sent: the
+  // channel reads them until then, so they outlive the links' closing.
+  std::deque<transport::Window> window_wire_;
   // Links 0 and 1 are the ring's (each `channels` channels); links 2.. the mesh's (one each).
   std::vector<std::vector<std::unique_ptr<transport::Channel>>> links_;
   std::vector<std::unique_ptr<LinkSink>> sinks_;
@@ -216,6 +222,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::int64_t announce_ = -1;               // highest seq to announce to the previous rank
   std::int64_t announced_ = -1;              // highest seq announced so far
   std::list<Unexpected> unexpected_;
+  // Direct placement: windows opened by this rank, to announce (in the order posted); windows
+  // the next rank announced for operations not started here yet; a kPosted payload arriving.
+  std::deque<std::pair<std::uint64_t, transport::Window>> windows_to_announce_;
+  std::map<std::uint64_t, transport::Window> peer_windows_;
+  transport::Window window_in_{};
   std::size_t unexpected_bytes_ = 0;
   std::vector<std::vector<char>> spare_buffers_;
   ScratchPool scratch_;

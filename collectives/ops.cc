@@ -263,6 +263,41 @@ RecvPlace recv_place(const Op& op, const MessagePlan& m) {
   return {};
 }
 
+namespace {
+
+// Whether direction kForward of `op` moves messages a receiver may take directly: large ring
+// and chain schedules (an eager operation's slices may arrive before the receiver has posted
+// it, so it has no window to offer them).
+bool has_direct_messages(const Op& op) {
+  if (op.eager || op.out == nullptr) return false;
+  switch (op.kind) {
+    case OpKind::kAllReduce:
+    case OpKind::kAllGather:
+      return op.schedule == Schedule::kRing;
+    case OpKind::kBroadcast:
+      return op.schedule == Schedule::kChain;
+    case OpKind::kReduceScatter:
+    case OpKind::kBarrier:
+      break;
+  }
+  return false;
+}
+
+}  // namespace
+
+DirectRegion direct_region(const Op& op) {
+  if (!has_direct_messages(op) || op.recv_steps[kForward] == 0) return {};
+  return {op.out, op.total * op.el};
+}
+
+std::int64_t direct_offset(const Op& op, const MessagePlan& m) {
+  if (!has_direct_messages(op)) return -1;
+  // The receiver's recv_place() for these is op.out + span.offset, without an operand: an
+  // all_reduce's all-gather steps, and every step of all_gather and broadcast.
+  if (op.kind == OpKind::kAllReduce && m.step < op.nranks - 1) return -1;
+  return static_cast<std::int64_t>(m.span.offset);
+}
+
 void start_local(Op& op) {
   const std::size_t block = op.user_count * op.el;
   if (is_log_step(op.schedule)) {

@@ -25,6 +25,7 @@
 
 #include "dear/communicator.h"
 #include "dear/types.h"
+#include "transport/link.h"
 
 namespace dear::collectives {
 
@@ -140,6 +141,12 @@ struct Op {
   std::uint32_t sends_in_flight = 0;
   std::chrono::steady_clock::time_point deadline{};
   std::shared_ptr<dear::Work::State> state;
+  // Direct placement (direct_region): the window this rank opened for its previous rank, and
+  // the one its next rank opened for this rank's kForward messages.
+  transport::Window window{};
+  bool window_open = false;
+  transport::Window peer_window{};
+  bool has_peer_window = false;
 
   [[nodiscard]] std::uint32_t messages_sent_per_channel(int dir) const {
     return static_cast<std::uint32_t>(send_steps[static_cast<std::size_t>(dir)] * slices);
@@ -183,6 +190,20 @@ struct RecvPlace {
   bool final = false;
 };
 [[nodiscard]] RecvPlace recv_place(const Op& op, const MessagePlan& m);
+
+// Direct placement (transport::Window). A receiver may let its previous rank write the
+// messages of direction kForward that it only copies (never reduces) straight into their
+// destination; both ends know which those are from the schedule alone.
+// The receiver's side: the memory those messages land in (the operation's output), or
+// bytes = 0 when the operation has none (reduce_scatter, small and log-step schedules).
+struct DirectRegion {
+  char* base = nullptr;
+  std::size_t bytes = 0;
+};
+[[nodiscard]] DirectRegion direct_region(const Op& op);
+// The sender's side: for message `m` of direction kForward, its offset in the receiver's
+// direct region, or -1 when the receiver does not place it there (it reduces it).
+[[nodiscard]] std::int64_t direct_offset(const Op& op, const MessagePlan& m);
 
 // Work done locally when the operation starts (own-block copies) and ends (the final local
 // reduction of kGatherReduce, the single-rank result).

@@ -556,6 +556,132 @@ TEST(Reassembler, ProtocolViolationsAreNamed) {
   }
 }
 
+// ---- direct messages (a payload written straight into the receiver's window)
+// ------------------------------------------------------------
+
+using transport::rma::DirectInfo;
+using transport::rma::DirectTarget;
+
+// A direct message leaves the queue as a first fragment holding its header and DirectInfo,
+// then as pieces of the payload in order; the token comes with the last piece, and a slot
+// message behind it is fragmented as usual.
+TEST(SendQueue, DirectMessageIsAHeaderFragmentThenPayloadPieces) {
+  SendQueue q;
+  const std::vector<char> payload = pattern(250, 3);
+  const std::vector<char> other = pattern(40, 4);
+  q.push(header_of(250, 9), payload.data(), 5, DirectTarget{0x1000, 77, 0x7000});
+  q.push(header_of(40, 10), other.data(), 6);
+  ASSERT_NE(q.direct(), nullptr);
+  EXPECT_EQ(q.direct()->addr, 0x1000u);
+  EXPECT_EQ(q.direct()->key, 77u);
+  EXPECT_FALSE(q.started());
+  std::vector<char> body(128);
+  const SendQueue::Fragment f = q.fill_direct_header(body.data(), 100);
+  EXPECT_TRUE(f.first);
+  EXPECT_EQ(f.bytes, kHeader + sizeof(DirectInfo));
+  FrameHeader h;
+  DirectInfo info;
+  std::memcpy(&h, body.data(), kHeader);
+  std::memcpy(&info, body.data() + kHeader, sizeof(info));
+  EXPECT_EQ(h.seq, 9u);
+  EXPECT_EQ(h.bytes, 250u);
+  EXPECT_EQ(info.local, 0x7000u);
+  EXPECT_EQ(info.write_bytes, 100u);
+  EXPECT_FALSE(q.commit_direct(0)) << "the header fragment does not end the message";
+  EXPECT_TRUE(q.started());
+  std::vector<char> got;
+  std::vector<std::size_t> offsets;
+  std::optional<std::uint64_t> token;
+  for (int i = 0; i < 5 && !token; ++i) {
+    const SendQueue::Piece p = q.piece(100);
+    offsets.push_back(q.offset());
+    got.insert(got.end(), p.data, p.data + p.bytes);
+    token = q.commit_direct(p.bytes);
+  }
+  EXPECT_EQ(offsets, (std::vector<std::size_t>{0, 100, 200}));
+  ASSERT_TRUE(token);
+  EXPECT_EQ(*token, 5u);
+  EXPECT_EQ(got, payload);
+  ASSERT_EQ(q.size(), 1u);
+  EXPECT_EQ(q.direct(), nullptr) << "the next message goes through slots";
+  EXPECT_EQ(q.bytes(), 40u);
+}
+
+// A direct message not yet started can still go through slots (its payload memory could not
+// be registered); once started it cannot.
+TEST(SendQueue, DirectMessageFallsBackToSlotsOnlyBeforeItStarts) {
+  SendQueue q;
+  const std::vector<char> payload = pattern(50, 5);
+  q.push(header_of(50, 1), payload.data(), 1, DirectTarget{1, 2, 3});
+  q.drop_direct();
+  EXPECT_EQ(q.direct(), nullptr);
+  std::vector<char> body(128);
+  const SendQueue::Fragment f = q.fill(body.data(), body.size());
+  EXPECT_EQ(f.bytes, kHeader + 50);
+  EXPECT_EQ(q.commit(f), std::optional<std::uint64_t>(1));
+  q.push(header_of(50, 2), payload.data(), 2, DirectTarget{1, 2, 3});
+  (void)q.fill_direct_header(body.data(), 64);
+  EXPECT_FALSE(q.commit_direct(0));
+  EXPECT_THROW(q.drop_direct(), Error);
+}
+
+// The receiver of a direct message: the sink must place it kDirect exactly where the writes
+// put it; then the writes complete it, without a copy. Anything else is a named violation.
+TEST(Reassembler, DirectWritesCompleteAMessageWhereTheSinkPlacesIt) {
+  RecordingSink sink;
+  std::vector<char> body(kHeader + sizeof(DirectInfo));
+  auto start = [&](Reassembler& r, std::uint64_t local, std::uint32_t bytes,
+                   std::uint64_t write_bytes, std::size_t* per_write) {
+    const FrameHeader h = header_of(bytes, 4);
+    const DirectInfo info{local, write_bytes};
+    std::memcpy(body.data(), &h, kHeader);
+    std::memcpy(body.data() + kHeader, &info, sizeof(info));
+    return r.on_direct_header(sink, 0, body.data(), body.size(), per_write);
+  };
+  {
+    // RecordingSink places each message in `current`, which on_header sizes: its address is
+    // known only afterwards, so the first try names the mismatch and the second matches.
+    Reassembler r(256);
+    std::size_t per_write = 0;
+    const auto wrong = start(r, 0x10, 300, 128, &per_write);
+    ASSERT_TRUE(wrong);
+    EXPECT_NE(wrong->find("directly where this rank does not place it"), std::string::npos)
+        << *wrong;
+    Reassembler r2(256);
+    const auto local = reinterpret_cast<std::uint64_t>(sink.current.data());
+    ASSERT_FALSE(start(r2, local, 300, 128, &per_write));
+    EXPECT_EQ(per_write, 128u);
+    EXPECT_TRUE(r2.in_direct());
+    EXPECT_EQ(r2.remaining(), 300u);
+    const auto slot = r2.on_fragment(sink, 0, body.data(), 10, false);
+    ASSERT_TRUE(slot);
+    EXPECT_NE(slot->find("slot fragment inside a direct message"), std::string::npos) << *slot;
+    const std::size_t before = sink.messages.size();
+    ASSERT_FALSE(r2.on_placed(sink, 0, 128));
+    ASSERT_FALSE(r2.on_placed(sink, 0, 128));
+    EXPECT_EQ(sink.messages.size(), before) << "not complete before its last write";
+    ASSERT_FALSE(r2.on_placed(sink, 0, 44));
+    EXPECT_EQ(sink.messages.size(), before + 1);
+    EXPECT_FALSE(r2.in_message());
+    EXPECT_EQ(sink.pieces, 0u);
+    const auto outside = r2.on_placed(sink, 0, 1);
+    ASSERT_TRUE(outside);
+    EXPECT_NE(outside->find("direct write outside a direct message"), std::string::npos);
+  }
+  {
+    Reassembler r(256);
+    sink.mode = RecvTarget::kStream;  // a sink that reduces cannot take a direct write
+    std::size_t per_write = 0;
+    const auto local = reinterpret_cast<std::uint64_t>(sink.current.data());
+    EXPECT_TRUE(start(r, local, 300, 128, &per_write));
+    sink.mode = RecvTarget::kDirect;
+    Reassembler r2(256);
+    EXPECT_TRUE(start(r2, local, 0, 128, &per_write)) << "a direct message of no bytes";
+    Reassembler r3(256);
+    EXPECT_TRUE(start(r3, local, 300, 0, &per_write)) << "writes of no bytes";
+  }
+}
+
 // ---- one-sided writes into the receiver's slots (slot_region.h)
 // ----------------------------------------------------------
 

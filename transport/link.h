@@ -36,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -66,6 +67,23 @@ struct RecvTarget {
   char* dst = nullptr;       // kDirect: where the payload goes
   std::size_t unit = 1;      // kStream: pieces are multiples of this many bytes
 };
+
+// Memory of the receiving end that the sending end may write a message's payload into directly
+// (a back-end with remote writes, e.g. fabric's write data path), instead of into the
+// receiver's staging, which saves the receiver a copy. The receiver opens it
+// (Channel::open_window) for the destination of an operation and gives it to the sender (the
+// engine carries it in the operation's kPosted frame); the sender names it, with an offset, when
+// it queues a message (Channel::try_send_to). A message written that way is still announced by
+// its header: the receiving channel asks its sink where the payload goes and fails, as a protocol
+// violation, unless the answer is kDirect at exactly `local` + offset, where the bytes already
+// are. 32 bytes, carried as they are.
+struct Window {
+  std::uint64_t addr = 0;   // what the peer's writes address: a virtual address or an offset
+  std::uint64_t key = 0;    // the registration's remote key
+  std::uint64_t local = 0;  // the window's first byte in the receiver's address space
+  std::uint64_t bytes = 0;
+};
+static_assert(sizeof(Window) == 32, "a window travels as 32 bytes");
 
 class RecvSink {
  public:
@@ -98,6 +116,28 @@ class Channel {
   virtual ~Channel() = default;
   [[nodiscard]] virtual bool try_send(const FrameHeader& h, const void* payload,
                                       std::uint64_t token) = 0;
+  // try_send() of a message whose payload belongs at byte `offset` of `window`, a window the
+  // peer opened: a back-end with direct writes writes it there (when the payload is large
+  // enough to gain from it); any other sends it as try_send() does, which is always correct, as
+  // the peer's sink places it at the same address.
+  [[nodiscard]] virtual bool try_send_to(const FrameHeader& h, const void* payload,
+                                         std::uint64_t token, const Window& window,
+                                         std::size_t offset) {
+    (void)window;
+    (void)offset;
+    return try_send(h, payload, token);
+  }
+  // Opens [base, base + bytes) for the peer's direct writes on every channel of this link to
+  // the same peer (one registration serves them all); nullopt where the back-end has none (the
+  // default), or the memory cannot be registered. Open until close_window(): the owner closes
+  // it once nothing more may be written there (its operation completed or failed), before the
+  // memory is returned to the caller.
+  [[nodiscard]] virtual std::optional<Window> open_window(char* base, std::size_t bytes) {
+    (void)base;
+    (void)bytes;
+    return std::nullopt;
+  }
+  virtual void close_window(const Window& window) { (void)window; }
   [[nodiscard]] virtual std::size_t queued() const = 0;
   [[nodiscard]] virtual std::size_t queued_bytes() const = 0;
   // Moves bytes both ways without blocking; returns true if anything moved. On return every

@@ -14,12 +14,14 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <list>
 #include <mutex>
 #include <type_traits>
+#include <unordered_map>
 
 #include "dear/error.h"
 #include "transport/fabric/fi_handles.h"
@@ -34,6 +36,8 @@ namespace dear::transport::fabric {
 namespace {
 
 using rma::kControlSlots;
+using rma::DirectInfo;
+using rma::DirectTarget;
 using rma::Kind;
 using rma::kPrefix;
 using rma::Prefix;
@@ -62,6 +66,8 @@ constexpr auto kRetireFor = std::chrono::seconds(10);
 constexpr auto kTimerPeriod = std::chrono::milliseconds(2);
 
 constexpr std::size_t kHeader = sizeof(FrameHeader);
+// Messages received written directly, by every channel of this process (for tests).
+std::atomic<std::uint64_t> g_direct_received{0};
 
 [[noreturn]] void throw_fi(const std::string& call, int rc, int rank, int peer = Error::kNone) {
   throw Error(ErrorCode::kSystem, call + " failed: " + fi_text(rc), rank, peer, "fabric setup");
@@ -126,6 +132,34 @@ struct Domain {
     return 0;
   }
 
+  // Windows opened for the peers' direct writes (Channel::open_window), by key.
+  std::unordered_map<std::uint64_t, fid_mr*> windows;
+
+  std::optional<Window> open_window(char* base, std::size_t bytes) {
+    // A registration shared by the domain's endpoints: not where registrations belong to one.
+    if (!write || (info->domain_attr->mr_mode & FI_MR_ENDPOINT) != 0 || bytes == 0) {
+      return std::nullopt;
+    }
+    fid_mr* mr = nullptr;
+    if (register_memory(base, bytes, FI_REMOTE_WRITE, nullptr, &mr) != 0) return std::nullopt;
+    Window w;
+    w.addr = rma::region_base(base, 0, (info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0);
+    w.key = fi_mr_key(mr);
+    w.local = reinterpret_cast<std::uint64_t>(base);
+    w.bytes = bytes;
+    if (w.key == FI_KEY_NOTAVAIL || !windows.emplace(w.key, mr).second) {
+      fi_close(&mr->fid);
+      return std::nullopt;
+    }
+    return w;
+  }
+  void close_window(const Window& w) {
+    const auto it = windows.find(w.key);
+    if (it == windows.end()) return;
+    fi_close(&it->second->fid);
+    windows.erase(it);
+  }
+
   // In-place sends (FabricOptions::in_place_bytes) on a provider that needs local
   // registrations: the callers' memory, registered once per range and looked up after. A
   // registration the cache gives up may still be read by a send in flight, so it is closed
@@ -177,6 +211,8 @@ struct Domain {
   }
 
   ~Domain() {
+    for (const auto& [key, mr] : windows) fi_close(&mr->fid);
+    windows.clear();
     in_place_in_flight = 0;
     for (const std::uint64_t h : registrations.clear()) displaced.push_back(h);
     release_displaced();
@@ -318,6 +354,13 @@ class FabricChannel final : public Channel {
   void set_peer(const char* name, std::size_t len, const rma::SlotRegion& region);
 
   bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
+  bool try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
+                   const Window& window, std::size_t offset) override;
+  std::optional<Window> open_window(char* base, std::size_t bytes) override {
+    if (direct_min_ == 0 || bytes < direct_min_) return std::nullopt;
+    return dom_->open_window(base, bytes);
+  }
+  void close_window(const Window& window) override { dom_->close_window(window); }
   std::size_t queued() const override { return sendq_.size(); }
   std::size_t queued_bytes() const override { return sendq_.bytes(); }
   bool progress(RecvSink& sink, bool may_read) override;
@@ -354,6 +397,11 @@ class FabricChannel final : public Channel {
   // the peer's slot for `seq` announced by `seq`, or a send. The provider's return code.
   ssize_t post_fragment(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
                         std::size_t count, std::size_t bytes);
+  // The next step of a direct head message (its first fragment, or one payload write); false
+  // when it cannot be taken now (the provider said try again).
+  bool pump_direct(RecvSink& sink, Buf& b, const DirectTarget& d);
+  // Fragment `seq` in the slot at `base`, its turn come (write data path): its prefix checked.
+  Prefix slot_prefix(const char* base, std::uint32_t seq);
   bool is_control(const Buf& b) const { return b.index >= bufs_.size() - kControlSlots; }
   bool deliver(RecvSink& sink);
   bool pump(RecvSink& sink);
@@ -369,6 +417,8 @@ class FabricChannel final : public Channel {
   std::size_t slot_bytes_;
   std::uint32_t slots_;
   std::size_t in_place_min_;  // FabricOptions::in_place_bytes
+  std::size_t direct_min_;    // FabricOptions::direct_bytes
+  std::size_t write_max_;     // payload bytes per direct write
   std::size_t iov_limit_;     // gather entries the provider takes per send
   bool write_;                // the write data path (else send)
   std::uint64_t corrupt_key_;  // FabricOptions::corrupt_write_key
@@ -403,6 +453,8 @@ class FabricChannel final : public Channel {
   SendQueue sendq_;
   rma::InPlaceSends in_place_;
   Reassembler reasm_;
+  // Receiving a direct message: payload bytes per write (its writes are the next fragments).
+  std::size_t direct_write_ = 0;
 
   bool peer_bye_ = false;
   std::uint32_t bye_seq_ = 0;
@@ -421,6 +473,9 @@ FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, in
       slot_bytes_(o.slot_bytes),
       slots_(o.slots),
       in_place_min_(o.in_place_bytes),
+      direct_min_(dom_->write ? o.direct_bytes : 0),
+      write_max_(std::min<std::size_t>(dom_->info->ep_attr->max_msg_size,
+                                       std::max<std::size_t>(1, o.direct_write_bytes))),
       iov_limit_(dom_->info->tx_attr->iov_limit),
       write_(dom_->write),
       corrupt_key_(o.corrupt_write_key),
@@ -608,6 +663,19 @@ bool FabricChannel::try_send(const FrameHeader& h, const void* payload, std::uin
   return true;
 }
 
+bool FabricChannel::try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
+                                const Window& window, std::size_t offset) {
+  if (direct_min_ == 0 || h.bytes < direct_min_ || offset > window.bytes ||
+      h.bytes > window.bytes - offset) {
+    return try_send(h, payload, token);
+  }
+  if (sendq_.full()) return false;
+  if (closed()) fail("send on a closed channel");
+  sendq_.push(h, payload, token, DirectTarget{window.addr + offset, window.key,
+                                              window.local + offset});
+  return true;
+}
+
 pollfd FabricChannel::wait_spec() const {
   if (closed()) return {-1, 0, 0};
   // Sends in the provider's hands may need this side's progress to leave
@@ -730,13 +798,19 @@ void FabricChannel::on_written(const fi_cq_data_entry& e) {
   if ((dom_->info->mode & FI_RX_CQ_DATA) != 0) {
     if (Buf* b = own(bufs_, e.op_context); b != nullptr && b->recv) post_recv(*b);
   }
+  // Only recorded here: what the write left in its slot is read when its turn comes
+  // (slot_prefix), as the write may be one of a direct message's, which leave their slot
+  // untouched, and that is known only once the message's first fragment has been read.
   const auto seq = static_cast<std::uint32_t>(e.data);
-  const std::uint32_t slot = seq % slots_;
+  if (auto bad = rma::accept_fragment(recvw_, seq, seq % slots_)) fail(*bad);
+}
+
+Prefix FabricChannel::slot_prefix(const char* base, std::uint32_t seq) {
   Prefix p;
-  std::memcpy(&p, slot_mem_ + static_cast<std::size_t>(slot) * slot_bytes_, kPrefix);
+  std::memcpy(&p, base, kPrefix);
   if (auto bad = rma::check_written(p, seq, tag_, slot_bytes_, std::nullopt)) fail(*bad);
   if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
-  if (auto bad = rma::accept_fragment(recvw_, seq, slot)) fail(*bad);
+  return p;
 }
 
 void FabricChannel::on_arrival(Buf& b, std::size_t len) {
@@ -777,12 +851,32 @@ void FabricChannel::on_arrival(Buf& b, std::size_t len) {
 bool FabricChannel::deliver(RecvSink& sink) {
   bool moved = false;
   while (auto bi = recvw_.next_ready()) {
+    if (reasm_.in_direct()) {
+      // One of a direct message's writes: its payload is in place already.
+      const std::size_t n = std::min(direct_write_, reasm_.remaining());
+      if (auto bad = reasm_.on_placed(sink, index_, n)) fail(*bad);
+      recvw_.consume();
+      moved = true;
+      continue;
+    }
     // Write path: the slot the fragment was written into; send path: the receive it landed in.
     const char* base =
         write_ ? slot_mem_ + static_cast<std::size_t>(*bi) * slot_bytes_ : bufs_[*bi].data;
     Prefix p;
-    std::memcpy(&p, base, kPrefix);
-    if (auto bad = reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
+    if (write_) {
+      p = slot_prefix(base, recvw_.expected());
+    } else {
+      std::memcpy(&p, base, kPrefix);
+    }
+    if (p.direct != 0) {
+      if (!write_ || p.first == 0) fail("protocol violation: a direct message on the send data path");
+      if (auto bad = reasm_.on_direct_header(sink, index_, base + kPrefix, p.bytes,
+                                             &direct_write_)) {
+        fail(*bad);
+      }
+      g_direct_received.fetch_add(1, std::memory_order_relaxed);
+    } else if (auto bad =
+                   reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
       fail(*bad);
     }
     recvw_.consume();  // write path: the slot is free for the fragment `slots` later
@@ -808,6 +902,11 @@ bool FabricChannel::pump(RecvSink& sink) {
   const std::size_t room = slot_bytes_ - kPrefix;
   while (!sendq_.empty() && sendw_.can_send() && !free_data_.empty()) {
     Buf& b = bufs_[free_data_.back()];
+    if (const DirectTarget* d = sendq_.direct()) {
+      if (!pump_direct(sink, b, *d)) break;
+      moved = true;
+      continue;
+    }
     const SendQueue::Piece piece = sendq_.peek(room);
     std::optional<void*> piece_desc;
     if (rma::send_in_place(piece.bytes, in_place_min_, iov_limit_)) {
@@ -856,6 +955,78 @@ bool FabricChannel::pump(RecvSink& sink) {
     }
   }
   return moved;
+}
+
+bool FabricChannel::pump_direct(RecvSink& sink, Buf& b, const DirectTarget& d) {
+  // The payload is read where it lies, so it needs a descriptor where the provider wants local
+  // registrations; without one the message goes through slots after all (if still possible).
+  const SendQueue::Piece whole = sendq_.message();
+  const std::optional<void*> payload_desc = dom_->descriptor(whole.data, whole.bytes);
+  if (!payload_desc) {
+    if (!sendq_.started()) {
+      sendq_.drop_direct();
+      return true;
+    }
+    fail("the memory of a message being written directly can no longer be registered");
+  }
+  const std::uint32_t seq = sendw_.next_seq();
+  ssize_t rc = 0;
+  std::size_t bytes = 0;
+  const bool header = !sendq_.started();
+  if (header) {
+    // First fragment: the header and where the payload goes, in a slot.
+    const SendQueue::Fragment f = sendq_.fill_direct_header(b.data + kPrefix, write_max_);
+    Prefix p;
+    p.tag = tag_;
+    p.seq = seq;
+    p.credits = recvw_.owed();
+    p.bytes = f.bytes;
+    p.kind = Kind::kData;
+    p.first = 1;
+    p.direct = 1;
+    std::memcpy(b.data, &p, kPrefix);
+    iovec iov{b.data, kPrefix + f.bytes};
+    void* descs[1] = {desc()};
+    rc = post_fragment(b, seq, &iov, descs, 1, kPrefix + f.bytes);
+  } else {
+    // A payload write, straight from the caller's memory into the peer's window.
+    const SendQueue::Piece piece = sendq_.piece(write_max_);
+    bytes = piece.bytes;
+    iovec iov{const_cast<char*>(piece.data), piece.bytes};
+    void* descs[1] = {*payload_desc};
+    fi_rma_iov target{};
+    target.addr = d.addr + sendq_.offset();
+    target.len = piece.bytes;
+    target.key = d.key;
+    fi_msg_rma msg{};
+    msg.msg_iov = &iov;
+    msg.desc = descs;
+    msg.iov_count = 1;
+    msg.addr = peer_addr_;
+    msg.rma_iov = &target;
+    msg.rma_iov_count = 1;
+    msg.context = &b.ctx;
+    msg.data = seq;
+    rc = fi_writemsg(ep_.get(), &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION);
+  }
+  if (rc == -FI_EAGAIN) return false;
+  if (rc != 0) {
+    fail("fi_writemsg to rank " + std::to_string(peer_) + " failed: " +
+         fi_text(static_cast<int>(rc)));
+  }
+  free_data_.pop_back();
+  ++in_flight_;
+  sendw_.take();
+  if (header) {
+    recvw_.take_owed();
+  } else {
+    b.held = in_place_.posted();
+    ++dom_->in_place_in_flight;
+  }
+  if (const auto token = sendq_.commit_direct(bytes)) {
+    if (const auto sent = in_place_.finished(*token)) sink.on_sent(index_, *sent);
+  }
+  return true;
 }
 
 ssize_t FabricChannel::post_fragment(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
@@ -1009,6 +1180,8 @@ InfoPtr write_info(const fi_info* chosen, std::string* why) {
 }  // namespace
 
 bool built() { return true; }
+
+std::uint64_t direct_received_total() { return g_direct_received.load(); }
 
 std::uint64_t registrations_made(const Channel& channel) {
   const auto* f = dynamic_cast<const FabricChannel*>(&channel);

@@ -100,6 +100,14 @@ struct FabricOptions {
   // Where the provider needs local registrations (FI_MR_LOCAL: verbs, efa) that memory is
   // registered through a cache; a failed registration falls back to the copy.
   std::size_t in_place_bytes = 8 * 1024;
+  // On the write data path, messages of at least this many payload bytes whose destination
+  // the peer opened as a window (Channel::open_window, try_send_to) are written straight into
+  // it, which saves the receiver's copy out of its slot; 0: never. Default by measurement (see
+  // the README).
+  std::size_t direct_bytes = 32 * 1024;
+  // A direct message's payload goes in writes of at most this many bytes (each spends one of
+  // the peer's credits, as a fragment does), and of at most the provider's message size.
+  std::size_t direct_write_bytes = 4 << 20;
   // Register the memory of in-place sends even where the provider does not need it (tests the
   // path that providers needing FI_MR_LOCAL take, on providers that run here).
   bool register_in_place = false;
@@ -137,6 +145,10 @@ using RingLinks = transport::RingLinks;
 // to (FabricOptions::register_in_place, or a provider that needs local registrations); 0 for a
 // channel of another back-end. For tests of the registration cache.
 [[nodiscard]] std::uint64_t registrations_made(const Channel& channel);
+
+// Messages received written directly into a window (FabricOptions::direct_bytes) by every
+// fabric channel of this process so far. For tests.
+[[nodiscard]] std::uint64_t direct_received_total();
 
 // Builds `channels` channels to the next and from the previous rank of the
 // ring. Collective over the bootstrap (one all_gather of endpoint names).

@@ -10,11 +10,51 @@ namespace {
 constexpr std::size_t kHeader = sizeof(FrameHeader);
 }  // namespace
 
-void SendQueue::push(const FrameHeader& h, const void* payload, std::uint64_t token) {
+void SendQueue::push(const FrameHeader& h, const void* payload, std::uint64_t token,
+                     const std::optional<DirectTarget>& direct) {
   if (full()) throw Error(ErrorCode::kInternal, "SendQueue::push on a full queue");
-  queue_[(head_ + count_) % kCapacity] = {h, static_cast<const char*>(payload), token};
+  queue_[(head_ + count_) % kCapacity] = {h, static_cast<const char*>(payload), token,
+                                          direct.has_value(), direct.value_or(DirectTarget{})};
   ++count_;
   bytes_ += h.bytes;
+}
+
+const DirectTarget* SendQueue::direct() const {
+  if (empty()) throw Error(ErrorCode::kInternal, "SendQueue::direct on an empty queue");
+  const Pending& m = queue_[head_];
+  return m.direct ? &m.target : nullptr;
+}
+
+void SendQueue::drop_direct() {
+  if (empty() || head_started_) {
+    throw Error(ErrorCode::kInternal, "SendQueue::drop_direct on a message already started");
+  }
+  queue_[head_].direct = false;
+}
+
+SendQueue::Fragment SendQueue::fill_direct_header(char* dst, std::uint64_t write_bytes) const {
+  if (empty() || head_started_ || direct() == nullptr || write_bytes == 0) {
+    throw Error(ErrorCode::kInternal, "SendQueue::fill_direct_header: no direct message to start");
+  }
+  const Pending& m = queue_[head_];
+  std::memcpy(dst, &m.header, kHeader);
+  const DirectInfo info{m.target.local, write_bytes};
+  std::memcpy(dst + kHeader, &info, sizeof(info));
+  return {static_cast<std::uint32_t>(kHeader + sizeof(info)), true};
+}
+
+SendQueue::Piece SendQueue::piece(std::size_t most) const {
+  if (empty()) throw Error(ErrorCode::kInternal, "SendQueue::piece on an empty queue");
+  const Pending& m = queue_[head_];
+  Piece p;
+  p.first = !head_started_;
+  p.bytes = std::min<std::size_t>(most, m.header.bytes - head_offset_);
+  p.data = m.payload + head_offset_;
+  return p;
+}
+
+std::optional<std::uint64_t> SendQueue::commit_direct(std::size_t payload_bytes) {
+  return advance(payload_bytes);
 }
 
 SendQueue::Fragment SendQueue::fill(char* dst, std::size_t room) const {
@@ -62,10 +102,17 @@ SendQueue::Piece SendQueue::message() const {
 }
 
 std::optional<std::uint64_t> SendQueue::commit(const Fragment& f) {
+  return advance(f.bytes - (f.first ? kHeader : 0));
+}
+
+std::optional<std::uint64_t> SendQueue::advance(std::size_t payload_bytes) {
   const Pending& m = queue_[head_];
+  const bool was_started = head_started_;
   head_started_ = true;
-  head_offset_ += f.bytes - (f.first ? kHeader : 0);
-  if (head_offset_ < m.header.bytes) return std::nullopt;
+  head_offset_ += payload_bytes;
+  // A direct message's first fragment carries no payload, so it never ends one (a message of
+  // 0 bytes is never direct).
+  if (head_offset_ < m.header.bytes || (m.direct && !was_started)) return std::nullopt;
   const std::uint64_t token = m.token;
   bytes_ -= m.header.bytes;
   head_ = (head_ + 1) % kCapacity;
@@ -164,6 +211,8 @@ std::optional<std::string> Reassembler::on_fragment(RecvSink& sink, int channel,
     }
   } else if (first) {
     return "protocol violation: a message starts inside another";
+  } else if (direct_) {
+    return "protocol violation: a slot fragment inside a direct message";
   }
   if (n > current_.bytes - done_) {
     return "protocol violation: more payload than the header's " + std::to_string(current_.bytes) +
@@ -176,6 +225,50 @@ std::optional<std::string> Reassembler::on_fragment(RecvSink& sink, int channel,
       carry_n_ = 0;
     }
     in_msg_ = false;
+    sink.on_message(channel, current_);
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> Reassembler::on_direct_header(RecvSink& sink, int channel,
+                                                          const char* body, std::size_t n,
+                                                          std::size_t* write_bytes) {
+  if (in_msg_) return "protocol violation: a message starts inside another";
+  if (n != kHeader + sizeof(DirectInfo)) {
+    return "protocol violation: a direct message's first fragment holds " + std::to_string(n) +
+           " bytes";
+  }
+  DirectInfo info;
+  std::memcpy(&current_, body, kHeader);
+  std::memcpy(&info, body + kHeader, sizeof(info));
+  if (current_.bytes == 0 || info.write_bytes == 0) {
+    return "protocol violation: a direct message of " + std::to_string(current_.bytes) +
+           " bytes in writes of " + std::to_string(info.write_bytes);
+  }
+  in_msg_ = true;
+  direct_ = true;
+  done_ = 0;
+  delivered_ = 0;
+  carry_n_ = 0;
+  target_ = sink.on_header(channel, current_);
+  if (target_.mode != RecvTarget::kDirect ||
+      reinterpret_cast<std::uint64_t>(target_.dst) != info.local) {
+    return "protocol violation: the peer wrote a message of " + std::to_string(current_.bytes) +
+           " bytes (operation #" + std::to_string(current_.seq) + ", slice " +
+           std::to_string(current_.index) + ") directly where this rank does not place it";
+  }
+  *write_bytes = static_cast<std::size_t>(info.write_bytes);
+  return std::nullopt;
+}
+
+std::optional<std::string> Reassembler::on_placed(RecvSink& sink, int channel, std::size_t n) {
+  if (!in_msg_ || !direct_ || n > current_.bytes - done_) {
+    return "protocol violation: a direct write outside a direct message";
+  }
+  done_ += n;
+  if (done_ == current_.bytes) {
+    in_msg_ = false;
+    direct_ = false;
     sink.on_message(channel, current_);
   }
   return std::nullopt;

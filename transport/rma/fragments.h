@@ -43,11 +43,30 @@ struct Prefix {
   std::uint32_t bytes = 0;    // bytes after the prefix
   Kind kind = Kind::kData;
   std::uint8_t first = 0;  // kData: starts a message (a FrameHeader follows the prefix)
-  std::uint16_t reserved = 0;
+  std::uint8_t direct = 0;  // kData, first: the payload is written directly (see DirectInfo)
+  std::uint8_t reserved = 0;
   std::uint64_t reserved2 = 0;
 };
 static_assert(sizeof(Prefix) == 32, "the fragment prefix is 32 bytes");
 inline constexpr std::size_t kPrefix = sizeof(Prefix);
+
+// A message written directly into the receiver's memory (a Window, transport/link.h) is one
+// fragment in a slot holding its FrameHeader and this record, then its payload as remote writes
+// of at most `write_bytes` each, in order, each spending a credit and a sequence number like a
+// fragment but landing at `local` + its offset instead of in a slot.
+struct DirectInfo {
+  std::uint64_t local = 0;        // where the payload lands, in the receiver's address space
+  std::uint64_t write_bytes = 0;  // payload bytes per write (the last one may hold fewer)
+};
+static_assert(sizeof(DirectInfo) == 16, "the direct record is 16 bytes");
+
+// Where a direct message's payload goes: the peer's address and key for the writes, and the
+// same place in the peer's own address space (DirectInfo::local).
+struct DirectTarget {
+  std::uint64_t addr = 0;
+  std::uint64_t key = 0;
+  std::uint64_t local = 0;
+};
 
 // The sender's queue of messages (Channel::try_send) and the fragmenting of its head message.
 // Payloads are not copied: they stay the caller's until the message is reported sent.
@@ -62,8 +81,10 @@ class SendQueue {
   // Payload bytes of the queued messages, counted until each is wholly fragmented.
   [[nodiscard]] std::size_t bytes() const { return bytes_; }
 
-  // Queues a message. Requires !full().
-  void push(const FrameHeader& h, const void* payload, std::uint64_t token);
+  // Queues a message. Requires !full(). With `direct`, the message is to be written directly
+  // (see DirectInfo): direct() says so while it is the head.
+  void push(const FrameHeader& h, const void* payload, std::uint64_t token,
+            const std::optional<DirectTarget>& direct = std::nullopt);
 
   struct Fragment {
     std::uint32_t bytes = 0;  // body bytes written (FrameHeader included on a first fragment)
@@ -94,6 +115,22 @@ class SendQueue {
   // The fragment last filled has been handed to the transport. Returns the message's token when
   // that fragment was its last: the message is sent (its payload is no longer read).
   [[nodiscard]] std::optional<std::uint64_t> commit(const Fragment& f);
+  // The head message's direct target, or null when it goes through slots. Requires !empty().
+  [[nodiscard]] const DirectTarget* direct() const;
+  // Whether some of the head message has been handed over (its first fragment has).
+  [[nodiscard]] bool started() const { return head_started_; }
+  // Sends the head message through slots after all (its direct writes cannot be made), as long
+  // as nothing of it has been handed over.
+  void drop_direct();
+  // Direct messages. The first fragment: writes the FrameHeader and DirectInfo{local,
+  // write_bytes} to `dst`; commit_direct(0) once it is handed over. Then each write: piece()
+  // of at most `write_bytes`, and commit_direct(its bytes), which returns the token once the
+  // payload is all handed over. Piece::data is the payload's next byte, Piece::bytes how many
+  // bytes of it follow, and the offset of Piece::data in the payload is offset().
+  [[nodiscard]] Fragment fill_direct_header(char* dst, std::uint64_t write_bytes) const;
+  [[nodiscard]] Piece piece(std::size_t most) const;
+  [[nodiscard]] std::size_t offset() const { return head_offset_; }
+  [[nodiscard]] std::optional<std::uint64_t> commit_direct(std::size_t payload_bytes);
   // Forgets every queued message (the channel closes); none is reported sent.
   void clear();
 
@@ -102,7 +139,10 @@ class SendQueue {
     FrameHeader header;
     const char* payload;
     std::uint64_t token;
+    bool direct;
+    DirectTarget target;
   };
+  std::optional<std::uint64_t> advance(std::size_t payload_bytes);
   std::array<Pending, kCapacity> queue_{};
   std::size_t head_ = 0;
   std::size_t count_ = 0;
@@ -176,6 +216,21 @@ class Reassembler {
   [[nodiscard]] std::optional<std::string> on_fragment(RecvSink& sink, int channel,
                                                        const char* body, std::size_t n,
                                                        bool first);
+  // A direct message starts: `body` holds its FrameHeader and DirectInfo (`n` bytes). The sink
+  // must place its payload kDirect at exactly DirectInfo::local (where the writes put it);
+  // anything else is a protocol violation. On success `*write_bytes` is the payload per write,
+  // each of which then arrives through on_placed().
+  [[nodiscard]] std::optional<std::string> on_direct_header(RecvSink& sink, int channel,
+                                                            const char* body, std::size_t n,
+                                                            std::size_t* write_bytes);
+  // `n` more payload bytes of the current direct message are in place; on_message() once all
+  // are.
+  [[nodiscard]] std::optional<std::string> on_placed(RecvSink& sink, int channel,
+                                                     std::size_t n);
+  // The current message is direct.
+  [[nodiscard]] bool in_direct() const { return in_msg_ && direct_; }
+  // Payload bytes of the current message still to come.
+  [[nodiscard]] std::size_t remaining() const { return in_msg_ ? current_.bytes - done_ : 0; }
   // Inside a message: some of its fragments have arrived, not all.
   [[nodiscard]] bool in_message() const { return in_msg_; }
 
@@ -186,6 +241,7 @@ class Reassembler {
   void payload(RecvSink& sink, int channel, const char* data, std::size_t n);
 
   bool in_msg_ = false;
+  bool direct_ = false;
   FrameHeader current_{};
   RecvTarget target_{};
   std::size_t done_ = 0;       // payload bytes of the current message received
