@@ -293,6 +293,13 @@ class CommunicatorImpl final : public Communicator {
       throw Error(ErrorCode::kInvalidArgument, "CommOptions::eager_window must be at least 1",
                   rank_);
     }
+    if (options_.fabric_direct_bytes < -1) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "CommOptions::fabric_direct_bytes=" +
+                      std::to_string(options_.fabric_direct_bytes) +
+                      " is neither a byte count, 0 (off) nor -1 (the default)",
+                  rank_);
+    }
   }
 
   void connect() {

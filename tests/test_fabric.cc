@@ -288,6 +288,41 @@ TEST(FabricSetup, DataPathNamesAndTheEnvironmentOverride) {
   EXPECT_EQ(apply_env(CommOptions{}).fabric_data_path, "auto");
 }
 
+TEST(FabricSetup, DirectBytesFromTheEnvironment) {
+  EXPECT_EQ(CommOptions{}.fabric_direct_bytes, -1) << "the transport's default";
+  ::setenv("DEAR_FABRIC_DIRECT_BYTES", "0", 1);
+  EXPECT_EQ(apply_env(CommOptions{}).fabric_direct_bytes, 0);
+  ::setenv("DEAR_FABRIC_DIRECT_BYTES", "64K", 1);
+  EXPECT_EQ(apply_env(CommOptions{}).fabric_direct_bytes, 64 * 1024);
+  ::setenv("DEAR_FABRIC_DIRECT_BYTES", "lots", 1);
+  try {
+    (void)apply_env(CommOptions{});
+    ADD_FAILURE() << "a malformed DEAR_FABRIC_DIRECT_BYTES was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("DEAR_FABRIC_DIRECT_BYTES"), std::string::npos)
+        << e.what();
+  }
+  ::unsetenv("DEAR_FABRIC_DIRECT_BYTES");
+  EXPECT_EQ(apply_env(CommOptions{}).fabric_direct_bytes, -1);
+}
+
+TEST(FabricSetup, NegativeDirectBytesAreRefusedNamingTheOptionAndTheRank) {
+  CommOptions o;
+  o.transport = "fabric";
+  o.fabric_direct_bytes = -2;
+  const auto errors = run_ranks_collect(2, [](Communicator&) {}, o);
+  for (int r = 0; r < 2; ++r) {
+    Error e(ErrorCode::kInternal, "");
+    const Error* x = as_error(errors[static_cast<std::size_t>(r)], e);
+    ASSERT_NE(x, nullptr) << "rank " << r << " accepted fabric_direct_bytes=-2";
+    EXPECT_EQ(x->code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(x->what()).find("CommOptions::fabric_direct_bytes=-2"), std::string::npos)
+        << x->what();
+    EXPECT_EQ(x->rank(), r);
+  }
+}
+
 // Every provider that runs here, on each data path it offers.
 const std::vector<std::string> kPathProviders = {"tcp;ofi_rxm", "shm", "sockets"};
 

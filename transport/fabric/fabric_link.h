@@ -23,6 +23,12 @@
 //   returns, the closing message) are sent, into small buffers kept posted (as many as the
 //   data slots besides, for providers whose writes with CQ data consume a receive:
 //   FI_RX_CQ_DATA).
+//   Direct messages (FabricOptions::direct_bytes): where the peer opened a window on a
+//   message's destination (Channel::open_window; the engine announces it) and the sender names
+//   it (try_send_to), the message is its first fragment alone (FrameHeader and DirectInfo, in a
+//   slot), then its payload in RMA writes straight into the window, each with remote CQ data
+//   and a credit like a fragment; the receiver's copy out of the slot disappears. The
+//   receiver checks that its sink places the message exactly where it was written.
 // - send: the receiver keeps its data slots and the control buffers posted as receives, and
 //   fragments are sent into whichever of them the provider matches.
 // Fragments are consumed in sequence order even when completions arrive out of order; a

@@ -12,9 +12,11 @@
 //   write's immediate data (32 bits: what every provider with remote CQ data carries).
 // - The credit rules make that safe: the sender holds a credit for fragment seq only once the
 //   receiver has consumed fragment seq - slots, which is the slot's previous occupant.
-// - On the announcement the receiver reads the prefix the write left in the slot and checks it
-//   against the announcement (check_written) before the slot's sequence number enters its
-//   RecvWindow; from there on arrival, delivery and credits are those of the send path.
+// - The receiver reads the prefix the write left in the slot and checks it against the
+//   announcement (check_written): verbs on the announcement, fabric when the fragment's turn
+//   in sequence comes (one of a direct message's writes, see fragments.h, leaves its slot
+//   untouched, and that is known only from the message's first fragment). From there on
+//   arrival, delivery and credits are those of the send path.
 //
 // Why a separate piece: the arithmetic and the checks are the same for every back-end that
 // writes into slots, and are unit tested here without a network.
