@@ -513,7 +513,7 @@ void Engine::open_window(Op& op) {
   if (links_[kPrev].empty() || links_[kPrev][0]->closed()) return;
   const DirectRegion r = direct_region(op);
   if (r.bytes > 0) {
-    if (auto w = links_[kPrev][0]->open_window(r.base, r.bytes)) {
+    if (auto w = links_[kPrev][0]->open_window(r.base, r.bytes, r.message_bytes)) {
       op.window = *w;
       op.window_open = true;
       windows_to_announce_.emplace_back(op.seq, *w);

@@ -287,7 +287,9 @@ bool has_direct_messages(const Op& op) {
 
 DirectRegion direct_region(const Op& op) {
   if (!has_direct_messages(op) || op.recv_steps[kForward] == 0) return {};
-  return {op.out, op.total * op.el};
+  // No message is larger than the first slice of chunk 0 on channel 0 (the last chunk, and
+  // a part's last slice, may be shorter).
+  return {op.out, op.total * op.el, span_of(op, 0, 0, 0).bytes};
 }
 
 std::int64_t direct_offset(const Op& op, const MessagePlan& m) {

@@ -199,6 +199,7 @@ struct RecvPlace {
 struct DirectRegion {
   char* base = nullptr;
   std::size_t bytes = 0;
+  std::size_t message_bytes = 0;  // the largest message placed there
 };
 [[nodiscard]] DirectRegion direct_region(const Op& op);
 // The sender's side: for message `m` of direction kForward, its offset in the receiver's

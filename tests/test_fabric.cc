@@ -598,7 +598,10 @@ TEST_P(FabricPath, DirectWritesLandInTheWindowAndAreChecked) {
     };
     if (r == 1) {
       direct_before = transport::fabric::direct_received_total();
-      const auto w = ch.open_window(dst.data(), dst.size());
+      if (ch.open_window(dst.data(), dst.size(), 4095)) {
+        throw std::runtime_error("open_window opened a window for messages under direct_bytes");
+      }
+      const auto w = ch.open_window(dst.data(), dst.size(), kLarge);
       if (!w) throw std::runtime_error("open_window refused a window on the write data path");
       opened.set_value(*w);
       try {

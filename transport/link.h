@@ -128,13 +128,16 @@ class Channel {
     return try_send(h, payload, token);
   }
   // Opens [base, base + bytes) for the peer's direct writes on every channel of this link to
-  // the same peer (one registration serves them all); nullopt where the back-end has none (the
-  // default), or the memory cannot be registered. Open until close_window(): the owner closes
-  // it once nothing more may be written there (its operation completed or failed), before the
-  // memory is returned to the caller.
-  [[nodiscard]] virtual std::optional<Window> open_window(char* base, std::size_t bytes) {
+  // the same peer (one registration serves them all), for messages of up to `message_bytes`;
+  // nullopt where the back-end has none (the default), where such messages are too small to
+  // gain from it, or where the memory cannot be registered. Open until close_window(): the
+  // owner closes it once nothing more may be written there (its operation completed or
+  // failed), before the memory is returned to the caller.
+  [[nodiscard]] virtual std::optional<Window> open_window(char* base, std::size_t bytes,
+                                                          std::size_t message_bytes) {
     (void)base;
     (void)bytes;
+    (void)message_bytes;
     return std::nullopt;
   }
   virtual void close_window(const Window& window) { (void)window; }

@@ -356,8 +356,9 @@ class FabricChannel final : public Channel {
   bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
   bool try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
                    const Window& window, std::size_t offset) override;
-  std::optional<Window> open_window(char* base, std::size_t bytes) override {
-    if (direct_min_ == 0 || bytes < direct_min_) return std::nullopt;
+  std::optional<Window> open_window(char* base, std::size_t bytes,
+                                    std::size_t message_bytes) override {
+    if (direct_min_ == 0 || message_bytes < direct_min_) return std::nullopt;
     return dom_->open_window(base, bytes);
   }
   void close_window(const Window& window) override { dom_->close_window(window); }
