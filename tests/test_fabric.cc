@@ -52,6 +52,21 @@ void expect_reduce_and_gather(Communicator& comm, int n, DataType t, std::size_t
 
 using namespace std::chrono_literals;
 
+// Progresses `ch` into `sink` until `done()` holds; throws naming `what` once `deadline` has
+// passed.
+template <typename Done>
+void progress_until(transport::Channel& ch, transport::RecvSink& sink,
+                    std::chrono::steady_clock::time_point deadline, Done&& done,
+                    const char* what) {
+  while (!done()) {
+    ch.progress(sink, true);
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw std::runtime_error(std::string("timed out waiting for ") + what);
+    }
+    std::this_thread::yield();
+  }
+}
+
 // `n` bytes of a pattern that differs with `salt`.
 std::vector<char> pattern_of(std::size_t n, int salt) {
   std::vector<char> v(n);
@@ -493,13 +508,7 @@ TEST_P(FabricPath, ForgottenMemoryIsRegisteredAgain) {
     CollectSink sink(1);
     const auto deadline = std::chrono::steady_clock::now() + 20s;
     auto until = [&](auto&& done, const char* what) {
-      while (!done()) {
-        ch.progress(sink, true);
-        if (std::chrono::steady_clock::now() > deadline) {
-          throw std::runtime_error(std::string("timed out waiting for ") + what);
-        }
-        std::this_thread::yield();
-      }
+      progress_until(ch, sink, deadline, done, what);
     };
     auto send = [&](transport::FrameHeader h, const void* payload, std::uint64_t token) {
       until([&] { return ch.try_send(h, payload, token); }, "room to send");
@@ -588,13 +597,7 @@ TEST_P(FabricPath, DirectWritesLandInTheWindowAndAreChecked) {
     WindowSink sink(dst.data());
     const auto deadline = std::chrono::steady_clock::now() + 20s;
     auto until = [&](auto&& done, const char* what) {
-      while (!done()) {
-        ch.progress(sink, true);
-        if (std::chrono::steady_clock::now() > deadline) {
-          throw std::runtime_error(std::string("timed out waiting for ") + what);
-        }
-        std::this_thread::yield();
-      }
+      progress_until(ch, sink, deadline, done, what);
     };
     if (r == 1) {
       direct_before = transport::fabric::direct_received_total();
