@@ -249,7 +249,10 @@ run_gloo_bench() {
 }
 
 loopback_ceiling() {
-  command -v iperf3 >/dev/null || return 0
+  if ! command -v iperf3 >/dev/null; then
+    echo "# loopback TCP ceiling: not measured (iperf3 is not installed: apt-get install iperf3)"
+    return 0
+  fi
   # Two client/server pairs at once: iperf3 runs all of -P's streams on one thread, so one
   # process with -P 2 measures a single core, not the machine.
   local base=$((20000 + RANDOM % 20000)) i servers=() clients=() files=()
