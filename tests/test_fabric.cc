@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cctype>
 #include <chrono>
@@ -565,7 +566,17 @@ TEST_P(FabricPath, DirectWritesLandInTheWindowAndAreChecked) {
   constexpr std::size_t kMisplaced = 40000;
   std::promise<transport::Window> opened;
   std::shared_future<transport::Window> window = opened.get_future().share();
-  std::vector<char> dst(kWindow, 0x11);
+  // The window and the payloads outlive the test on purpose: a write the receiver refused may
+  // still be in the provider's hands (sockets progresses on a thread of its own) after the
+  // channels are gone, and it must not read or write freed memory.
+  static auto* const kept = new std::array<std::vector<char>, 4>{
+      std::vector<char>(kWindow, 0x11), pattern_of(kLarge, 1), pattern_of(kSmall, 2),
+      pattern_of(kMisplaced, 3)};
+  std::vector<char>& dst = (*kept)[0];
+  std::fill(dst.begin(), dst.end(), char{0x11});
+  const std::vector<char>& large = (*kept)[1];
+  const std::vector<char>& small = (*kept)[2];
+  const std::vector<char>& misplaced = (*kept)[3];
   std::uint64_t direct_before = 0;
   std::uint64_t direct_after_two = 0;
   std::string receiver_error;
@@ -620,9 +631,6 @@ TEST_P(FabricPath, DirectWritesLandInTheWindowAndAreChecked) {
       return;
     }
     const transport::Window w = window.get();
-    const std::vector<char> large = pattern_of(kLarge, 1);
-    const std::vector<char> small = pattern_of(kSmall, 2);
-    const std::vector<char> misplaced = pattern_of(kMisplaced, 3);
     auto send = [&](std::uint64_t seq, const std::vector<char>& payload, std::size_t at) {
       transport::FrameHeader h;
       h.bytes = static_cast<std::uint32_t>(payload.size());
@@ -646,8 +654,6 @@ TEST_P(FabricPath, DirectWritesLandInTheWindowAndAreChecked) {
   EXPECT_EQ(direct_after_two - direct_before, 1u) << "the large message only was written directly";
   EXPECT_NE(receiver_error.find("directly where this rank does not place it"), std::string::npos)
       << receiver_error;
-  const std::vector<char> large = pattern_of(kLarge, 1);
-  const std::vector<char> small = pattern_of(kSmall, 2);
   for (std::size_t i = 0; i < kMisplacedAt; ++i) {
     char want = 0x11;
     if (i < kSmall) want = small[i];
