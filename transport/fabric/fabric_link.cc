@@ -398,6 +398,21 @@ class FabricChannel final : public Channel {
   // the peer's slot for `seq` announced by `seq`, or a send. The provider's return code.
   ssize_t post_fragment(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
                         std::size_t count, std::size_t bytes);
+  // The prefix of the next data fragment, whose body `f` describes (credits owed piggybacked).
+  [[nodiscard]] Prefix data_prefix(const SendQueue::Fragment& f) const {
+    Prefix p;
+    p.tag = tag_;
+    p.seq = sendw_.next_seq();
+    p.credits = recvw_.owed();
+    p.bytes = f.bytes;
+    p.kind = Kind::kData;
+    p.first = f.first ? 1 : 0;
+    return p;
+  }
+  // An RMA write of `bytes` gathered from `iov` to the peer's [addr, addr + bytes) under `key`,
+  // announced by `seq` as remote CQ data. The provider's return code.
+  ssize_t post_write(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
+                     std::size_t count, std::uint64_t addr, std::size_t bytes, std::uint64_t key);
   // The next step of a direct head message (its first fragment, or one payload write); false
   // when it cannot be taken now (the provider said try again).
   bool pump_direct(RecvSink& sink, Buf& b, const DirectTarget& d);
@@ -917,13 +932,7 @@ bool FabricChannel::pump(RecvSink& sink) {
     const bool in_place = piece_desc.has_value();
     const SendQueue::Fragment f = in_place ? sendq_.fill_header(b.data + kPrefix, room)
                                            : sendq_.fill(b.data + kPrefix, room);
-    Prefix p;
-    p.tag = tag_;
-    p.seq = sendw_.next_seq();
-    p.credits = recvw_.owed();
-    p.bytes = f.bytes;
-    p.kind = Kind::kData;
-    p.first = f.first ? 1 : 0;
+    const Prefix p = data_prefix(f);
     std::memcpy(b.data, &p, kPrefix);
     // In place: the prefix (and header) from the staging buffer, the payload from where it
     // lies; else all of it from the staging buffer.
@@ -977,13 +986,7 @@ bool FabricChannel::pump_direct(RecvSink& sink, Buf& b, const DirectTarget& d) {
   if (header) {
     // First fragment: the header and where the payload goes, in a slot.
     const SendQueue::Fragment f = sendq_.fill_direct_header(b.data + kPrefix, write_max_);
-    Prefix p;
-    p.tag = tag_;
-    p.seq = seq;
-    p.credits = recvw_.owed();
-    p.bytes = f.bytes;
-    p.kind = Kind::kData;
-    p.first = 1;
+    Prefix p = data_prefix(f);
     p.direct = 1;
     std::memcpy(b.data, &p, kPrefix);
     iovec iov{b.data, kPrefix + f.bytes};
@@ -995,20 +998,7 @@ bool FabricChannel::pump_direct(RecvSink& sink, Buf& b, const DirectTarget& d) {
     bytes = piece.bytes;
     iovec iov{const_cast<char*>(piece.data), piece.bytes};
     void* descs[1] = {*payload_desc};
-    fi_rma_iov target{};
-    target.addr = d.addr + sendq_.offset();
-    target.len = piece.bytes;
-    target.key = d.key;
-    fi_msg_rma msg{};
-    msg.msg_iov = &iov;
-    msg.desc = descs;
-    msg.iov_count = 1;
-    msg.addr = peer_addr_;
-    msg.rma_iov = &target;
-    msg.rma_iov_count = 1;
-    msg.context = &b.ctx;
-    msg.data = seq;
-    rc = fi_writemsg(ep_.get(), &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION);
+    rc = post_write(b, seq, &iov, descs, 1, d.addr + sendq_.offset(), piece.bytes, d.key);
   }
   if (rc == -FI_EAGAIN) return false;
   if (rc != 0) {
@@ -1038,10 +1028,17 @@ ssize_t FabricChannel::post_fragment(Buf& b, std::uint32_t seq, const iovec* iov
     }
     return fi_sendv(ep_.get(), iov, descs, count, peer_addr_, &b.ctx);
   }
+  return post_write(b, seq, iov, descs, count, rma::slot_address(remote_, seq), bytes,
+                    remote_.key);
+}
+
+ssize_t FabricChannel::post_write(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
+                                  std::size_t count, std::uint64_t addr, std::size_t bytes,
+                                  std::uint64_t key) {
   fi_rma_iov target{};
-  target.addr = rma::slot_address(remote_, seq);
+  target.addr = addr;
   target.len = bytes;
-  target.key = remote_.key;
+  target.key = key;
   fi_msg_rma msg{};
   msg.msg_iov = iov;
   msg.desc = descs;
