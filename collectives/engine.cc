@@ -284,16 +284,25 @@ void Engine::run() {
     // Nothing in flight, or a waiting thread is making the progress itself.
     sleep_idle();
   }
-  // Shutting down: whatever is still pending can no longer finish.
+  // Shutting down. The channels close first: a channel's close may still send what is queued,
+  // straight out of pending operations' memory, so those operations fail (and their waiters
+  // may free that memory) only once no channel can read it any more.
   std::lock_guard<std::mutex> lock(turn_mu_);
-  fail_all(std::make_exception_ptr(
-      Error(ErrorCode::kAborted, "the communicator was destroyed with this operation pending",
-            cfg_.rank)));
   // One deadline for all: a stalled peer costs the linger once, not once per channel.
   const auto linger_until = std::chrono::steady_clock::now() + transport::kCloseLinger;
   for (auto& link : links_) {
-    for (auto& ch : link) ch->close_by(linger_until);
+    for (auto& ch : link) {
+      try {
+        ch->close_by(linger_until);
+      } catch (const std::exception&) {
+        // Closing anyway; the operations fail below.
+      }
+    }
   }
+  // Whatever is still pending can no longer finish.
+  fail_all(std::make_exception_ptr(
+      Error(ErrorCode::kAborted, "the communicator was destroyed with this operation pending",
+            cfg_.rank)));
 }
 
 bool Engine::turn() {
