@@ -347,11 +347,13 @@ void Engine::sleep_idle() {
   // started by its caller (Engine::submit) and nobody waits for it: often while no thread
   // drives, rarely while one does (the last driver to leave wakes it if work is left). After
   // enough quiet ticks it sleeps on the sockets too, so that an abort or a closed link is
-  // noticed while idle. (No timer is armed per operation: on virtual machines that costs more
-  // than the operation.)
+  // noticed while idle; even then it looks round every kDeepTick, so that a wake-up lost to
+  // a race nobody foresaw costs a moment, never a hang (and deadlines are checked). (No
+  // timer is armed per operation: on virtual machines that costs more than the operation.)
   constexpr int kTicks = 50;
   constexpr auto kTick = std::chrono::microseconds(200);
   constexpr auto kDrivenTick = std::chrono::milliseconds(1);
+  constexpr auto kDeepTick = std::chrono::milliseconds(100);
   std::unique_lock<std::mutex> lock(turn_mu_, std::defer_lock);
   const bool driven = drivers_.load() > 0;
   const bool deep = idle_ticks_ >= kTicks && !driven && lock.try_lock();
@@ -369,10 +371,11 @@ void Engine::sleep_idle() {
   mode_.store(deep ? kDeepSleep : kIdleSleep);
   const bool work = drivers_.load() == 0 && (pending_submissions_.load() > 0 || has_active_.load());
   if (!work && !stop_.load() && !abort_requested_.load()) {
-    const std::chrono::nanoseconds wait =
-        driven ? std::chrono::nanoseconds(kDrivenTick) : std::chrono::nanoseconds(kTick);
+    const std::chrono::nanoseconds wait = deep     ? std::chrono::nanoseconds(kDeepTick)
+                                          : driven ? std::chrono::nanoseconds(kDrivenTick)
+                                                   : std::chrono::nanoseconds(kTick);
     const timespec tick{0, static_cast<long>(wait.count())};
-    const int rc = ::ppoll(pollfds_.data(), pollfds_.size(), deep ? nullptr : &tick, nullptr);
+    const int rc = ::ppoll(pollfds_.data(), pollfds_.size(), &tick, nullptr);
     if (rc > 0 && (pollfds_[0].revents & POLLIN) != 0) {
       std::uint64_t v = 0;
       [[maybe_unused]] const ssize_t n = ::read(wake_fd_.get(), &v, sizeof(v));
