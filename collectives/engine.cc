@@ -348,8 +348,8 @@ void Engine::sleep_idle() {
   // drives, rarely while one does (the last driver to leave wakes it if work is left). After
   // enough quiet ticks it sleeps on the sockets too, so that an abort or a closed link is
   // noticed while idle; even then it looks round every kDeepTick, so that a wake-up lost to
-  // a race nobody foresaw costs a moment, never a hang (and deadlines are checked). (No
-  // timer is armed per operation: on virtual machines that costs more than the operation.)
+  // a race nobody foresaw costs a moment, never a hang. (No timer is armed per operation: on
+  // virtual machines that costs more than the operation.)
   constexpr int kTicks = 50;
   constexpr auto kTick = std::chrono::microseconds(200);
   constexpr auto kDrivenTick = std::chrono::milliseconds(1);
