@@ -268,6 +268,9 @@ class TcpBootstrap final : public Bootstrap {
     for (;;) {
       Fd fd(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
       if (!fd.valid()) return;
+      // Bootstrap messages are small and answered at once: without TCP_NODELAY, a length and
+      // its payload written back to back wait out the peer's delayed ACK (40 ms) per round.
+      transport::set_nodelay(fd.get());
       Pending p;
       p.from = transport::peer_address(fd.get()).to_string();
       // The challenge is the first thing sent on a fresh socket, so it fits its empty buffer.
@@ -341,6 +344,7 @@ class TcpBootstrap final : public Bootstrap {
     const auto addr = transport::resolve(id_.host, id_.port);
     guarded(0, [&] {
       root_ = transport::connect_with_retry(addr, deadline, "bootstrap");
+      transport::set_nodelay(root_.get());  // as on rank 0's side (accept_new)
       auth::Challenge challenge{};
       read_or_refused(&challenge, sizeof(challenge), deadline, "bootstrap challenge");
       if (const auto c = auth::check_challenge(reinterpret_cast<const std::uint8_t*>(&challenge),
