@@ -8,8 +8,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "dear/error.h"
@@ -38,6 +40,21 @@ using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
 // Bytes of remote CQ data a write must carry: a fragment's 32-bit sequence number.
 inline constexpr std::size_t kWriteDataBytes = 4;
 
+// The eager buffer size dear gives the rxm provider (FI_OFI_RXM_BUFFER_SIZE) unless the user
+// set one. rxm allocates, and clears, two pools of 1024 such buffers per endpoint as it is
+// enabled; at its own default (16 KiB) that is 34 MB per endpoint: here, half a second of page
+// faults to create a 2-rank communicator, and 250 MB per rank. dear's traffic over rxm is
+// 64-byte control messages, RMA writes, and fragments of up to a slot (about 1 MiB), which rxm
+// sends eagerly only up to this size; README "libfabric transport" has the measurements.
+inline constexpr const char* kRxmBufferSize = "4096";
+
+// Sets the provider parameters above where the environment does not already; called before
+// every fi_getinfo, so before libfabric reads them (once per process, as its providers load).
+inline void set_provider_defaults() {
+  static std::once_flag once;
+  std::call_once(once, [] { ::setenv("FI_OFI_RXM_BUFFER_SIZE", kRxmBufferSize, 0); });
+}
+
 // Reliable-datagram endpoints with messages (FI_EP_RDM, FI_MSG), operation contexts the
 // provider may use (FI_CONTEXT, FI_CONTEXT2), and the registration modes dear handles
 // (local, virtual addresses, allocated memory, provider keys). `provider` empty: any.
@@ -46,6 +63,7 @@ inline constexpr std::size_t kWriteDataBytes = 4;
 // that registrations belong to an endpoint (FI_MR_ENDPOINT): the write data path handles both.
 inline InfoPtr rdm_hints(const std::string& provider, fi_threading threading,
                          bool writes = false) {
+  set_provider_defaults();
   InfoPtr hints(fi_allocinfo());
   if (!hints) throw Error(ErrorCode::kSystem, "fi_allocinfo failed: out of memory");
   hints->ep_attr->type = FI_EP_RDM;
