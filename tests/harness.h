@@ -15,46 +15,36 @@
 
 #include "dear/bootstrap.h"
 #include "dear/communicator.h"
-#if defined(DEAR_TEST_TRANSPORT)
+#if defined(DEAR_TEST_SUITE_CONFIG)
 #include <optional>
 
+#include "suite_config.h"
 #include "transport/fabric/fabric_link.h"
 #include "transport/verbs/verbs_link.h"
 #endif
 
 namespace dear::testing {
 
-// The transport a suite runs over. A suite compiled with DEAR_TEST_TRANSPORT (and, for
-// "fabric", DEAR_TEST_FABRIC_PROVIDER and DEAR_TEST_FABRIC_DATA_PATH) runs every rank over it:
-// tests/CMakeLists.txt builds the conformance suite once per transport this way.
+// The transport a suite runs over. The conformance suite (test_collectives.cc) is compiled
+// once with DEAR_TEST_SUITE_CONFIG and linked into one binary per transport, whose
+// suite_config() names it (suite_config.h); every other test runs over TCP.
 inline void use_suite_transport([[maybe_unused]] CommOptions& options) {
-#if defined(DEAR_TEST_TRANSPORT)
-  options.transport = DEAR_TEST_TRANSPORT;
-#endif
-#if defined(DEAR_TEST_FABRIC_PROVIDER)
-  options.fabric_provider = DEAR_TEST_FABRIC_PROVIDER;
-#endif
-#if defined(DEAR_TEST_FABRIC_DATA_PATH)
-  options.fabric_data_path = DEAR_TEST_FABRIC_DATA_PATH;
+#if defined(DEAR_TEST_SUITE_CONFIG)
+  const SuiteConfig c = suite_config();
+  if (!c.transport.empty()) options.transport = c.transport;
+  if (!c.fabric_provider.empty()) options.fabric_provider = c.fabric_provider;
+  if (!c.fabric_data_path.empty()) options.fabric_data_path = c.fabric_data_path;
 #endif
 }
 
-#if defined(DEAR_TEST_TRANSPORT)
+#if defined(DEAR_TEST_SUITE_CONFIG)
 // Why the suite's transport cannot run on this host (its tests then skip), or nullopt.
 inline std::optional<std::string> suite_transport_unavailable() {
-  if (std::string(DEAR_TEST_TRANSPORT) == "verbs") return transport::verbs::unavailable_reason();
-  if (std::string(DEAR_TEST_TRANSPORT) != "fabric") return std::nullopt;
-#if defined(DEAR_TEST_FABRIC_PROVIDER)
-  const std::string provider = DEAR_TEST_FABRIC_PROVIDER;
-#else
-  const std::string provider;
-#endif
-#if defined(DEAR_TEST_FABRIC_DATA_PATH)
-  if (std::string(DEAR_TEST_FABRIC_DATA_PATH) == "write") {
-    return transport::fabric::write_unavailable_reason(provider);
-  }
-#endif
-  return transport::fabric::unavailable_reason(provider);
+  const SuiteConfig c = suite_config();
+  if (c.transport == "verbs") return transport::verbs::unavailable_reason();
+  if (c.transport != "fabric") return std::nullopt;
+  if (c.fabric_data_path == "write") return transport::fabric::write_unavailable_reason(c.fabric_provider);
+  return transport::fabric::unavailable_reason(c.fabric_provider);
 }
 #define DEAR_SKIP_UNLESS_SUITE_TRANSPORT()                                    \
   do {                                                                       \

@@ -1,7 +1,8 @@
 // Conformance suite: every collective, dtype and op, rank counts 1..8, sizes from 0 through
 // primes to many slices, in place and out of place, checked element by element against the
 // independent reference in reference.h. Ranks are threads over TCP loopback, or over the
-// transport named by DEAR_TEST_TRANSPORT (see harness.h; one binary per transport).
+// transport that the binary's suite_config() names (compiled once, linked into one binary per
+// transport; see harness.h).
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -362,10 +363,7 @@ TEST_P(Conformance, PriorityChangedInFlight) {
   });
 }
 
-#if !defined(DEAR_TEST_RANKS)
-#define DEAR_TEST_RANKS 1, 2, 3, 4, 5, 8
-#endif
-INSTANTIATE_TEST_SUITE_P(Ranks, Conformance, ::testing::Values(DEAR_TEST_RANKS),
+INSTANTIATE_TEST_SUITE_P(Ranks, Conformance, ::testing::ValuesIn(suite_config().ranks),
                          [](const ::testing::TestParamInfo<int>& p) { return std::to_string(p.param) + "ranks"; });
 
 }  // namespace
