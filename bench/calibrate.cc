@@ -65,8 +65,9 @@ CalibrateOptions calibrate_up_to(CalibrateOptions opts, std::size_t max_bytes) {
   std::sort(sizes.begin(), sizes.end());
   // At least two sizes: a schedule's fit has two unknowns.
   const auto first_above = std::lower_bound(sizes.begin(), sizes.end(), max_bytes);
-  const auto keep_end = std::max(first_above + 1, sizes.begin() + std::min<std::ptrdiff_t>(
-                                                      2, static_cast<std::ptrdiff_t>(sizes.size())));
+  const auto keep_end = std::max(
+      first_above + 1,
+      sizes.begin() + std::min<std::ptrdiff_t>(2, static_cast<std::ptrdiff_t>(sizes.size())));
   if (keep_end < sizes.end()) sizes.erase(keep_end, sizes.end());
   return opts;
 }
@@ -188,8 +189,7 @@ collectives::CostModel calibrate(Communicator& comm, const CalibrateOptions& opt
   m.beta_us_per_byte = fit[1];
   m.reduce_us_per_byte = fit[2];
   for (std::size_t s = 0; s < runnable.size(); ++s) {
-    (void)collectives::fit_schedule(m, runnable[s].second, std::move(samples[s]), sizeof(float),
-                                    g);
+    (void)collectives::fit_schedule(m, runnable[s].second, std::move(samples[s]), sizeof(float), g);
   }
   return m;
 }
@@ -215,8 +215,7 @@ void print_calibration(std::FILE* out, const collectives::CostModel& m) {
     std::fprintf(out,
                  "# all_reduce %s: alpha %.2f us per step, bandwidth x%.2f (the line; the model "
                  "follows the samples' measured/line between sizes)\n",
-                 name.c_str(),
-                 a == m.schedule_alpha_us.end() ? 0.0 : a->second,
+                 name.c_str(), a == m.schedule_alpha_us.end() ? 0.0 : a->second,
                  k == m.schedule_beta_scale.end() ? 1.0 : k->second);
     for (const auto& s : samples) {
       std::fprintf(out, "  %12.0f bytes %12.2f us measured %12.2f us line %8.1f%%\n", s.bytes,

@@ -33,8 +33,7 @@ struct CalibrateOptions {
   // All_reduce sizes (bytes of the whole fp32 vector) at which each schedule is timed: 8 bytes
   // and even powers of two, so that a check over dear-bench's -b 8 -f 4 grid (odd powers)
   // measures sizes the model interpolates rather than ones it was fitted on.
-  std::vector<std::size_t> schedule_sizes{8,      256,     4096,    65536,
-                                          262144, 1048576, 4194304, 16777216};
+  std::vector<std::size_t> schedule_sizes{8, 256, 4096, 65536, 262144, 1048576, 4194304, 16777216};
   int rounds = 8;  // interleaved_median_us: rounds over the candidates
   // Per schedule and size: the schedules come within a few percent of one another at large
   // sizes, so they get more time than the base fit's all-gathers.
@@ -45,8 +44,8 @@ struct CalibrateOptions {
 };
 
 // The calibration for operations up to `max_bytes`: schedule_sizes beyond the first one at or
-// above it (and beyond the second, which a fit needs) are dropped (dear-bench --calibrate -e SIZE), so that a study of small messages
-// does not wait for 16 MiB all_reduces.
+// above it (and beyond the second, which a fit needs) are dropped (dear-bench --calibrate -e SIZE),
+// so that a study of small messages does not wait for 16 MiB all_reduces.
 [[nodiscard]] CalibrateOptions calibrate_up_to(CalibrateOptions opts, std::size_t max_bytes);
 
 // Times several operations interleaved, so that a slow spell of a shared machine hits them
@@ -55,7 +54,8 @@ struct CalibrateOptions {
 // candidate, the largest over ranks of each rank's median time of one run, in microseconds.
 // Collective: every rank passes the same candidates in the same order.
 [[nodiscard]] std::vector<double> interleaved_median_us(
-    Communicator& comm, const CalibrateOptions& opts, const std::vector<std::function<void()>>& runs);
+    Communicator& comm, const CalibrateOptions& opts,
+    const std::vector<std::function<void()>>& runs);
 
 // The communicator must run ring all-gathers at every size: create it with
 // gather_reduce_max_bytes = 0 and no cost model (calibration_options() does that).

@@ -62,7 +62,8 @@ void timed(benchmark::State& state, Buffers& buf, double traffic_per_call, Fn fn
     check(cudaEventElapsedTime(&ms, buf.start, buf.stop), "cudaEventElapsedTime");
     state.SetIterationTime(static_cast<double>(ms) / 1e3 / kRepeats);
   }
-  state.counters["GB/s"] = benchmark::Counter(traffic_per_call, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GB/s"] =
+      benchmark::Counter(traffic_per_call, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_Reduce(benchmark::State& state, DataType t, ReduceOp op) {

@@ -8,6 +8,7 @@
 // Open MPI and Gloo are comparable line by line. Ranks come from the launcher's environment
 // (dear-run, torchrun, Open MPI or Slurm); knobs default to the communicator's defaults and
 // to DEAR_* overrides.
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
 #include <exception>
@@ -17,8 +18,6 @@
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
 
 #include "calibrate.h"
 #include "common/env.h"
@@ -78,20 +77,22 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
       bound.run = [&comm, send, recv, count, t, op, o] {
         comm.all_reduce(send, recv, count, t, op, o).wait();
       };
-      bound.run_many =
-          many([&comm, send, recv, count, t, op, o] { return comm.all_reduce(send, recv, count, t, op, o); });
+      bound.run_many = many([&comm, send, recv, count, t, op, o] {
+        return comm.all_reduce(send, recv, count, t, op, o);
+      });
       bound.input = const_cast<void*>(send);
       return bound;
     case Collective::kReduceScatter: {
       // In place: the result lands in this rank's block of the input (NCCL's convention).
-      void* out = r.in_place ? static_cast<char*>(recv) +
-                                   static_cast<std::size_t>(comm.rank()) * count * el
-                             : recv;
+      void* out =
+          r.in_place ? static_cast<char*>(recv) + static_cast<std::size_t>(comm.rank()) * count * el
+                     : recv;
       bound.run = [&comm, send, out, count, t, op, o] {
         comm.reduce_scatter(send, out, count, t, op, o).wait();
       };
-      bound.run_many = many(
-          [&comm, send, out, count, t, op, o] { return comm.reduce_scatter(send, out, count, t, op, o); });
+      bound.run_many = many([&comm, send, out, count, t, op, o] {
+        return comm.reduce_scatter(send, out, count, t, op, o);
+      });
       bound.input = const_cast<void*>(send);
       bound.output = out;
       return bound;
@@ -101,7 +102,8 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
                                         static_cast<std::size_t>(comm.rank()) * count * el
                                   : send;
       bound.run = [&comm, in, recv, count, t, o] { comm.all_gather(in, recv, count, t, o).wait(); };
-      bound.run_many = many([&comm, in, recv, count, t, o] { return comm.all_gather(in, recv, count, t, o); });
+      bound.run_many =
+          many([&comm, in, recv, count, t, o] { return comm.all_gather(in, recv, count, t, o); });
       bound.input = const_cast<void*>(in);
       return bound;
     }
@@ -138,10 +140,11 @@ int run_compare(Communicator& comm, const BenchArgs& args, const std::vector<std
     csv << "collective,nranks,size,algo,median_us\n";
   }
   if (rank == 0) {
-    std::printf("# dear-bench --compare: %s, %d ranks, %s %s, median us per operation, "
-                "algorithms interleaved\n",
-                std::string(to_string(args.collective)).c_str(), n,
-                std::string(to_string(args.dtype)).c_str(), std::string(to_string(args.op)).c_str());
+    std::printf(
+        "# dear-bench --compare: %s, %d ranks, %s %s, median us per operation, "
+        "algorithms interleaved\n",
+        std::string(to_string(args.collective)).c_str(), n,
+        std::string(to_string(args.dtype)).c_str(), std::string(to_string(args.op)).c_str());
     std::printf("%12s", "size");
     for (const auto& a : algos) std::printf(" %18s", a.c_str());
     std::printf(" %18s %9s\n", "best forced", "auto/best");
@@ -198,8 +201,8 @@ int run_compare(Communicator& comm, const BenchArgs& args, const std::vector<std
       }
       std::printf(" %18.2f", by_algo[a]);
       if (csv.is_open()) {
-        csv << to_string(args.collective) << ',' << n << ',' << points[i].bytes << ','
-            << algos[a] << ',' << by_algo[a] << '\n';
+        csv << to_string(args.collective) << ',' << n << ',' << points[i].bytes << ',' << algos[a]
+            << ',' << by_algo[a] << '\n';
       }
       if (algos[a] == "auto") {
         automatic = by_algo[a];
@@ -262,18 +265,20 @@ int run(int argc, char** argv) {
                "to -e (default 16 MiB), on these ranks instead of a sweep; rank 0 prints the fit "
                "and writes it to --json FILE (a DEAR_COST_MODEL file)");
   app.get_option("collective")->required(false);
-  app.add_option("--transport", transport,
-                 "Link transport: tcp, fabric (libfabric; provider from DEAR_FABRIC_PROVIDER) or verbs "
-                 "(ibverbs; device from DEAR_IB_DEVICE); "
-                 "default DEAR_TRANSPORT or tcp");
-  app.add_option("--channels", channels, "Parallel rings (sockets per link); default DEAR_CHANNELS or 1")
+  app.add_option(
+      "--transport", transport,
+      "Link transport: tcp, fabric (libfabric; provider from DEAR_FABRIC_PROVIDER) or verbs "
+      "(ibverbs; device from DEAR_IB_DEVICE); "
+      "default DEAR_TRANSPORT or tcp");
+  app.add_option("--channels", channels,
+                 "Parallel rings (sockets per link); default DEAR_CHANNELS or 1")
       ->check(CLI::Range(1, 16));
   app.add_option("--slice", slice, "Pipelining slice size, e.g. 512K; default DEAR_SLICE_BYTES");
   app.add_option("--algo", algo,
                  "Algorithm: auto, ring, gather_reduce (all_reduce), halving_doubling, "
                  "recursive_doubling, tree (all_reduce)")
-      ->check(CLI::IsMember({"auto", "ring", "gather_reduce", "halving_doubling",
-                             "recursive_doubling", "tree"}));
+      ->check(CLI::IsMember(
+          {"auto", "ring", "gather_reduce", "halving_doubling", "recursive_doubling", "tree"}));
   std::string compare;
   app.add_option("--compare", compare,
                  "Time these algorithms (comma-separated --algo names) interleaved at each size "
@@ -299,8 +304,9 @@ int run(int argc, char** argv) {
     std::stringstream list(compare);
     for (std::string a; std::getline(list, a, ',');) {
       if (!parse_algorithm(a)) {
-        std::fprintf(stderr, "dear-bench: --compare: '%s' is not an algorithm (auto, ring, "
-                             "gather_reduce, halving_doubling, recursive_doubling, tree)\n",
+        std::fprintf(stderr,
+                     "dear-bench: --compare: '%s' is not an algorithm (auto, ring, "
+                     "gather_reduce, halving_doubling, recursive_doubling, tree)\n",
                      a.c_str());
         return 2;
       }
@@ -377,9 +383,8 @@ int run(int argc, char** argv) {
 #endif
   }
   DearComm peer(*comm);
-  return run_sweep(peer, args, std::move(config), [&](const OpRequest& r) {
-    return bind_dear(r, *comm, op_options);
-  });
+  return run_sweep(peer, args, std::move(config),
+                   [&](const OpRequest& r) { return bind_dear(r, *comm, op_options); });
 }
 
 }  // namespace

@@ -9,14 +9,13 @@
 // scripts/latency-study.sh's plots and the "predicted" column of scripts/check-auto.sh.
 // Rank counts need not be ones this machine can run: the rows are the model's, not
 // measurements, which is how the study extends its curves to 1024 workers.
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <fstream>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
 
 #include "collectives/cost_model.h"
 #include "common/env.h"

@@ -64,8 +64,7 @@ long long wrong_in(const void* output, std::size_t bytes, const CheckSpec& spec,
 // `first`: the sweep's first measurement, which also warms up the process and the library
 // under test (its threads, caches and lazily made state), not only this size.
 Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bool in_place,
-               bool first, std::uint64_t seed, const Binder& bind,
-               const BufferMemory* memory) {
+               bool first, std::uint64_t seed, const Binder& bind, const BufferMemory* memory) {
   CheckSpec spec;
   spec.collective = args.collective;
   spec.dtype = args.dtype;
@@ -198,13 +197,13 @@ std::optional<LaunchRank> rank_from_environment() {
     const auto rank = env::get_int(rank_var, 0, kMaxRanks - 1);
     if (!size && !rank) continue;
     if (!size || !rank) {
-      throw Error(ErrorCode::kInvalidArgument, std::string(rank_var) + " and " + size_var +
-                                                   " must be set together");
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string(rank_var) + " and " + size_var + " must be set together");
     }
     if (*rank >= *size) {
-      throw Error(ErrorCode::kInvalidArgument, std::string(rank_var) + "=" +
-                                                   std::to_string(*rank) + " is not below " +
-                                                   size_var + "=" + std::to_string(*size));
+      throw Error(ErrorCode::kInvalidArgument, std::string(rank_var) + "=" + std::to_string(*rank) +
+                                                   " is not below " + size_var + "=" +
+                                                   std::to_string(*size));
     }
     return LaunchRank{static_cast<int>(*rank), static_cast<int>(*size)};
   }

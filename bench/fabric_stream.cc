@@ -8,10 +8,10 @@
 // No collective library on top: this is the ceiling a library over the provider can reach.
 //   - fabric: one reliable-datagram endpoint per rank (FI_MSG), sends from and receives into
 //     buffers posted up front (registered where the provider asks for FI_MR_LOCAL), names
-//     exchanged through the bootstrap and inserted into an address vector. Up to --window messages are in flight; each message goes as chunks of
-//     min(--chunk, the provider's max_msg_size). "uni": rank 0 sends, rank 1 receives. "bidi":
-//     both ranks send and receive at once, as every step of a ring does; its figure is the sum
-//     of both directions.
+//     exchanged through the bootstrap and inserted into an address vector. Up to --window messages
+//     are in flight; each message goes as chunks of min(--chunk, the provider's max_msg_size).
+//     "uni": rank 0 sends, rank 1 receives. "bidi": both ranks send and receive at once, as every
+//     step of a ring does; its figure is the sum of both directions.
 //   - tcp: one connection over 127.0.0.1 (Nagle on, kernel buffer sizes), the same messages
 //     with blocking send()/recv() of 1 MiB; "bidi" uses the connection full duplex,
 //     a sending thread next to the receiving one. Only the tail of each run is pushed out
@@ -37,6 +37,7 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -49,14 +50,12 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 #include "common/env.h"
 #include "common/stats.h"
@@ -213,10 +212,12 @@ std::string available_providers() {
 }
 
 std::string mr_mode_text(int mode) {
-  static const std::pair<int, const char*> kBits[] = {
-      {FI_MR_LOCAL, "local"},         {FI_MR_VIRT_ADDR, "virt_addr"},
-      {FI_MR_ALLOCATED, "allocated"}, {FI_MR_PROV_KEY, "prov_key"},
-      {FI_MR_RAW, "raw"},             {FI_MR_ENDPOINT, "endpoint"}};
+  static const std::pair<int, const char*> kBits[] = {{FI_MR_LOCAL, "local"},
+                                                      {FI_MR_VIRT_ADDR, "virt_addr"},
+                                                      {FI_MR_ALLOCATED, "allocated"},
+                                                      {FI_MR_PROV_KEY, "prov_key"},
+                                                      {FI_MR_RAW, "raw"},
+                                                      {FI_MR_ENDPOINT, "endpoint"}};
   std::string s;
   for (const auto& [bit, name] : kBits) {
     if ((mode & bit) != 0) s += (s.empty() ? "" : "|") + std::string(name);
@@ -287,8 +288,8 @@ class FabricStream {
     std::memset(memory_.get() + bytes / 2, 0, bytes / 2);
     if ((info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0) {
       fid_mr* mr = nullptr;
-      check("fi_mr_reg", fi_mr_reg(domain, memory_.get(), bytes, FI_SEND | FI_RECV, 0, 0, 0, &mr,
-                                   nullptr));
+      check("fi_mr_reg",
+            fi_mr_reg(domain, memory_.get(), bytes, FI_SEND | FI_RECV, 0, 0, 0, &mr, nullptr));
       mr_.reset(mr);
     }
     ops_.resize(2 * static_cast<std::size_t>(window_) * chunks_);
@@ -375,8 +376,7 @@ class FabricStream {
         throw Error(ErrorCode::kTimeout,
                     provider_ + ": no completion for " + std::to_string(kStallLimit.count()) +
                         " s; sent " + std::to_string(tx.oldest) + ", received " +
-                        std::to_string(rx.oldest) + " of " + std::to_string(messages) +
-                        " messages",
+                        std::to_string(rx.oldest) + " of " + std::to_string(messages) + " messages",
                     rank_, 1 - rank_);
       }
     }
@@ -390,9 +390,9 @@ class FabricStream {
   struct Side {
     bool active = false;
     bool recv = false;
-    std::uint64_t next = 0;        // the message being posted
-    std::size_t next_chunk = 0;    // its chunks posted so far
-    std::uint64_t oldest = 0;      // the oldest incomplete message
+    std::uint64_t next = 0;         // the message being posted
+    std::size_t next_chunk = 0;     // its chunks posted so far
+    std::uint64_t oldest = 0;       // the oldest incomplete message
     std::vector<std::size_t> done;  // completed chunks per slot
     // Operations posted and not completed, and how many the provider's queue holds (its
     // tx_attr/rx_attr size): shm fails a receive beyond that with FI_ENOMEM, not FI_EAGAIN.
@@ -402,8 +402,8 @@ class FabricStream {
 
   void check(const char* call, long rc) const {
     if (rc != 0) {
-      throw Error(ErrorCode::kSystem, std::string(call) + " failed: " + fi_text(rc) +
-                                          " (provider " + provider_ + ")",
+      throw Error(ErrorCode::kSystem,
+                  std::string(call) + " failed: " + fi_text(rc) + " (provider " + provider_ + ")",
                   rank_);
     }
   }
@@ -429,9 +429,9 @@ class FabricStream {
       const std::size_t len = chunk_len(s.next_chunk);
       Op& op = ops_[(s.recv ? ops_.size() / 2 : 0) +
                     static_cast<std::size_t>(s.next % window_) * chunks_ + s.next_chunk];
-      const ssize_t rc =
-          s.recv ? fi_recv(ep_.get(), msg + off, len, desc(), FI_ADDR_UNSPEC, &op.ctx)
-                 : fi_send(ep_.get(), msg + off, len, desc(), peer_, &op.ctx);
+      const ssize_t rc = s.recv
+                             ? fi_recv(ep_.get(), msg + off, len, desc(), FI_ADDR_UNSPEC, &op.ctx)
+                             : fi_send(ep_.get(), msg + off, len, desc(), peer_, &op.ctx);
       if (rc == -FI_EAGAIN) break;  // the provider's queue is full: progress, then again
       if (rc != 0) check(s.recv ? "fi_recv" : "fi_send", rc);
       moved = true;
@@ -458,10 +458,10 @@ class FabricStream {
       const bool recv = err.op_context != nullptr && static_cast<Op*>(err.op_context)->recv;
       const std::string why =
           detail != nullptr && *detail != '\0' ? std::string(" (") + detail + ")" : "";
-      throw Error(ErrorCode::kPeerFailed,
-                  provider_ + ": a " + (recv ? "receive" : "send") + " failed: " +
-                      fi_text(err.err) + why,
-                  rank_, 1 - rank_);
+      throw Error(
+          ErrorCode::kPeerFailed,
+          provider_ + ": a " + (recv ? "receive" : "send") + " failed: " + fi_text(err.err) + why,
+          rank_, 1 - rank_);
     }
     if (n < 0) check("fi_cq_read", n);
     for (ssize_t k = 0; k < n; ++k) {
@@ -626,8 +626,8 @@ class TcpStream {
       for (std::size_t off = 0; off < size_;) {
         const std::size_t want = std::min(chunk_, size_ - off);
         const ssize_t n = ::recv(fd_.get(), msg + off, want, MSG_WAITALL);
-        if (n == 0) throw Error(ErrorCode::kPeerFailed, "tcp: rank closed the connection", rank_,
-                                1 - rank_);
+        if (n == 0)
+          throw Error(ErrorCode::kPeerFailed, "tcp: rank closed the connection", rank_, 1 - rank_);
         if (n < 0) {
           if (errno == EINTR) continue;
           fail("recv", errno);
@@ -775,8 +775,9 @@ void write_json(const Args& args, const std::string& about, const std::vector<Me
 }
 
 int run(int argc, char** argv) {
-  CLI::App app{"dear-fabric-stream: a libfabric provider's raw streaming rate between two "
-               "ranks, next to a TCP stream between the same ranks"};
+  CLI::App app{
+      "dear-fabric-stream: a libfabric provider's raw streaming rate between two "
+      "ranks, next to a TCP stream between the same ranks"};
   Args args;
   const auto bytes_flag = [&app](const std::string& names, std::uint64_t& target,
                                  const std::string& help) {
@@ -848,10 +849,11 @@ int run(int argc, char** argv) {
   }
   if (boot->rank() == 0) {
     std::printf("# dear-fabric-stream: %s\n", about.c_str());
-    std::printf("# 2 ranks, %llu-byte messages, window %d, %d timed after %d warm-up per "
-                "direction, %d round(s); bidi = both directions summed; GB = 1e9 bytes\n",
-                static_cast<unsigned long long>(args.size), args.window, args.iters, args.warmup,
-                args.rounds);
+    std::printf(
+        "# 2 ranks, %llu-byte messages, window %d, %d timed after %d warm-up per "
+        "direction, %d round(s); bidi = both directions summed; GB = 1e9 bytes\n",
+        static_cast<unsigned long long>(args.size), args.window, args.iters, args.warmup,
+        args.rounds);
     print_table(args, fabric->provider(), rows);
     if (!args.json_path.empty()) write_json(args, about, rows);
   }

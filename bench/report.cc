@@ -1,5 +1,6 @@
 #include "report.h"
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <bit>
 #include <cctype>
@@ -11,8 +12,6 @@
 #include <sstream>
 #include <stdexcept>
 #include <utility>
-
-#include <CLI/CLI.hpp>
 
 #include "common/env.h"
 #include "dear/error.h"
@@ -85,25 +84,38 @@ T wrap_integer(double v) noexcept {
 // The value `v` becomes when stored as `t`.
 double round_to(double v, DataType t) noexcept {
   switch (t) {
-    case DataType::kInt8: return wrap_integer<std::int8_t>(v);
-    case DataType::kUint8: return wrap_integer<std::uint8_t>(v);
-    case DataType::kInt32: return wrap_integer<std::int32_t>(v);
-    case DataType::kInt64: return static_cast<double>(wrap_integer<std::int64_t>(v));
-    case DataType::kFloat16: return half_to_float(float_to_half(static_cast<float>(v)));
-    case DataType::kBFloat16: return bf16_to_float(float_to_bf16(static_cast<float>(v)));
-    case DataType::kFloat32: return static_cast<float>(v);
-    case DataType::kFloat64: return v;
+    case DataType::kInt8:
+      return wrap_integer<std::int8_t>(v);
+    case DataType::kUint8:
+      return wrap_integer<std::uint8_t>(v);
+    case DataType::kInt32:
+      return wrap_integer<std::int32_t>(v);
+    case DataType::kInt64:
+      return static_cast<double>(wrap_integer<std::int64_t>(v));
+    case DataType::kFloat16:
+      return half_to_float(float_to_half(static_cast<float>(v)));
+    case DataType::kBFloat16:
+      return bf16_to_float(float_to_bf16(static_cast<float>(v)));
+    case DataType::kFloat32:
+      return static_cast<float>(v);
+    case DataType::kFloat64:
+      return v;
   }
   return v;
 }
 
 double machine_epsilon(DataType t) noexcept {
   switch (t) {
-    case DataType::kFloat16: return std::ldexp(1.0, -10);
-    case DataType::kBFloat16: return std::ldexp(1.0, -7);
-    case DataType::kFloat32: return std::ldexp(1.0, -23);
-    case DataType::kFloat64: return std::ldexp(1.0, -52);
-    default: return 0.0;
+    case DataType::kFloat16:
+      return std::ldexp(1.0, -10);
+    case DataType::kBFloat16:
+      return std::ldexp(1.0, -7);
+    case DataType::kFloat32:
+      return std::ldexp(1.0, -23);
+    case DataType::kFloat64:
+      return std::ldexp(1.0, -52);
+    default:
+      return 0.0;
   }
 }
 
@@ -166,8 +178,11 @@ std::string centered(std::string_view text, int width) {
 
 nlohmann::json result_to_json(const Result& r) {
   if (!r.valid) return nullptr;
-  nlohmann::json j = {{"time_us", r.time_us}, {"algbw", r.algbw}, {"busbw", r.busbw},
-                      {"p50_us", r.p50_us},   {"p99_us", r.p99_us}};
+  nlohmann::json j = {{"time_us", r.time_us},
+                      {"algbw", r.algbw},
+                      {"busbw", r.busbw},
+                      {"p50_us", r.p50_us},
+                      {"p99_us", r.p99_us}};
   j["wrong"] = r.wrong == kNotChecked ? nlohmann::json(nullptr) : nlohmann::json(r.wrong);
   return j;
 }
@@ -210,10 +225,18 @@ double ideal_value(const CheckSpec& spec, std::uint64_t global_index) {
     const double v = pattern_value(spec.op, r, global_index, spec.seed);
     switch (spec.op) {
       case ReduceOp::kSum:
-      case ReduceOp::kAvg: acc += v; break;
-      case ReduceOp::kProd: acc *= v; break;
-      case ReduceOp::kMin: acc = std::min(acc, v); break;
-      case ReduceOp::kMax: acc = std::max(acc, v); break;
+      case ReduceOp::kAvg:
+        acc += v;
+        break;
+      case ReduceOp::kProd:
+        acc *= v;
+        break;
+      case ReduceOp::kMin:
+        acc = std::min(acc, v);
+        break;
+      case ReduceOp::kMax:
+        acc = std::max(acc, v);
+        break;
     }
   }
   return spec.op == ReduceOp::kAvg ? acc / spec.nranks : acc;
@@ -250,10 +273,9 @@ long long count_wrong_with(const CheckSpec& spec, Load load) {
       ideal[k] = ideal_value(spec, k);
       want[k] = reduced_value(spec, k);
     }
-    const std::uint64_t base =
-        spec.collective == Collective::kReduceScatter
-            ? static_cast<std::uint64_t>(spec.rank) * spec.rank_count
-            : 0;
+    const std::uint64_t base = spec.collective == Collective::kReduceScatter
+                                   ? static_cast<std::uint64_t>(spec.rank) * spec.rank_count
+                                   : 0;
     for (std::uint64_t i = 0; i < n; ++i) {
       const std::uint64_t k = (base + i) % kPatternPeriod;
       if (!matches(spec, load(i), ideal[k], want[k])) ++wrong;
@@ -278,10 +300,14 @@ auto plain_loader(const void* out) {
 
 std::string_view to_string(Collective c) noexcept {
   switch (c) {
-    case Collective::kAllReduce: return "all_reduce";
-    case Collective::kReduceScatter: return "reduce_scatter";
-    case Collective::kAllGather: return "all_gather";
-    case Collective::kBroadcast: return "broadcast";
+    case Collective::kAllReduce:
+      return "all_reduce";
+    case Collective::kReduceScatter:
+      return "reduce_scatter";
+    case Collective::kAllGather:
+      return "all_gather";
+    case Collective::kBroadcast:
+      return "broadcast";
   }
   return "invalid";
 }
@@ -400,8 +426,7 @@ void validate(const BenchArgs& args, int nranks) {
     invalid("--minbytes 0 with a step factor never grows; use --stepbytes");
   }
   if (has_root(args.collective) && (args.root < 0 || args.root >= nranks)) {
-    invalid("--root " + std::to_string(args.root) + " is not a rank of " +
-            std::to_string(nranks));
+    invalid("--root " + std::to_string(args.root) + " is not a rank of " + std::to_string(nranks));
   }
   if (args.iters < 1) invalid("--iters must be at least 1");
   if (args.warmup_iters < 0) invalid("--warmup_iters must not be negative");
@@ -452,10 +477,13 @@ double bus_factor(Collective c, int nranks) noexcept {
   if (nranks < 1) return 0.0;
   const double n = nranks;
   switch (c) {
-    case Collective::kAllReduce: return 2.0 * (n - 1.0) / n;
+    case Collective::kAllReduce:
+      return 2.0 * (n - 1.0) / n;
     case Collective::kReduceScatter:
-    case Collective::kAllGather: return (n - 1.0) / n;
-    case Collective::kBroadcast: return 1.0;
+    case Collective::kAllGather:
+      return (n - 1.0) / n;
+    case Collective::kBroadcast:
+      return 1.0;
   }
   return 0.0;
 }
@@ -496,8 +524,8 @@ double Samples::percentile(double p) const {
 
 // ---- rows -----------------------------------------------------------------------------------
 
-Result make_result(const SizePoint& point, Collective c, int nranks, double time_us,
-                   double p50_us, double p99_us, long long wrong) {
+Result make_result(const SizePoint& point, Collective c, int nranks, double time_us, double p50_us,
+                   double p99_us, long long wrong) {
   Result r;
   r.time_us = time_us;
   r.algbw = algbw_gbps(point.bytes, time_us);
@@ -535,8 +563,8 @@ void print_preamble(std::FILE* out, const RunInfo& info, const BenchArgs& args) 
                  static_cast<unsigned long long>(args.max_bytes),
                  static_cast<unsigned long long>(args.step_factor));
   }
-  std::fprintf(out, " warmup iters: %d iters: %d agg iters: %d validation: %d\n",
-               args.warmup_iters, args.iters, args.agg_iters, args.check);
+  std::fprintf(out, " warmup iters: %d iters: %d agg iters: %d validation: %d\n", args.warmup_iters,
+               args.iters, args.agg_iters, args.check);
   if (args.min_time_ms > 0) {
     std::fprintf(out, "# iters raised per size to fill at least %g ms (up to %d)\n",
                  args.min_time_ms, kMaxAutoIters);
@@ -685,8 +713,8 @@ std::string csv_line(const RunInfo& info, const Row& row) {
   return info.library + "," + std::string(to_string(info.collective)) + "," +
          std::to_string(info.nranks) + "," + std::to_string(row.point.bytes) + "," +
          std::to_string(row.point.count) + "," + std::to_string(row.point.rank_count) + "," +
-         row.type + "," + row.redop + "," + std::to_string(row.root) + "," +
-         csv_fields(row.oop) + "," + csv_fields(row.ip);
+         row.type + "," + row.redop + "," + std::to_string(row.root) + "," + csv_fields(row.oop) +
+         "," + csv_fields(row.ip);
 }
 
 namespace {
@@ -799,15 +827,22 @@ void store_value(void* buf, std::uint64_t index, DataType dtype, double value) {
 
 double load_value(const void* buf, std::uint64_t index, DataType dtype) {
   switch (dtype) {
-    case DataType::kInt8: return static_cast<const std::int8_t*>(buf)[index];
-    case DataType::kUint8: return static_cast<const std::uint8_t*>(buf)[index];
-    case DataType::kInt32: return static_cast<const std::int32_t*>(buf)[index];
+    case DataType::kInt8:
+      return static_cast<const std::int8_t*>(buf)[index];
+    case DataType::kUint8:
+      return static_cast<const std::uint8_t*>(buf)[index];
+    case DataType::kInt32:
+      return static_cast<const std::int32_t*>(buf)[index];
     case DataType::kInt64:
       return static_cast<double>(static_cast<const std::int64_t*>(buf)[index]);
-    case DataType::kFloat16: return half_to_float(static_cast<const std::uint16_t*>(buf)[index]);
-    case DataType::kBFloat16: return bf16_to_float(static_cast<const std::uint16_t*>(buf)[index]);
-    case DataType::kFloat32: return static_cast<const float*>(buf)[index];
-    case DataType::kFloat64: return static_cast<const double*>(buf)[index];
+    case DataType::kFloat16:
+      return half_to_float(static_cast<const std::uint16_t*>(buf)[index]);
+    case DataType::kBFloat16:
+      return bf16_to_float(static_cast<const std::uint16_t*>(buf)[index]);
+    case DataType::kFloat32:
+      return static_cast<const float*>(buf)[index];
+    case DataType::kFloat64:
+      return static_cast<const double*>(buf)[index];
   }
   invalid("load_value: invalid dtype");
 }
@@ -839,10 +874,11 @@ void fill_input(void* buf, const CheckSpec& spec) {
 
 double expected_value(const CheckSpec& spec, std::uint64_t out_index) {
   switch (spec.collective) {
-    case Collective::kAllReduce: return reduced_value(spec, out_index);
+    case Collective::kAllReduce:
+      return reduced_value(spec, out_index);
     case Collective::kReduceScatter:
-      return reduced_value(spec, static_cast<std::uint64_t>(spec.rank) * spec.rank_count +
-                                     out_index);
+      return reduced_value(spec,
+                           static_cast<std::uint64_t>(spec.rank) * spec.rank_count + out_index);
     case Collective::kAllGather: {
       const auto src = spec.rank_count == 0 ? 0 : static_cast<int>(out_index / spec.rank_count);
       return round_to(pattern_value(spec.op, src, out_index, spec.seed), spec.dtype);
@@ -856,18 +892,26 @@ double expected_value(const CheckSpec& spec, std::uint64_t out_index) {
 long long count_wrong(const void* out, const CheckSpec& spec) {
   if (output_count(spec) == 0) return 0;
   switch (spec.dtype) {
-    case DataType::kInt8: return count_wrong_with(spec, plain_loader<std::int8_t>(out));
-    case DataType::kUint8: return count_wrong_with(spec, plain_loader<std::uint8_t>(out));
-    case DataType::kInt32: return count_wrong_with(spec, plain_loader<std::int32_t>(out));
-    case DataType::kInt64: return count_wrong_with(spec, plain_loader<std::int64_t>(out));
-    case DataType::kFloat32: return count_wrong_with(spec, plain_loader<float>(out));
-    case DataType::kFloat64: return count_wrong_with(spec, plain_loader<double>(out));
+    case DataType::kInt8:
+      return count_wrong_with(spec, plain_loader<std::int8_t>(out));
+    case DataType::kUint8:
+      return count_wrong_with(spec, plain_loader<std::uint8_t>(out));
+    case DataType::kInt32:
+      return count_wrong_with(spec, plain_loader<std::int32_t>(out));
+    case DataType::kInt64:
+      return count_wrong_with(spec, plain_loader<std::int64_t>(out));
+    case DataType::kFloat32:
+      return count_wrong_with(spec, plain_loader<float>(out));
+    case DataType::kFloat64:
+      return count_wrong_with(spec, plain_loader<double>(out));
     case DataType::kFloat16:
-      return count_wrong_with(spec, [p = static_cast<const std::uint16_t*>(out)](
-                                        std::uint64_t i) { return half_to_float(p[i]); });
+      return count_wrong_with(spec, [p = static_cast<const std::uint16_t*>(out)](std::uint64_t i) {
+        return half_to_float(p[i]);
+      });
     case DataType::kBFloat16:
-      return count_wrong_with(spec, [p = static_cast<const std::uint16_t*>(out)](
-                                        std::uint64_t i) { return bf16_to_float(p[i]); });
+      return count_wrong_with(spec, [p = static_cast<const std::uint16_t*>(out)](std::uint64_t i) {
+        return bf16_to_float(p[i]);
+      });
   }
   invalid("count_wrong: invalid dtype");
 }

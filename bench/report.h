@@ -19,12 +19,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "dear/types.h"
 
@@ -66,12 +65,12 @@ struct BenchArgs {
   // together; the time reported is per operation (nccl-tests' convention).
   int agg_iters = 1;
   double min_time_ms = 0;  // --min_time_ms: more iterations where -n would take less (0: off)
-  int check = 1;                                   // -c/--check (0: no checked iteration)
-  DataType dtype = DataType::kFloat32;             // -d/--datatype
-  ReduceOp op = ReduceOp::kSum;                    // -o/--op
-  int root = 0;                                    // -r/--root (broadcast only)
-  std::string json_path;                           // --json FILE
-  std::string csv_path;                            // --csv FILE
+  int check = 1;           // -c/--check (0: no checked iteration)
+  DataType dtype = DataType::kFloat32;  // -d/--datatype
+  ReduceOp op = ReduceOp::kSum;         // -o/--op
+  int root = 0;                         // -r/--root (broadcast only)
+  std::string json_path;                // --json FILE
+  std::string csv_path;                 // --csv FILE
 };
 
 // Registers the flags above on `app`, writing into `args` (which must outlive parsing). Sizes
@@ -97,8 +96,8 @@ struct SizePoint {
 
 // min_bytes, then x step_factor (or + step_bytes) up to max_bytes. Points that round to zero
 // elements are dropped except the first, and so are repeats of the previous point.
-[[nodiscard]] std::vector<SizePoint> size_sweep(const BenchArgs& args, Collective c,
-                                                DataType t, int nranks);
+[[nodiscard]] std::vector<SizePoint> size_sweep(const BenchArgs& args, Collective c, DataType t,
+                                                int nranks);
 
 // busbw / algbw: 2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter and all_gather, 1 for
 // broadcast; what a ring moves through each rank's link relative to the user's buffer.
@@ -152,19 +151,18 @@ class Stopwatch {
 inline constexpr long long kNotChecked = -1;
 
 struct Result {
-  double time_us = 0.0;  // mean over iterations, max over ranks
-  double algbw = 0.0;    // GB/s
-  double busbw = 0.0;    // GB/s
-  double p50_us = 0.0;   // rank 0
-  double p99_us = 0.0;   // rank 0
+  double time_us = 0.0;           // mean over iterations, max over ranks
+  double algbw = 0.0;             // GB/s
+  double busbw = 0.0;             // GB/s
+  double p50_us = 0.0;            // rank 0
+  double p99_us = 0.0;            // rank 0
   long long wrong = kNotChecked;  // sum over ranks; kNotChecked prints N/A
   bool valid = false;             // false: the library has no such placement; prints N/A
 };
 
 // A valid Result with bandwidths derived from the point's bytes.
-[[nodiscard]] Result make_result(const SizePoint& point, Collective c, int nranks,
-                                 double time_us, double p50_us, double p99_us,
-                                 long long wrong = kNotChecked);
+[[nodiscard]] Result make_result(const SizePoint& point, Collective c, int nranks, double time_us,
+                                 double p50_us, double p99_us, long long wrong = kNotChecked);
 
 struct Row {
   SizePoint point;
@@ -176,8 +174,7 @@ struct Row {
 };
 
 // A Row with type, redop and root filled the nccl-tests way and both results invalid.
-[[nodiscard]] Row make_row(const SizePoint& point, Collective c, DataType t, ReduceOp op,
-                           int root);
+[[nodiscard]] Row make_row(const SizePoint& point, Collective c, DataType t, ReduceOp op, int root);
 
 // ---------------------------------------------------------------------------------------------
 // Output.
@@ -189,8 +186,8 @@ struct RunInfo {
   DataType dtype = DataType::kFloat32;
   ReduceOp op = ReduceOp::kSum;
   int root = 0;
-  std::string transport;                            // free text, e.g. "tcp 127.0.0.1"
-  nlohmann::json meta = nlohmann::json::object();   // library-specific settings
+  std::string transport;                           // free text, e.g. "tcp 127.0.0.1"
+  nlohmann::json meta = nlohmann::json::object();  // library-specific settings
 };
 
 struct RunReport {

@@ -14,35 +14,41 @@
 #include "collectives/cost_model.h"
 #include "collectives/device_staging.h"
 #include "collectives/engine.h"
-#include "collectives/steps.h"
 #include "collectives/ops.h"
 #include "collectives/reduce.h"
+#include "collectives/steps.h"
 #include "common/env.h"
 #include "transport/delay_channel.h"
-#include "transport/signals.h"
 #include "transport/fabric/fabric_link.h"
-#include "transport/verbs/verbs_link.h"
+#include "transport/signals.h"
 #include "transport/socket_util.h"
 #include "transport/tcp/tcp_channel.h"
+#include "transport/verbs/verbs_link.h"
 
 namespace dear {
 
 const char* to_string(Algorithm a) noexcept {
   switch (a) {
-    case Algorithm::kAuto: return "auto";
-    case Algorithm::kRing: return "ring";
-    case Algorithm::kGatherReduce: return "gather_reduce";
-    case Algorithm::kHalvingDoubling: return "halving_doubling";
-    case Algorithm::kRecursiveDoubling: return "recursive_doubling";
-    case Algorithm::kTree: return "tree";
+    case Algorithm::kAuto:
+      return "auto";
+    case Algorithm::kRing:
+      return "ring";
+    case Algorithm::kGatherReduce:
+      return "gather_reduce";
+    case Algorithm::kHalvingDoubling:
+      return "halving_doubling";
+    case Algorithm::kRecursiveDoubling:
+      return "recursive_doubling";
+    case Algorithm::kTree:
+      return "tree";
   }
   return "invalid";
 }
 
 std::optional<Algorithm> parse_algorithm(std::string_view name) noexcept {
-  for (const auto a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kGatherReduce,
-                       Algorithm::kHalvingDoubling, Algorithm::kRecursiveDoubling,
-                       Algorithm::kTree}) {
+  for (const auto a :
+       {Algorithm::kAuto, Algorithm::kRing, Algorithm::kGatherReduce, Algorithm::kHalvingDoubling,
+        Algorithm::kRecursiveDoubling, Algorithm::kTree}) {
     if (name == to_string(a)) return a;
   }
   return std::nullopt;
@@ -161,8 +167,7 @@ class CommunicatorImpl final : public Communicator {
     auto o = make(OpKind::kAllReduce, in, out, count, dtype, op, -1, opts);
     check_buffers(*o, "in", count, "out", count, true);
     if (size_ > 1) {
-      const Algorithm a =
-          opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
+      const Algorithm a = opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
       o->schedule = select(OpKind::kAllReduce, a, count, dtype, opts);
     }
     return launch(std::move(o), opts);
@@ -172,13 +177,11 @@ class CommunicatorImpl final : public Communicator {
                       ReduceOp op, const OpOptions& opts) override {
     auto o = make(OpKind::kReduceScatter, in, out, recv_count, dtype, op, -1, opts);
     check_total(recv_count, dtype, "recv_count");
-    check_buffers(*o, "in", recv_count * static_cast<std::size_t>(size_), "out", recv_count,
-                  false);
-    check_in_place_block(o->in, recv_count * static_cast<std::size_t>(size_), o->out,
-                         recv_count, dtype, "out", "in");
+    check_buffers(*o, "in", recv_count * static_cast<std::size_t>(size_), "out", recv_count, false);
+    check_in_place_block(o->in, recv_count * static_cast<std::size_t>(size_), o->out, recv_count,
+                         dtype, "out", "in");
     if (size_ > 1) {
-      const Algorithm a =
-          opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
+      const Algorithm a = opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
       o->schedule = select(OpKind::kReduceScatter, a, recv_count, dtype, opts);
     }
     return launch(std::move(o), opts);
@@ -188,14 +191,12 @@ class CommunicatorImpl final : public Communicator {
                   const OpOptions& opts) override {
     auto o = make(OpKind::kAllGather, in, out, send_count, dtype, ReduceOp::kSum, -1, opts);
     check_total(send_count, dtype, "send_count");
-    check_buffers(*o, "in", send_count, "out", send_count * static_cast<std::size_t>(size_),
-                  false);
-    check_in_place_block(o->out, send_count * static_cast<std::size_t>(size_), o->in,
-                         send_count, dtype, "in", "out");
+    check_buffers(*o, "in", send_count, "out", send_count * static_cast<std::size_t>(size_), false);
+    check_in_place_block(o->out, send_count * static_cast<std::size_t>(size_), o->in, send_count,
+                         dtype, "in", "out");
     if (size_ > 1) {
       // Latency-bound sizes gather both ways round the ring: half the steps.
-      const Algorithm a =
-          opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
+      const Algorithm a = opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
       o->schedule = select(OpKind::kAllGather, a, send_count, dtype, opts);
     }
     return launch(std::move(o), opts);
@@ -205,8 +206,7 @@ class CommunicatorImpl final : public Communicator {
                  const OpOptions& opts) override {
     if (root < 0 || root >= size_) {
       throw Error(ErrorCode::kInvalidArgument,
-                  "root=" + std::to_string(root) + " is outside [0, " + std::to_string(size_) +
-                      ")",
+                  "root=" + std::to_string(root) + " is outside [0, " + std::to_string(size_) + ")",
                   rank_, Error::kNone, "broadcast");
     }
     auto o = make(OpKind::kBroadcast, in, out, count, dtype, ReduceOp::kSum, root, opts);
@@ -294,21 +294,21 @@ class CommunicatorImpl final : public Communicator {
                   rank_);
     }
     if (options_.fabric_direct_bytes < -1) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "CommOptions::fabric_direct_bytes=" +
-                      std::to_string(options_.fabric_direct_bytes) +
-                      " is neither a byte count, 0 (off) nor -1 (the default)",
-                  rank_);
+      throw Error(
+          ErrorCode::kInvalidArgument,
+          "CommOptions::fabric_direct_bytes=" + std::to_string(options_.fabric_direct_bytes) +
+              " is neither a byte count, 0 (off) nor -1 (the default)",
+          rank_);
     }
   }
 
   void connect() {
     namespace tr = transport;
     if (options_.link_delay_us < 0) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "CommOptions::link_delay_us=" + std::to_string(options_.link_delay_us) +
-                      " is negative",
-                  rank_);
+      throw Error(
+          ErrorCode::kInvalidArgument,
+          "CommOptions::link_delay_us=" + std::to_string(options_.link_delay_us) + " is negative",
+          rank_);
     }
     const auto deadline = tr::deadline_after(options_.timeout);
     std::vector<std::unique_ptr<tr::Channel>> to_next;
@@ -396,8 +396,8 @@ class CommunicatorImpl final : public Communicator {
       const auto& rec = all[static_cast<std::size_t>(r)];
       if (rec.channels != options_.channels || rec.version != kAddressVersion) {
         throw Error(ErrorCode::kMismatch,
-                    "rank " + std::to_string(r) + " uses channels=" +
-                        std::to_string(rec.channels) + ", rank " + std::to_string(rank_) +
+                    "rank " + std::to_string(r) + " uses channels=" + std::to_string(rec.channels) +
+                        ", rank " + std::to_string(rank_) +
                         " uses channels=" + std::to_string(options_.channels) +
                         " (DEAR_CHANNELS / CommOptions::channels must agree)",
                     rank_, r, "create");
@@ -439,8 +439,8 @@ class CommunicatorImpl final : public Communicator {
     const char* name = collectives::to_string(kind);
     if (!is_valid(dtype)) {
       throw Error(ErrorCode::kInvalidArgument,
-                  "dtype=" + std::to_string(static_cast<int>(dtype)) + " is not a DataType",
-                  rank_, Error::kNone, name);
+                  "dtype=" + std::to_string(static_cast<int>(dtype)) + " is not a DataType", rank_,
+                  Error::kNone, name);
     }
     if ((kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter) && !is_valid(op)) {
       throw Error(ErrorCode::kInvalidArgument,
@@ -473,8 +473,8 @@ class CommunicatorImpl final : public Communicator {
     if (opts.cuda_stream != nullptr) {
       // With CUDA the device wrapper consumes the stream before this point.
       throw Error(ErrorCode::kInvalidArgument,
-                  "OpOptions::cuda_stream is set but this build of dear has no CUDA support",
-                  rank_, Error::kNone, name);
+                  "OpOptions::cuda_stream is set but this build of dear has no CUDA support", rank_,
+                  Error::kNone, name);
     }
     auto o = std::make_unique<Op>();
     o->kind = kind;
@@ -506,8 +506,8 @@ class CommunicatorImpl final : public Communicator {
 
   [[noreturn]] void partial_overlap(const char* op) const {
     throw Error(ErrorCode::kInvalidArgument,
-                "in and out overlap partially; use the same pointer for in-place operation",
-                rank_, Error::kNone, op);
+                "in and out overlap partially; use the same pointer for in-place operation", rank_,
+                Error::kNone, op);
   }
 
   void check_buffers(const Op& o, const char* in_name, std::size_t in_count, const char* out_name,
@@ -578,8 +578,8 @@ class CommunicatorImpl final : public Communicator {
                            : " (all_reduce, reduce_scatter and all_gather only)"),
                   rank_, Error::kNone, collectives::to_string(kind));
     }
-    const bool log_step = a == Algorithm::kHalvingDoubling ||
-                          a == Algorithm::kRecursiveDoubling || a == Algorithm::kTree;
+    const bool log_step = a == Algorithm::kHalvingDoubling || a == Algorithm::kRecursiveDoubling ||
+                          a == Algorithm::kTree;
     if (log_step && size_ > 1 && !mesh_) {
       throw Error(ErrorCode::kInvalidArgument,
                   std::string(what) + "=" + to_string(a) +
@@ -592,9 +592,11 @@ class CommunicatorImpl final : public Communicator {
   static bool algorithm_fits(Algorithm a, OpKind kind) {
     switch (a) {
       case Algorithm::kAuto:
-      case Algorithm::kRing: return true;
+      case Algorithm::kRing:
+        return true;
       case Algorithm::kGatherReduce:
-      case Algorithm::kTree: return kind == OpKind::kAllReduce;
+      case Algorithm::kTree:
+        return kind == OpKind::kAllReduce;
       case Algorithm::kHalvingDoubling:
       case Algorithm::kRecursiveDoubling:
         return kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter ||
@@ -626,8 +628,8 @@ class CommunicatorImpl final : public Communicator {
     // With a model the choice plans and predicts every candidate (about a microsecond, which
     // on an oversubscribed host is a fifth of a small all_reduce); training repeats a few
     // sizes, so each choice is remembered.
-    const SelectKey key{static_cast<int>(kind), static_cast<int>(a), count * el, el,
-                        g.channels, g.slice_bytes};
+    const SelectKey key{static_cast<int>(kind), static_cast<int>(a), count * el, el, g.channels,
+                        g.slice_bytes};
     std::lock_guard lock(select_mu_);
     const auto it = select_cache_.find(key);
     if (it != select_cache_.end()) return it->second;

@@ -3,10 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
-
-#include <nlohmann/json.hpp>
 
 #include "collectives/steps.h"
 #include "common/stats.h"
@@ -117,8 +116,8 @@ struct Parts {
   double bandwidth_us = 0;
 };
 
-Parts parts(const CostModel& m, OpKind kind, Schedule schedule, std::size_t bytes,
-            std::size_t el, const ModelGeometry& g) {
+Parts parts(const CostModel& m, OpKind kind, Schedule schedule, std::size_t bytes, std::size_t el,
+            const ModelGeometry& g) {
   el = std::max<std::size_t>(el, 1);
   if (is_log_step(schedule)) {
     const StepCost c = step_cost(kind, schedule, std::max(g.nranks, 1), bytes / el, el);
@@ -326,9 +325,9 @@ void fit_alpha_beta(CostModel& m) {
   m.median_rel_error = median(std::move(errors));
 }
 
-std::vector<std::size_t> refinement_sizes(
-    const std::vector<std::size_t>& sizes,
-    const std::vector<std::vector<ScheduleSample>>& samples, int max_refinements) {
+std::vector<std::size_t> refinement_sizes(const std::vector<std::size_t>& sizes,
+                                          const std::vector<std::vector<ScheduleSample>>& samples,
+                                          int max_refinements) {
   // samples[s][k] is schedule s at sizes[k] (sorted). Where the fastest schedule measured at
   // one size differs from the fastest at the next, their crossover lies in between, and
   // interpolating each schedule's correction across a factor of 4 or more in size can put it
@@ -365,7 +364,8 @@ double fit_schedule(CostModel& m, Schedule schedule, std::vector<ScheduleSample>
             [](const ScheduleSample& a, const ScheduleSample& b) { return a.bytes < b.bytes; });
   for (const auto& s : samples) {
     if (!(s.bytes >= 0)) throw std::invalid_argument("fit_schedule: a sample has negative bytes");
-    const Parts p = parts(m, OpKind::kAllReduce, schedule, static_cast<std::size_t>(s.bytes), el, g);
+    const Parts p =
+        parts(m, OpKind::kAllReduce, schedule, static_cast<std::size_t>(s.bytes), el, g);
     steps.push_back(p.steps);
     band.push_back(p.bandwidth_us);
     times.push_back(s.measured_us);
@@ -499,9 +499,8 @@ CostModel parse_cost_model(const std::string& text, const std::string& source) {
         m.schedule_samples[name].push_back(s);
       }
       auto& list = m.schedule_samples[name];
-      std::sort(list.begin(), list.end(), [](const ScheduleSample& a, const ScheduleSample& b) {
-        return a.bytes < b.bytes;
-      });
+      std::sort(list.begin(), list.end(),
+                [](const ScheduleSample& a, const ScheduleSample& b) { return a.bytes < b.bytes; });
     }
   }
   if (const auto it = j.find("points"); it != j.end()) {

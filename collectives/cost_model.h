@@ -128,9 +128,9 @@ struct SchedulePlan {
 [[nodiscard]] double size_correction(const CostModel& m, Schedule schedule, double total_bytes);
 
 // Predicted time in microseconds: (latency_steps * step_alpha_us + beta_scale * the bandwidth
-// part) * size_correction. Log-step schedules (steps.h) cost, along their critical path, alpha per step, beta per
-// byte of the larger of a step's send and receive, and reduce_us_per_byte per byte reduced or
-// copied locally.
+// part) * size_correction. Log-step schedules (steps.h) cost, along their critical path, alpha per
+// step, beta per byte of the larger of a step's send and receive, and reduce_us_per_byte per byte
+// reduced or copied locally.
 [[nodiscard]] double predict_us(const CostModel& m, OpKind kind, Schedule schedule,
                                 std::size_t bytes, std::size_t el, const ModelGeometry& g);
 // The bandwidth part alone, before beta_scale: what predict_us adds to the latency steps.
@@ -142,10 +142,10 @@ struct SchedulePlan {
 // kGatherReduce -> gather_reduce for all_reduce; the log-step algorithms -> their schedule,
 // when g.log_steps and the kind supports it; the caller rejects the other pairs). kAuto, and
 // kGatherReduce for all_gather: with a model, the candidate with the lowest predicted time,
-// unless the ring's is within model->ring_margin of it (then the ring); without one (model == nullptr), a threshold: the small schedule while the
-// operation's total bytes are <= threshold_bytes (below 8 ranks, or without log steps, the
-// ring's two-way gather; from 8 ranks on, the tree for all_reduce, recursive doubling for
-// all_gather and halving for reduce_scatter).
+// unless the ring's is within model->ring_margin of it (then the ring); without one (model ==
+// nullptr), a threshold: the small schedule while the operation's total bytes are <=
+// threshold_bytes (below 8 ranks, or without log steps, the ring's two-way gather; from 8 ranks on,
+// the tree for all_reduce, recursive doubling for all_gather and halving for reduce_scatter).
 [[nodiscard]] Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes,
                                        std::size_t el, const ModelGeometry& g,
                                        const CostModel* model, std::size_t threshold_bytes);
@@ -162,8 +162,8 @@ void fit_alpha_beta(CostModel& m);
 // 4 apart whose measured fastest schedules differ, the power of two nearest their geometric
 // midpoint; at most max_refinements of them, smallest first.
 [[nodiscard]] std::vector<std::size_t> refinement_sizes(
-    const std::vector<std::size_t>& sizes,
-    const std::vector<std::vector<ScheduleSample>>& samples, int max_refinements);
+    const std::vector<std::size_t>& sizes, const std::vector<std::vector<ScheduleSample>>& samples,
+    int max_refinements);
 
 // Fits `schedule`'s alpha and bandwidth multiplier to all_reduces of it (elements of `el`
 // bytes) measured at several sizes on g.nranks ranks: measured = alpha * latency_steps +

@@ -121,9 +121,7 @@ struct Staging {
     auto* flags = reinterpret_cast<std::uint64_t*>(block->host);
     return std::atomic_ref<std::uint64_t>(flags[i]).load(std::memory_order_acquire) != 0;
   }
-  [[nodiscard]] bool failed() const {
-    return enqueued.load(std::memory_order_acquire) == kFailed;
-  }
+  [[nodiscard]] bool failed() const { return enqueued.load(std::memory_order_acquire) == kFailed; }
 };
 
 struct Job {
@@ -310,9 +308,9 @@ class DeviceCommunicator final : public Communicator {
     // behind staged ones is not split): every rank that passes device memory splits alike.
     const bool split = in_dev || out_dev;
     auto st = std::make_shared<Staging>();
-    st->plan = plan_pieces(kind, {in, in_bytes, in_dev}, {out, out_bytes, out_dev}, count,
-                           std::max<std::size_t>(dtype_size(dtype), 1), rank(), size(), split,
-                           pieces_);
+    st->plan =
+        plan_pieces(kind, {in, in_bytes, in_dev}, {out, out_bytes, out_dev}, count,
+                    std::max<std::size_t>(dtype_size(dtype), 1), rank(), size(), split, pieces_);
     const std::size_t n = st->pieces();
     // CUDA calls that may wait for the device (allocations) are made before the job is
     // queued and without mu_, which the staging thread needs to move earlier jobs on.
@@ -348,8 +346,7 @@ class DeviceCommunicator final : public Communicator {
 
   void check_not_aborted(const char* name) const {
     if (aborted_.load(std::memory_order_acquire)) {
-      throw Error(ErrorCode::kAborted, "the communicator was aborted", rank(), Error::kNone,
-                  name);
+      throw Error(ErrorCode::kAborted, "the communicator was aborted", rank(), Error::kNone, name);
     }
   }
 
@@ -380,8 +377,7 @@ class DeviceCommunicator final : public Communicator {
       cuda::check(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming),
                   "creating the staging stream's event", rank());
       int pitch = 0;
-      if (cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, device) == cudaSuccess &&
-          pitch > 0) {
+      if (cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, device) == cudaSuccess && pitch > 0) {
         max_pitch_ = static_cast<std::size_t>(pitch);
       }
       (void)cudaGetLastError();
@@ -477,8 +473,8 @@ class DeviceCommunicator final : public Communicator {
       bool issued = false;
       try {
         if (stopping_) {
-          throw Error(ErrorCode::kAborted, "the communicator was destroyed", rank(),
-                      Error::kNone, job.name);
+          throw Error(ErrorCode::kAborted, "the communicator was destroyed", rank(), Error::kNone,
+                      job.name);
         }
         if (!job.staging) {
           run_host(job, issued);
@@ -541,8 +537,7 @@ class DeviceCommunicator final : public Communicator {
   }
 
   // A piece's failure as the operation's: the same code, peer and sequence, the piece named.
-  [[noreturn]] void rethrow_piece(const std::exception_ptr& error, const Job& job,
-                                  std::size_t i) {
+  [[noreturn]] void rethrow_piece(const std::exception_ptr& error, const Job& job, std::size_t i) {
     const PiecePlan& plan = job.staging->plan;
     if (plan.pieces.size() == 1) std::rethrow_exception(error);
     try {
@@ -565,8 +560,7 @@ class DeviceCommunicator final : public Communicator {
     const auto deadline = std::chrono::steady_clock::now() + job.timeout;
     const auto late = [&](const std::string& what) {
       return Error(ErrorCode::kTimeout,
-                   what + " did not finish within " + std::to_string(job.timeout.count()) +
-                       " ms",
+                   what + " did not finish within " + std::to_string(job.timeout.count()) + " ms",
                    rank(), Error::kNone, job.name);
     };
     std::vector<Work> works;
@@ -607,8 +601,7 @@ class DeviceCommunicator final : public Communicator {
           }
           if (std::chrono::steady_clock::now() > deadline) {
             throw late("the work before it on its CUDA stream and the copy of " +
-                       (n == 1 ? std::string("its input")
-                               : piece_name(st.plan, works.size())) +
+                       (n == 1 ? std::string("its input") : piece_name(st.plan, works.size())) +
                        " to pinned memory");
           }
           std::this_thread::sleep_for(std::chrono::microseconds(20));
@@ -639,8 +632,8 @@ class DeviceCommunicator final : public Communicator {
     const auto drained = std::chrono::steady_clock::now() + job.timeout;
     while (!st.flag_set(n)) {
       if (st.failed()) {
-        throw Error(ErrorCode::kSystem, "its last flag could not be put on its CUDA stream",
-                    rank(), Error::kNone, job.name);
+        throw Error(ErrorCode::kSystem, "its last flag could not be put on its CUDA stream", rank(),
+                    Error::kNone, job.name);
       }
       if (std::chrono::steady_clock::now() > drained) {
         throw late("the copy of its result from pinned memory to the device");

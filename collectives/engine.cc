@@ -62,8 +62,8 @@ std::string view_of(OpKind kind, Schedule schedule, std::uint64_t count, DataTyp
 }
 
 std::string view_of(const FrameHeader& h) {
-  return view_of(static_cast<OpKind>(h.kind & 0x0f), static_cast<Schedule>(h.kind >> 4),
-                 h.count, static_cast<DataType>(h.dtype), static_cast<ReduceOp>(h.redop), h.root);
+  return view_of(static_cast<OpKind>(h.kind & 0x0f), static_cast<Schedule>(h.kind >> 4), h.count,
+                 static_cast<DataType>(h.dtype), static_cast<ReduceOp>(h.redop), h.root);
 }
 
 std::string view_of(const Op& op) {
@@ -92,9 +92,7 @@ class Engine::LinkSink final : public transport::RecvSink {
   void on_message(int channel, const FrameHeader& h) override {
     e_.on_message(link_, ch(channel), h);
   }
-  void on_sent(int channel, std::uint64_t token) override {
-    e_.on_sent(link_, ch(channel), token);
-  }
+  void on_sent(int channel, std::uint64_t token) override { e_.on_sent(link_, ch(channel), token); }
   void on_closed(int channel) override { e_.on_closed(link_, ch(channel)); }
 
  private:
@@ -106,8 +104,7 @@ class Engine::LinkSink final : public transport::RecvSink {
 
 Engine::Engine(EngineConfig config, std::vector<std::unique_ptr<transport::Channel>> to_next,
                std::vector<std::unique_ptr<transport::Channel>> from_prev,
-               std::vector<int> mesh_peers,
-               std::vector<std::unique_ptr<transport::Channel>> mesh)
+               std::vector<int> mesh_peers, std::vector<std::unique_ptr<transport::Channel>> mesh)
     : cfg_(config),
       mesh_peers_(std::move(mesh_peers)),
       link_of_peer_(static_cast<std::size_t>(std::max(config.size, 1)), -1),
@@ -485,9 +482,8 @@ void Engine::start(std::unique_ptr<Op> op) {
   }
   op->deadline = transport::deadline_after(op->timeout);
   const bool log_step = is_log_step(op->schedule);
-  const bool needs_scratch =
-      op->schedule == Schedule::kGatherReduce ||
-      (op->kind == OpKind::kReduceScatter && op->nranks > 2 && !log_step);
+  const bool needs_scratch = op->schedule == Schedule::kGatherReduce ||
+                             (op->kind == OpKind::kReduceScatter && op->nranks > 2 && !log_step);
   if (log_step) {
     // The work buffer (reduce_scatter: a copy of the input) and the staging area.
     const std::size_t work = op->log.work_is_scratch ? op->log.work_bytes : 0;
@@ -574,8 +570,8 @@ void Engine::check_link_needed(const Op& op, int link, int channel) {
   if (!needs) return;
   const int peer = peer_of(link);
   throw Error(ErrorCode::kPeerFailed,
-              "connection to rank " + std::to_string(peer) +
-                  " (channel " + std::to_string(channel) + ")" +
+              "connection to rank " + std::to_string(peer) + " (channel " +
+                  std::to_string(channel) + ")" +
                   " is closed but this operation still needs it: that rank exited, crashed or "
                   "destroyed its communicator early; " +
                   describe_progress(op),
@@ -834,8 +830,8 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
       }
       if (static_cast<std::int64_t>(h.seq) <= posted_) {
         throw Error(ErrorCode::kMismatch,
-                    "received a slice of operation #" + std::to_string(h.seq) + " (" +
-                        view_of(h) + ") from rank " + std::to_string(peer) +
+                    "received a slice of operation #" + std::to_string(h.seq) + " (" + view_of(h) +
+                        ") from rank " + std::to_string(peer) +
                         " after this rank had finished it: the ranks disagree about that "
                         "operation's size or schedule",
                     cfg_.rank, peer, to_string(static_cast<OpKind>(h.kind & 0x0f)),
@@ -864,8 +860,7 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
   }
   throw Error(ErrorCode::kPeerFailed,
               "protocol violation: unexpected frame type " +
-                  std::to_string(static_cast<int>(h.type)) + " from rank " +
-                  std::to_string(peer),
+                  std::to_string(static_cast<int>(h.type)) + " from rank " + std::to_string(peer),
               cfg_.rank, peer);
 }
 
@@ -896,9 +891,9 @@ RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h
   if (channel >= op.channels || h.index != op.recv_next[di][c] ||
       h.index >= op.messages_received_per_channel(dir)) {
     throw Error(ErrorCode::kMismatch,
-                "slice " + std::to_string(h.index) + " of " + view_of(op) +
-                    " arrived on channel " + std::to_string(channel) + " from rank " +
-                    std::to_string(peer) + " where slice " + std::to_string(op.recv_next[di][c]) +
+                "slice " + std::to_string(h.index) + " of " + view_of(op) + " arrived on channel " +
+                    std::to_string(channel) + " from rank " + std::to_string(peer) +
+                    " where slice " + std::to_string(op.recv_next[di][c]) +
                     " was expected: the ranks use different channel or slice settings",
                 cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
   }
@@ -952,10 +947,10 @@ void Engine::on_message(int link, int channel, const FrameHeader& h) {
     const int blame = h.root >= 0 && h.root < cfg_.size ? h.root : peer_of(link);
     // Mismatches and timeouts keep their kind as they travel around the ring (a timeout must
     // stay recognisable for the hand-back below); anything else is the peer's failure.
-    const auto code = h.count == static_cast<std::uint64_t>(ErrorCode::kMismatch) ? ErrorCode::kMismatch
-                      : h.count == static_cast<std::uint64_t>(ErrorCode::kTimeout)
-                          ? ErrorCode::kTimeout
-                          : ErrorCode::kPeerFailed;
+    const auto code =
+        h.count == static_cast<std::uint64_t>(ErrorCode::kMismatch)  ? ErrorCode::kMismatch
+        : h.count == static_cast<std::uint64_t>(ErrorCode::kTimeout) ? ErrorCode::kTimeout
+                                                                     : ErrorCode::kPeerFailed;
     std::string text(abort_text_[link].data(), abort_text_[link].size());
     if (h.count == static_cast<std::uint64_t>(ErrorCode::kTimeout) && blame == cfg_.rank &&
         !active_.empty()) {
@@ -1035,7 +1030,8 @@ void Engine::on_sent(int link, int channel, std::uint64_t token) {
   }
   Op* op = find(token);
   // Link l carries the sends of direction l.
-  if (op != nullptr) ++op->send_done[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
+  if (op != nullptr)
+    ++op->send_done[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
 }
 
 void Engine::on_closed(int link, int channel) {
@@ -1063,8 +1059,8 @@ std::string Engine::describe_progress(const Op& op) const {
   std::string text;
   if (is_log_step(op.schedule)) {
     const auto k = static_cast<std::size_t>(op.step_next);
-    text = "completed " + std::to_string(op.step_next) + "/" +
-           std::to_string(op.log.steps.size()) + " steps of " + to_string(op.schedule);
+    text = "completed " + std::to_string(op.step_next) + "/" + std::to_string(op.log.steps.size()) +
+           " steps of " + to_string(op.schedule);
     if (k < op.log.steps.size()) {
       const Step& s = op.log.steps[k];
       const std::uint8_t st = op.step_state[k];

@@ -72,8 +72,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // announcements (kPosted) go to the previous rank. `mesh[i]` is one channel to rank
   // `mesh_peers[i]`, for the log-step schedules (steps.h); they need every rank of
   // step_peers(rank, size) and cannot run without them.
-  Engine(EngineConfig config,
-         std::vector<std::unique_ptr<transport::Channel>> to_next,
+  Engine(EngineConfig config, std::vector<std::unique_ptr<transport::Channel>> to_next,
          std::vector<std::unique_ptr<transport::Channel>> from_prev,
          std::vector<int> mesh_peers = {},
          std::vector<std::unique_ptr<transport::Channel>> mesh = {});
@@ -108,13 +107,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   friend class LinkSink;
   struct Unexpected;
   struct RecvCtx {
-    Op* op = nullptr;           // null: unexpected or control message
-    int dir = 0;                // direction the message travels (collectives::kForward, ...)
-    char* dst = nullptr;        // reduce destination / direct destination
+    Op* op = nullptr;             // null: unexpected or control message
+    int dir = 0;                  // direction the message travels (collectives::kForward, ...)
+    char* dst = nullptr;          // reduce destination / direct destination
     const char* other = nullptr;  // reduce operand from local memory
     bool final = false;
     bool reduce = false;
-    int step = -1;              // log-step schedules: the local step being received
+    int step = -1;                         // log-step schedules: the local step being received
     struct Unexpected* pending = nullptr;  // an unexpected message being stored
   };
   struct Unexpected {
@@ -153,8 +152,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void check_link_needed(const Op& op, int link, int channel);
   void open_window(Op& op);
   void close_window(Op& op) noexcept;
-  transport::RecvTarget target_for(Op& op, int dir, int channel,
-                                   const transport::FrameHeader& h, RecvCtx& ctx);
+  transport::RecvTarget target_for(Op& op, int dir, int channel, const transport::FrameHeader& h,
+                                   RecvCtx& ctx);
   void replay_unexpected(Op& op);
   // Log-step schedules (steps.h) on the mesh links.
   bool advance_log_steps();
@@ -181,8 +180,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<std::vector<std::unique_ptr<transport::Channel>>> links_;
   std::vector<std::unique_ptr<LinkSink>> sinks_;
   std::vector<std::vector<RecvCtx>> recv_ctx_;
-  std::vector<int> mesh_peers_;      // peer of link 2 + i
-  std::vector<int> link_of_peer_;    // mesh link index per rank, -1 for none
+  std::vector<int> mesh_peers_;    // peer of link 2 + i
+  std::vector<int> link_of_peer_;  // mesh link index per rank, -1 for none
 
   // Submission queue, shared with caller threads.
   std::mutex submit_mu_;
@@ -204,7 +203,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::atomic<int> mode_{kRunning};
   std::atomic<bool> stop_{false};
   std::atomic<bool> abort_requested_{false};
-  std::string abort_reason_;  // guarded by submit_mu_
+  std::string abort_reason_;   // guarded by submit_mu_
   std::exception_ptr failed_;  // guarded by submit_mu_ once set
   transport::Fd wake_fd_;
 

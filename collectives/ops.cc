@@ -26,12 +26,12 @@ int ring_mod(int x, int n) { return ((x % n) + n) % n; }
 std::size_t ceil_div(std::size_t a, std::size_t b) { return (a + b - 1) / b; }
 
 Span span_of(const Op& op, int chunk, int channel, int slice) {
-  const Range c = split(op.total, static_cast<std::size_t>(op.nchunks),
-                        static_cast<std::size_t>(chunk));
-  const Range p = split(c.len, static_cast<std::size_t>(op.channels),
-                        static_cast<std::size_t>(channel));
-  const Range s = split(p.len, static_cast<std::size_t>(op.slices),
-                        static_cast<std::size_t>(slice));
+  const Range c =
+      split(op.total, static_cast<std::size_t>(op.nchunks), static_cast<std::size_t>(chunk));
+  const Range p =
+      split(c.len, static_cast<std::size_t>(op.channels), static_cast<std::size_t>(channel));
+  const Range s =
+      split(p.len, static_cast<std::size_t>(op.slices), static_cast<std::size_t>(slice));
   return {(c.begin + p.begin + s.begin) * op.el, s.len * op.el};
 }
 
@@ -46,24 +46,36 @@ std::size_t chunk_offset(const Op& op, int chunk) {
 
 const char* to_string(OpKind k) noexcept {
   switch (k) {
-    case OpKind::kAllReduce: return "all_reduce";
-    case OpKind::kReduceScatter: return "reduce_scatter";
-    case OpKind::kAllGather: return "all_gather";
-    case OpKind::kBroadcast: return "broadcast";
-    case OpKind::kBarrier: return "barrier";
+    case OpKind::kAllReduce:
+      return "all_reduce";
+    case OpKind::kReduceScatter:
+      return "reduce_scatter";
+    case OpKind::kAllGather:
+      return "all_gather";
+    case OpKind::kBroadcast:
+      return "broadcast";
+    case OpKind::kBarrier:
+      return "barrier";
   }
   return "unknown";
 }
 
 const char* to_string(Schedule s) noexcept {
   switch (s) {
-    case Schedule::kRing: return "ring";
-    case Schedule::kGatherReduce: return "gather_reduce";
-    case Schedule::kChain: return "chain";
-    case Schedule::kBiGather: return "bi_gather";
-    case Schedule::kRecursiveDoubling: return "recursive_doubling";
-    case Schedule::kHalvingDoubling: return "halving_doubling";
-    case Schedule::kTree: return "tree";
+    case Schedule::kRing:
+      return "ring";
+    case Schedule::kGatherReduce:
+      return "gather_reduce";
+    case Schedule::kChain:
+      return "chain";
+    case Schedule::kBiGather:
+      return "bi_gather";
+    case Schedule::kRecursiveDoubling:
+      return "recursive_doubling";
+    case Schedule::kHalvingDoubling:
+      return "halving_doubling";
+    case Schedule::kTree:
+      return "tree";
   }
   return "unknown";
 }
@@ -89,8 +101,8 @@ void ScratchPool::release(std::unique_ptr<char[]> buf, std::size_t capacity) {
   constexpr std::size_t kMaxSpare = 8;
   if (free_.size() >= kMaxSpare) {
     // Keep the largest buffers: they are the expensive ones to make again.
-    auto smallest = std::min_element(free_.begin(), free_.end(),
-                                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    auto smallest = std::min_element(
+        free_.begin(), free_.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
     if (smallest->first >= capacity) return;
     free_.erase(smallest);
   }
@@ -175,8 +187,8 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
   op.slices = static_cast<int>(
       std::max<std::size_t>(1, ceil_div(part_bytes, std::max<std::size_t>(1, geo.slice_bytes))));
   op.dep_lag = op.kind == OpKind::kBroadcast ? 0 : op.slices;
-  op.eager = chunk_bytes * static_cast<std::size_t>(std::max(op.send_steps[kForward],
-                                                              op.recv_steps[kForward])) <=
+  op.eager = chunk_bytes * static_cast<std::size_t>(
+                               std::max(op.send_steps[kForward], op.recv_steps[kForward])) <=
              geo.eager_bytes;
   op.work = op.out;
 }
@@ -195,10 +207,13 @@ int chunk_sent(const Op& op, int dir, int r, int step) {
     case OpKind::kAllReduce:
       if (op.schedule == Schedule::kGatherReduce) return ring_mod(r - s, n);
       return s < n - 1 ? ring_mod(r - s - 1, n) : ring_mod(r - (s - (n - 1)), n);
-    case OpKind::kReduceScatter: return ring_mod(r - s - 1, n);
+    case OpKind::kReduceScatter:
+      return ring_mod(r - s - 1, n);
     case OpKind::kAllGather:
-    case OpKind::kBarrier: return ring_mod(r - s, n);
-    case OpKind::kBroadcast: return 0;
+    case OpKind::kBarrier:
+      return ring_mod(r - s, n);
+    case OpKind::kBroadcast:
+      return 0;
   }
   return 0;
 }
@@ -353,8 +368,8 @@ void finish_local(Op& op) {
   for (int c = 2; c < nr - 1; ++c) {
     reduce(op.out, op.out, w + static_cast<std::size_t>(c) * block, n, op.dtype, op.redop);
   }
-  reduce_final(op.out, op.out, w + static_cast<std::size_t>(nr - 1) * block, n, op.dtype,
-               op.redop, nr);
+  reduce_final(op.out, op.out, w + static_cast<std::size_t>(nr - 1) * block, n, op.dtype, op.redop,
+               nr);
 }
 
 }  // namespace dear::collectives

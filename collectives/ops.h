@@ -72,15 +72,15 @@ class ScratchPool {
 // One step of a log-step schedule (steps.h), from one rank's point of view. Offsets are bytes
 // in the operation's work buffer.
 struct Step {
-  int tag = 0;                  // schedule-wide id of the message (the frame's index)
-  int send_peer = -1;           // -1: this step sends nothing
+  int tag = 0;         // schedule-wide id of the message (the frame's index)
+  int send_peer = -1;  // -1: this step sends nothing
   std::size_t send_offset = 0;
   std::size_t send_bytes = 0;
   int recv_peer = -1;           // -1: this step receives nothing
   std::size_t recv_offset = 0;  // where the received bytes go (or are reduced into)
   std::size_t recv_bytes = 0;
-  bool reduce = false;          // reduce into the work buffer (else copy)
-  bool final = false;           // the last reduction of these elements (avg divides here)
+  bool reduce = false;           // reduce into the work buffer (else copy)
+  bool final = false;            // the last reduction of these elements (avg divides here)
   std::size_t stage_offset = 0;  // reduce: where the operand waits in the staging area
   bool wait_send = false;        // the send must have left before the receive is applied
 };
@@ -109,23 +109,23 @@ struct Op {
   std::uint64_t seq = 0;
   int rank = 0;
   int nranks = 1;
-  std::size_t el = 1;            // element size
-  std::size_t total = 0;         // elements in the chunked space
+  std::size_t el = 1;     // element size
+  std::size_t total = 0;  // elements in the chunked space
   int nchunks = 1;
   int channels = 1;
   int slices = 1;
   std::array<int, 2> send_steps{};  // per direction
   std::array<int, 2> recv_steps{};
-  int dep_lag = 0;               // send i waits for receive i - dep_lag (ring: slices)
-  bool forwards = false;         // whether sends after the first step depend on receives
+  int dep_lag = 0;        // send i waits for receive i - dep_lag (ring: slices)
+  bool forwards = false;  // whether sends after the first step depend on receives
   bool eager = false;
-  char* work = nullptr;          // the buffer chunks live in (out, or scratch)
+  char* work = nullptr;  // the buffer chunks live in (out, or scratch)
   char* scratch = nullptr;
   std::unique_ptr<char[]> scratch_owner;
   std::size_t scratch_capacity = 0;
-  std::vector<char> tiny;        // barrier payloads
-  StepPlan log;                  // log-step schedules only
-  char* stage = nullptr;         // log-step: where early operands wait (in scratch)
+  std::vector<char> tiny;  // barrier payloads
+  StepPlan log;            // log-step schedules only
+  char* stage = nullptr;   // log-step: where early operands wait (in scratch)
 
   // Progress (engine thread).
   using Counters = std::array<std::array<std::uint32_t, kMaxChannels>, 2>;  // [direction][ch]

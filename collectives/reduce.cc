@@ -104,10 +104,9 @@ bool cpu_has_f16c() {
 // written, so exact aliasing is safe), the operator runs as a plain fp32 loop that the
 // compiler vectorises like the fp32 kernels, and the result is converted back.
 template <class Fn>
-__attribute__((target("avx2,f16c"))) void half_loop_f16c(std::uint16_t* dst,
-                                                        const std::uint16_t* a,
-                                                        const std::uint16_t* b, std::size_t n,
-                                                        Fn fn) {
+__attribute__((target("avx2,f16c"))) void half_loop_f16c(std::uint16_t* dst, const std::uint16_t* a,
+                                                         const std::uint16_t* b, std::size_t n,
+                                                         Fn fn) {
   constexpr std::size_t kVectors = 4;
   constexpr std::size_t kBlock = 8 * kVectors;
   std::size_t i = 0;
@@ -216,8 +215,8 @@ DEAR_ALWAYS_INLINE void bf16_binary(std::uint16_t* dst, const std::uint16_t* a,
 }
 
 template <class E, class Fn>
-DEAR_ALWAYS_INLINE void binary(void* dst, const void* a, const void* b, std::size_t n,
-                               Alias alias, Fn fn) {
+DEAR_ALWAYS_INLINE void binary(void* dst, const void* a, const void* b, std::size_t n, Alias alias,
+                               Fn fn) {
   using S = typename E::Storage;
   auto* d = static_cast<S*>(dst);
   const auto* pa = static_cast<const S*>(a);

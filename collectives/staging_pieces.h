@@ -102,7 +102,8 @@ inline PiecePlan unsplit(const StagingSpan& in, const StagingSpan& out, std::siz
   p.count = count;
   p.in_offset = s.in_offset;
   p.out_offset = s.out_offset;
-  for (const auto& c : s.copy_in) p.copy_in.push_back(flat_copy(c.device, c.pinned_offset, c.bytes));
+  for (const auto& c : s.copy_in)
+    p.copy_in.push_back(flat_copy(c.device, c.pinned_offset, c.bytes));
   for (const auto& c : s.copy_out) {
     p.copy_out.push_back(flat_copy(c.device, c.pinned_offset, c.bytes));
   }
@@ -143,9 +144,15 @@ inline PiecePlan unsplit(const StagingSpan& in, const StagingSpan& out, std::siz
                  (!reads_in || (in.ptr != nullptr && in.bytes == in_total));
     if (valid && reads_in && i0 < o0 + out_total && o0 < i0 + in_total) {
       switch (kind) {
-        case StagedKind::kReduceScatter: valid = o0 == i0 + own; break;
-        case StagedKind::kAllGather: valid = i0 == o0 + own; break;
-        default: valid = i0 == o0; break;
+        case StagedKind::kReduceScatter:
+          valid = o0 == i0 + own;
+          break;
+        case StagedKind::kAllGather:
+          valid = i0 == o0 + own;
+          break;
+        default:
+          valid = i0 == o0;
+          break;
       }
     }
     if (!valid) return detail::unsplit(in, out, count, elem);

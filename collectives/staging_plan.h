@@ -27,8 +27,8 @@ struct StagingSpan {
 };
 
 struct StagingCopy {
-  std::uintptr_t device = 0;     // device address
-  std::size_t pinned_offset = 0; // offset into the pinned buffer
+  std::uintptr_t device = 0;      // device address
+  std::size_t pinned_offset = 0;  // offset into the pinned buffer
   std::size_t bytes = 0;
 };
 

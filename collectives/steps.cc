@@ -48,8 +48,7 @@ class Builder {
   void recv(int tag, int peer, Range r, bool reduce, bool final = false) {
     add(tag, -1, {0, 0}, peer, r, reduce, final, false);
   }
-  void exchange(int tag, int peer, Range out, Range in, bool reduce, bool final,
-                bool wait_send) {
+  void exchange(int tag, int peer, Range out, Range in, bool reduce, bool final, bool wait_send) {
     add(tag, peer, out, peer, in, reduce, final, wait_send);
   }
   // Marks the last reducing step final (the tree's root).
@@ -184,8 +183,7 @@ void plan_all_reduce(Builder& b, Schedule s, int r, int n, std::size_t count, st
   const int v = f.vrank(r);
   if (s == Schedule::kRecursiveDoubling) {
     for (int k = 0; k < f.levels; ++k) {
-      b.exchange(kTagCore + k, f.real(v ^ (1 << k)), whole, whole, true, k == f.levels - 1,
-                 true);
+      b.exchange(kTagCore + k, f.real(v ^ (1 << k)), whole, whole, true, k == f.levels - 1, true);
     }
   } else {
     const Bounds bounds = Bounds::of_vector(f, count, el);
@@ -234,11 +232,14 @@ bool is_log_step(Schedule s) noexcept {
 
 bool log_step_supports(OpKind kind, Schedule s) noexcept {
   switch (kind) {
-    case OpKind::kAllReduce: return is_log_step(s);
-    case OpKind::kReduceScatter: return s == Schedule::kHalvingDoubling;
+    case OpKind::kAllReduce:
+      return is_log_step(s);
+    case OpKind::kReduceScatter:
+      return s == Schedule::kHalvingDoubling;
     case OpKind::kAllGather:
       return s == Schedule::kRecursiveDoubling || s == Schedule::kHalvingDoubling;
-    default: return false;
+    default:
+      return false;
   }
 }
 

@@ -37,8 +37,8 @@ namespace dear::collectives {
 
 // This rank's steps. `count` is the caller's count (per-rank block for reduce_scatter and
 // all_gather), `el` the element size. Throws std::invalid_argument for an unsupported pair.
-[[nodiscard]] StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks,
-                                  std::size_t count, std::size_t el);
+[[nodiscard]] StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t count,
+                                  std::size_t el);
 
 // Every rank that some log-step schedule makes `rank` exchange with, ascending. Symmetric:
 // b is in step_peers(a) exactly when a is in step_peers(b).

@@ -23,8 +23,8 @@ std::optional<std::int64_t> get_int(const char* name, std::int64_t min, std::int
   if (errno != 0 || end == v->c_str() || *end != '\0' || x < min || x > max) {
     throw Error(ErrorCode::kInvalidArgument, std::string("environment variable ") + name + "='" +
                                                  *v + "' is not a whole number in [" +
-                                                 std::to_string(min) + ", " +
-                                                 std::to_string(max) + "]");
+                                                 std::to_string(min) + ", " + std::to_string(max) +
+                                                 "]");
   }
   return x;
 }
@@ -38,11 +38,16 @@ std::optional<std::uint64_t> parse_bytes(const std::string& text) {
   std::uint64_t mult = 1;
   std::string suffix(end);
   if (!suffix.empty() && (suffix.back() == 'B' || suffix.back() == 'b')) suffix.pop_back();
-  if (suffix == "" ) mult = 1;
-  else if (suffix == "K" || suffix == "k" || suffix == "Ki") mult = 1ULL << 10;
-  else if (suffix == "M" || suffix == "m" || suffix == "Mi") mult = 1ULL << 20;
-  else if (suffix == "G" || suffix == "g" || suffix == "Gi") mult = 1ULL << 30;
-  else return std::nullopt;
+  if (suffix == "")
+    mult = 1;
+  else if (suffix == "K" || suffix == "k" || suffix == "Ki")
+    mult = 1ULL << 10;
+  else if (suffix == "M" || suffix == "m" || suffix == "Mi")
+    mult = 1ULL << 20;
+  else if (suffix == "G" || suffix == "g" || suffix == "Gi")
+    mult = 1ULL << 30;
+  else
+    return std::nullopt;
   if (x > std::numeric_limits<std::uint64_t>::max() / mult) return std::nullopt;
   return x * mult;
 }

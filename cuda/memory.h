@@ -28,7 +28,6 @@ struct MappedMemory {
   void* host = nullptr;
   void* device = nullptr;
 };
-[[nodiscard]] MappedMemory alloc_mapped(std::size_t bytes, const std::string& what,
-                                        int rank = -1);
+[[nodiscard]] MappedMemory alloc_mapped(std::size_t bytes, const std::string& what, int rank = -1);
 
 }  // namespace dear::cuda

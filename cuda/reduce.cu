@@ -106,8 +106,8 @@ void launch(void* dst, const void* a, const void* b, std::size_t n, Fn fn, cudaS
 }
 
 template <DataType kType>
-void reduce_typed(void* dst, const void* a, const void* b, std::size_t n, ReduceOp op,
-                  int divisor, cudaStream_t stream) {
+void reduce_typed(void* dst, const void* a, const void* b, std::size_t n, ReduceOp op, int divisor,
+                  cudaStream_t stream) {
   using E = Element<kType>;
   switch (op) {
     case ReduceOp::kAvg:
@@ -132,12 +132,12 @@ void reduce_typed(void* dst, const void* a, const void* b, std::size_t n, Reduce
   }
 }
 
-void dispatch(void* dst, const void* a, const void* b, std::size_t n, DataType dtype,
-              ReduceOp op, int divisor, cudaStream_t stream) {
+void dispatch(void* dst, const void* a, const void* b, std::size_t n, DataType dtype, ReduceOp op,
+              int divisor, cudaStream_t stream) {
   if (!is_valid(dtype)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "cuda::reduce: dtype=" + std::to_string(static_cast<int>(dtype)) +
-                    " is not a DataType");
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        "cuda::reduce: dtype=" + std::to_string(static_cast<int>(dtype)) + " is not a DataType");
   }
   if (!is_valid(op)) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -146,14 +146,18 @@ void dispatch(void* dst, const void* a, const void* b, std::size_t n, DataType d
   if (n == 0) return;
   const char* null_arg = dst == nullptr ? "dst" : a == nullptr ? "a" : b == nullptr ? "b" : nullptr;
   if (null_arg != nullptr) {
-    throw Error(ErrorCode::kInvalidArgument, std::string("cuda::reduce: ") + null_arg +
-                                                 " is null but n=" + std::to_string(n));
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string("cuda::reduce: ") + null_arg + " is null but n=" + std::to_string(n));
   }
   switch (dtype) {
-    case DataType::kInt8: return reduce_typed<DataType::kInt8>(dst, a, b, n, op, divisor, stream);
-    case DataType::kUint8: return reduce_typed<DataType::kUint8>(dst, a, b, n, op, divisor, stream);
-    case DataType::kInt32: return reduce_typed<DataType::kInt32>(dst, a, b, n, op, divisor, stream);
-    case DataType::kInt64: return reduce_typed<DataType::kInt64>(dst, a, b, n, op, divisor, stream);
+    case DataType::kInt8:
+      return reduce_typed<DataType::kInt8>(dst, a, b, n, op, divisor, stream);
+    case DataType::kUint8:
+      return reduce_typed<DataType::kUint8>(dst, a, b, n, op, divisor, stream);
+    case DataType::kInt32:
+      return reduce_typed<DataType::kInt32>(dst, a, b, n, op, divisor, stream);
+    case DataType::kInt64:
+      return reduce_typed<DataType::kInt64>(dst, a, b, n, op, divisor, stream);
     case DataType::kFloat16:
       return reduce_typed<DataType::kFloat16>(dst, a, b, n, op, divisor, stream);
     case DataType::kBFloat16:

@@ -71,8 +71,8 @@ const MemOps& memops() {
 bool stream_memop(StreamValue64 fn, cudaStream_t stream, const void* addr, std::uint64_t value,
                   unsigned flags, const char* what) {
   if (fn == nullptr) return false;
-  const CUresult rc = fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr),
-                         value, flags);
+  const CUresult rc =
+      fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value, flags);
   if (rc != CUDA_SUCCESS) {
     throw Error(ErrorCode::kSystem,
                 std::string(what) + " failed with CUDA driver error " + std::to_string(rc));

@@ -135,8 +135,8 @@ void CommBackend::handover_loop() {
 
 Work CommBackend::launched_work(std::unique_lock<std::mutex>& lock, OpId id) {
   if (id < 0 || id >= static_cast<OpId>(ops_.size())) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "CommBackend: unknown operation " + std::to_string(id), comm_.rank());
+    throw Error(ErrorCode::kInvalidArgument, "CommBackend: unknown operation " + std::to_string(id),
+                comm_.rank());
   }
   Op& op = ops_[static_cast<std::size_t>(id)];
   if (!op.launched) ++blocked_waits_;
@@ -178,8 +178,7 @@ void CommBackend::set_priority(OpId id, int priority) {
   std::lock_guard<std::mutex> lock(mu_);
   if (id < 0 || id >= static_cast<OpId>(ops_.size())) {
     throw Error(ErrorCode::kInvalidArgument,
-                "CommBackend::set_priority: unknown operation " + std::to_string(id),
-                comm_.rank());
+                "CommBackend::set_priority: unknown operation " + std::to_string(id), comm_.rank());
   }
   Op& op = ops_[static_cast<std::size_t>(id)];
   if (!op.launched) {

@@ -21,8 +21,8 @@ FusionPlan plan_from_starts(const Model& model, int ranks, const std::vector<int
     const int end = i + 1 < starts.size() ? starts[i + 1] : n;
     if (end <= starts[i] || end > n) {
       throw Error(ErrorCode::kInvalidArgument,
-                  "fusion plan: group starts must ascend within the model's " +
-                      std::to_string(n) + " layers");
+                  "fusion plan: group starts must ascend within the model's " + std::to_string(n) +
+                      " layers");
     }
     Group g;
     g.first = starts[i];

@@ -52,9 +52,8 @@ void Link::admit(double now) {
     const LinkOp& o = ops_[i];
     if (o.admit_order >= 0 && !(o.done && o.end_s <= now)) held += o.credit_bytes;
   }
-  std::stable_sort(waiting_.begin(), waiting_.end(), [&](int a, int b) {
-    return ops_[a].priority > ops_[b].priority;
-  });
+  std::stable_sort(waiting_.begin(), waiting_.end(),
+                   [&](int a, int b) { return ops_[a].priority > ops_[b].priority; });
   for (int i : waiting_) {
     LinkOp& o = ops_[i];
     if (o.issue_s > now) continue;  // not issued yet at `now`
@@ -115,8 +114,8 @@ bool Link::decide_one(double limit) {
   op.start_s = std::min(op.start_s, when);
   // The serial engine moves a whole step at once (nobody else may use the link); dear's
   // engine one slice, after which it chooses again.
-  const std::int64_t bytes = engine_.interleave ? std::min(op.step_left, net_.slice_bytes)
-                                                : op.step_left;
+  const std::int64_t bytes =
+      engine_.interleave ? std::min(op.step_left, net_.slice_bytes) : op.step_left;
   // Alone on the link a step costs alpha + beta * bytes: the sender's share of alpha (gap)
   // before the bytes, the flight time after them.
   const double gap = std::min(net_.gap_s, net_.alpha_s);

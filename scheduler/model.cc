@@ -67,8 +67,7 @@ std::vector<std::int64_t> layer_offsets(const Model& model) {
 
 Model scale_model(const Model& model, double time_scale, double param_scale) {
   if (!(time_scale > 0) || !(param_scale > 0)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "scale_model: time_scale and param_scale must be > 0");
+    throw Error(ErrorCode::kInvalidArgument, "scale_model: time_scale and param_scale must be > 0");
   }
   Model m = model;
   for (auto& l : m.layers) {

@@ -25,20 +25,28 @@ bool g_initialised_here = false;
 std::string mpi_error_text(int rc) {
   std::array<char, MPI_MAX_ERROR_STRING> text{};
   int len = 0;
-  if (MPI_Error_string(rc, text.data(), &len) != MPI_SUCCESS) return "MPI error " + std::to_string(rc);
+  if (MPI_Error_string(rc, text.data(), &len) != MPI_SUCCESS)
+    return "MPI error " + std::to_string(rc);
   return std::string(text.data(), static_cast<std::size_t>(len));
 }
 
 MPI_Datatype mpi_type(DataType t) {
   switch (t) {
-    case DataType::kInt8: return MPI_INT8_T;
-    case DataType::kUint8: return MPI_UINT8_T;
-    case DataType::kInt32: return MPI_INT32_T;
-    case DataType::kInt64: return MPI_INT64_T;
+    case DataType::kInt8:
+      return MPI_INT8_T;
+    case DataType::kUint8:
+      return MPI_UINT8_T;
+    case DataType::kInt32:
+      return MPI_INT32_T;
+    case DataType::kInt64:
+      return MPI_INT64_T;
     case DataType::kFloat16:
-    case DataType::kBFloat16: return MPI_UINT16_T;  // reduced by user operations below
-    case DataType::kFloat32: return MPI_FLOAT;
-    case DataType::kFloat64: return MPI_DOUBLE;
+    case DataType::kBFloat16:
+      return MPI_UINT16_T;  // reduced by user operations below
+    case DataType::kFloat32:
+      return MPI_FLOAT;
+    case DataType::kFloat64:
+      return MPI_DOUBLE;
   }
   return MPI_DATATYPE_NULL;
 }
@@ -55,10 +63,14 @@ constexpr ReduceOp kBaseOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin
 template <DataType T>
 MPI_User_function* user_function(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kProd: return &reduce_16<T, ReduceOp::kProd>;
-    case ReduceOp::kMin: return &reduce_16<T, ReduceOp::kMin>;
-    case ReduceOp::kMax: return &reduce_16<T, ReduceOp::kMax>;
-    default: return &reduce_16<T, ReduceOp::kSum>;
+    case ReduceOp::kProd:
+      return &reduce_16<T, ReduceOp::kProd>;
+    case ReduceOp::kMin:
+      return &reduce_16<T, ReduceOp::kMin>;
+    case ReduceOp::kMax:
+      return &reduce_16<T, ReduceOp::kMax>;
+    default:
+      return &reduce_16<T, ReduceOp::kSum>;
   }
 }
 
@@ -71,7 +83,8 @@ class MpiCommunicator final : public Communicator {
       MPI_Initialized(&initialised);
       if (initialised == 0) {
         int provided = 0;
-        check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+        check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided),
+              "MPI_Init_thread");
         g_initialised_here = true;
         if (provided < MPI_THREAD_SERIALIZED) {
           throw Error(ErrorCode::kSystem,
@@ -157,7 +170,8 @@ class MpiCommunicator final : public Communicator {
     check_pointers(in, out, send_count, "all_gather");
     auto p = pending("all_gather", send_count, dtype, ReduceOp::kSum, opts);
     const std::size_t bytes = send_count * dtype_size(dtype);
-    const bool in_place = in == static_cast<const char*>(out) + static_cast<std::size_t>(rank_) * bytes;
+    const bool in_place =
+        in == static_cast<const char*>(out) + static_cast<std::size_t>(rank_) * bytes;
     const void* send = in_place ? MPI_IN_PLACE : in;
     const int n = static_cast<int>(send_count);
     return submit(std::move(p), [&](MPI_Request* req) {
@@ -205,7 +219,8 @@ class MpiCommunicator final : public Communicator {
     bool test() override {
       int flag = 0;
       const int rc = MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
-      if (rc != MPI_SUCCESS) throw Error(ErrorCode::kPeerFailed, what + ": " + mpi_error_text(rc), rank);
+      if (rc != MPI_SUCCESS)
+        throw Error(ErrorCode::kPeerFailed, what + ": " + mpi_error_text(rc), rank);
       return flag != 0;
     }
     void finish() override {
@@ -253,15 +268,19 @@ class MpiCommunicator final : public Communicator {
       }
     }
     switch (base) {
-      case ReduceOp::kProd: return MPI_PROD;
-      case ReduceOp::kMin: return MPI_MIN;
-      case ReduceOp::kMax: return MPI_MAX;
-      default: return MPI_SUM;
+      case ReduceOp::kProd:
+        return MPI_PROD;
+      case ReduceOp::kMin:
+        return MPI_MIN;
+      case ReduceOp::kMax:
+        return MPI_MAX;
+      default:
+        return MPI_SUM;
     }
   }
 
-  std::unique_ptr<Pending> pending(const char* name, std::size_t count, DataType dtype,
-                                   ReduceOp op, const OpOptions& opts) const {
+  std::unique_ptr<Pending> pending(const char* name, std::size_t count, DataType dtype, ReduceOp op,
+                                   const OpOptions& opts) const {
     if (!is_valid(dtype)) {
       throw Error(ErrorCode::kInvalidArgument,
                   "dtype=" + std::to_string(static_cast<int>(dtype)) + " is not a DataType", rank_,
@@ -273,8 +292,8 @@ class MpiCommunicator final : public Communicator {
                   Error::kNone, name);
     }
     auto p = std::make_unique<Pending>();
-    p->what = std::string(name) + " count=" + std::to_string(count) + " dtype=" +
-              std::string(to_string(dtype));
+    p->what = std::string(name) + " count=" + std::to_string(count) +
+              " dtype=" + std::string(to_string(dtype));
     p->rank = rank_;
     p->nranks = size_;
     p->count = count;

@@ -17,25 +17,38 @@ namespace {
 
 ncclDataType_t nccl_type(DataType t) {
   switch (t) {
-    case DataType::kInt8: return ncclInt8;
-    case DataType::kUint8: return ncclUint8;
-    case DataType::kInt32: return ncclInt32;
-    case DataType::kInt64: return ncclInt64;
-    case DataType::kFloat16: return ncclFloat16;
-    case DataType::kBFloat16: return ncclBfloat16;
-    case DataType::kFloat32: return ncclFloat32;
-    case DataType::kFloat64: return ncclFloat64;
+    case DataType::kInt8:
+      return ncclInt8;
+    case DataType::kUint8:
+      return ncclUint8;
+    case DataType::kInt32:
+      return ncclInt32;
+    case DataType::kInt64:
+      return ncclInt64;
+    case DataType::kFloat16:
+      return ncclFloat16;
+    case DataType::kBFloat16:
+      return ncclBfloat16;
+    case DataType::kFloat32:
+      return ncclFloat32;
+    case DataType::kFloat64:
+      return ncclFloat64;
   }
   return ncclFloat32;
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return ncclSum;
-    case ReduceOp::kProd: return ncclProd;
-    case ReduceOp::kMin: return ncclMin;
-    case ReduceOp::kMax: return ncclMax;
-    case ReduceOp::kAvg: return ncclAvg;
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kProd:
+      return ncclProd;
+    case ReduceOp::kMin:
+      return ncclMin;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kAvg:
+      return ncclAvg;
   }
   return ncclSum;
 }
@@ -75,7 +88,10 @@ class NcclCommunicator final : public Communicator {
     bootstrap.all_gather(&id, sizeof(id), all.data());
     nccl(ncclCommInitRank(&comm_, size_, all[0], rank_), "ncclCommInitRank");
     cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-    ops_ = std::make_unique<ExternalOps>(rank_, [this] { (void)ncclCommAbort(comm_); aborted_ = true; });
+    ops_ = std::make_unique<ExternalOps>(rank_, [this] {
+      (void)ncclCommAbort(comm_);
+      aborted_ = true;
+    });
   }
 
   ~NcclCommunicator() override {
@@ -100,19 +116,20 @@ class NcclCommunicator final : public Communicator {
   Work reduce_scatter(const void* in, void* out, std::size_t recv_count, DataType dtype,
                       ReduceOp op, const OpOptions& opts) override {
     const std::size_t block = recv_count * dtype_size(dtype);
-    const bool in_place = out == static_cast<const char*>(in) + static_cast<std::size_t>(rank_) * block;
-    return run("reduce_scatter", recv_count, dtype, opts,
-               {in, block * static_cast<std::size_t>(size_)}, {out, block}, in_place,
-               [=, this](const void* s, void* r) {
-                 return ncclReduceScatter(s, r, recv_count, nccl_type(dtype), nccl_op(op), comm_,
-                                          stream_);
-               });
+    const bool in_place =
+        out == static_cast<const char*>(in) + static_cast<std::size_t>(rank_) * block;
+    return run(
+        "reduce_scatter", recv_count, dtype, opts, {in, block * static_cast<std::size_t>(size_)},
+        {out, block}, in_place, [=, this](const void* s, void* r) {
+          return ncclReduceScatter(s, r, recv_count, nccl_type(dtype), nccl_op(op), comm_, stream_);
+        });
   }
 
   Work all_gather(const void* in, void* out, std::size_t send_count, DataType dtype,
                   const OpOptions& opts) override {
     const std::size_t block = send_count * dtype_size(dtype);
-    const bool in_place = in == static_cast<const char*>(out) + static_cast<std::size_t>(rank_) * block;
+    const bool in_place =
+        in == static_cast<const char*>(out) + static_cast<std::size_t>(rank_) * block;
     return run("all_gather", send_count, dtype, opts, {in, block},
                {out, block * static_cast<std::size_t>(size_)}, in_place,
                [=, this](const void* s, void* r) {
@@ -128,8 +145,8 @@ class NcclCommunicator final : public Communicator {
                   rank_, Error::kNone, "broadcast");
     }
     const std::size_t bytes = count * dtype_size(dtype);
-    return run("broadcast", count, dtype, opts, {rank_ == root ? in : nullptr, bytes},
-               {out, bytes}, false, [=, this](const void* s, void* r) {
+    return run("broadcast", count, dtype, opts, {rank_ == root ? in : nullptr, bytes}, {out, bytes},
+               false, [=, this](const void* s, void* r) {
                  return ncclBroadcast(s, r, count, nccl_type(dtype), root, comm_, stream_);
                });
   }
@@ -156,7 +173,7 @@ class NcclCommunicator final : public Communicator {
     cudaEvent_t done = nullptr;
     ncclComm_t comm = nullptr;
     int rank = 0;
-    void* staged_in = nullptr;   // device copies of host buffers, freed on the stream
+    void* staged_in = nullptr;  // device copies of host buffers, freed on the stream
     void* staged_out = nullptr;
     ~Pending() override {
       if (done != nullptr) (void)cudaEventDestroy(done);
@@ -193,8 +210,8 @@ class NcclCommunicator final : public Communicator {
   Work run(const char* name, std::size_t count, DataType dtype, const OpOptions& opts, Buffer in,
            Buffer out, bool in_place, Call call) {
     auto p = std::make_unique<Pending>();
-    p->what = std::string(name) + " count=" + std::to_string(count) + " dtype=" +
-              std::string(to_string(dtype));
+    p->what = std::string(name) + " count=" + std::to_string(count) +
+              " dtype=" + std::string(to_string(dtype));
     p->deadline = deadline_of(opts, options_);
     p->comm = comm_;
     p->rank = rank_;
@@ -227,8 +244,8 @@ class NcclCommunicator final : public Communicator {
       }
       nccl(call(dev_in, dev_out), name);
       if (me.staged_out != nullptr && out.ptr != nullptr) {
-        cuda(cudaMemcpyAsync(const_cast<void*>(out.ptr), dev_out, out.bytes,
-                             cudaMemcpyDeviceToHost, stream_),
+        cuda(cudaMemcpyAsync(const_cast<void*>(out.ptr), dev_out, out.bytes, cudaMemcpyDeviceToHost,
+                             stream_),
              "cudaMemcpyAsync");
       }
       if (me.staged_in != nullptr) cuda(cudaFreeAsync(me.staged_in, stream_), "cudaFreeAsync");

@@ -6,7 +6,8 @@ namespace dear::scheduler {
 
 bool nccl_built() noexcept { return false; }
 
-std::unique_ptr<Communicator> make_nccl_communicator(Bootstrap& bootstrap, CommOptions /*options*/) {
+std::unique_ptr<Communicator> make_nccl_communicator(Bootstrap& bootstrap,
+                                                     CommOptions /*options*/) {
   throw Error(ErrorCode::kInvalidArgument,
               "this build of dear has no NCCL support (CUDA or NCCL was not found at configure "
               "time)",

@@ -72,9 +72,9 @@ class DearPolicy final : public Policy {
     const int g = group_of_.at(layer);
     if (++ready_[g] < plan_[g].layers()) return;
     ready_[g] = 0;
-    CommRequest rs{OpKind::kReduceScatter, plan_[g].padded, 0, kNoOp,
-                   plan_[g].first, plan_[g].last, g, false, offsets_[plan_[g].first],
-                   options_.shard_optimizer};
+    CommRequest rs{OpKind::kReduceScatter,   plan_[g].padded,         0, kNoOp,
+                   plan_[g].first,           plan_[g].last,           g, false,
+                   offsets_[plan_[g].first], options_.shard_optimizer};
     rs_[g] = backend.issue(rs);
     if (options_.eager_all_gather) ag_[g] = backend.issue(all_gather(g, rs_[g], kEagerPriority));
   }
@@ -102,8 +102,9 @@ class DearPolicy final : public Policy {
 
  private:
   [[nodiscard]] CommRequest all_gather(int g, OpId after, int priority) const {
-    return {OpKind::kAllGather, plan_[g].padded, priority, after, plan_[g].first, plan_[g].last,
-            g, false, offsets_[plan_[g].first], options_.shard_optimizer};
+    return {OpKind::kAllGather,       plan_[g].padded,         priority, after,
+            plan_[g].first,           plan_[g].last,           g,        false,
+            offsets_[plan_[g].first], options_.shard_optimizer};
   }
 
   FusionPlan plan_;
@@ -167,9 +168,8 @@ class BucketPolicy final : public WaitAllAtStep {
     // Buckets are reduced strictly in order, each once all its tensors are ready.
     while (next_ < buckets_.size() && ready_tensors_ >= covered_ + buckets_[next_].tensors) {
       const Bucket& b = buckets_[next_];
-      inflight_.push_back(backend.issue(
-          {OpKind::kAllReduce, b.elements, 0, kNoOp, b.first_layer, b.last_layer, -1, false,
-           b.offset}));
+      inflight_.push_back(backend.issue({OpKind::kAllReduce, b.elements, 0, kNoOp, b.first_layer,
+                                         b.last_layer, -1, false, b.offset}));
       covered_ += b.tensors;
       ++next_;
     }
@@ -295,8 +295,8 @@ std::vector<int> mgwfbp_groups(const Model& model, const NetModel& net, int rank
   double prev_end = 0;  // end of the group before it
   for (const auto& tensor : tensors_ready_order(model)) {
     const double r = ready[tensor.layer];
-    const double transfer = op_time(net, OpKind::kAllReduce, tensor.elements, ranks,
-                                    model.element_bytes) - startup;
+    const double transfer =
+        op_time(net, OpKind::kAllReduce, tensor.elements, ranks, model.element_bytes) - startup;
     const bool merge = !counts.empty() && (start >= r || transfer < startup);
     if (merge) {
       elements += tensor.elements;

@@ -120,7 +120,8 @@ class Trainer {
         hook([&] { policy.before_forward(*backend_, l); });
         check_version(l, it, name);
         const auto t0 = begin_compute();
-        end_compute(EventKind::kForward, l, t0, model_.layers[static_cast<std::size_t>(l)].forward_s);
+        end_compute(EventKind::kForward, l, t0,
+                    model_.layers[static_cast<std::size_t>(l)].forward_s);
       }
       for (int l = layers - 1; l >= 0; --l) {
         const auto t0 = begin_compute();
@@ -233,8 +234,7 @@ class Trainer {
       return;  // otherwise only a shard is averaged so far
     }
     const std::int64_t count =
-        r.group >= 0 ? offsets_[static_cast<std::size_t>(r.last_layer) + 1] - r.offset
-                     : r.elements;
+        r.group >= 0 ? offsets_[static_cast<std::size_t>(r.last_layer) + 1] - r.offset : r.elements;
     if (!r.carries_parameters) {
       const auto t0 = Clock::now();
       const float* g = storage_.data() + position(r);
@@ -331,8 +331,8 @@ class Trainer {
   void end_compute(EventKind kind, int layer, Clock::time_point t0, double duration) {
     switch (options_.compute) {
       case ComputeMode::kSleep:
-        clock_ += std::chrono::duration_cast<Clock::duration>(
-            std::chrono::duration<double>(duration));
+        clock_ +=
+            std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(duration));
         std::this_thread::sleep_until(clock_);
         break;
       case ComputeMode::kBusy:
@@ -381,10 +381,10 @@ class Trainer {
   std::vector<std::int64_t> offsets_;
   // Where each layer starts in storage_ and params_: fusion groups (padded) back to back.
   std::vector<std::int64_t> position_;
-  std::vector<float> storage_;          // gradients as the collectives see them
+  std::vector<float> storage_;  // gradients as the collectives see them
   std::vector<float> params_;
-  std::vector<int> version_;             // updates applied to each layer
-  std::vector<std::int64_t> applied_;    // elements of the current update applied
+  std::vector<int> version_;           // updates applied to each layer
+  std::vector<std::int64_t> applied_;  // elements of the current update applied
   Clock::time_point epoch_;
   std::unique_ptr<CommBackend> backend_;
   int iteration_ = 0;
@@ -455,8 +455,7 @@ NetModel calibrate_network(Communicator& comm, int repeats) {
       for (int kind = 0; kind < 2; ++kind) {
         auto once = [&] {
           if (kind == 0) {
-            comm.reduce_scatter(buf.data(), mine, shard, DataType::kFloat32, ReduceOp::kAvg)
-                .wait();
+            comm.reduce_scatter(buf.data(), mine, shard, DataType::kFloat32, ReduceOp::kAvg).wait();
           } else {
             comm.all_gather(mine, buf.data(), shard, DataType::kFloat32).wait();
           }

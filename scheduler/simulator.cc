@@ -20,17 +20,14 @@ using detail::Link;
 class SimBackend final : public Backend {
  public:
   SimBackend(const Model& model, const SimConfig& config, const EngineModel& engine)
-      : model_(model),
-        config_(config),
-        link_(config.net, engine),
-        offsets_(layer_offsets(model)) {}
+      : model_(model), config_(config), link_(config.net, engine), offsets_(layer_offsets(model)) {}
 
   OpId issue(const CommRequest& r) override {
     link_.advance_until(now_);
     const int steps = ring_steps(r.kind, config_.workers);
     const auto chunk = ring_chunk_bytes(r.elements, config_.workers, model_.element_bytes);
-    const OpId id = link_.add(steps, chunk, r.elements * model_.element_bytes, r.priority, now_,
-                              r.after);
+    const OpId id =
+        link_.add(steps, chunk, r.elements * model_.element_bytes, r.priority, now_, r.after);
     requests_.push_back(r);
     iteration_of_.push_back(r.previous_iteration ? iteration_ - 1 : iteration_);
     consumed_.push_back(false);
@@ -45,9 +42,8 @@ class SimBackend final : public Backend {
     const auto i = static_cast<std::size_t>(op);
     if (consumed_.at(i)) return;
     consumed_[i] = true;
-    const double s =
-        static_cast<double>(optimizer_elements(requests_[i])) * config_.optimizer_us_per_mparam *
-        1e-12;
+    const double s = static_cast<double>(optimizer_elements(requests_[i])) *
+                     config_.optimizer_us_per_mparam * 1e-12;
     if (s <= 0) return;
     TraceEvent e;
     e.kind = EventKind::kOptimizer;
@@ -123,8 +119,7 @@ SimResult simulate(const Model& model, Policy& policy, const SimConfig& config,
     result.step_s.push_back(b.now_);
   }
   b.link_.advance_until(kNever);  // let the last all-gathers finish, for the trace
-  result.events.insert(result.events.end(), b.optimizer_events_.begin(),
-                       b.optimizer_events_.end());
+  result.events.insert(result.events.end(), b.optimizer_events_.begin(), b.optimizer_events_.end());
   const auto& ops = b.link_.ops();
   for (std::size_t i = 0; i < ops.size(); ++i) {
     const CommRequest& r = b.requests_[i];
@@ -150,13 +145,12 @@ SimResult simulate(const Model& model, Policy& policy, const SimConfig& config,
 double ideal_bound_s(const Model& model, const SimConfig& config) {
   const int n = config.workers;
   const double compute = model.forward_s() + model.backward_s();
-  const double tail =
-      op_time(config.net, OpKind::kAllReduce, model.layers.front().params(), n,
-              model.element_bytes);
+  const double tail = op_time(config.net, OpKind::kAllReduce, model.layers.front().params(), n,
+                              model.element_bytes);
   const double bandwidth = 2.0 * (n - 1) / n * config.net.beta_s_per_byte *
                            static_cast<double>(model.params() * model.element_bytes);
-  const double optimizer = static_cast<double>(model.params()) / n *
-                           config.optimizer_us_per_mparam * 1e-12;
+  const double optimizer =
+      static_cast<double>(model.params()) / n * config.optimizer_us_per_mparam * 1e-12;
   return std::max({compute + (n > 1 ? tail : 0.0), compute + optimizer, bandwidth});
 }
 
@@ -164,7 +158,10 @@ void write_chrome_trace(const SimResult& result, const Model& model, std::ostrea
   using nlohmann::json;
   json events = json::array();
   auto meta = [&](int tid, const std::string& name) {
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", tid},
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", 0},
+                      {"tid", tid},
                       {"args", {{"name", name}}}});
   };
   meta(0, "compute");
@@ -174,8 +171,9 @@ void write_chrome_trace(const SimResult& result, const Model& model, std::ostrea
   for (const auto& e : result.events) {
     if (e.kind == EventKind::kComm) comms.push_back(&e);
   }
-  std::stable_sort(comms.begin(), comms.end(),
-                   [](const TraceEvent* a, const TraceEvent* b) { return a->start_s < b->start_s; });
+  std::stable_sort(comms.begin(), comms.end(), [](const TraceEvent* a, const TraceEvent* b) {
+    return a->start_s < b->start_s;
+  });
   auto us = [](double s) { return s * 1e6; };
   auto layer_name = [&](int l) { return model.layers.at(static_cast<std::size_t>(l)).name; };
   for (const auto& e : result.events) {
@@ -185,9 +183,14 @@ void write_chrome_trace(const SimResult& result, const Model& model, std::ostrea
     std::string name = (opt ? "O " : fwd ? "F " : "B ") + layer_name(e.first_layer);
     if (opt && e.last_layer != e.first_layer) name += ".." + layer_name(e.last_layer);
     events.push_back({{"name", name},
-                      {"cat", opt ? "optimizer" : fwd ? "forward" : "backward"}, {"ph", "X"},
+                      {"cat", opt   ? "optimizer"
+                              : fwd ? "forward"
+                                    : "backward"},
+                      {"ph", "X"},
                       {"pid", 0},
-                      {"tid", 0}, {"ts", us(e.start_s)}, {"dur", us(e.end_s - e.start_s)},
+                      {"tid", 0},
+                      {"ts", us(e.start_s)},
+                      {"dur", us(e.end_s - e.start_s)},
                       {"args", {{"iteration", e.iteration}}}});
   }
   for (const TraceEvent* e : comms) {
@@ -202,11 +205,18 @@ void write_chrome_trace(const SimResult& result, const Model& model, std::ostrea
     if (e->group >= 0) name += " g" + std::to_string(e->group);
     name += " " + layer_name(e->first_layer);
     if (e->last_layer != e->first_layer) name += ".." + layer_name(e->last_layer);
-    events.push_back({{"name", name}, {"cat", to_string(e->op)}, {"ph", "X"}, {"pid", 0},
-                      {"tid", static_cast<int>(track) + 1}, {"ts", us(e->start_s)},
+    events.push_back({{"name", name},
+                      {"cat", to_string(e->op)},
+                      {"ph", "X"},
+                      {"pid", 0},
+                      {"tid", static_cast<int>(track) + 1},
+                      {"ts", us(e->start_s)},
                       {"dur", us(e->end_s - e->start_s)},
-                      {"args", {{"iteration", e->iteration}, {"elements", e->elements},
-                                {"priority", e->priority}, {"issued_us", us(e->issue_s)}}}});
+                      {"args",
+                       {{"iteration", e->iteration},
+                        {"elements", e->elements},
+                        {"priority", e->priority},
+                        {"issued_us", us(e->issue_s)}}}});
   }
   json doc = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
   out << doc.dump() << "\n";
@@ -232,10 +242,9 @@ FusionPlan plan_rs_dp(const Model& model, const SimConfig& config) {
     std::int64_t elements = 0;
     for (int k = i + 1; k <= n; ++k) {
       elements += model.layers[k - 1].params();
-      const double f = std::max(ready[i], best[k]) +
-                       op_time(config.net, OpKind::kReduceScatter,
-                               pad_to(elements, config.workers), config.workers,
-                               model.element_bytes);
+      const double f = std::max(ready[i], best[k]) + op_time(config.net, OpKind::kReduceScatter,
+                                                             pad_to(elements, config.workers),
+                                                             config.workers, model.element_bytes);
       if (f < best[i]) {
         best[i] = f;
         next[i] = k;
@@ -294,13 +303,12 @@ FusionPlan plan_auto(const Model& model, const SimConfig& config,
 
 const std::vector<std::string>& policy_names() {
   static const std::vector<std::string> names = {
-      "dear", "dear_notf", "dear_prio", "dear_eager", "dear_shard", "dear_auto",
-      "dear_plus", "wfbp", "ddp", "bytescheduler", "mgwfbp"};
+      "dear",      "dear_notf", "dear_prio", "dear_eager",    "dear_shard", "dear_auto",
+      "dear_plus", "wfbp",      "ddp",       "bytescheduler", "mgwfbp"};
   return names;
 }
 
-NamedPolicy make_named_policy(const Model& model, std::string_view name,
-                              const SimConfig& config) {
+NamedPolicy make_named_policy(const Model& model, std::string_view name, const SimConfig& config) {
   const int n = config.workers;
   const EngineModel serial;
   const EngineModel dear_engine{true, 0};

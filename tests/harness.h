@@ -43,14 +43,15 @@ inline std::optional<std::string> suite_transport_unavailable() {
   const SuiteConfig c = suite_config();
   if (c.transport == "verbs") return transport::verbs::unavailable_reason();
   if (c.transport != "fabric") return std::nullopt;
-  if (c.fabric_data_path == "write") return transport::fabric::write_unavailable_reason(c.fabric_provider);
+  if (c.fabric_data_path == "write")
+    return transport::fabric::write_unavailable_reason(c.fabric_provider);
   return transport::fabric::unavailable_reason(c.fabric_provider);
 }
-#define DEAR_SKIP_UNLESS_SUITE_TRANSPORT()                                    \
-  do {                                                                       \
-    if (auto why = ::dear::testing::suite_transport_unavailable()) {         \
-      GTEST_SKIP() << *why;                                                  \
-    }                                                                        \
+#define DEAR_SKIP_UNLESS_SUITE_TRANSPORT()                           \
+  do {                                                               \
+    if (auto why = ::dear::testing::suite_transport_unavailable()) { \
+      GTEST_SKIP() << *why;                                          \
+    }                                                                \
   } while (false)
 #else
 #define DEAR_SKIP_UNLESS_SUITE_TRANSPORT() \
@@ -130,8 +131,8 @@ inline ErrorCode code_of(const std::exception_ptr& e) {
 
 // As run_ranks_collect, but prints every rank's failure (the first one thrown is not always
 // the cause) and rethrows the lowest rank's.
-inline void run_ranks(int n, const std::function<void(Communicator&)>& fn,
-                      CommOptions options = {}, const CommFactory& make = {}) {
+inline void run_ranks(int n, const std::function<void(Communicator&)>& fn, CommOptions options = {},
+                      const CommFactory& make = {}) {
   const auto errors = run_ranks_collect(n, fn, std::move(options), make);
   std::exception_ptr first;
   for (int r = 0; r < n; ++r) {

@@ -2,13 +2,12 @@
 // environment and its output in a file, wait for a group with a time limit, read the output.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdint>
@@ -57,7 +56,7 @@ struct Proc {
 
 // Starts argv with extra environment, stdout+stderr to a file.
 inline Proc spawn(const std::vector<std::string>& argv, const std::vector<std::string>& env,
-           const std::string& out_path) {
+                  const std::string& out_path) {
   Proc p;
   p.out_path = out_path;
   p.pid = ::fork();

@@ -61,28 +61,90 @@ inline std::uint16_t exact_bf16_bits(double v) {
 inline void store(void* buf, std::size_t i, DataType t, double v) {
   auto* p = static_cast<char*>(buf);
   switch (t) {
-    case DataType::kInt8: { auto x = static_cast<std::int8_t>(v); std::memcpy(p + i, &x, 1); break; }
-    case DataType::kUint8: { auto x = static_cast<std::uint8_t>(v); std::memcpy(p + i, &x, 1); break; }
-    case DataType::kInt32: { auto x = static_cast<std::int32_t>(v); std::memcpy(p + 4 * i, &x, 4); break; }
-    case DataType::kInt64: { auto x = static_cast<std::int64_t>(v); std::memcpy(p + 8 * i, &x, 8); break; }
-    case DataType::kFloat16: { auto x = exact_half_bits(v); std::memcpy(p + 2 * i, &x, 2); break; }
-    case DataType::kBFloat16: { auto x = exact_bf16_bits(v); std::memcpy(p + 2 * i, &x, 2); break; }
-    case DataType::kFloat32: { auto x = static_cast<float>(v); std::memcpy(p + 4 * i, &x, 4); break; }
-    case DataType::kFloat64: std::memcpy(p + 8 * i, &v, 8); break;
+    case DataType::kInt8: {
+      auto x = static_cast<std::int8_t>(v);
+      std::memcpy(p + i, &x, 1);
+      break;
+    }
+    case DataType::kUint8: {
+      auto x = static_cast<std::uint8_t>(v);
+      std::memcpy(p + i, &x, 1);
+      break;
+    }
+    case DataType::kInt32: {
+      auto x = static_cast<std::int32_t>(v);
+      std::memcpy(p + 4 * i, &x, 4);
+      break;
+    }
+    case DataType::kInt64: {
+      auto x = static_cast<std::int64_t>(v);
+      std::memcpy(p + 8 * i, &x, 8);
+      break;
+    }
+    case DataType::kFloat16: {
+      auto x = exact_half_bits(v);
+      std::memcpy(p + 2 * i, &x, 2);
+      break;
+    }
+    case DataType::kBFloat16: {
+      auto x = exact_bf16_bits(v);
+      std::memcpy(p + 2 * i, &x, 2);
+      break;
+    }
+    case DataType::kFloat32: {
+      auto x = static_cast<float>(v);
+      std::memcpy(p + 4 * i, &x, 4);
+      break;
+    }
+    case DataType::kFloat64:
+      std::memcpy(p + 8 * i, &v, 8);
+      break;
   }
 }
 
 inline double load(const void* buf, std::size_t i, DataType t) {
   const auto* p = static_cast<const char*>(buf);
   switch (t) {
-    case DataType::kInt8: { std::int8_t x; std::memcpy(&x, p + i, 1); return x; }
-    case DataType::kUint8: { std::uint8_t x; std::memcpy(&x, p + i, 1); return x; }
-    case DataType::kInt32: { std::int32_t x; std::memcpy(&x, p + 4 * i, 4); return x; }
-    case DataType::kInt64: { std::int64_t x; std::memcpy(&x, p + 8 * i, 8); return static_cast<double>(x); }
-    case DataType::kFloat16: { std::uint16_t x; std::memcpy(&x, p + 2 * i, 2); return half_bits_value(x); }
-    case DataType::kBFloat16: { std::uint16_t x; std::memcpy(&x, p + 2 * i, 2); return bf16_bits_value(x); }
-    case DataType::kFloat32: { float x; std::memcpy(&x, p + 4 * i, 4); return x; }
-    case DataType::kFloat64: { double x; std::memcpy(&x, p + 8 * i, 8); return x; }
+    case DataType::kInt8: {
+      std::int8_t x;
+      std::memcpy(&x, p + i, 1);
+      return x;
+    }
+    case DataType::kUint8: {
+      std::uint8_t x;
+      std::memcpy(&x, p + i, 1);
+      return x;
+    }
+    case DataType::kInt32: {
+      std::int32_t x;
+      std::memcpy(&x, p + 4 * i, 4);
+      return x;
+    }
+    case DataType::kInt64: {
+      std::int64_t x;
+      std::memcpy(&x, p + 8 * i, 8);
+      return static_cast<double>(x);
+    }
+    case DataType::kFloat16: {
+      std::uint16_t x;
+      std::memcpy(&x, p + 2 * i, 2);
+      return half_bits_value(x);
+    }
+    case DataType::kBFloat16: {
+      std::uint16_t x;
+      std::memcpy(&x, p + 2 * i, 2);
+      return bf16_bits_value(x);
+    }
+    case DataType::kFloat32: {
+      float x;
+      std::memcpy(&x, p + 4 * i, 4);
+      return x;
+    }
+    case DataType::kFloat64: {
+      double x;
+      std::memcpy(&x, p + 8 * i, 8);
+      return x;
+    }
   }
   return NAN;
 }
@@ -91,10 +153,14 @@ inline double load(const void* buf, std::size_t i, DataType t) {
 inline double wrap(double v, DataType t) {
   const auto x = static_cast<std::int64_t>(v);
   switch (t) {
-    case DataType::kInt8: return static_cast<std::int8_t>(static_cast<std::uint8_t>(x & 0xff));
-    case DataType::kUint8: return static_cast<std::uint8_t>(x & 0xff);
-    case DataType::kInt32: return static_cast<std::int32_t>(static_cast<std::uint32_t>(x));
-    default: return v;
+    case DataType::kInt8:
+      return static_cast<std::int8_t>(static_cast<std::uint8_t>(x & 0xff));
+    case DataType::kUint8:
+      return static_cast<std::uint8_t>(x & 0xff);
+    case DataType::kInt32:
+      return static_cast<std::int32_t>(static_cast<std::uint32_t>(x));
+    default:
+      return v;
   }
 }
 
@@ -105,10 +171,18 @@ inline double expected_reduce(std::size_t i, int nranks, DataType t, ReduceOp op
     const double v = input_value(r, i, t, op, salt);
     switch (op) {
       case ReduceOp::kSum:
-      case ReduceOp::kAvg: acc += v; break;
-      case ReduceOp::kProd: acc *= v; break;
-      case ReduceOp::kMin: acc = std::min(acc, v); break;
-      case ReduceOp::kMax: acc = std::max(acc, v); break;
+      case ReduceOp::kAvg:
+        acc += v;
+        break;
+      case ReduceOp::kProd:
+        acc *= v;
+        break;
+      case ReduceOp::kMin:
+        acc = std::min(acc, v);
+        break;
+      case ReduceOp::kMax:
+        acc = std::max(acc, v);
+        break;
     }
   }
   if (!is_floating(t)) {
@@ -124,10 +198,18 @@ inline bool close_enough(double got, double want, DataType t) {
   if (!is_floating(t)) return got == want;
   double tol = 0;
   switch (t) {
-    case DataType::kFloat16: tol = 2e-3; break;
-    case DataType::kBFloat16: tol = 1.6e-2; break;
-    case DataType::kFloat32: tol = 1e-6; break;
-    default: tol = 1e-12; break;
+    case DataType::kFloat16:
+      tol = 2e-3;
+      break;
+    case DataType::kBFloat16:
+      tol = 1.6e-2;
+      break;
+    case DataType::kFloat32:
+      tol = 1e-6;
+      break;
+    default:
+      tol = 1e-12;
+      break;
   }
   return std::fabs(got - want) <= tol * std::max(1.0, std::fabs(want));
 }

@@ -18,8 +18,8 @@ namespace dear::testing {
 
 // Uneven layers, several tensors per layer, sizes that do not divide by 3 or 4 (padding).
 inline dear::scheduler::Model tiny_model(double fwd_s, double bwd_s) {
-  const std::vector<std::vector<std::int64_t>> tensors = {
-      {300, 7}, {50}, {701, 3}, {20}, {401, 11}, {83}};
+  const std::vector<std::vector<std::int64_t>> tensors = {{300, 7}, {50},      {701, 3},
+                                                          {20},     {401, 11}, {83}};
   dear::scheduler::Model m;
   m.name = "tiny";
   m.batch_size = 4;

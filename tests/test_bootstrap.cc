@@ -15,9 +15,9 @@
 #include <thread>
 #include <vector>
 
+#include "channel_exchange.h"
 #include "dear/bootstrap.h"
 #include "dear/communicator.h"
-#include "channel_exchange.h"
 #include "reference.h"
 #include "transport/auth.h"
 #include "transport/listener_registry.h"
@@ -188,8 +188,7 @@ TEST(Handshake, RejectsReplayTamperingAndWrongSecret) {
   // The listener's proof: valid for this exchange only, and not a reflected connector proof.
   const auth::Welcome w = auth::make_welcome(secret, purpose, claim, c1.nonce);
   const auto* wb = reinterpret_cast<const std::uint8_t*>(&w);
-  EXPECT_EQ(auth::check_welcome(wb, sizeof(w), purpose, secret, claim, c1.nonce),
-            auth::Check::kOk);
+  EXPECT_EQ(auth::check_welcome(wb, sizeof(w), purpose, secret, claim, c1.nonce), auth::Check::kOk);
   EXPECT_EQ(auth::check_welcome(wb, sizeof(w), purpose, secret, claim, c2.nonce),
             auth::Check::kBadMac);
   auth::Welcome reflected = w;
@@ -229,8 +228,7 @@ TEST(Bootstrap, JobFormsDespiteGarbageConnections) {
         for (std::size_t i = 0; i < kCount; ++i) {
           in[i] = static_cast<float>(input_value(r, i, DataType::kFloat32, ReduceOp::kSum));
         }
-        comm->all_reduce(in.data(), out.data(), kCount, DataType::kFloat32, ReduceOp::kSum)
-            .wait();
+        comm->all_reduce(in.data(), out.data(), kCount, DataType::kFloat32, ReduceOp::kSum).wait();
         for (std::size_t i = 0; i < kCount; ++i) {
           const double want = expected_reduce(i, kRanks, DataType::kFloat32, ReduceOp::kSum);
           if (!close_enough(out[i], want, DataType::kFloat32)) ++wrong[static_cast<std::size_t>(r)];
@@ -394,8 +392,8 @@ std::array<std::unique_ptr<transport::Channel>, 2> tcp_channel_pair() {
       const auto port = transport::local_address(listeners[1 - r].get()).port();
       out[r] = transport::tcp::connect_link(transport::resolve("127.0.0.1", port), r, 1 - r, 1,
                                             secret.data(), 0x77, deadline);
-      in[r] = transport::tcp::accept_links(listeners[r].get(), r, {1 - r}, 1, secret.data(),
-                                           0x77, deadline);
+      in[r] = transport::tcp::accept_links(listeners[r].get(), r, {1 - r}, 1, secret.data(), 0x77,
+                                           deadline);
     });
   }
   for (auto& t : ranks) t.join();

@@ -15,8 +15,8 @@
 namespace dear::testing {
 namespace {
 
-constexpr DataType kAllTypes[] = {DataType::kInt8,    DataType::kUint8,    DataType::kInt32,
-                                  DataType::kInt64,   DataType::kFloat16,  DataType::kBFloat16,
+constexpr DataType kAllTypes[] = {DataType::kInt8,    DataType::kUint8,   DataType::kInt32,
+                                  DataType::kInt64,   DataType::kFloat16, DataType::kBFloat16,
                                   DataType::kFloat32, DataType::kFloat64};
 constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax,
                                 ReduceOp::kAvg};
@@ -25,14 +25,15 @@ constexpr std::size_t kCounts[] = {0, 1, 7, 13, 1031};
 
 std::string label(const char* what, DataType t, ReduceOp op, std::size_t count, bool in_place,
                   int rank) {
-  return std::string(what) + " dtype=" + std::string(to_string(t)) + " op=" +
-         std::string(to_string(op)) + " count=" + std::to_string(count) +
+  return std::string(what) + " dtype=" + std::string(to_string(t)) +
+         " op=" + std::string(to_string(op)) + " count=" + std::to_string(count) +
          (in_place ? " in-place" : " out-of-place") + " rank=" + std::to_string(rank);
 }
 
 std::vector<char> make_input(int rank, std::size_t count, DataType t, ReduceOp op, int salt = 0) {
   std::vector<char> buf(std::max<std::size_t>(1, count * dtype_size(t)));
-  for (std::size_t i = 0; i < count; ++i) store(buf.data(), i, t, input_value(rank, i, t, op, salt));
+  for (std::size_t i = 0; i < count; ++i)
+    store(buf.data(), i, t, input_value(rank, i, t, op, salt));
   return buf;
 }
 
@@ -43,8 +44,7 @@ const std::vector<Algorithm> kAllReduceAlgorithms{Algorithm::kRing, Algorithm::k
                                                   Algorithm::kRecursiveDoubling, Algorithm::kTree};
 const std::vector<Algorithm> kReduceScatterAlgorithms{Algorithm::kRing,
                                                       Algorithm::kHalvingDoubling};
-const std::vector<Algorithm> kAllGatherAlgorithms{Algorithm::kRing,
-                                                  Algorithm::kRecursiveDoubling};
+const std::vector<Algorithm> kAllGatherAlgorithms{Algorithm::kRing, Algorithm::kRecursiveDoubling};
 
 class Conformance : public ::testing::TestWithParam<int> {
  protected:
@@ -73,8 +73,8 @@ TEST_P(Conformance, AllReduceEveryTypeOpSizeAndAlgorithm) {
                 const double got = load(out, i, t);
                 if (!close_enough(got, want, t)) bad.add(i, got, want);
               }
-              ASSERT_EQ(bad.count, 0u) << label(to_string(algo), t, op, count, in_place, r)
-                                       << ": " << bad.first;
+              ASSERT_EQ(bad.count, 0u)
+                  << label(to_string(algo), t, op, count, in_place, r) << ": " << bad.first;
             }
           }
         }
@@ -89,31 +89,31 @@ TEST_P(Conformance, ReduceScatterEveryTypeOpAndSize) {
     const int r = comm.rank();
     const auto nn = static_cast<std::size_t>(n);
     for (const auto algo : kReduceScatterAlgorithms) {
-    for (const auto t : kAllTypes) {
-      for (const auto op : kAllOps) {
-        for (const std::size_t rc : {std::size_t{0}, std::size_t{1}, std::size_t{7},
-                                     std::size_t{257}}) {
-          for (const bool in_place : {false, true}) {
-            auto in = make_input(r, rc * nn, t, op);
-            std::vector<char> out_buf(std::max<std::size_t>(1, rc * dtype_size(t)), 0x5a);
-            char* out = in_place ? in.data() + static_cast<std::size_t>(r) * rc * dtype_size(t)
-                                 : out_buf.data();
-            OpOptions o;
-            o.slice_bytes = 128;
-            o.algorithm = algo;
-            comm.reduce_scatter(in.data(), out, rc, t, op, o).wait();
-            Mismatches bad;
-            for (std::size_t i = 0; i < rc; ++i) {
-              const double want = expected_reduce(static_cast<std::size_t>(r) * rc + i, n, t, op);
-              const double got = load(out, i, t);
-              if (!close_enough(got, want, t)) bad.add(i, got, want);
+      for (const auto t : kAllTypes) {
+        for (const auto op : kAllOps) {
+          for (const std::size_t rc :
+               {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{257}}) {
+            for (const bool in_place : {false, true}) {
+              auto in = make_input(r, rc * nn, t, op);
+              std::vector<char> out_buf(std::max<std::size_t>(1, rc * dtype_size(t)), 0x5a);
+              char* out = in_place ? in.data() + static_cast<std::size_t>(r) * rc * dtype_size(t)
+                                   : out_buf.data();
+              OpOptions o;
+              o.slice_bytes = 128;
+              o.algorithm = algo;
+              comm.reduce_scatter(in.data(), out, rc, t, op, o).wait();
+              Mismatches bad;
+              for (std::size_t i = 0; i < rc; ++i) {
+                const double want = expected_reduce(static_cast<std::size_t>(r) * rc + i, n, t, op);
+                const double got = load(out, i, t);
+                if (!close_enough(got, want, t)) bad.add(i, got, want);
+              }
+              ASSERT_EQ(bad.count, 0u) << label("reduce_scatter", t, op, rc, in_place, r) << " "
+                                       << to_string(algo) << ": " << bad.first;
             }
-            ASSERT_EQ(bad.count, 0u) << label("reduce_scatter", t, op, rc, in_place, r) << " "
-                                     << to_string(algo) << ": " << bad.first;
           }
         }
       }
-    }
     }
   });
 }
@@ -124,35 +124,35 @@ TEST_P(Conformance, AllGatherEveryTypeAndSize) {
     const int r = comm.rank();
     const auto nn = static_cast<std::size_t>(n);
     for (const auto algo : kAllGatherAlgorithms) {
-    for (const auto t : kAllTypes) {
-      for (const std::size_t sc : {std::size_t{0}, std::size_t{1}, std::size_t{13},
-                                   std::size_t{1031}}) {
-        for (const bool in_place : {false, true}) {
-          const std::size_t el = dtype_size(t);
-          std::vector<char> out(std::max<std::size_t>(1, sc * nn * el), 0x5a);
-          std::vector<char> own = make_input(r, sc, t, ReduceOp::kSum, 3);
-          const char* in = own.data();
-          if (in_place) {
-            std::memcpy(out.data() + static_cast<std::size_t>(r) * sc * el, own.data(), sc * el);
-            in = out.data() + static_cast<std::size_t>(r) * sc * el;
-          }
-          OpOptions o;
-          o.slice_bytes = 256;
-          o.algorithm = algo;
-          comm.all_gather(in, out.data(), sc, t, o).wait();
-          Mismatches bad;
-          for (int src = 0; src < n; ++src) {
-            for (std::size_t i = 0; i < sc; ++i) {
-              const double want = input_value(src, i, t, ReduceOp::kSum, 3);
-              const double got = load(out.data(), static_cast<std::size_t>(src) * sc + i, t);
-              if (got != want) bad.add(static_cast<std::size_t>(src) * sc + i, got, want);
+      for (const auto t : kAllTypes) {
+        for (const std::size_t sc :
+             {std::size_t{0}, std::size_t{1}, std::size_t{13}, std::size_t{1031}}) {
+          for (const bool in_place : {false, true}) {
+            const std::size_t el = dtype_size(t);
+            std::vector<char> out(std::max<std::size_t>(1, sc * nn * el), 0x5a);
+            std::vector<char> own = make_input(r, sc, t, ReduceOp::kSum, 3);
+            const char* in = own.data();
+            if (in_place) {
+              std::memcpy(out.data() + static_cast<std::size_t>(r) * sc * el, own.data(), sc * el);
+              in = out.data() + static_cast<std::size_t>(r) * sc * el;
             }
+            OpOptions o;
+            o.slice_bytes = 256;
+            o.algorithm = algo;
+            comm.all_gather(in, out.data(), sc, t, o).wait();
+            Mismatches bad;
+            for (int src = 0; src < n; ++src) {
+              for (std::size_t i = 0; i < sc; ++i) {
+                const double want = input_value(src, i, t, ReduceOp::kSum, 3);
+                const double got = load(out.data(), static_cast<std::size_t>(src) * sc + i, t);
+                if (got != want) bad.add(static_cast<std::size_t>(src) * sc + i, got, want);
+              }
+            }
+            ASSERT_EQ(bad.count, 0u) << label("all_gather", t, ReduceOp::kSum, sc, in_place, r)
+                                     << " " << to_string(algo) << ": " << bad.first;
           }
-          ASSERT_EQ(bad.count, 0u) << label("all_gather", t, ReduceOp::kSum, sc, in_place, r)
-                                   << " " << to_string(algo) << ": " << bad.first;
         }
       }
-    }
     }
   });
 }
@@ -364,7 +364,9 @@ TEST_P(Conformance, PriorityChangedInFlight) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, Conformance, ::testing::ValuesIn(suite_config().ranks),
-                         [](const ::testing::TestParamInfo<int>& p) { return std::to_string(p.param) + "ranks"; });
+                         [](const ::testing::TestParamInfo<int>& p) {
+                           return std::to_string(p.param) + "ranks";
+                         });
 
 }  // namespace
 }  // namespace dear::testing

@@ -265,14 +265,16 @@ TEST(CostModelSelect, PerScheduleAlphaDecidesSmallSizes) {
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 8, 4, g, &m, 0),
             Schedule::kRecursiveDoubling);
   // A tree step measured at a third of the others' makes the tree cheapest.
-  m.schedule_alpha_us = {{"recursive_doubling", 30}, {"tree", 10}, {"halving_doubling", 30},
-                         {"gather_reduce", 30}, {"ring", 30}};
+  m.schedule_alpha_us = {{"recursive_doubling", 30},
+                         {"tree", 10},
+                         {"halving_doubling", 30},
+                         {"gather_reduce", 30},
+                         {"ring", 30}};
   EXPECT_DOUBLE_EQ(step_alpha_us(m, Schedule::kTree), 10);
   EXPECT_DOUBLE_EQ(step_alpha_us(m, Schedule::kBiGather), 30);  // gather_reduce's
   EXPECT_NEAR(predict_us(m, OpKind::kAllReduce, Schedule::kTree, 8, 4, g), 6 * 10 + 6 * 8 * 0.001,
               1e-9);
-  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 8, 4, g, &m, 0),
-            Schedule::kTree);
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 8, 4, g, &m, 0), Schedule::kTree);
   // Large sizes are decided by bytes: between the ring and gather_reduce, the ring.
   g.log_steps = false;
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 64 << 20, 4, g, &m, 0),
@@ -396,14 +398,13 @@ TEST(CostModelFit, SizeCorrectionInterpolatesTheSamples) {
   }
   // parse_cost_model sorts the samples by size (fit_schedule does too).
   m = parse_cost_model(to_json_text(m), "mem.json");
-  EXPECT_DOUBLE_EQ(size_correction(m, Schedule::kRing, 8), 2);          // below the first
+  EXPECT_DOUBLE_EQ(size_correction(m, Schedule::kRing, 8), 2);  // below the first
   EXPECT_DOUBLE_EQ(size_correction(m, Schedule::kRing, 1024), 2);
   EXPECT_NEAR(size_correction(m, Schedule::kRing, 8192), 1.5, 1e-12);  // 2^13: halfway 2^10..2^16
   EXPECT_NEAR(size_correction(m, Schedule::kRing, 262144), 0.75, 1e-12);
   EXPECT_DOUBLE_EQ(size_correction(m, Schedule::kRing, 1 << 26), 0.5);  // beyond the last
-  EXPECT_DOUBLE_EQ(size_correction(m, Schedule::kTree, 8192), 1);      // another schedule
-  EXPECT_NEAR(predict_us(m, OpKind::kAllReduce, Schedule::kRing, 1024, 4, g), 2 * line(1024),
-              1e-9);
+  EXPECT_DOUBLE_EQ(size_correction(m, Schedule::kTree, 8192), 1);       // another schedule
+  EXPECT_NEAR(predict_us(m, OpKind::kAllReduce, Schedule::kRing, 1024, 4, g), 2 * line(1024), 1e-9);
   EXPECT_NEAR(predict_us(m, OpKind::kAllReduce, Schedule::kRing, 8192, 4, g), 1.5 * line(8192),
               1e-9);
   // reduce_scatter looks up its whole input: a 16 KiB block on 4 ranks is 64 KiB in all.

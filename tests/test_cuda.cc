@@ -79,8 +79,8 @@ bool same_element(const std::byte* want, const std::byte* got, DataType t) {
          std::isnan(dear::testing::load(got, 0, t));
 }
 
-constexpr DataType kTypes[] = {DataType::kInt8,    DataType::kUint8,    DataType::kInt32,
-                               DataType::kInt64,   DataType::kFloat16,  DataType::kBFloat16,
+constexpr DataType kTypes[] = {DataType::kInt8,    DataType::kUint8,   DataType::kInt32,
+                               DataType::kInt64,   DataType::kFloat16, DataType::kBFloat16,
                                DataType::kFloat32, DataType::kFloat64};
 constexpr ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax,
                              ReduceOp::kAvg};
@@ -91,7 +91,9 @@ TEST_F(Gpu, KernelsMatchTheCpuKernelsBitForBit) {
   std::mt19937_64 rng(3);
   // Sizes around the vector width; offsets that keep, break and shift the 16-byte alignment.
   const std::size_t sizes[] = {1, 7, 31, 4096 + 5, 1000003};
-  struct Offsets { std::size_t d, a, b; };
+  struct Offsets {
+    std::size_t d, a, b;
+  };
   const Offsets offsets[] = {{0, 0, 0}, {1, 1, 1}, {0, 1, 2}, {3, 0, 0}};
   for (const DataType t : kTypes) {
     const std::size_t el = dtype_size(t);
@@ -107,8 +109,8 @@ TEST_F(Gpu, KernelsMatchTheCpuKernelsBitForBit) {
         for (const Offsets& o : offsets) {
           const int nranks = 3;
           std::vector<std::byte> want(n * el), got(n * el);
-          collectives::reduce_final(want.data(), a.data() + o.a * el, b.data() + o.b * el, n, t,
-                                    op, nranks);
+          collectives::reduce_final(want.data(), a.data() + o.a * el, b.data() + o.b * el, n, t, op,
+                                    nranks);
           cuda::reduce_final(dd.get() + o.d * el, da.get() + o.a * el, db.get() + o.b * el, n, t,
                              op, nranks, nullptr);
           ck(cudaDeviceSynchronize(), "reduce_final kernel");
@@ -116,8 +118,8 @@ TEST_F(Gpu, KernelsMatchTheCpuKernelsBitForBit) {
              "copy result");
           for (std::size_t i = 0; i < n; ++i) {
             ASSERT_TRUE(same_element(want.data() + i * el, got.data() + i * el, t))
-                << to_string(t) << " " << to_string(op) << " n=" << n << " offsets " << o.d
-                << "," << o.a << "," << o.b << " element " << i;
+                << to_string(t) << " " << to_string(op) << " n=" << n << " offsets " << o.d << ","
+                << o.a << "," << o.b << " element " << i;
           }
         }
         // Partial sums (reduce): kAvg is a plain sum; dst aliasing a.
@@ -129,8 +131,7 @@ TEST_F(Gpu, KernelsMatchTheCpuKernelsBitForBit) {
         ck(cudaMemcpy(got.data(), alias.get(), n * el, cudaMemcpyDeviceToHost), "copy result");
         for (std::size_t i = 0; i < n; ++i) {
           ASSERT_TRUE(same_element(want.data() + i * el, got.data() + i * el, t))
-              << to_string(t) << " " << to_string(op) << " in place, n=" << n << " element "
-              << i;
+              << to_string(t) << " " << to_string(op) << " in place, n=" << n << " element " << i;
         }
       }
     }
@@ -176,15 +177,18 @@ struct LateInput {
   int delay_ms;
 
   void enqueue(cudaStream_t stream, std::byte* dev) {
-    ck(cudaLaunchHostFunc(stream, [](void* arg) {
-         const auto* in = static_cast<const LateInput*>(arg);
-         std::this_thread::sleep_for(std::chrono::milliseconds(in->delay_ms));
-         for (std::size_t i = 0; i < in->n; ++i) {
-           in->staged[i] = static_cast<float>(in->rank + static_cast<int>(i % in->period));
-         }
-       }, this), "cudaLaunchHostFunc");
-    ck(cudaMemcpyAsync(dev, staged, n * sizeof(float), cudaMemcpyHostToDevice, stream),
-       "copy in");
+    ck(cudaLaunchHostFunc(
+           stream,
+           [](void* arg) {
+             const auto* in = static_cast<const LateInput*>(arg);
+             std::this_thread::sleep_for(std::chrono::milliseconds(in->delay_ms));
+             for (std::size_t i = 0; i < in->n; ++i) {
+               in->staged[i] = static_cast<float>(in->rank + static_cast<int>(i % in->period));
+             }
+           },
+           this),
+       "cudaLaunchHostFunc");
+    ck(cudaMemcpyAsync(dev, staged, n * sizeof(float), cudaMemcpyHostToDevice, stream), "copy in");
   }
 };
 
@@ -209,8 +213,8 @@ TEST_P(GpuRanks, AllReduceOnDeviceBuffers) {
             const double want = expected_reduce(i, n, t, op, 1);
             const double g = dear::testing::load(got.data(), i, t);
             ASSERT_TRUE(dear::testing::close_enough(g, want, t))
-                << to_string(t) << " " << to_string(op) << " count " << count << " element "
-                << i << ": got " << g << " want " << want;
+                << to_string(t) << " " << to_string(op) << " count " << count << " element " << i
+                << ": got " << g << " want " << want;
           }
           // In place.
           comm.all_reduce(in.get(), in.get(), count, t, op).wait();
@@ -289,8 +293,8 @@ TEST_F(Gpu, LargeOperationsArePipelinedInPieces) {
     std::byte* read_back = nullptr;
     ck(cudaMallocHost(reinterpret_cast<void**>(&read_back), bytes), "cudaMallocHost");
     std::optional<RankFence> fence(std::in_place, sync);
-    const auto check_reduced = [&](const std::vector<std::byte>& got, std::size_t first,
-                                   int salt, const char* what) {
+    const auto check_reduced = [&](const std::vector<std::byte>& got, std::size_t first, int salt,
+                                   const char* what) {
       for (std::size_t i = 0; i < count; ++i) {
         ASSERT_EQ(dear::testing::load(got.data(), i, t),
                   expected_reduce(first + i, n, t, ReduceOp::kSum, salt))

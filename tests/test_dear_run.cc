@@ -288,9 +288,9 @@ TEST(DearRun, EachJobGetsItsOwnSecret) {
 }
 
 TEST(DearRun, EnvHostAndPortOptions) {
-  const Result r = run({"-n", "2", "--env", "FOO=bar baz", "--env", "EMPTY=", "--host",
-                        "127.0.0.1", "--port", "23456", "--", "sh", "-c",
-                        "echo \"$FOO|${EMPTY-unset}|$MASTER_PORT\""});
+  const Result r =
+      run({"-n", "2", "--env", "FOO=bar baz", "--env", "EMPTY=", "--host", "127.0.0.1", "--port",
+           "23456", "--", "sh", "-c", "echo \"$FOO|${EMPTY-unset}|$MASTER_PORT\""});
   ASSERT_EQ(r.code(), 0) << describe(r);
   auto lines = lines_of(r.out);
   std::sort(lines.begin(), lines.end());  // ranks run side by side
@@ -305,8 +305,8 @@ TEST(DearRun, PrefixedLinesAreWholeAndInOrder) {
   constexpr int kLines = 40;
   constexpr int kWidth = 6000;
   const std::string script =
-      "i=0; while [ $i -lt " + std::to_string(kLines) +
-      " ]; do printf \"r%s i%s %0" + std::to_string(kWidth) +
+      "i=0; while [ $i -lt " + std::to_string(kLines) + " ]; do printf \"r%s i%s %0" +
+      std::to_string(kWidth) +
       "d\\n\" $DEAR_RANK $i 0; printf \"e%s i%s\\n\" $DEAR_RANK $i >&2; i=$((i+1)); done; "
       "printf tail$DEAR_RANK";
   const Result r = run({"-n", std::to_string(kRanks), "sh", "-c", script});
@@ -365,8 +365,8 @@ TEST(DearRun, ExitsZeroWhenEveryRankDoes) {
 }
 
 TEST(DearRun, FailingRankStopsTheOthers) {
-  const Result r = run({"-n", "3", "sh", "-c",
-                        "if [ $DEAR_RANK = 1 ]; then sleep 0.2; exit 3; fi; exec sleep 100"});
+  const Result r = run(
+      {"-n", "3", "sh", "-c", "if [ $DEAR_RANK = 1 ]; then sleep 0.2; exit 3; fi; exec sleep 100"});
   EXPECT_EQ(r.code(), 3) << describe(r);
   EXPECT_LT(r.seconds, 5.0);
   EXPECT_TRUE(contains(r.err, "dear-run: rank 1 (pid ")) << describe(r);
@@ -381,8 +381,8 @@ TEST(DearRun, FailingRankStopsTheOthers) {
 }
 
 TEST(DearRun, NamesTheSignalThatKilledARank) {
-  const Result r = run({"-n", "2", "sh", "-c",
-                        "if [ $DEAR_RANK = 0 ]; then kill -9 $$; fi; exec sleep 100"});
+  const Result r =
+      run({"-n", "2", "sh", "-c", "if [ $DEAR_RANK = 0 ]; then kill -9 $$; fi; exec sleep 100"});
   EXPECT_EQ(r.code(), 128 + 9) << describe(r);
   EXPECT_LT(r.seconds, 5.0);
   EXPECT_TRUE(contains(r.err, "rank 0 (pid ")) << describe(r);
@@ -434,8 +434,7 @@ TEST(DearRun, SecondSigintKills) {
 TEST(DearRun, StopsWhatFinishedRanksLeftBehind) {
   const TempDir dir;
   const std::string pids = dir.file("pids");
-  const Result r =
-      run({"-n", "1", "sh", "-c", "sleep 100 >/dev/null 2>&1 & echo $! > " + pids});
+  const Result r = run({"-n", "1", "sh", "-c", "sleep 100 >/dev/null 2>&1 & echo $! > " + pids});
   EXPECT_EQ(r.code(), 0) << describe(r);
   EXPECT_LT(r.seconds, 5.0);
   EXPECT_TRUE(contains(r.err, "left processes running")) << describe(r);

@@ -58,8 +58,8 @@ TEST_P(DelayedLink, EveryCollectiveIsCorrect) {
                   bad.add(i, load(out.data(), i, t), want);
                 }
               }
-              ASSERT_EQ(bad.count, 0u) << "all_reduce count=" << count << " rank=" << r << ": "
-                                       << bad.first;
+              ASSERT_EQ(bad.count, 0u)
+                  << "all_reduce count=" << count << " rank=" << r << ": " << bad.first;
             }
 
             // reduce_scatter: rank r gets block r of the reduction of n*count inputs.
@@ -73,8 +73,8 @@ TEST_P(DelayedLink, EveryCollectiveIsCorrect) {
               const double got = load(rs_out.data(), i, t);
               if (!close_enough(got, want, t)) bad.add(i, got, want);
             }
-            ASSERT_EQ(bad.count, 0u) << "reduce_scatter count=" << count << " rank=" << r
-                                     << ": " << bad.first;
+            ASSERT_EQ(bad.count, 0u)
+                << "reduce_scatter count=" << count << " rank=" << r << ": " << bad.first;
 
             // all_gather: block q holds rank q's input.
             auto ag_in = make_input(r, count, t, ReduceOp::kSum);
@@ -87,8 +87,8 @@ TEST_P(DelayedLink, EveryCollectiveIsCorrect) {
                 if (got != want) bad.add(static_cast<std::size_t>(q) * count + i, got, want);
               }
             }
-            ASSERT_EQ(bad.count, 0u) << "all_gather count=" << count << " rank=" << r << ": "
-                                     << bad.first;
+            ASSERT_EQ(bad.count, 0u)
+                << "all_gather count=" << count << " rank=" << r << ": " << bad.first;
 
             // broadcast from the last rank: the one farthest along the chain from rank 0.
             const int root = n - 1;
@@ -100,8 +100,8 @@ TEST_P(DelayedLink, EveryCollectiveIsCorrect) {
               const double got = load(b_out.data(), i, t);
               if (got != want) bad.add(i, got, want);
             }
-            ASSERT_EQ(bad.count, 0u) << "broadcast count=" << count << " rank=" << r << ": "
-                                     << bad.first;
+            ASSERT_EQ(bad.count, 0u)
+                << "broadcast count=" << count << " rank=" << r << ": " << bad.first;
           }
         }
         comm.barrier().wait();
@@ -153,9 +153,10 @@ TEST(DelayedLinkTiming, PingPongAddsTheDelayOnEachCrossing) {
     for (const int spin_us : {spin_default, 2 * delay_us + 1000}) {
       const double measured = ping_pong_us(delay_us, iterations, spin_us);
       const double expected = base + 2.0 * delay_us;
-      std::printf("ping-pong: one-way delay %4d us, spin %4d us: base round trip %.1f us, "
-                  "measured %.1f us, expected %.1f us, ratio %.3f\n",
-                  delay_us, spin_us, base, measured, expected, measured / expected);
+      std::printf(
+          "ping-pong: one-way delay %4d us, spin %4d us: base round trip %.1f us, "
+          "measured %.1f us, expected %.1f us, ratio %.3f\n",
+          delay_us, spin_us, base, measured, expected, measured / expected);
       EXPECT_GE(measured, 2.0 * delay_us);
       // No upper bound here: on a shared 2-core machine (and under sanitizers) scheduling noise
       // is unbounded; the printed ratio is the measurement, the bound above the correctness.
@@ -175,7 +176,8 @@ TEST(DelayedLinkEnv, DearLinkDelayUsIsReadAndChecked) {
 }
 
 TEST(DelayedLinkEnv, NegativeDelayIsRejected) {
-  const auto errors = run_ranks_collect(2, [](Communicator&) {}, delayed(-1));
+  const auto errors = run_ranks_collect(
+      2, [](Communicator&) {}, delayed(-1));
   for (const auto& e : errors) EXPECT_TRUE(e != nullptr);
 }
 

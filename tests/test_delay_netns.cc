@@ -147,9 +147,9 @@ TEST(EmulatedHosts, TwoRanksInTwoNamespacesWithLinkDelay) {
 
 #ifdef DEAR_BENCH_PATH
   // One dear-bench row: 8-byte all_reduce, validated; it crosses one delayed link per step.
-  const auto bench = run_ranks(cluster, 2,
-                               {DEAR_BENCH_PATH, "all_reduce", "-b", "8", "-e", "8", "-c", "1",
-                                "-n", "20", "-w", "5"});
+  const auto bench = run_ranks(
+      cluster, 2,
+      {DEAR_BENCH_PATH, "all_reduce", "-b", "8", "-e", "8", "-c", "1", "-n", "20", "-w", "5"});
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(bench[static_cast<std::size_t>(r)].status, 0)
         << "rank " << r << ": " << bench[static_cast<std::size_t>(r)].output;
@@ -213,9 +213,12 @@ TEST(EmulatedHosts, ACutLinkIsNamedByTheRanksOnTheOtherSide) {
   job.join();
   const auto took = std::chrono::steady_clock::now() - cut_at;
   EXPECT_EQ(cut.status, 0) << cut.output;
-  EXPECT_LT(took, std::chrono::seconds(kDeadlineS) + 5s) << "after the cut, "
-      << std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::steady_clock::now() - start).count() << " ms in all";
+  EXPECT_LT(took, std::chrono::seconds(kDeadlineS) + 5s)
+      << "after the cut, "
+      << std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                               start)
+             .count()
+      << " ms in all";
   // Host 1 is cut off; ranks 0 and 2 still reach each other and must both name rank 1.
   for (int r : {0, 2}) {
     const Result& res = ranks[static_cast<std::size_t>(r)];

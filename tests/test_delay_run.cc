@@ -28,9 +28,9 @@ Result dear_run(const std::string& args) {
 }
 
 TEST(DearRunLinkDelay, SetsTheVariableForEveryRank) {
-  for (const auto& [text, us] : {std::pair{"25us", "25"}, std::pair{"1ms", "1000"},
-                                 std::pair{"2.5ms", "2500"}, std::pair{"40", "40"},
-                                 std::pair{"0", "0"}}) {
+  for (const auto& [text, us] :
+       {std::pair{"25us", "25"}, std::pair{"1ms", "1000"}, std::pair{"2.5ms", "2500"},
+        std::pair{"40", "40"}, std::pair{"0", "0"}}) {
     const Result r = dear_run(std::string("-n 2 --dry-run --link-delay ") + text + " -- true");
     ASSERT_EQ(r.status, 0) << r.output;
     const std::string want = std::string("DEAR_LINK_DELAY_US=") + us + " ";

@@ -33,9 +33,8 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
     std::vector<float> buf(16);
     const std::string rank = "rank " + std::to_string(comm.rank());
 
-    auto e = expect_error([&] {
-      comm.all_reduce(nullptr, buf.data(), 4, DataType::kFloat32, ReduceOp::kSum);
-    });
+    auto e = expect_error(
+        [&] { comm.all_reduce(nullptr, buf.data(), 4, DataType::kFloat32, ReduceOp::kSum); });
     EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
     EXPECT_NE(std::string(e.what()).find("in is null"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find(rank), std::string::npos) << e.what();
@@ -56,9 +55,7 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
     });
     EXPECT_NE(std::string(e.what()).find("count="), std::string::npos) << e.what();
 
-    e = expect_error([&] {
-      comm.broadcast(buf.data(), buf.data(), 4, DataType::kFloat32, 7);
-    });
+    e = expect_error([&] { comm.broadcast(buf.data(), buf.data(), 4, DataType::kFloat32, 7); });
     EXPECT_NE(std::string(e.what()).find("root=7"), std::string::npos) << e.what();
 
     e = expect_error([&] {
@@ -73,9 +70,8 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
 
     OpOptions o;
     o.channels = 99;
-    e = expect_error([&] {
-      comm.all_reduce(buf.data(), buf.data(), 4, DataType::kFloat32, ReduceOp::kSum, o);
-    });
+    e = expect_error(
+        [&] { comm.all_reduce(buf.data(), buf.data(), 4, DataType::kFloat32, ReduceOp::kSum, o); });
     EXPECT_NE(std::string(e.what()).find("OpOptions::channels=99"), std::string::npos) << e.what();
 
     // A rejected call takes no sequence number: the ranks still agree afterwards.
@@ -88,7 +84,8 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
 TEST(InvalidArguments, BadCommunicatorOptions) {
   CommOptions o;
   o.channels = 0;
-  const auto errors = run_ranks_collect(1, [](Communicator&) {}, o);
+  const auto errors = run_ranks_collect(
+      1, [](Communicator&) {}, o);
   ASSERT_TRUE(errors[0]);
   EXPECT_NE(what_of(errors[0]).find("CommOptions::channels=0"), std::string::npos);
 }
@@ -100,7 +97,8 @@ TEST(InvalidArguments, BadSocketBufferNamesTheVariable) {
   o.timeout = 20s;
   for (const char* value : {"lots", "1", "2G"}) {
     ::setenv("DEAR_SOCKET_BUFFER", value, 1);
-    const auto errors = run_ranks_collect(2, [](Communicator&) {}, o);
+    const auto errors = run_ranks_collect(
+        2, [](Communicator&) {}, o);
     for (int r = 0; r < 2; ++r) {
       ASSERT_TRUE(errors[static_cast<std::size_t>(r)]) << value << ": rank " << r;
       EXPECT_NE(what_of(errors[static_cast<std::size_t>(r)]).find("DEAR_SOCKET_BUFFER"),
@@ -263,9 +261,7 @@ TEST(Abort, FailsPendingWorkQuicklyAndLaterCallsAtOnce) {
           EXPECT_LT(std::chrono::steady_clock::now() - t0, 100ms);
           EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
           EXPECT_NE(std::string(e.what()).find("test says stop"), std::string::npos);
-          const Error later = expect_error([&] {
-            comm.barrier().wait();
-          });
+          const Error later = expect_error([&] { comm.barrier().wait(); });
           EXPECT_EQ(later.code(), ErrorCode::kAborted);
         } else {
           // The abort reaches this rank through the link; its next call fails at once.

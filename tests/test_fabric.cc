@@ -57,8 +57,7 @@ using namespace std::chrono_literals;
 // passed.
 template <typename Done>
 void progress_until(transport::Channel& ch, transport::RecvSink& sink,
-                    std::chrono::steady_clock::time_point deadline, Done&& done,
-                    const char* what) {
+                    std::chrono::steady_clock::time_point deadline, Done&& done, const char* what) {
   while (!done()) {
     ch.progress(sink, true);
     if (std::chrono::steady_clock::now() > deadline) {
@@ -71,7 +70,8 @@ void progress_until(transport::Channel& ch, transport::RecvSink& sink,
 // `n` bytes of a pattern that differs with `salt`.
 std::vector<char> pattern_of(std::size_t n, int salt) {
   std::vector<char> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<char>((i * 13 + salt * 71 + i / 509) & 0xff);
+  for (std::size_t i = 0; i < n; ++i)
+    v[i] = static_cast<char>((i * 13 + salt * 71 + i / 509) & 0xff);
   return v;
 }
 
@@ -327,7 +327,8 @@ TEST(FabricSetup, NegativeDirectBytesAreRefusedNamingTheOptionAndTheRank) {
   CommOptions o;
   o.transport = "fabric";
   o.fabric_direct_bytes = -2;
-  const auto errors = run_ranks_collect(2, [](Communicator&) {}, o);
+  const auto errors = run_ranks_collect(
+      2, [](Communicator&) {}, o);
   for (int r = 0; r < 2; ++r) {
     Error e(ErrorCode::kInternal, "");
     const Error* x = as_error(errors[static_cast<std::size_t>(r)], e);
@@ -407,8 +408,7 @@ TEST_P(FabricPath, CollectivesMatchTheReference) {
         for (const auto t : {DataType::kFloat32, DataType::kInt32}) {
           for (const std::size_t count : {std::size_t{1}, std::size_t{1000}, std::size_t{200003}}) {
             expect_reduce_and_gather(comm, n, t, count,
-                                     std::string(to_string(t)) + " count " +
-                                         std::to_string(count));
+                                     std::string(to_string(t)) + " count " + std::to_string(count));
           }
         }
       },
@@ -483,8 +483,7 @@ TEST(FabricWrite, RefusedWriteFailsNamingThePeer) {
   for (auto& t : threads) t.join();
   EXPECT_LT(std::chrono::steady_clock::now() - start, 12s);
   EXPECT_EQ(codes[0], static_cast<int>(ErrorCode::kPeerFailed)) << failures[0];
-  EXPECT_NE(failures[0].find("an RMA write to rank 1 failed: "), std::string::npos)
-      << failures[0];
+  EXPECT_NE(failures[0].find("an RMA write to rank 1 failed: "), std::string::npos) << failures[0];
   // Rank 1 may learn of it too (some providers fail the target's side as well); when it does,
   // the error names rank 0.
   if (!failures[1].empty()) {
@@ -561,7 +560,7 @@ TEST_P(FabricPath, DirectWritesLandInTheWindowAndAreChecked) {
   constexpr std::size_t kWindow = 400000;
   constexpr std::size_t kLarge = 300007;  // in five writes of 64 KiB
   constexpr std::size_t kLargeAt = 1000;
-  constexpr std::size_t kSmall = 100;     // under direct_bytes: through a slot
+  constexpr std::size_t kSmall = 100;  // under direct_bytes: through a slot
   constexpr std::size_t kMisplacedAt = 350000;
   constexpr std::size_t kMisplaced = 40000;
   std::promise<transport::Window> opened;
@@ -569,9 +568,9 @@ TEST_P(FabricPath, DirectWritesLandInTheWindowAndAreChecked) {
   // The window and the payloads outlive the test on purpose: a write the receiver refused may
   // still be in the provider's hands (sockets progresses on a thread of its own) after the
   // channels are gone, and it must not read or write freed memory.
-  static auto* const kept = new std::array<std::vector<char>, 4>{
-      std::vector<char>(kWindow, 0x11), pattern_of(kLarge, 1), pattern_of(kSmall, 2),
-      pattern_of(kMisplaced, 3)};
+  static auto* const kept =
+      new std::array<std::vector<char>, 4>{std::vector<char>(kWindow, 0x11), pattern_of(kLarge, 1),
+                                           pattern_of(kSmall, 2), pattern_of(kMisplaced, 3)};
   std::vector<char>& dst = (*kept)[0];
   std::fill(dst.begin(), dst.end(), char{0x11});
   const std::vector<char>& large = (*kept)[1];
@@ -690,7 +689,8 @@ TEST_P(FabricPath, CollectivesWriteStraightIntoTheirDestination) {
               .wait();
           for (int src = 0; src < n; ++src) {
             for (std::size_t i = 0; i < count; ++i) {
-              const auto want = static_cast<float>(input_value(src, i, DataType::kFloat32, ReduceOp::kSum));
+              const auto want =
+                  static_cast<float>(input_value(src, i, DataType::kFloat32, ReduceOp::kSum));
               ASSERT_EQ(buf[static_cast<std::size_t>(src) * count + i], want)
                   << "in-place all_gather, rank " << comm.rank() << " block " << src;
             }
@@ -698,7 +698,8 @@ TEST_P(FabricPath, CollectivesWriteStraightIntoTheirDestination) {
           for (int root = 0; root < n; ++root) {
             std::vector<std::int32_t> b(count, -1);
             if (comm.rank() == root) {
-              for (std::size_t i = 0; i < count; ++i) b[i] = static_cast<std::int32_t>(i * 3 + root);
+              for (std::size_t i = 0; i < count; ++i)
+                b[i] = static_cast<std::int32_t>(i * 3 + root);
             }
             comm.broadcast(b.data(), b.data(), count, DataType::kInt32, root).wait();
             for (std::size_t i = 0; i < count; ++i) {
@@ -752,8 +753,8 @@ TEST_P(Fabric, RanksOnDifferentDataPathsFailNamingBoth) {
   const auto errors = run_bootstraps(2, [&](Bootstrap& bs) {
     transport::fabric::FabricOptions fo;
     fo.provider = GetParam();
-    fo.data_path = bs.rank() == 0 ? transport::fabric::DataPath::kWrite
-                                  : transport::fabric::DataPath::kSend;
+    fo.data_path =
+        bs.rank() == 0 ? transport::fabric::DataPath::kWrite : transport::fabric::DataPath::kSend;
     auto chans = transport::fabric::connect_peers(bs, {1 - bs.rank()}, fo);
   });
   for (std::size_t r = 0; r < 2; ++r) {

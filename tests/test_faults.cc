@@ -40,11 +40,11 @@ std::vector<Proc> start_ranks(int nranks, const std::vector<std::string>& args, 
   for (int r = 0; r < nranks; ++r) {
     std::vector<std::string> argv{DEAR_WORKER_PATH};
     argv.insert(argv.end(), args.begin(), args.end());
-    procs.push_back(spawn(argv,
-                          {"DEAR_UNIQUE_ID=" + id.to_string(), "DEAR_RANK=" + std::to_string(r),
-                           "DEAR_WORLD_SIZE=" + std::to_string(nranks),
-                           "DEAR_TIMEOUT=" + std::to_string(timeout_s)},
-                          tmp_file(tag + "." + std::to_string(r) + ".out")));
+    procs.push_back(spawn(
+        argv,
+        {"DEAR_UNIQUE_ID=" + id.to_string(), "DEAR_RANK=" + std::to_string(r),
+         "DEAR_WORLD_SIZE=" + std::to_string(nranks), "DEAR_TIMEOUT=" + std::to_string(timeout_s)},
+        tmp_file(tag + "." + std::to_string(r) + ".out")));
   }
   return procs;
 }
@@ -54,7 +54,8 @@ bool wait_ready(const std::vector<Proc>& procs, std::chrono::seconds limit) {
   const auto end = std::chrono::steady_clock::now() + limit;
   while (std::chrono::steady_clock::now() < end) {
     bool all = true;
-    for (const auto& p : procs) all = all && slurp(p.out_path).find("ready rank") != std::string::npos;
+    for (const auto& p : procs)
+      all = all && slurp(p.out_path).find("ready rank") != std::string::npos;
     if (all) return true;
     std::this_thread::sleep_for(10ms);
   }
@@ -83,12 +84,12 @@ TEST(Faults, FiftyKillsAtRandomPointsEverySurvivorNamesTheDeadRank) {
     const int victim = static_cast<int>(rng() % kRanks);
     const std::string point = kPoints[rng() % 4];
     const int iters = 1 + static_cast<int>(rng() % 3);
-    SCOPED_TRACE("trial " + std::to_string(t) + ": rank " + std::to_string(victim) +
-                 " killed at " + point + " of iteration " + std::to_string(iters));
+    SCOPED_TRACE("trial " + std::to_string(t) + ": rank " + std::to_string(victim) + " killed at " +
+                 point + " of iteration " + std::to_string(iters));
     const auto start = std::chrono::steady_clock::now();
-    std::vector<Proc> procs = start_ranks(
-        kRanks, {"kill", std::to_string(victim), point, std::to_string(iters)}, kDeadlineS,
-        "kill" + std::to_string(t));
+    std::vector<Proc> procs =
+        start_ranks(kRanks, {"kill", std::to_string(victim), point, std::to_string(iters)},
+                    kDeadlineS, "kill" + std::to_string(t));
     ASSERT_TRUE(wait_all(procs, 30s)) << "a survivor hung";
     // Within the deadline, plus the time to start the processes on a busy machine.
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(kDeadlineS) + 5s);

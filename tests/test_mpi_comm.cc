@@ -35,8 +35,8 @@ class MpiEnvironment final : public ::testing::Environment {
   std::unique_ptr<Communicator> comm_;
 };
 
-constexpr DataType kAllTypes[] = {DataType::kInt8,    DataType::kUint8,    DataType::kInt32,
-                                  DataType::kInt64,   DataType::kFloat16,  DataType::kBFloat16,
+constexpr DataType kAllTypes[] = {DataType::kInt8,    DataType::kUint8,   DataType::kInt32,
+                                  DataType::kInt64,   DataType::kFloat16, DataType::kBFloat16,
                                   DataType::kFloat32, DataType::kFloat64};
 constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax,
                                 ReduceOp::kAvg};
@@ -44,13 +44,14 @@ constexpr std::size_t kCounts[] = {0, 1, 7, 1031};
 
 std::vector<char> make_input(int rank, std::size_t count, DataType t, ReduceOp op, int salt = 0) {
   std::vector<char> buf(std::max<std::size_t>(1, count * dtype_size(t)));
-  for (std::size_t i = 0; i < count; ++i) store(buf.data(), i, t, input_value(rank, i, t, op, salt));
+  for (std::size_t i = 0; i < count; ++i)
+    store(buf.data(), i, t, input_value(rank, i, t, op, salt));
   return buf;
 }
 
 std::string what(const char* name, DataType t, ReduceOp op, std::size_t count, bool in_place) {
-  return std::string(name) + " dtype=" + std::string(to_string(t)) + " op=" +
-         std::string(to_string(op)) + " count=" + std::to_string(count) +
+  return std::string(name) + " dtype=" + std::string(to_string(t)) +
+         " op=" + std::string(to_string(op)) + " count=" + std::to_string(count) +
          (in_place ? " in-place" : "") + " rank=" + std::to_string(g_comm->rank());
 }
 
@@ -71,7 +72,8 @@ TEST(MpiCommunicator, AllReduceEveryTypeOpAndSize) {
             const double got = load(out, i, t);
             if (!close_enough(got, want, t)) bad.add(i, got, want);
           }
-          ASSERT_EQ(bad.count, 0U) << what("all_reduce", t, op, count, in_place) << ": " << bad.first;
+          ASSERT_EQ(bad.count, 0U)
+              << what("all_reduce", t, op, count, in_place) << ": " << bad.first;
         }
       }
     }
@@ -98,8 +100,8 @@ TEST(MpiCommunicator, ReduceScatterEveryTypeOpAndSize) {
             const double got = load(out, i, t);
             if (!close_enough(got, want, t)) bad.add(i, got, want);
           }
-          ASSERT_EQ(bad.count, 0U) << what("reduce_scatter", t, op, rc, in_place) << ": "
-                                   << bad.first;
+          ASSERT_EQ(bad.count, 0U)
+              << what("reduce_scatter", t, op, rc, in_place) << ": " << bad.first;
         }
       }
     }
@@ -177,8 +179,8 @@ TEST(MpiCommunicator, ReplayedPoliciesMatchSingleProcessSgd) {
   opt.compute = scheduler::ComputeMode::kNone;
   opt.learning_rate = 0.125F;
   opt.net = loopback_net();
-  const auto ref = reference_params(model.params(), comm.size(), opt.warmup + opt.iterations,
-                                    opt.learning_rate);
+  const auto ref =
+      reference_params(model.params(), comm.size(), opt.warmup + opt.iterations, opt.learning_rate);
   for (const auto& policy : scheduler::policy_names()) {
     const scheduler::ReplayResult r = scheduler::replay(comm, model, policy, opt);
     EXPECT_EQ(param_mismatches(r.params, ref, policy + " rank " + std::to_string(comm.rank())), 0);

@@ -2,9 +2,8 @@
 // runs: making it must fail with a clear reason. With devices (one rank per device, ranks as
 // threads): collectives on host buffers (staged) and device buffers against reference.h, and
 // every policy's profile replay against the single-process SGD reference.
-#include <gtest/gtest.h>
-
 #include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -28,14 +27,15 @@ CommFactory nccl_factory() {
 
 int ranks_here() { return std::min(cuda::device_count(), 4); }
 
-#define DEAR_SKIP_WITHOUT_GPU()                                           \
-  do {                                                                    \
+#define DEAR_SKIP_WITHOUT_GPU()                                                \
+  do {                                                                         \
     if (cuda::device_count() == 0) GTEST_SKIP() << cuda::unavailable_reason(); \
   } while (false)
 
 TEST(NcclCommunicator, WithoutADeviceItSaysSo) {
   if (cuda::device_count() > 0) GTEST_SKIP() << "a CUDA device is present";
-  const auto errors = run_ranks_collect(1, [](Communicator&) {}, {}, nccl_factory());
+  const auto errors = run_ranks_collect(
+      1, [](Communicator&) {}, {}, nccl_factory());
   ASSERT_TRUE(errors[0]);
   try {
     std::rethrow_exception(errors[0]);
@@ -57,7 +57,8 @@ TEST(NcclCommunicator, CollectivesOnHostAndDeviceBuffers) {
             for (const std::size_t count : {std::size_t{1}, std::size_t{1031}}) {
               const std::size_t bytes = count * dtype_size(t);
               std::vector<char> in(bytes);
-              for (std::size_t i = 0; i < count; ++i) store(in.data(), i, t, input_value(r, i, t, op));
+              for (std::size_t i = 0; i < count; ++i)
+                store(in.data(), i, t, input_value(r, i, t, op));
               // Host buffers (staged), then device buffers.
               std::vector<char> out(bytes, 0);
               comm.all_reduce(in.data(), out.data(), count, t, op).wait();
@@ -71,7 +72,8 @@ TEST(NcclCommunicator, CollectivesOnHostAndDeviceBuffers) {
               for (std::size_t i = 0; i < count; ++i) {
                 const double want = expected_reduce(i, comm.size(), t, op);
                 ASSERT_TRUE(close_enough(load(out.data(), i, t), want, t)) << "host element " << i;
-                ASSERT_TRUE(close_enough(load(back.data(), i, t), want, t)) << "device element " << i;
+                ASSERT_TRUE(close_enough(load(back.data(), i, t), want, t))
+                    << "device element " << i;
               }
             }
           }
@@ -92,12 +94,15 @@ TEST(NcclCommunicator, CollectivesOnHostAndDeviceBuffers) {
                                    DataType::kFloat32));
         }
         std::vector<float> ag(rc * nn, 0);
-        for (std::size_t i = 0; i < rc; ++i) ag[static_cast<std::size_t>(r) * rc + i] = static_cast<float>(r * 1000 + i);
+        for (std::size_t i = 0; i < rc; ++i)
+          ag[static_cast<std::size_t>(r) * rc + i] = static_cast<float>(r * 1000 + i);
         comm.all_gather(ag.data() + static_cast<std::size_t>(r) * rc, ag.data(), rc,
-                        DataType::kFloat32).wait();
+                        DataType::kFloat32)
+            .wait();
         for (int src = 0; src < comm.size(); ++src) {
           for (std::size_t i = 0; i < rc; ++i) {
-            ASSERT_EQ(ag[static_cast<std::size_t>(src) * rc + i], static_cast<float>(src * 1000 + i));
+            ASSERT_EQ(ag[static_cast<std::size_t>(src) * rc + i],
+                      static_cast<float>(src * 1000 + i));
           }
         }
         comm.barrier().wait();
@@ -115,7 +120,8 @@ TEST(NcclCommunicator, ReplayedPoliciesMatchSingleProcessSgd) {
   opt.compute = scheduler::ComputeMode::kNone;
   opt.learning_rate = 0.125F;
   opt.net = loopback_net();
-  const auto ref = reference_params(model.params(), n, opt.warmup + opt.iterations, opt.learning_rate);
+  const auto ref =
+      reference_params(model.params(), n, opt.warmup + opt.iterations, opt.learning_rate);
   run_ranks(
       n,
       [&](Communicator& comm) {

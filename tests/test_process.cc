@@ -22,17 +22,17 @@
 namespace {
 
 using namespace std::chrono_literals;
-using dear::test::Proc;
 using dear::test::free_port;
+using dear::test::Proc;
 using dear::test::slurp;
 using dear::test::spawn;
 using dear::test::tmp_file;
 using dear::test::wait_all;
 
 TEST(Processes, FourRanksThroughDearRun) {
-  std::vector<Proc> procs{spawn({DEAR_RUN_PATH, "-n", "4", "--timeout", "120", DEAR_WORKER_PATH,
-                                 "ring", "3"},
-                                {}, tmp_file("run.out"))};
+  std::vector<Proc> procs{
+      spawn({DEAR_RUN_PATH, "-n", "4", "--timeout", "120", DEAR_WORKER_PATH, "ring", "3"}, {},
+            tmp_file("run.out"))};
   ASSERT_TRUE(wait_all(procs, 150s));
   const std::string out = slurp(procs[0].out_path);
   EXPECT_TRUE(WIFEXITED(procs[0].status) && WEXITSTATUS(procs[0].status) == 0) << out;
@@ -66,17 +66,16 @@ TEST(Processes, KilledRankFailsEverySurvivorNamingIt) {
       EXPECT_TRUE(WIFSIGNALED(p.status) && WTERMSIG(p.status) == SIGKILL) << out;
       continue;
     }
-    EXPECT_TRUE(WIFEXITED(p.status) && WEXITSTATUS(p.status) == 3)
-        << "rank " << r << ": " << out;
+    EXPECT_TRUE(WIFEXITED(p.status) && WEXITSTATUS(p.status) == 3) << "rank " << r << ": " << out;
     EXPECT_NE(out.find("peer=" + std::to_string(kVictim)), std::string::npos)
         << "rank " << r << " does not blame rank " << kVictim << ": " << out;
   }
 }
 
 TEST(Processes, DearRunReportsTheDeadRankAndFails) {
-  std::vector<Proc> procs{spawn({DEAR_RUN_PATH, "-n", "3", "--timeout", "120", DEAR_WORKER_PATH,
-                                 "die", "1", "2"},
-                                {}, tmp_file("rundie.out"))};
+  std::vector<Proc> procs{
+      spawn({DEAR_RUN_PATH, "-n", "3", "--timeout", "120", DEAR_WORKER_PATH, "die", "1", "2"}, {},
+            tmp_file("rundie.out"))};
   ASSERT_TRUE(wait_all(procs, 150s));
   const std::string out = slurp(procs[0].out_path);
   EXPECT_FALSE(WIFEXITED(procs[0].status) && WEXITSTATUS(procs[0].status) == 0) << out;
@@ -94,12 +93,11 @@ TEST(Processes, TerminationSignalsEndARankByThatSignal) {
     id.secret = dear::transport::random_secret();
     std::vector<Proc> procs;
     for (int r = 0; r < 2; ++r) {
-      procs.push_back(spawn({DEAR_WORKER_PATH, "slow", "100000", "5"},
-                            {"DEAR_UNIQUE_ID=" + id.to_string(),
-                             "DEAR_RANK=" + std::to_string(r), "DEAR_WORLD_SIZE=2",
-                             "DEAR_TIMEOUT=120"},
-                            tmp_file("sig" + std::to_string(sig) + "_" + std::to_string(r) +
-                                     ".out")));
+      procs.push_back(
+          spawn({DEAR_WORKER_PATH, "slow", "100000", "5"},
+                {"DEAR_UNIQUE_ID=" + id.to_string(), "DEAR_RANK=" + std::to_string(r),
+                 "DEAR_WORLD_SIZE=2", "DEAR_TIMEOUT=120"},
+                tmp_file("sig" + std::to_string(sig) + "_" + std::to_string(r) + ".out")));
     }
     const auto ready = [&] {
       for (const Proc& p : procs) {

@@ -36,7 +36,7 @@ namespace dear::collectives {
 namespace {
 
 constexpr std::array<DataType, kNumDataTypes> kAllTypes = {
-    DataType::kInt8,    DataType::kUint8,     DataType::kInt32,   DataType::kInt64,
+    DataType::kInt8,    DataType::kUint8,    DataType::kInt32,   DataType::kInt64,
     DataType::kFloat16, DataType::kBFloat16, DataType::kFloat32, DataType::kFloat64};
 constexpr std::array<ReduceOp, kNumReduceOps> kAllOps = {
     ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kAvg};
@@ -65,8 +65,8 @@ double ref_decode(SmallFormat fmt, std::uint16_t bits) {
   const bool negative = (bits & fmt.sign_bit()) != 0;
   double magnitude;
   if (e == (1 << fmt.exponent_bits) - 1) {
-    magnitude = m != 0 ? std::numeric_limits<double>::quiet_NaN()
-                       : std::numeric_limits<double>::infinity();
+    magnitude =
+        m != 0 ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
   } else if (e == 0) {
     magnitude = std::ldexp(static_cast<double>(m), 1 - fmt.bias() - fmt.mantissa_bits);
   } else {
@@ -106,8 +106,8 @@ std::uint16_t ref_encode(SmallFormat fmt, double x) {
   const std::vector<double>& table = table_of(fmt);
   if (mag >= table.back()) return static_cast<std::uint16_t>(sign | fmt.inf_bits());
   // hi: first value > mag; lo: the one below. table[0] == 0 <= mag, so hi >= 1.
-  const auto hi = static_cast<std::size_t>(
-      std::upper_bound(table.begin(), table.end(), mag) - table.begin());
+  const auto hi =
+      static_cast<std::size_t>(std::upper_bound(table.begin(), table.end(), mag) - table.begin());
   const std::size_t lo = hi - 1;
   const double below = mag - table[lo];
   const double above = table[hi] - mag;
@@ -141,13 +141,12 @@ void check_to_float(SmallFormat fmt, float (*convert)(std::uint16_t)) {
     const auto bits = static_cast<std::uint16_t>(b);
     const double want = ref_decode(fmt, bits);
     const float got = convert(bits);
-    const bool ok = std::isnan(want)
-                        ? std::isnan(got) && std::signbit(got) == std::signbit(want)
-                        : static_cast<double>(got) == want &&
-                              std::signbit(got) == std::signbit(want);
+    const bool ok = std::isnan(want) ? std::isnan(got) && std::signbit(got) == std::signbit(want)
+                                     : static_cast<double>(got) == want &&
+                                           std::signbit(got) == std::signbit(want);
     if (!ok && ++failures <= 5) {
-      ADD_FAILURE() << "pattern " << hex(b) << ": got " << static_cast<double>(got)
-                    << ", want " << want;
+      ADD_FAILURE() << "pattern " << hex(b) << ": got " << static_cast<double>(got) << ", want "
+                    << want;
     }
   }
   EXPECT_EQ(failures, 0);
@@ -164,10 +163,9 @@ void check_round_trip(SmallFormat fmt, float (*to_float)(std::uint16_t),
   for (std::uint32_t b = 0; b <= 0xffff; ++b) {
     const auto bits = static_cast<std::uint16_t>(b);
     const std::uint16_t got = from_float(to_float(bits));
-    const bool ok = is_nan_bits(fmt, bits)
-                        ? is_nan_bits(fmt, got) && (got & quiet) != 0 &&
-                              (got & fmt.sign_bit()) == (bits & fmt.sign_bit())
-                        : got == bits;
+    const bool ok = is_nan_bits(fmt, bits) ? is_nan_bits(fmt, got) && (got & quiet) != 0 &&
+                                                 (got & fmt.sign_bit()) == (bits & fmt.sign_bit())
+                                           : got == bits;
     if (!ok && ++failures <= 5) {
       ADD_FAILURE() << "pattern " << hex(b) << " came back as " << hex(got);
     }
@@ -195,8 +193,8 @@ std::vector<float> half_rounding_inputs() {
   }
   for (float v : {std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::min(),
                   std::numeric_limits<float>::max(), std::numeric_limits<float>::infinity(),
-                  65504.0f, 65519.996f, 65520.0f, 65535.0f, 65536.0f, 1e10f, 0x1p-25f,
-                  0x1.8p-25f, 0x1.000002p-25f, 0x1p-26f, 0x1.fffffep-15f}) {
+                  65504.0f, 65519.996f, 65520.0f, 65535.0f, 65536.0f, 1e10f, 0x1p-25f, 0x1.8p-25f,
+                  0x1.000002p-25f, 0x1p-26f, 0x1.fffffep-15f}) {
     in.push_back(v);
   }
   std::mt19937 rng(1234);
@@ -224,22 +222,22 @@ TEST(ReduceConversions, FloatToHalfRounding) {
 
 // Hand-written answers, so that a mistake shared by the kernel and the reference table shows.
 TEST(ReduceConversions, FloatToHalfTies) {
-  EXPECT_EQ(float_to_half(1.0f + 0x1p-11f), 0x3c00);          // tie, even is below
-  EXPECT_EQ(float_to_half(1.0f + 3 * 0x1p-11f), 0x3c02);      // tie, even is above
+  EXPECT_EQ(float_to_half(1.0f + 0x1p-11f), 0x3c00);             // tie, even is below
+  EXPECT_EQ(float_to_half(1.0f + 3 * 0x1p-11f), 0x3c02);         // tie, even is above
   EXPECT_EQ(float_to_half(1.0f + 0x1p-11f + 0x1p-20f), 0x3c01);  // just above the tie
   EXPECT_EQ(float_to_half(-(1.0f + 0x1p-11f)), 0xbc00);
-  EXPECT_EQ(float_to_half(2049.0f), 0x6800);                  // 2048 + half an ulp of 2
+  EXPECT_EQ(float_to_half(2049.0f), 0x6800);  // 2048 + half an ulp of 2
   EXPECT_EQ(float_to_half(2051.0f), 0x6802);
-  EXPECT_EQ(float_to_half(65504.0f), 0x7bff);                 // largest finite
+  EXPECT_EQ(float_to_half(65504.0f), 0x7bff);  // largest finite
   EXPECT_EQ(float_to_half(65519.996f), 0x7bff);
-  EXPECT_EQ(float_to_half(65520.0f), 0x7c00);                 // tie with the would-be 65536
-  EXPECT_EQ(float_to_half(0x1p-24f), 0x0001);                 // smallest subnormal
-  EXPECT_EQ(float_to_half(0x1p-25f), 0x0000);                 // tie, even is zero
+  EXPECT_EQ(float_to_half(65520.0f), 0x7c00);  // tie with the would-be 65536
+  EXPECT_EQ(float_to_half(0x1p-24f), 0x0001);  // smallest subnormal
+  EXPECT_EQ(float_to_half(0x1p-25f), 0x0000);  // tie, even is zero
   EXPECT_EQ(float_to_half(-0x1p-25f), 0x8000);
   EXPECT_EQ(float_to_half(0x1.000002p-25f), 0x0001);
-  EXPECT_EQ(float_to_half(0x1.8p-24f), 0x0002);               // 1.5 units: tie, even is 2
-  EXPECT_EQ(float_to_half(0x1.4p-23f), 0x0002);               // 2.5 units: tie, even is 2
-  EXPECT_EQ(float_to_half(0x1.ffcp-15f), 0x0400);             // rounds up into the normals
+  EXPECT_EQ(float_to_half(0x1.8p-24f), 0x0002);    // 1.5 units: tie, even is 2
+  EXPECT_EQ(float_to_half(0x1.4p-23f), 0x0002);    // 2.5 units: tie, even is 2
+  EXPECT_EQ(float_to_half(0x1.ffcp-15f), 0x0400);  // rounds up into the normals
   EXPECT_EQ(float_to_half(0.0f), 0x0000);
   EXPECT_EQ(float_to_half(-0.0f), 0x8000);
   EXPECT_EQ(float_to_half(std::numeric_limits<float>::infinity()), 0x7c00);
@@ -289,9 +287,9 @@ TEST(ReduceConversions, HalfAgreesWithCompilerFloat16) {
     std::memcpy(&h, &bits, sizeof h);
     const auto want = static_cast<float>(h);
     const float got = half_to_float(bits);
-    const bool ok = std::isnan(want) ? std::isnan(got)
-                                     : std::bit_cast<std::uint32_t>(got) ==
-                                           std::bit_cast<std::uint32_t>(want);
+    const bool ok = std::isnan(want)
+                        ? std::isnan(got)
+                        : std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(want);
     if (!ok && ++failures <= 5) ADD_FAILURE() << "half_to_float " << hex(b);
   }
   for (float f : half_rounding_inputs()) {
@@ -532,9 +530,8 @@ std::vector<std::byte> make_input(DataType t, std::size_t n, std::mt19937_64& rn
 // ---- the kernels against the reference -------------------------------------------------------
 
 enum class Layout { kSeparate, kDstIsA, kDstIsB, kInputsShared, kAllShared };
-constexpr std::array<Layout, 5> kAllLayouts = {Layout::kSeparate, Layout::kDstIsA,
-                                               Layout::kDstIsB, Layout::kInputsShared,
-                                               Layout::kAllShared};
+constexpr std::array<Layout, 5> kAllLayouts = {Layout::kSeparate, Layout::kDstIsA, Layout::kDstIsB,
+                                               Layout::kInputsShared, Layout::kAllShared};
 
 const char* layout_name(Layout l) {
   switch (l) {
@@ -576,8 +573,8 @@ struct Buffer {
 
 // Calls reduce (divisor 0) or reduce_final (divisor = nranks) with the given aliasing and
 // checks every element and the guards.
-void run_case(DataType t, ReduceOp op, std::size_t n, Layout layout, std::size_t offset,
-              int nranks, std::mt19937_64& rng) {
+void run_case(DataType t, ReduceOp op, std::size_t n, Layout layout, std::size_t offset, int nranks,
+              std::mt19937_64& rng) {
   SCOPED_TRACE(testing::Message() << to_string(t) << " " << to_string(op) << " n=" << n << " "
                                   << layout_name(layout) << " offset=" << offset
                                   << (nranks > 0 ? " final nranks=" : " partial")
@@ -724,8 +721,7 @@ std::string param_name(const testing::TestParamInfo<ReduceKernel::ParamType>& in
 }
 
 INSTANTIATE_TEST_SUITE_P(AllTypesAndOps, ReduceKernel,
-                         testing::Combine(testing::ValuesIn(kAllTypes),
-                                          testing::ValuesIn(kAllOps)),
+                         testing::Combine(testing::ValuesIn(kAllTypes), testing::ValuesIn(kAllOps)),
                          param_name);
 
 // ---- known answers ---------------------------------------------------------------------------
@@ -744,11 +740,11 @@ TEST(ReduceKnownAnswers, IntegersWrap) {
   EXPECT_EQ(reduce_one<std::uint8_t>(200, 100, DataType::kUint8, ReduceOp::kSum), 44);
   EXPECT_EQ(reduce_one<std::uint8_t>(255, 255, DataType::kUint8, ReduceOp::kProd), 1);
   EXPECT_EQ(reduce_one<std::int32_t>(65536, 65536, DataType::kInt32, ReduceOp::kProd), 0);
-  EXPECT_EQ(reduce_one<std::int32_t>(std::numeric_limits<std::int32_t>::max(), 1,
-                                     DataType::kInt32, ReduceOp::kSum),
+  EXPECT_EQ(reduce_one<std::int32_t>(std::numeric_limits<std::int32_t>::max(), 1, DataType::kInt32,
+                                     ReduceOp::kSum),
             std::numeric_limits<std::int32_t>::min());
-  EXPECT_EQ(reduce_one<std::int64_t>(std::numeric_limits<std::int64_t>::min(), -1,
-                                     DataType::kInt64, ReduceOp::kProd),
+  EXPECT_EQ(reduce_one<std::int64_t>(std::numeric_limits<std::int64_t>::min(), -1, DataType::kInt64,
+                                     ReduceOp::kProd),
             std::numeric_limits<std::int64_t>::min());
   EXPECT_EQ(reduce_one<std::int8_t>(-5, 3, DataType::kInt8, ReduceOp::kMin), -5);
   EXPECT_EQ(reduce_one<std::uint8_t>(250, 3, DataType::kUint8, ReduceOp::kMax), 250);
@@ -772,8 +768,8 @@ TEST(ReduceKnownAnswers, HalfSumRoundsOnceToEven) {
   EXPECT_EQ(reduce_one<H>(0x3c01, 0x1000, DataType::kFloat16, ReduceOp::kSum), 0x3c02);  // tie
   EXPECT_EQ(reduce_one<H>(0x7bff, 0x7bff, DataType::kFloat16, ReduceOp::kSum), 0x7c00);  // Inf
   EXPECT_EQ(reduce_one<H>(0x0001, 0x8001, DataType::kFloat16, ReduceOp::kSum), 0x0000);
-  EXPECT_TRUE(is_nan_bits(kHalf, reduce_one<H>(0x7c00, 0xfc00, DataType::kFloat16,
-                                               ReduceOp::kSum)));
+  EXPECT_TRUE(
+      is_nan_bits(kHalf, reduce_one<H>(0x7c00, 0xfc00, DataType::kFloat16, ReduceOp::kSum)));
   // avg over 3 ranks of 1 and 2^-12: the sum stays in fp32 (1 + 2^-12) and is divided there,
   // giving 0x3556; rounding the sum to fp16 first (1.0) would give 0x3555.
   H out = 0;

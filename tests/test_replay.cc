@@ -6,8 +6,8 @@
 
 #include <cmath>
 #include <map>
-#include <ostream>
 #include <mutex>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -120,7 +120,7 @@ TEST_P(ReplayOrdering, OnTheRealBackend) {
       const auto it = rs.find({e.iteration, e.group});
       ASSERT_NE(it, rs.end()) << "AG of group " << e.group << " without its RS";
       EXPECT_GE(e.start_s, it->second->end_s) << "AG of group " << e.group << " iteration "
-                                               << e.iteration << " before its RS completed";
+                                              << e.iteration << " before its RS completed";
     }
     if (e.iteration >= 0 && e.iteration < total) {
       covered[static_cast<std::size_t>(e.iteration)] +=
@@ -141,8 +141,7 @@ TEST_P(ReplayOrdering, OnTheRealBackend) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, ReplayEquivalence, ::testing::ValuesIn(all_cases()),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(Policies, ReplayEquivalence, ::testing::ValuesIn(all_cases()), case_name);
 INSTANTIATE_TEST_SUITE_P(Policies, ReplayOrdering, ::testing::ValuesIn(ds::policy_names()));
 
 // The back-end alone: an all-gather after its reduce-scatter, an all-reduce queued behind it,
@@ -161,8 +160,7 @@ TEST(CommBackend, DependencyQueueDataAndConsumption) {
     std::map<int, int> consumed;
     std::mutex mu;
     ds::CommBackend backend(
-        comm,
-        [&](const ds::CommRequest& r) { return r.group == 0 ? a.data() : b.data(); },
+        comm, [&](const ds::CommRequest& r) { return r.group == 0 ? a.data() : b.data(); },
         [&](const ds::CommRequest& r) {
           std::lock_guard<std::mutex> lock(mu);
           ++consumed[static_cast<int>(r.kind)];

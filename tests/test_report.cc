@@ -2,15 +2,14 @@
 // the machine-readable outputs that compare-peers.sh reads back.
 #include <gtest/gtest.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 #include "dear/error.h"
 #include "report.h"
@@ -51,8 +50,7 @@ TEST(SizeSweep, ReduceScatterAndAllGatherRoundToWholeRankBlocks) {
   for (const Collective c : {Collective::kReduceScatter, Collective::kAllGather}) {
     const auto points = size_sweep(args, c, DataType::kFloat32, 3);
     // 8 B holds no 3-rank block but is kept as the first point; 16 -> 12, 32 -> 24, ...
-    EXPECT_EQ(bytes_of(points), (std::vector<std::uint64_t>{0, 12, 24, 60, 120}))
-        << to_string(c);
+    EXPECT_EQ(bytes_of(points), (std::vector<std::uint64_t>{0, 12, 24, 60, 120})) << to_string(c);
     EXPECT_EQ(points[0].count, 0U);
     EXPECT_EQ(points[2].rank_count, 2U);
     EXPECT_EQ(points[2].count, 6U);
@@ -134,7 +132,7 @@ TEST(Elements, HalfAndBfloat16RoundTrip) {
       {1.0, 1.0, 1.0},
       {80.0, 80.0, 80.0},
       {65504.0, 65504.0, 65536.0},
-      {257.0, 257.0, 256.0},           // bf16 keeps 8 significant bits
+      {257.0, 257.0, 256.0},  // bf16 keeps 8 significant bits
       {1.0 / 3.0, 0.333251953125, 0.333984375},
       {std::ldexp(1.0, -24), std::ldexp(1.0, -24), std::ldexp(1.0, -24)},  // fp16 subnormal
       {-2.5, -2.5, -2.5},
@@ -152,8 +150,7 @@ TEST(Elements, HalfAndBfloat16RoundTrip) {
 // Reduces the ranks' inputs the way a library would, element by element in the element type
 // (through double only for the 16-bit floats, which hold these small integers exactly).
 std::vector<unsigned char> reduce_inputs(const std::vector<std::vector<unsigned char>>& inputs,
-                                         std::uint64_t count, DataType t, ReduceOp op,
-                                         int nranks) {
+                                         std::uint64_t count, DataType t, ReduceOp op, int nranks) {
   std::vector<unsigned char> out(inputs[0]);
   for (std::uint64_t i = 0; i < count; ++i) {
     double acc = load_value(inputs[0].data(), i, t);
@@ -161,10 +158,18 @@ std::vector<unsigned char> reduce_inputs(const std::vector<std::vector<unsigned 
       const double v = load_value(inputs[static_cast<std::size_t>(r)].data(), i, t);
       switch (op) {
         case ReduceOp::kSum:
-        case ReduceOp::kAvg: acc += v; break;
-        case ReduceOp::kProd: acc *= v; break;
-        case ReduceOp::kMin: acc = std::min(acc, v); break;
-        case ReduceOp::kMax: acc = std::max(acc, v); break;
+        case ReduceOp::kAvg:
+          acc += v;
+          break;
+        case ReduceOp::kProd:
+          acc *= v;
+          break;
+        case ReduceOp::kMin:
+          acc = std::min(acc, v);
+          break;
+        case ReduceOp::kMax:
+          acc = std::max(acc, v);
+          break;
       }
       // Integer libraries wrap at every step; storing does the same.
       store_value(out.data(), i, t, acc);
@@ -213,9 +218,8 @@ TEST_P(AllReduceCheck, CorrectBufferHasNoWrongElementsAndCorruptionIsCounted) {
 INSTANTIATE_TEST_SUITE_P(
     EveryTypeAndOp, AllReduceCheck,
     ::testing::Combine(::testing::Values(DataType::kInt8, DataType::kUint8, DataType::kInt32,
-                                         DataType::kInt64, DataType::kFloat16,
-                                         DataType::kBFloat16, DataType::kFloat32,
-                                         DataType::kFloat64),
+                                         DataType::kInt64, DataType::kFloat16, DataType::kBFloat16,
+                                         DataType::kFloat32, DataType::kFloat64),
                        ::testing::Values(ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin,
                                          ReduceOp::kMax, ReduceOp::kAvg),
                        ::testing::Values(2, 3, 16)));
@@ -256,8 +260,8 @@ TEST(Checker, ReduceScatterAllGatherAndBroadcast) {
   // reduce_scatter: rank r's result is block r of the elementwise sum.
   spec.collective = Collective::kReduceScatter;
   const auto rs_inputs = make_inputs(spec);
-  const auto total = reduce_inputs(rs_inputs, spec.rank_count * nranks, spec.dtype, spec.op,
-                                   nranks);
+  const auto total =
+      reduce_inputs(rs_inputs, spec.rank_count * nranks, spec.dtype, spec.op, nranks);
   for (int r = 0; r < nranks; ++r) {
     spec.rank = r;
     const unsigned char* block = total.data() + r * spec.rank_count * sizeof(float);
@@ -317,8 +321,8 @@ RunReport sample_report() {
   for (const std::uint64_t bytes : {0ULL, 1024ULL, 1ULL << 20}) {
     const SizePoint p = size_point(bytes, Collective::kAllGather, DataType::kBFloat16, 4);
     Row row = make_row(p, Collective::kAllGather, DataType::kBFloat16, ReduceOp::kMax, 0);
-    row.oop = make_result(p, Collective::kAllGather, 4, 12.5 + static_cast<double>(bytes),
-                          12.0, 30.25, 0);
+    row.oop = make_result(p, Collective::kAllGather, 4, 12.5 + static_cast<double>(bytes), 12.0,
+                          30.25, 0);
     if (bytes != 1024) row.ip = make_result(p, Collective::kAllGather, 4, 11.0, 10.0, 20.0);
     report.rows.push_back(row);
   }

@@ -194,7 +194,8 @@ FrameHeader header_of(std::uint32_t bytes, std::uint64_t seq) {
 
 std::vector<char> pattern(std::size_t n, int salt) {
   std::vector<char> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<char>((i * 7 + salt * 13 + i / 251) & 0xff);
+  for (std::size_t i = 0; i < n; ++i)
+    v[i] = static_cast<char>((i * 7 + salt * 13 + i / 251) & 0xff);
   return v;
 }
 
@@ -450,7 +451,8 @@ void round_trip(RecordingSink& sink, const std::vector<std::size_t>& sizes, std:
   SendQueue q;
   Reassembler r(room + body_offset);
   std::vector<std::vector<char>> payloads;
-  for (std::size_t m = 0; m < sizes.size(); ++m) payloads.push_back(pattern(sizes[m], static_cast<int>(m)));
+  for (std::size_t m = 0; m < sizes.size(); ++m)
+    payloads.push_back(pattern(sizes[m], static_cast<int>(m)));
   std::size_t next = 0;
   std::vector<std::uint64_t> sent;
   std::vector<char, std::allocator<char>> storage(room + body_offset + 64);

@@ -260,7 +260,7 @@ TEST_F(HandTimeline, ShardedOptimizerStep) {
     return out;
   };
   const auto expect_spans = [](const std::vector<std::pair<std::int64_t, double>>& got,
-                                 const std::vector<std::pair<std::int64_t, double>>& want) {
+                               const std::vector<std::pair<std::int64_t, double>>& want) {
     ASSERT_EQ(got.size(), want.size());
     for (std::size_t i = 0; i < want.size(); ++i) {
       EXPECT_EQ(got[i].first, want[i].first) << "span " << i;
@@ -281,8 +281,7 @@ TEST_F(HandTimeline, ShardedOptimizerStep) {
   EXPECT_NEAR(free.iteration_s, 66e-3, 1e-9);
   for (const auto& e : free.events) EXPECT_NE(e.kind, ds::EventKind::kOptimizer);
   // Eager all-gathers would leave before their shards are updated.
-  EXPECT_THROW((void)ds::make_dear(model, ds::plan_per_layer(model, 2), {true, true}),
-               dear::Error);
+  EXPECT_THROW((void)ds::make_dear(model, ds::plan_per_layer(model, 2), {true, true}), dear::Error);
 }
 
 TEST_F(HandTimeline, Ddp) {
@@ -356,8 +355,8 @@ TEST_P(DearOrdering, NoAllGatherBeforeItsReduceScatterNoForwardBeforeItsAllGathe
       continue;
     }
     ++ag_count;
-    const auto* rs = find(r, ds::EventKind::kComm, ds::OpKind::kReduceScatter, e.iteration,
-                          e.first_layer);
+    const auto* rs =
+        find(r, ds::EventKind::kComm, ds::OpKind::kReduceScatter, e.iteration, e.first_layer);
     ASSERT_NE(rs, nullptr);
     EXPECT_EQ(rs->first_layer, e.first_layer);
     EXPECT_EQ(rs->last_layer, e.last_layer);

@@ -85,13 +85,15 @@ std::vector<Spec> make_plan(std::size_t ops, std::size_t max_bytes, int ranks, u
     s.root = static_cast<int>(rng() % static_cast<unsigned>(ranks));
     s.priority = static_cast<int>(rng() % 4);
     s.salt = static_cast<int>(rng() % 1000);
-    static const std::vector<Algorithm> kAllReduce{Algorithm::kAuto, Algorithm::kRing,
+    static const std::vector<Algorithm> kAllReduce{Algorithm::kAuto,
+                                                   Algorithm::kRing,
                                                    Algorithm::kGatherReduce,
                                                    Algorithm::kHalvingDoubling,
-                                                   Algorithm::kRecursiveDoubling, Algorithm::kTree};
+                                                   Algorithm::kRecursiveDoubling,
+                                                   Algorithm::kTree};
     static const std::vector<Algorithm> kOthers{Algorithm::kAuto, Algorithm::kRing,
                                                 Algorithm::kHalvingDoubling};
-    const auto& algos = s.kind == Kind::kAllReduce ? kAllReduce
+    const auto& algos = s.kind == Kind::kAllReduce   ? kAllReduce
                         : s.kind == Kind::kBroadcast ? std::vector<Algorithm>{Algorithm::kAuto}
                                                      : kOthers;
     s.algo = algos[algo_rng() % algos.size()];
@@ -112,9 +114,8 @@ void start(Communicator& comm, const Spec& s, Slot& slot) {
   const int rank = comm.rank();
   const auto n = static_cast<std::size_t>(comm.size());
   const std::size_t elem = dtype_size(s.dtype);
-  const ReduceOp value_op = (s.kind == Kind::kAllReduce || s.kind == Kind::kReduceScatter)
-                                ? s.op
-                                : ReduceOp::kSum;
+  const ReduceOp value_op =
+      (s.kind == Kind::kAllReduce || s.kind == Kind::kReduceScatter) ? s.op : ReduceOp::kSum;
   const std::size_t in_count = s.kind == Kind::kReduceScatter ? s.count * n : s.count;
   const std::size_t out_count = s.kind == Kind::kAllGather ? s.count * n : s.count;
   for (std::size_t i = 0; i < in_count; ++i) {
@@ -185,10 +186,14 @@ std::size_t check(const Communicator& comm, const Spec& s, const Slot& slot, std
 
 const char* name(Kind k) {
   switch (k) {
-    case Kind::kAllReduce: return "all_reduce";
-    case Kind::kReduceScatter: return "reduce_scatter";
-    case Kind::kAllGather: return "all_gather";
-    case Kind::kBroadcast: return "broadcast";
+    case Kind::kAllReduce:
+      return "all_reduce";
+    case Kind::kReduceScatter:
+      return "reduce_scatter";
+    case Kind::kAllGather:
+      return "all_gather";
+    case Kind::kBroadcast:
+      return "broadcast";
   }
   return "?";
 }
@@ -232,9 +237,9 @@ void soak(std::size_t ops, std::size_t max_bytes, unsigned seed, long rss_limit_
           local_wrong += bad;
           if (local_first.empty()) {
             local_first = "op " + std::to_string(slots[k].index) + " " + name(s.kind) + " " +
-                          std::string(to_string(s.dtype)) + " " +
-                          std::string(to_string(s.op)) + " count " + std::to_string(s.count) +
-                          " rank " + std::to_string(comm.rank()) + ": " + what;
+                          std::string(to_string(s.dtype)) + " " + std::string(to_string(s.op)) +
+                          " count " + std::to_string(s.count) + " rank " +
+                          std::to_string(comm.rank()) + ": " + what;
           }
         }
       }
@@ -250,15 +255,15 @@ void soak(std::size_t ops, std::size_t max_bytes, unsigned seed, long rss_limit_
       if (first_wrong.empty()) first_wrong = local_first;
     }
   });
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const int fds_after = open_fds();
   const double growth =
       rss_warm > 0 ? 100.0 * double(rss_end - rss_warm) / double(rss_warm.load()) : 0.0;
-  std::printf("soak: %zu ops up to %zu bytes on %d ranks in %.1f s; wrong elements %zu; "
-              "RSS after warm-up %ld KiB, at end %ld KiB (%+.1f%%); fds before %d, after %d\n",
-              ops, max_bytes, kRanks, secs, wrong.load(), rss_warm.load(), rss_end.load(), growth,
-              fds_before, fds_after);
+  std::printf(
+      "soak: %zu ops up to %zu bytes on %d ranks in %.1f s; wrong elements %zu; "
+      "RSS after warm-up %ld KiB, at end %ld KiB (%+.1f%%); fds before %d, after %d\n",
+      ops, max_bytes, kRanks, secs, wrong.load(), rss_warm.load(), rss_end.load(), growth,
+      fds_before, fds_after);
   EXPECT_EQ(wrong.load(), 0u) << first_wrong;
   EXPECT_EQ(fds_after, fds_before) << "descriptors leaked";
   if (rss_limit_pct >= 0) {
@@ -276,9 +281,7 @@ TEST(Soak, RandomOperationsAreExactAndLeakNothing) {
 // Small operations only, so that slices run ahead of their operation and arrive while the
 // receiver is posting it: a slice whose payload was still arriving when its operation was
 // posted used to be placed half-received (this seed found it within 200 operations).
-TEST(Soak, SmallOperationsRunningAheadAreExact) {
-  soak(10000, 64 * 1024, 8, -1);
-}
+TEST(Soak, SmallOperationsRunningAheadAreExact) { soak(10000, 64 * 1024, 8, -1); }
 
 }  // namespace
 }  // namespace dear::testing

@@ -120,15 +120,21 @@ TEST(StagingPlan, NothingToStageForEmptyOrUnreadBuffers) {
   EXPECT_EQ(p.out_offset, 0u);
 }
 
-// ---- pieces: the pipelined plan, simulated on the CPU --------------------------------------------
+// ---- pieces: the pipelined plan, simulated on the CPU
+// --------------------------------------------
 
 const char* kind_name(StagedKind k) {
   switch (k) {
-    case StagedKind::kAllReduce: return "all_reduce";
-    case StagedKind::kReduceScatter: return "reduce_scatter";
-    case StagedKind::kAllGather: return "all_gather";
-    case StagedKind::kBroadcast: return "broadcast";
-    case StagedKind::kOther: return "other";
+    case StagedKind::kAllReduce:
+      return "all_reduce";
+    case StagedKind::kReduceScatter:
+      return "reduce_scatter";
+    case StagedKind::kAllGather:
+      return "all_gather";
+    case StagedKind::kBroadcast:
+      return "broadcast";
+    case StagedKind::kOther:
+      return "other";
   }
   return "?";
 }
@@ -178,20 +184,20 @@ TEST(StagingPieces, InvalidFormsAreNotSplit) {
   const PieceOptions o{16, 1};
   const std::uintptr_t b = 0x10000;
   // all_reduce with partially overlapping buffers: one piece, laid out as the user's.
-  auto plan = plan_pieces(StagedKind::kAllReduce, {at(b), 400, true}, {at(b + 8), 400, true},
-                          100, 4, 0, 2, true, o);
+  auto plan = plan_pieces(StagedKind::kAllReduce, {at(b), 400, true}, {at(b + 8), 400, true}, 100,
+                          4, 0, 2, true, o);
   EXPECT_EQ(plan.pieces.size(), 1u);
   // reduce_scatter "in place" at another rank's block.
-  plan = plan_pieces(StagedKind::kReduceScatter, {at(b), 800, true}, {at(b), 400, true}, 100, 4,
-                     1, 2, true, o);
+  plan = plan_pieces(StagedKind::kReduceScatter, {at(b), 800, true}, {at(b), 400, true}, 100, 4, 1,
+                     2, true, o);
   EXPECT_EQ(plan.pieces.size(), 1u);
   // Null output.
-  plan = plan_pieces(StagedKind::kAllReduce, {at(b), 400, true}, {nullptr, 400, true}, 100, 4,
-                     0, 2, true, o);
+  plan = plan_pieces(StagedKind::kAllReduce, {at(b), 400, true}, {nullptr, 400, true}, 100, 4, 0, 2,
+                     true, o);
   EXPECT_EQ(plan.pieces.size(), 1u);
   // The valid in-place form is split.
-  plan = plan_pieces(StagedKind::kReduceScatter, {at(b), 800, true}, {at(b + 400), 400, true},
-                     100, 4, 1, 2, true, o);
+  plan = plan_pieces(StagedKind::kReduceScatter, {at(b), 800, true}, {at(b + 400), 400, true}, 100,
+                     4, 1, 2, true, o);
   EXPECT_EQ(plan.pieces.size(), 25u);
 }
 
@@ -222,8 +228,8 @@ std::string describe(const SimCase& c) {
   return std::string(kind_name(c.kind)) + " nranks " + std::to_string(c.nranks) + " count " +
          std::to_string(c.count) + " elem " + std::to_string(c.elem) +
          (c.in_place ? " in place" : " out of place") + (c.in_on_device ? "" : " host in") +
-         (c.split ? " split" : " unsplit") + " piece_bytes " +
-         std::to_string(c.opts.piece_bytes) + " order " + std::to_string(c.order);
+         (c.split ? " split" : " unsplit") + " piece_bytes " + std::to_string(c.opts.piece_bytes) +
+         " order " + std::to_string(c.order);
 }
 
 std::byte add(std::byte a, std::byte b) {
@@ -279,9 +285,11 @@ void host_collective(const SimCase& c, std::vector<SimRank>& ranks, std::size_t 
         for (std::size_t q = 0; q < n; ++q) result[r].insert(result[r].end(), in[q], in[q] + b);
         break;
       case StagedKind::kBroadcast:
-        result[r].assign(in[static_cast<std::size_t>(root)], in[static_cast<std::size_t>(root)] + b);
+        result[r].assign(in[static_cast<std::size_t>(root)],
+                         in[static_cast<std::size_t>(root)] + b);
         break;
-      case StagedKind::kOther: break;
+      case StagedKind::kOther:
+        break;
     }
   }
   for (std::size_t r = 0; r < n; ++r) {
@@ -295,12 +303,14 @@ std::vector<std::vector<std::byte>> reference(const SimCase& c, const std::vecto
   const std::size_t b = c.count * c.elem;
   const std::size_t root = n - 1;
   const auto in_of = [&](std::size_t r) {
-    return ranks[r].initial.data() + (ranks[r].in - reinterpret_cast<std::uintptr_t>(ranks[r].mem.data()));
+    return ranks[r].initial.data() +
+           (ranks[r].in - reinterpret_cast<std::uintptr_t>(ranks[r].mem.data()));
   };
   std::vector<std::vector<std::byte>> want(n);
   for (std::size_t r = 0; r < n; ++r) {
     want[r] = ranks[r].initial;
-    std::byte* out = want[r].data() + (ranks[r].out - reinterpret_cast<std::uintptr_t>(ranks[r].mem.data()));
+    std::byte* out =
+        want[r].data() + (ranks[r].out - reinterpret_cast<std::uintptr_t>(ranks[r].mem.data()));
     switch (c.kind) {
       case StagedKind::kAllReduce:
         for (std::size_t j = 0; j < b; ++j) {
@@ -322,7 +332,8 @@ std::vector<std::vector<std::byte>> reference(const SimCase& c, const std::vecto
       case StagedKind::kBroadcast:
         std::memcpy(out, in_of(root), b);
         break;
-      case StagedKind::kOther: break;
+      case StagedKind::kOther:
+        break;
     }
   }
   return want;
@@ -456,8 +467,7 @@ void simulate(const SimCase& c) {
     if (std::memcmp(ranks[r].mem.data(), want[r].data(), want[r].size()) == 0) continue;
     for (std::size_t i = 0; i < want[r].size(); ++i) {
       ASSERT_EQ(ranks[r].mem[i], want[r][i])
-          << "rank " << r << " byte " << i << " of user memory (buffers start at " << kGuard
-          << ")";
+          << "rank " << r << " byte " << i << " of user memory (buffers start at " << kGuard << ")";
     }
   }
 }
@@ -477,8 +487,8 @@ TEST(StagingPieces, PipelineSimulationMatchesTheReference) {
                   if (!split && order > 0) continue;
                   // Pieces of 40 bytes (not a multiple of 8), split from 16 bytes: many pieces,
                   // uneven ones.
-                  simulate({kind, nranks, count, elem, in_place, in_on_device, split, {40, 16},
-                            order});
+                  simulate(
+                      {kind, nranks, count, elem, in_place, in_on_device, split, {40, 16}, order});
                   if (::testing::Test::HasFatalFailure()) return;
                 }
               }
@@ -546,8 +556,8 @@ TEST(DeviceDispatch, StreamWithoutUsableCudaIsRejected) {
 
 // ---- functor equivalence ---------------------------------------------------------------------
 
-constexpr DataType kTypes[] = {DataType::kInt8,    DataType::kUint8,    DataType::kInt32,
-                               DataType::kInt64,   DataType::kFloat16,  DataType::kBFloat16,
+constexpr DataType kTypes[] = {DataType::kInt8,    DataType::kUint8,   DataType::kInt32,
+                               DataType::kInt64,   DataType::kFloat16, DataType::kBFloat16,
                                DataType::kFloat32, DataType::kFloat64};
 constexpr ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax,
                              ReduceOp::kAvg};
@@ -567,11 +577,21 @@ void scalar_functors(void* dst, const void* a, const void* b, std::size_t n, Red
     const C y = E::load(pb[i]);
     C r{};
     switch (op) {
-      case ReduceOp::kSum: r = SumOp{}(x, y); break;
-      case ReduceOp::kProd: r = ProdOp{}(x, y); break;
-      case ReduceOp::kMin: r = MinOp{}(x, y); break;
-      case ReduceOp::kMax: r = MaxOp{}(x, y); break;
-      case ReduceOp::kAvg: r = divisor > 1 ? AvgFinalOp<C>{divisor}(x, y) : SumOp{}(x, y); break;
+      case ReduceOp::kSum:
+        r = SumOp{}(x, y);
+        break;
+      case ReduceOp::kProd:
+        r = ProdOp{}(x, y);
+        break;
+      case ReduceOp::kMin:
+        r = MinOp{}(x, y);
+        break;
+      case ReduceOp::kMax:
+        r = MaxOp{}(x, y);
+        break;
+      case ReduceOp::kAvg:
+        r = divisor > 1 ? AvgFinalOp<C>{divisor}(x, y) : SumOp{}(x, y);
+        break;
     }
     d[i] = E::store(r);
   }
@@ -580,15 +600,22 @@ void scalar_functors(void* dst, const void* a, const void* b, std::size_t n, Red
 void scalar(void* dst, const void* a, const void* b, std::size_t n, DataType t, ReduceOp op,
             int divisor) {
   switch (t) {
-    case DataType::kInt8: return scalar_functors<DataType::kInt8>(dst, a, b, n, op, divisor);
-    case DataType::kUint8: return scalar_functors<DataType::kUint8>(dst, a, b, n, op, divisor);
-    case DataType::kInt32: return scalar_functors<DataType::kInt32>(dst, a, b, n, op, divisor);
-    case DataType::kInt64: return scalar_functors<DataType::kInt64>(dst, a, b, n, op, divisor);
-    case DataType::kFloat16: return scalar_functors<DataType::kFloat16>(dst, a, b, n, op, divisor);
+    case DataType::kInt8:
+      return scalar_functors<DataType::kInt8>(dst, a, b, n, op, divisor);
+    case DataType::kUint8:
+      return scalar_functors<DataType::kUint8>(dst, a, b, n, op, divisor);
+    case DataType::kInt32:
+      return scalar_functors<DataType::kInt32>(dst, a, b, n, op, divisor);
+    case DataType::kInt64:
+      return scalar_functors<DataType::kInt64>(dst, a, b, n, op, divisor);
+    case DataType::kFloat16:
+      return scalar_functors<DataType::kFloat16>(dst, a, b, n, op, divisor);
     case DataType::kBFloat16:
       return scalar_functors<DataType::kBFloat16>(dst, a, b, n, op, divisor);
-    case DataType::kFloat32: return scalar_functors<DataType::kFloat32>(dst, a, b, n, op, divisor);
-    case DataType::kFloat64: return scalar_functors<DataType::kFloat64>(dst, a, b, n, op, divisor);
+    case DataType::kFloat32:
+      return scalar_functors<DataType::kFloat32>(dst, a, b, n, op, divisor);
+    case DataType::kFloat64:
+      return scalar_functors<DataType::kFloat64>(dst, a, b, n, op, divisor);
   }
 }
 
@@ -605,11 +632,28 @@ std::vector<std::byte> random_bytes(std::size_t n, std::size_t elem, std::uint64
 // operand order, which compilers may swap (x86), and GPUs return one canonical NaN.
 bool is_nan(const std::byte* p, DataType t) {
   switch (t) {
-    case DataType::kFloat16: { std::uint16_t h; std::memcpy(&h, p, 2); return (h & 0x7fff) > 0x7c00; }
-    case DataType::kBFloat16: { std::uint16_t h; std::memcpy(&h, p, 2); return (h & 0x7fff) > 0x7f80; }
-    case DataType::kFloat32: { float f; std::memcpy(&f, p, 4); return std::isnan(f); }
-    case DataType::kFloat64: { double f; std::memcpy(&f, p, 8); return std::isnan(f); }
-    default: return false;
+    case DataType::kFloat16: {
+      std::uint16_t h;
+      std::memcpy(&h, p, 2);
+      return (h & 0x7fff) > 0x7c00;
+    }
+    case DataType::kBFloat16: {
+      std::uint16_t h;
+      std::memcpy(&h, p, 2);
+      return (h & 0x7fff) > 0x7f80;
+    }
+    case DataType::kFloat32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return std::isnan(f);
+    }
+    case DataType::kFloat64: {
+      double f;
+      std::memcpy(&f, p, 8);
+      return std::isnan(f);
+    }
+    default:
+      return false;
   }
 }
 
@@ -631,8 +675,7 @@ TEST(FunctorEquivalence, ScalarFunctorsMatchTheCpuKernelsBitForBit) {
             continue;
           }
           ASSERT_EQ(std::memcmp(want.data() + i * el, got.data() + i * el, el), 0)
-              << to_string(t) << " " << to_string(op) << " nranks " << nranks << " element "
-              << i;
+              << to_string(t) << " " << to_string(op) << " nranks " << nranks << " element " << i;
         }
       }
     }

@@ -47,9 +47,7 @@ std::int64_t input(int rank, std::size_t i) {
   return static_cast<std::int64_t>(rank) * 1000 + static_cast<std::int64_t>(i) + 1;
 }
 
-Elem* at(std::vector<Elem>& v, std::size_t byte_offset) {
-  return v.data() + byte_offset / kEl;
-}
+Elem* at(std::vector<Elem>& v, std::size_t byte_offset) { return v.data() + byte_offset / kEl; }
 
 // Runs one collective on n simulated ranks; returns every rank's final work buffer.
 std::vector<std::vector<Elem>> simulate(OpKind kind, Schedule s, int n, std::size_t count,
@@ -78,7 +76,8 @@ std::vector<std::vector<Elem>> simulate(OpKind kind, Schedule s, int n, std::siz
       for (int p : {step.send_peer, step.recv_peer}) {
         if (p < 0) continue;
         const auto peers = step_peers(r, n);
-        EXPECT_TRUE(std::binary_search(peers.begin(), peers.end(), p)) << "rank " << r << " -> " << p;
+        EXPECT_TRUE(std::binary_search(peers.begin(), peers.end(), p))
+            << "rank " << r << " -> " << p;
         const auto back = step_peers(p, n);
         EXPECT_TRUE(std::binary_search(back.begin(), back.end(), r)) << "rank " << p << " -> " << r;
       }
@@ -154,7 +153,8 @@ std::vector<std::vector<Elem>> simulate(OpKind kind, Schedule s, int n, std::siz
     if (!moved) {
       bool done = flight.empty();
       for (int r = 0; r < n && done; ++r) {
-        done = ranks[static_cast<std::size_t>(r)].next == ranks[static_cast<std::size_t>(r)].plan.steps.size();
+        done = ranks[static_cast<std::size_t>(r)].next ==
+               ranks[static_cast<std::size_t>(r)].plan.steps.size();
       }
       if (done) break;
       // Nothing here could move: make sure some rank or message still can.
@@ -183,9 +183,9 @@ void check(OpKind kind, Schedule s, int n, std::size_t count, std::uint32_t seed
     for (int r = 0; r < n; ++r) t += input(r, i);
     return t;
   };
-  const std::string what = std::string(to_string(kind)) + " " + to_string(s) + " n=" +
-                           std::to_string(n) + " count=" + std::to_string(count) + " seed=" +
-                           std::to_string(seed);
+  const std::string what = std::string(to_string(kind)) + " " + to_string(s) +
+                           " n=" + std::to_string(n) + " count=" + std::to_string(count) +
+                           " seed=" + std::to_string(seed);
   for (int r = 0; r < n; ++r) {
     const auto& w = work[static_cast<std::size_t>(r)];
     switch (kind) {
@@ -239,8 +239,7 @@ TEST(LogStepSchedules, StepCountsAreLogarithmic) {
   for (int n : {2, 4, 8, 16, 64, 1024}) {
     const int lg = std::countr_zero(static_cast<unsigned>(n));
     EXPECT_EQ(step_cost(OpKind::kAllReduce, Schedule::kRecursiveDoubling, n, 1, 4).steps, lg);
-    EXPECT_EQ(step_cost(OpKind::kAllReduce, Schedule::kHalvingDoubling, n, 1024, 4).steps,
-              2 * lg);
+    EXPECT_EQ(step_cost(OpKind::kAllReduce, Schedule::kHalvingDoubling, n, 1024, 4).steps, 2 * lg);
     EXPECT_EQ(step_cost(OpKind::kAllReduce, Schedule::kTree, n, 1, 4).steps, 2 * lg);
     EXPECT_EQ(step_cost(OpKind::kAllGather, Schedule::kRecursiveDoubling, n, 1, 4).steps, lg);
   }
@@ -257,7 +256,8 @@ TEST(LogStepSchedules, PeersAreFewAndSymmetric) {
   for (int n = 1; n <= 64; ++n) {
     for (int r = 0; r < n; ++r) {
       const auto peers = step_peers(r, n);
-      EXPECT_LE(peers.size(), 2U * static_cast<std::size_t>(std::bit_width(static_cast<unsigned>(n))));
+      EXPECT_LE(peers.size(),
+                2U * static_cast<std::size_t>(std::bit_width(static_cast<unsigned>(n))));
       for (int p : peers) {
         EXPECT_NE(p, r);
         const auto back = step_peers(p, n);

@@ -96,9 +96,9 @@ TEST(Tuner, NoisyBowlWithinFactorTwo) {
         const double u = static_cast<double>(rng()) / 4294967296.0;  // [0, 1)
         return bowl(t, minimum) + 3 * (u - 0.5);
       });
-      EXPECT_LE(ratio(best, minimum), 2.0) << "seed " << seed << ", minimum "
-                                           << minimum / kMiB << " MiB, best "
-                                           << static_cast<double>(best) / kMiB << " MiB";
+      EXPECT_LE(ratio(best, minimum), 2.0)
+          << "seed " << seed << ", minimum " << minimum / kMiB << " MiB, best "
+          << static_cast<double>(best) / kMiB << " MiB";
     }
   }
 }

@@ -30,8 +30,8 @@
 namespace {
 
 struct Plan {
-  int victim = -1;        // rank that kills itself, or -1
-  std::string point;      // boot, link, mid, between
+  int victim = -1;    // rank that kills itself, or -1
+  std::string point;  // boot, link, mid, between
   int iters = 0;
   int sleep_ms = 0;
   std::size_t count = 1 << 18;
@@ -69,7 +69,8 @@ int run(int argc, char** argv) {
     std::fprintf(stderr, "%s", usage);
     return 2;
   }
-  const int env_rank = std::getenv("DEAR_RANK") != nullptr ? std::atoi(std::getenv("DEAR_RANK")) : -1;
+  const int env_rank =
+      std::getenv("DEAR_RANK") != nullptr ? std::atoi(std::getenv("DEAR_RANK")) : -1;
   die_if(p, env_rank, "boot");
   auto boot = dear::Bootstrap::from_env();
   die_if(p, boot->rank(), "link");
@@ -85,21 +86,28 @@ int run(int argc, char** argv) {
   std::vector<float> b(count * static_cast<std::size_t>(n));
   for (int it = 0; it < iters; ++it) {
     if (p.point == "between" && it == p.iters) die_if(p, r, "between");
-    for (std::size_t i = 0; i < count; ++i) a[i] = static_cast<float>((i + static_cast<std::size_t>(r + it)) % 5);
-    auto w = comm->all_reduce(a.data(), b.data(), count, dear::DataType::kFloat32, dear::ReduceOp::kSum);
+    for (std::size_t i = 0; i < count; ++i)
+      a[i] = static_cast<float>((i + static_cast<std::size_t>(r + it)) % 5);
+    auto w =
+        comm->all_reduce(a.data(), b.data(), count, dear::DataType::kFloat32, dear::ReduceOp::kSum);
     if (it == iters - 1) die_if(p, r, "mid");
     w.wait();
     for (std::size_t i = 0; i < count; ++i) {
       float want = 0;
-      for (int q = 0; q < n; ++q) want += static_cast<float>((i + static_cast<std::size_t>(q + it)) % 5);
+      for (int q = 0; q < n; ++q)
+        want += static_cast<float>((i + static_cast<std::size_t>(q + it)) % 5);
       if (b[i] != want) {
-        std::printf("wrong all_reduce element %zu: %f != %f\n", i, static_cast<double>(b[i]), static_cast<double>(want));
+        std::printf("wrong all_reduce element %zu: %f != %f\n", i, static_cast<double>(b[i]),
+                    static_cast<double>(want));
         return 1;
       }
     }
-    comm->reduce_scatter(b.data(), a.data(), count / static_cast<std::size_t>(n), dear::DataType::kFloat32,
-                         dear::ReduceOp::kMax).wait();
-    comm->all_gather(a.data(), b.data(), count / static_cast<std::size_t>(n), dear::DataType::kFloat32).wait();
+    comm->reduce_scatter(b.data(), a.data(), count / static_cast<std::size_t>(n),
+                         dear::DataType::kFloat32, dear::ReduceOp::kMax)
+        .wait();
+    comm->all_gather(a.data(), b.data(), count / static_cast<std::size_t>(n),
+                     dear::DataType::kFloat32)
+        .wait();
     comm->broadcast(b.data(), a.data(), count, dear::DataType::kFloat32, it % n).wait();
     comm->barrier().wait();
     if (p.sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(p.sleep_ms));

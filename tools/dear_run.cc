@@ -50,8 +50,8 @@ constexpr std::string_view kSecretPlaceholder = "<secret>";
 
 // What dear-run sets for every rank; inherited values are replaced and --env may not set them.
 constexpr std::array<std::string_view, 11> kJobVariables = {
-    "DEAR_RANK", "DEAR_WORLD_SIZE", "DEAR_LOCAL_RANK", "DEAR_LOCAL_SIZE", "DEAR_UNIQUE_ID",
-    "RANK",      "WORLD_SIZE",      "LOCAL_RANK",      "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+    "DEAR_RANK",  "DEAR_WORLD_SIZE", "DEAR_LOCAL_RANK", "DEAR_LOCAL_SIZE",  "DEAR_UNIQUE_ID",
+    "RANK",       "WORLD_SIZE",      "LOCAL_RANK",      "LOCAL_WORLD_SIZE", "MASTER_ADDR",
     "MASTER_PORT"};
 
 constexpr const char* kFooter = R"(Every rank gets dear-run's environment plus:
@@ -183,9 +183,9 @@ std::vector<std::string> base_environment(const Variables& extra) {
   for (char** entry = environ; *entry != nullptr; ++entry) {
     const std::string_view text(*entry);
     const std::string_view key = text.substr(0, text.find('='));
-    const bool replaced = is_job_variable(key) ||
-                          std::any_of(extra.begin(), extra.end(),
-                                      [&](const auto& kv) { return kv.first == key; });
+    const bool replaced =
+        is_job_variable(key) ||
+        std::any_of(extra.begin(), extra.end(), [&](const auto& kv) { return kv.first == key; });
     if (!replaced) env.emplace_back(text);
   }
   for (const auto& [key, value] : extra) env.push_back(key + "=" + value);
@@ -221,8 +221,7 @@ std::string command_text(const std::vector<std::string>& command) {
 // --dry-run: what each rank would be started with; the secret is left out.
 void print_dry_run(const Options& o, const UniqueId& id, const Variables& extra) {
   std::string out = "dear-run: dry run: would start " + std::to_string(o.ranks) +
-                    (o.ranks == 1 ? " rank" : " ranks") + " of: " + command_text(o.command) +
-                    "\n";
+                    (o.ranks == 1 ? " rank" : " ranks") + " of: " + command_text(o.command) + "\n";
   const std::string id_text = id.address() + ":" + std::string(kSecretPlaceholder);
   for (int rank = 0; rank < o.ranks; ++rank) {
     out += rank_prefix(rank, o.ranks);

@@ -23,9 +23,9 @@
 #include <vector>
 
 #include "dear/error.h"
-#include "tools/tool_util.h"
 #include "dear/scheduler/simulator.h"
 #include "dear/scheduler/tuner.h"
+#include "tools/tool_util.h"
 
 namespace {
 
@@ -43,13 +43,12 @@ using dear::tools::split;
 ds::TuneResult tune_dear(const ds::Model& model, ds::SimConfig config) {
   ds::TunerOptions options;
   options.middle_bytes = ds::kDefaultThresholdBytes;
-  return ds::tune_threshold(
-      options, ds::kDefaultThresholdBytes,
-      [&](std::int64_t threshold) {
-        config.threshold_bytes = threshold;
-        return ds::simulate_named(model, "dear", config).iteration_s * 1e3;
-      },
-      {});
+  return ds::tune_threshold(options, ds::kDefaultThresholdBytes,
+                            [&](std::int64_t threshold) {
+                              config.threshold_bytes = threshold;
+                              return ds::simulate_named(model, "dear", config).iteration_s * 1e3;
+                            },
+                            {});
 }
 
 double mib(std::int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
@@ -97,7 +96,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"policy", "serial", "interleaved"}));
   app.add_option("--time-scale", time_scale, "multiply every compute time by this (as dear-train)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--param-scale", param_scale, "multiply every tensor's size by this (as dear-train)")
+  app.add_option("--param-scale", param_scale,
+                 "multiply every tensor's size by this (as dear-train)")
       ->check(CLI::PositiveNumber);
   app.add_option("--optimizer-us-per-mparam", optimizer_us_per_mparam,
                  "optimizer cost on the compute stream, microseconds per million parameters "
@@ -185,8 +185,8 @@ int main(int argc, char** argv) {
     } else {
       std::printf("%s, %d workers, %s (alpha %.1f us, %.2f Gb/s): compute %.1f ms, bound %.1f ms\n",
                   model.name.c_str(), workers, net->name.c_str(), net->alpha_s * 1e6,
-                  8.0 / net->beta_s_per_byte / 1e9,
-                  (model.forward_s() + model.backward_s()) * 1e3, bound * 1e3);
+                  8.0 / net->beta_s_per_byte / 1e9, (model.forward_s() + model.backward_s()) * 1e3,
+                  bound * 1e3);
       std::printf("%-14s %10s %12s %10s %12s\n", "policy", "iter_ms", "samples/s", "eff",
                   "dear_speedup");
       const bool have_dear = iter.count("dear") != 0;
@@ -197,16 +197,16 @@ int main(int argc, char** argv) {
         std::printf("\n");
       }
       if (tuning) {
-        std::printf("\ntuning dear's fusion threshold (%zu trials):\n",
-                    tuning->trials.size());
+        std::printf("\ntuning dear's fusion threshold (%zu trials):\n", tuning->trials.size());
         int i = 0;
         for (const auto& t : tuning->trials) {
           std::printf("  trial %2d: threshold %8.2f MiB  iter %10.2f ms\n", ++i,
                       mib(t.threshold_bytes), t.iter_ms);
         }
         std::printf("dear at the default %.0f MiB: %.2f ms; tuned %.2f MiB: %.2f ms (%.3fx)\n",
-                    mib(ds::kDefaultThresholdBytes), tuning->default_ms, mib(tuning->threshold_bytes),
-                    tuning->iter_ms, tuning->default_ms / tuning->iter_ms);
+                    mib(ds::kDefaultThresholdBytes), tuning->default_ms,
+                    mib(tuning->threshold_bytes), tuning->iter_ms,
+                    tuning->default_ms / tuning->iter_ms);
       }
     }
   } catch (const std::exception& e) {

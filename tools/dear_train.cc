@@ -28,12 +28,12 @@
 #include "dear/bootstrap.h"
 #include "dear/communicator.h"
 #include "dear/error.h"
-#include "tools/tool_util.h"
 #include "dear/scheduler/replay.h"
-#include "scheduler/mpi_comm.h"
-#include "scheduler/nccl_comm.h"
 #include "dear/scheduler/simulator.h"
 #include "dear/scheduler/tuner.h"
+#include "scheduler/mpi_comm.h"
+#include "scheduler/nccl_comm.h"
+#include "tools/tool_util.h"
 
 namespace {
 
@@ -155,13 +155,13 @@ int main(int argc, char** argv) {
     options.net = *net;
 
     if (lead) {
-      std::printf("%s x%g time, x%g params (%lld parameters), %d ranks, compute %s: "
-                  "compute %.2f ms/iteration\n",
-                  model.name.c_str(), time_scale, param_scale,
-                  static_cast<long long>(model.params()), n, compute.c_str(),
-                  (model.forward_s() + model.backward_s()) * 1e3);
-      std::printf("network model for planning: %s, alpha %.1f us, %.3f Gb/s\n",
-                  net->name.c_str(), net->alpha_s * 1e6, 8.0 / net->beta_s_per_byte / 1e9);
+      std::printf(
+          "%s x%g time, x%g params (%lld parameters), %d ranks, compute %s: "
+          "compute %.2f ms/iteration\n",
+          model.name.c_str(), time_scale, param_scale, static_cast<long long>(model.params()), n,
+          compute.c_str(), (model.forward_s() + model.backward_s()) * 1e3);
+      std::printf("network model for planning: %s, alpha %.1f us, %.3f Gb/s\n", net->name.c_str(),
+                  net->alpha_s * 1e6, 8.0 / net->beta_s_per_byte / 1e9);
       std::printf("%-14s %10s %10s %12s %10s %10s\n", "policy", "mean_ms", "p50_ms", "samples/s",
                   "hooks_ms", "late_prio");
       std::fflush(stdout);
@@ -174,9 +174,8 @@ int main(int argc, char** argv) {
         // One line when warm-up ends and one at the end (dear-run prefixes every line).
         o.progress = [&name, warmup = o.warmup](int done, int total, double last_s) {
           if (done != warmup && done != total) return;
-          std::fprintf(stderr, "dear-train: %s %d/%d iterations (%s), last %.2f ms\n",
-                       name.c_str(), done, total, done == total ? "done" : "warm-up done",
-                       last_s * 1e3);
+          std::fprintf(stderr, "dear-train: %s %d/%d iterations (%s), last %.2f ms\n", name.c_str(),
+                       done, total, done == total ? "done" : "warm-up done", last_s * 1e3);
         };
       }
       const ds::ReplayResult r = ds::replay(*comm, model, name, o);
@@ -226,10 +225,10 @@ int main(int argc, char** argv) {
       const double default_ms = r.default_ms;
       const double best_ms = r.iter_ms;
       if (lead) {
-        std::printf("dear at the default %.0f MiB: p50 %.3f ms; tuned %.2f MiB: p50 %.3f ms "
-                    "(%.3fx)\n",
-                    mib(ds::kDefaultThresholdBytes), default_ms, mib(best), best_ms,
-                    default_ms / best_ms);
+        std::printf(
+            "dear at the default %.0f MiB: p50 %.3f ms; tuned %.2f MiB: p50 %.3f ms "
+            "(%.3fx)\n",
+            mib(ds::kDefaultThresholdBytes), default_ms, mib(best), best_ms, default_ms / best_ms);
         std::fflush(stdout);
       }
       tuned = {{"policy", "dear"},

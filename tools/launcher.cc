@@ -89,12 +89,18 @@ bool make_pipe(Pipe& pipe) {
 
 std::string signal_name(int sig) {
   switch (sig) {
-    case SIGINT: return "SIGINT";
-    case SIGTERM: return "SIGTERM";
-    case SIGHUP: return "SIGHUP";
-    case SIGQUIT: return "SIGQUIT";
-    case SIGKILL: return "SIGKILL";
-    default: return "signal " + std::to_string(sig);
+    case SIGINT:
+      return "SIGINT";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGHUP:
+      return "SIGHUP";
+    case SIGQUIT:
+      return "SIGQUIT";
+    case SIGKILL:
+      return "SIGKILL";
+    default:
+      return "signal " + std::to_string(sig);
   }
 }
 
@@ -187,7 +193,7 @@ std::vector<char*> c_strings(const std::vector<std::string>& strings) {
 // system calls until it executes the command.
 struct ChildSetup {
   pid_t parent = -1;
-  int stdin_fd = -1;  // -1: keep dear-run's stdin
+  int stdin_fd = -1;   // -1: keep dear-run's stdin
   int stdout_fd = -1;  // -1: write to dear-run's stdout directly
   int stderr_fd = -1;
   int status_fd = -1;  // receives errno when the command cannot be executed
@@ -231,9 +237,9 @@ struct Rank {
   // signal the group.
   pid_t pid = -1;
   bool exited = false;
-  int exit_code = 0;    // CLD_EXITED, CLD_KILLED or CLD_DUMPED
-  int exit_status = 0;  // the exit status, or the signal that killed it
-  int exec_errno = 0;   // why the command could not be executed, or 0
+  int exit_code = 0;         // CLD_EXITED, CLD_KILLED or CLD_DUMPED
+  int exit_status = 0;       // the exit status, or the signal that killed it
+  int exec_errno = 0;        // why the command could not be executed, or 0
   std::array<Fd, 2> output;  // read ends of its stdout and stderr pipes
   std::array<LineRelay, 2> relays;
 
@@ -442,8 +448,8 @@ bool Job::start_rank(Rank& rank) {
   int err = 0;
   std::size_t got = 0;
   while (got < sizeof err) {
-    const ssize_t n = ::read(status.read.get(), reinterpret_cast<char*>(&err) + got,
-                             sizeof err - got);
+    const ssize_t n =
+        ::read(status.read.get(), reinterpret_cast<char*>(&err) + got, sizeof err - got);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
     got += static_cast<std::size_t>(n);
@@ -584,8 +590,8 @@ void Job::check_deadlines(Clock::time_point now) {
       if (!rank.exited && rank.pid > 0) running.push_back(rank.index);
     }
     if (!running.empty()) {
-      report(rank_list(running) + " still running " + seconds_text(spec_.kill_grace) +
-             " after " + signal_name(stop_signal_) + "; killing them (SIGKILL)");
+      report(rank_list(running) + " still running " + seconds_text(spec_.kill_grace) + " after " +
+             signal_name(stop_signal_) + "; killing them (SIGKILL)");
     }
     kill_all(now);
   }
@@ -627,8 +633,7 @@ void Job::relay(Rank& rank, int stream) {
   if (!fd) return;
   const ssize_t n = ::read(fd.get(), buffer_.data(), buffer_.size());
   if (n > 0) {
-    rank.relays[s].feed(std::string_view(buffer_.data(), static_cast<std::size_t>(n)),
-                        batches_[s]);
+    rank.relays[s].feed(std::string_view(buffer_.data(), static_cast<std::size_t>(n)), batches_[s]);
     return;
   }
   if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
@@ -718,13 +723,18 @@ bool Job::all_exited() const {
 
 JobOutcome Job::outcome() const {
   switch (cause_) {
-    case Cause::kNone: return {0, 0};
+    case Cause::kNone:
+      return {0, 0};
     case Cause::kRankFailed:
       return {ranks_[static_cast<std::size_t>(cause_rank_)].shell_status(), 0};
-    case Cause::kTimeout: return {kExitTimeout, 0};
-    case Cause::kSignal: return {128 + cause_signal_, cause_signal_};
-    case Cause::kNotExecutable: return {kExitNotExecutable, 0};
-    case Cause::kLaunchError: return {kExitLaunchError, 0};
+    case Cause::kTimeout:
+      return {kExitTimeout, 0};
+    case Cause::kSignal:
+      return {128 + cause_signal_, cause_signal_};
+    case Cause::kNotExecutable:
+      return {kExitNotExecutable, 0};
+    case Cause::kLaunchError:
+      return {kExitLaunchError, 0};
   }
   return {kExitLaunchError, 0};
 }

@@ -6,9 +6,8 @@
 #include <poll.h>
 #include <unistd.h>
 
-#include <cerrno>
-
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -83,9 +82,9 @@ class TcpBootstrap final : public Bootstrap {
           guarded(r, [&] {
             transport::read_all(peers_[r].get(), &their, sizeof(their), deadline, what);
             if (their != len) {
-              throw Error(ErrorCode::kMismatch, what + ": rank " + std::to_string(r) +
-                                                    " sent " + std::to_string(their) +
-                                                    " bytes, rank 0 " + std::to_string(len));
+              throw Error(ErrorCode::kMismatch, what + ": rank " + std::to_string(r) + " sent " +
+                                                    std::to_string(their) + " bytes, rank 0 " +
+                                                    std::to_string(len));
             }
             transport::read_all(peers_[r].get(), o + static_cast<std::size_t>(r) * bytes, bytes,
                                 deadline, what);
@@ -113,8 +112,8 @@ class TcpBootstrap final : public Bootstrap {
           transport::read_all(root_.get(), &status, sizeof(status), deadline,
                               "bootstrap all-gather");
           if (status == 0) {
-            transport::read_all(root_.get(), o, bytes * static_cast<std::size_t>(size_),
-                                deadline, "bootstrap all-gather");
+            transport::read_all(root_.get(), o, bytes * static_cast<std::size_t>(size_), deadline,
+                                "bootstrap all-gather");
           }
         });
       } catch (const Error& e) {
@@ -294,8 +293,7 @@ class TcpBootstrap final : public Bootstrap {
   // Reads what has arrived of the response, never beyond it: the bytes after it belong to
   // the bootstrap collectives.
   void read_hello(Pending& p) const {
-    const ssize_t n = ::recv(p.fd.get(), p.buf.data() + p.got, p.buf.size() - p.got,
-                             MSG_DONTWAIT);
+    const ssize_t n = ::recv(p.fd.get(), p.buf.data() + p.got, p.buf.size() - p.got, MSG_DONTWAIT);
     if (n > 0) {
       p.got += static_cast<std::size_t>(n);
       auth::Response unused;
@@ -350,9 +348,9 @@ class TcpBootstrap final : public Bootstrap {
       if (const auto c = auth::check_challenge(reinterpret_cast<const std::uint8_t*>(&challenge),
                                                sizeof(challenge), kPurpose, &challenge);
           c != auth::Check::kOk) {
-        throw Error(ErrorCode::kBootstrap, "the listener at " + id_.address() +
-                                               " is not a dear rank 0 of this version: " +
-                                               std::string(auth::describe(c)));
+        throw Error(ErrorCode::kBootstrap,
+                    "the listener at " + id_.address() +
+                        " is not a dear rank 0 of this version: " + std::string(auth::describe(c)));
       }
       auth::Claim claim{};
       claim.rank = rank_;
@@ -364,8 +362,8 @@ class TcpBootstrap final : public Bootstrap {
       auth::Welcome w{};
       // Rank 0 may give up at its own deadline and then say which rank never came: wait a
       // little longer than it does, to hear that instead of timing out blind.
-      const Deadline grace = deadline + std::max<std::chrono::milliseconds>(
-                                            std::chrono::seconds(1), options_.timeout / 10);
+      const Deadline grace = deadline + std::max<std::chrono::milliseconds>(std::chrono::seconds(1),
+                                                                            options_.timeout / 10);
       read_or_refused(&w, sizeof(w), grace, "bootstrap welcome");
       std::uint32_t status = 0;
       const auto c = auth::check_welcome(reinterpret_cast<const std::uint8_t*>(&w), sizeof(w),
@@ -385,9 +383,8 @@ class TcpBootstrap final : public Bootstrap {
                                                std::string(auth::describe(c)));
       }
     });
-    advertise_ = options_.advertise_host.empty()
-                     ? transport::local_address(root_.get()).host()
-                     : options_.advertise_host;
+    advertise_ = options_.advertise_host.empty() ? transport::local_address(root_.get()).host()
+                                                 : options_.advertise_host;
   }
 
   // Reads from rank 0; a close means rank 0 turned this rank away.
@@ -407,11 +404,11 @@ class TcpBootstrap final : public Bootstrap {
   int size_;
   BootstrapOptions options_;
   std::string advertise_;
-  std::vector<Fd> peers_;  // rank 0: a connection per rank
+  std::vector<Fd> peers_;                // rank 0: a connection per rank
   std::vector<auth::Welcome> welcomes_;  // rank 0: the proof owed to each rank
   std::vector<auth::Claim> claims_;      // rank 0: what each rank claimed, and the challenge
   std::vector<auth::Nonce> nonces_;      // it answered (for a refusal that it can verify)
-  Fd root_;                // other ranks: the connection to rank 0
+  Fd root_;                              // other ranks: the connection to rank 0
 };
 
 // Not secret: lets a job started by a launcher without a secret tell itself apart from
@@ -449,10 +446,10 @@ std::unique_ptr<Bootstrap> Bootstrap::create(const UniqueId& id, int rank, int w
                 "world_size must be at least 1, got " + std::to_string(world_size), rank);
   }
   if (rank < 0 || rank >= world_size) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "rank must be in [0, " + std::to_string(world_size) + "), got " +
-                    std::to_string(rank),
-                rank);
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        "rank must be in [0, " + std::to_string(world_size) + "), got " + std::to_string(rank),
+        rank);
   }
   if (world_size > 1 && id.port == 0) {
     throw Error(ErrorCode::kInvalidArgument, "unique id has no port", rank);
@@ -466,12 +463,12 @@ std::unique_ptr<Bootstrap> Bootstrap::from_env(const BootstrapOptions& options) 
   constexpr std::int64_t kMaxRanks = 1 << 20;
   std::string rank_var;
   std::string size_var;
-  const auto rank = first_int({"DEAR_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
-                               "SLURM_PROCID"},
-                              0, kMaxRanks, &rank_var);
-  const auto size = first_int({"DEAR_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE",
-                               "PMI_SIZE", "SLURM_NTASKS"},
-                              1, kMaxRanks, &size_var);
+  const auto rank =
+      first_int({"DEAR_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}, 0,
+                kMaxRanks, &rank_var);
+  const auto size = first_int(
+      {"DEAR_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}, 1,
+      kMaxRanks, &size_var);
   if (!rank || !size) {
     throw Error(ErrorCode::kInvalidArgument,
                 "cannot tell this process's rank and world size from the environment: set "
@@ -488,7 +485,8 @@ std::unique_ptr<Bootstrap> Bootstrap::from_env(const BootstrapOptions& options) 
     if (!addr || !port) {
       throw Error(ErrorCode::kInvalidArgument,
                   "no rendezvous address: set DEAR_UNIQUE_ID (dear-run does) or MASTER_ADDR and "
-                  "MASTER_PORT (rank from " + rank_var + ")",
+                  "MASTER_PORT (rank from " +
+                      rank_var + ")",
                   static_cast<int>(*rank));
     }
     id.host = *addr;
@@ -497,8 +495,8 @@ std::unique_ptr<Bootstrap> Bootstrap::from_env(const BootstrapOptions& options) 
       id.secret = UniqueId::parse("h:1:" + *secret).secret;
     } else {
       std::string seed = *addr + ":" + std::to_string(*port);
-      for (const char* v : {"TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid",
-                            "PMIX_NAMESPACE"}) {
+      for (const char* v :
+           {"TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"}) {
         if (auto x = env::get(v)) seed += ":" + *x;
       }
       id.secret = derived_secret(seed);
@@ -539,8 +537,7 @@ std::string interface_address(const std::string& ifname, int rank) {
     if (!names.empty()) names.pop_back();
     throw Error(ErrorCode::kInvalidArgument,
                 "DEAR_SOCKET_IFNAME=" + ifname +
-                    " names no interface with an IPv4 address (interfaces with one:" + names +
-                    ")",
+                    " names no interface with an IPv4 address (interfaces with one:" + names + ")",
                 rank);
   }
   return found;

@@ -131,8 +131,7 @@ void DelayChannel::sync_wait_set() const {
   // When the inner queue is full its own POLLOUT wakes us; a timer already past due would
   // only spin the engine.
   const std::int64_t due =
-      held_ > 0 && !inner_full_ ? std::max<std::int64_t>(1, ring_[head_].due_ns - kEarlyWakeNs)
-                                : 0;
+      held_ > 0 && !inner_full_ ? std::max<std::int64_t>(1, ring_[head_].due_ns - kEarlyWakeNs) : 0;
   // Setting the timer also clears an expiry that was not read, so it is set again whenever
   // the armed time may already have passed; a future time that is already armed is kept.
   if (due == armed_ns_ && (due == 0 || due > now_ns())) return;

@@ -19,8 +19,8 @@
 // RecvSink::on_header(); the sink answers where the payload goes: straight into memory
 // (kDirect) or handed over in pieces through on_payload() (kStream, used to reduce while data
 // arrives; pieces are multiples of `unit` bytes, start at an address aligned to `unit`, and
-// come from transport-owned memory valid only during the call). Then on_message() says the message is complete. The sink may return
-// kDiscard to have the payload dropped.
+// come from transport-owned memory valid only during the call). Then on_message() says the message
+// is complete. The sink may return kDiscard to have the payload dropped.
 //
 // Completion and errors: every queued message is reported sent exactly once, or the channel
 // fails. A failure (peer closed, reset, protocol violation) is thrown from progress() as
@@ -43,29 +43,29 @@
 namespace dear::transport {
 
 enum class FrameType : std::uint8_t {
-  kData = 1,     // a slice of an operation
-  kPosted = 2,   // "I have posted operation `seq`": the sender may send non-eager slices
-  kAbort = 3,    // the peer failed; payload = reason text; root = rank to blame; count = code
+  kData = 1,    // a slice of an operation
+  kPosted = 2,  // "I have posted operation `seq`": the sender may send non-eager slices
+  kAbort = 3,   // the peer failed; payload = reason text; root = rank to blame; count = code
 };
 
 struct FrameHeader {
-  std::uint32_t bytes = 0;   // payload bytes that follow
+  std::uint32_t bytes = 0;  // payload bytes that follow
   FrameType type = FrameType::kData;
-  std::uint8_t kind = 0;     // collective (collectives::OpKind)
+  std::uint8_t kind = 0;  // collective (collectives::OpKind)
   std::uint8_t dtype = 0;
   std::uint8_t redop = 0;
-  std::uint64_t seq = 0;     // operation sequence number
-  std::uint32_t index = 0;   // message index within (operation, channel)
+  std::uint64_t seq = 0;    // operation sequence number
+  std::uint32_t index = 0;  // message index within (operation, channel)
   std::int32_t root = 0;
-  std::uint64_t count = 0;   // the operation's count as the caller gave it
+  std::uint64_t count = 0;  // the operation's count as the caller gave it
 };
 static_assert(sizeof(FrameHeader) == 32, "the wire header is 32 bytes");
 
 struct RecvTarget {
   enum Mode : std::uint8_t { kDirect, kStream, kDiscard };
   Mode mode = kDiscard;
-  char* dst = nullptr;       // kDirect: where the payload goes
-  std::size_t unit = 1;      // kStream: pieces are multiples of this many bytes
+  char* dst = nullptr;   // kDirect: where the payload goes
+  std::size_t unit = 1;  // kStream: pieces are multiples of this many bytes
 };
 
 // Memory of the receiving end that the sending end may write a message's payload into directly
@@ -90,8 +90,8 @@ class RecvSink {
   virtual ~RecvSink() = default;
   virtual RecvTarget on_header(int channel, const FrameHeader& h) = 0;
   // kStream only: payload bytes [offset, offset + len) of the current message.
-  virtual void on_payload(int channel, const FrameHeader& h, const char* data,
-                          std::size_t offset, std::size_t len) = 0;
+  virtual void on_payload(int channel, const FrameHeader& h, const char* data, std::size_t offset,
+                          std::size_t len) = 0;
   virtual void on_message(int channel, const FrameHeader& h) = 0;
   virtual void on_sent(int channel, std::uint64_t token) = 0;
   virtual void on_closed(int channel) = 0;

@@ -159,9 +159,9 @@ Fd connect_with_retry(const SockAddr& addr, Deadline deadline, const std::string
     backoff = std::min(backoff * 2, std::chrono::milliseconds(100));
     if (Clock::now() >= deadline) break;
   }
-  throw Error(ErrorCode::kTimeout, what + ": could not connect to " + addr.to_string() +
-                                       " before the deadline (last error: " +
-                                       std::strerror(last_err) + ")");
+  throw Error(ErrorCode::kTimeout,
+              what + ": could not connect to " + addr.to_string() +
+                  " before the deadline (last error: " + std::strerror(last_err) + ")");
 }
 
 Fd accept_until(int listen_fd, Deadline deadline) {
@@ -207,8 +207,8 @@ void write_all(int fd, const void* data, std::size_t bytes, Deadline deadline,
       }
       continue;
     }
-    throw Error(ErrorCode::kPeerFailed, what + ": connection lost while writing (" +
-                                            std::strerror(errno) + ")");
+    throw Error(ErrorCode::kPeerFailed,
+                what + ": connection lost while writing (" + std::strerror(errno) + ")");
   }
 }
 
@@ -230,8 +230,8 @@ void read_all(int fd, void* data, std::size_t bytes, Deadline deadline, const st
       }
       continue;
     }
-    throw Error(ErrorCode::kPeerFailed, what + ": connection lost while reading (" +
-                                            std::strerror(errno) + ")");
+    throw Error(ErrorCode::kPeerFailed,
+                what + ": connection lost while reading (" + std::strerror(errno) + ")");
   }
 }
 

@@ -88,14 +88,13 @@ void read_all(int fd, void* data, std::size_t bytes, Deadline deadline, const st
 // place, not erased, because callers match them to poll() results by index.
 template <typename T, typename OnDrop>
 void drop_oldest_beyond(std::vector<T>& entries, std::size_t max, OnDrop on_drop) {
-  const auto live = std::count_if(entries.begin(), entries.end(),
-                                  [](const T& e) { return e.fd.valid(); });
+  const auto live =
+      std::count_if(entries.begin(), entries.end(), [](const T& e) { return e.fd.valid(); });
   if (static_cast<std::size_t>(live) < max) return;
   const auto oldest =
       std::find_if(entries.begin(), entries.end(), [](const T& e) { return e.fd.valid(); });
   on_drop(*oldest);
   oldest->fd.reset();
 }
-
 
 }  // namespace dear::transport

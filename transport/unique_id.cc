@@ -28,9 +28,8 @@ std::string bracketed(const std::string& host) {
 [[noreturn]] void bad_id(std::string_view text, const std::string& why) {
   // Never echo the text itself: it holds the secret.
   (void)text;
-  throw Error(ErrorCode::kInvalidArgument,
-              "unique id (DEAR_UNIQUE_ID) is malformed: " + why +
-                  "; expected host:port:32-hex-digit-secret");
+  throw Error(ErrorCode::kInvalidArgument, "unique id (DEAR_UNIQUE_ID) is malformed: " + why +
+                                               "; expected host:port:32-hex-digit-secret");
 }
 
 }  // namespace

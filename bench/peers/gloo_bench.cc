@@ -19,19 +19,6 @@
 //   broadcast       BroadcastOneToAll, in place only.
 // Types: int8 uint8 int32 int64 half (gloo::float16) float double; bfloat16 only where no
 // reduction happens. Ops: sum prod min max (Gloo has no average).
-#include <chrono>
-#include <climits>
-#include <cstdint>
-#include <cstdio>
-#include <exception>
-#include <filesystem>
-#include <memory>
-#include <optional>
-#include <string>
-#include <system_error>
-#include <vector>
-
-#include <CLI/CLI.hpp>
 #include <gloo/algorithm.h>
 #include <gloo/allgather_ring.h>
 #include <gloo/allreduce_bcube.h>
@@ -47,6 +34,19 @@
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/types.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <system_error>
+#include <vector>
 
 #include "common/env.h"
 #include "dear/error.h"
@@ -65,20 +65,16 @@ class GlooComm final : public PeerComm {
   [[nodiscard]] int size() const override { return context_->size; }
   void barrier() override { gloo::BarrierAllToOne(context_).run(); }
   [[nodiscard]] double max_over_ranks(double value) override {
-    gloo::AllreduceRing<double>(context_, {&value}, 1, gloo::ReductionFunction<double>::max)
-        .run();
+    gloo::AllreduceRing<double>(context_, {&value}, 1, gloo::ReductionFunction<double>::max).run();
     return value;
   }
   [[nodiscard]] long long sum_over_ranks(long long value) override {
     std::int64_t v = value;
-    gloo::AllreduceRing<std::int64_t>(context_, {&v}, 1,
-                                      gloo::ReductionFunction<std::int64_t>::sum)
+    gloo::AllreduceRing<std::int64_t>(context_, {&v}, 1, gloo::ReductionFunction<std::int64_t>::sum)
         .run();
     return v;
   }
-  [[nodiscard]] const std::shared_ptr<gloo::Context>& context() const noexcept {
-    return context_;
-  }
+  [[nodiscard]] const std::shared_ptr<gloo::Context>& context() const noexcept { return context_; }
 
  private:
   std::shared_ptr<gloo::Context> context_;
@@ -87,11 +83,16 @@ class GlooComm final : public PeerComm {
 template <typename T>
 const gloo::ReductionFunction<T>* gloo_fn(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return gloo::ReductionFunction<T>::sum;
-    case ReduceOp::kProd: return gloo::ReductionFunction<T>::product;
-    case ReduceOp::kMin: return gloo::ReductionFunction<T>::min;
-    case ReduceOp::kMax: return gloo::ReductionFunction<T>::max;
-    case ReduceOp::kAvg: return nullptr;
+    case ReduceOp::kSum:
+      return gloo::ReductionFunction<T>::sum;
+    case ReduceOp::kProd:
+      return gloo::ReductionFunction<T>::product;
+    case ReduceOp::kMin:
+      return gloo::ReductionFunction<T>::min;
+    case ReduceOp::kMax:
+      return gloo::ReductionFunction<T>::max;
+    case ReduceOp::kAvg:
+      return nullptr;
   }
   return nullptr;
 }
@@ -101,12 +102,18 @@ const gloo::ReductionFunction<T>* gloo_fn(ReduceOp op) {
 template <typename F>
 std::optional<BoundOp> with_type(DataType t, bool reduces, F&& f) {
   switch (t) {
-    case DataType::kInt8: return f(std::int8_t{});
-    case DataType::kUint8: return f(std::uint8_t{});
-    case DataType::kInt32: return f(std::int32_t{});
-    case DataType::kInt64: return f(std::int64_t{});
-    case DataType::kFloat32: return f(float{});
-    case DataType::kFloat64: return f(double{});
+    case DataType::kInt8:
+      return f(std::int8_t{});
+    case DataType::kUint8:
+      return f(std::uint8_t{});
+    case DataType::kInt32:
+      return f(std::int32_t{});
+    case DataType::kInt64:
+      return f(std::int64_t{});
+    case DataType::kFloat32:
+      return f(float{});
+    case DataType::kFloat64:
+      return f(double{});
     case DataType::kFloat16:
       if (reduces) return f(gloo::float16{});
       return f(std::uint16_t{});
@@ -123,10 +130,10 @@ std::optional<std::string> unsupported(const BenchArgs& args, int nranks, Allred
   const bool reduces = has_reduction(args.collective);
   // Gloo's bcube (base 2) silently returns wrong sums on other rank counts.
   const bool power_of_two = (nranks & (nranks - 1)) == 0;
-  if (args.collective == Collective::kAllReduce && algo == AllreduceAlgo::kBcube &&
-      !power_of_two) {
+  if (args.collective == Collective::kAllReduce && algo == AllreduceAlgo::kBcube && !power_of_two) {
     return "Gloo's bcube all_reduce needs a power-of-two rank count (it returns wrong results "
-           "on " + std::to_string(nranks) + " ranks)";
+           "on " +
+           std::to_string(nranks) + " ranks)";
   }
   if (reduces && args.dtype == DataType::kBFloat16) {
     return "Gloo has no bfloat16 type to reduce (it is only moved, by all_gather and broadcast)";
@@ -163,8 +170,7 @@ std::optional<BoundOp> bind_gloo(const OpRequest& r, const GlooComm& comm, Allre
             algorithm = std::make_shared<gloo::AllreduceRingChunked<T>>(ctx, ptrs, count, fn);
             break;
           case AllreduceAlgo::kHalvingDoubling:
-            algorithm =
-                std::make_shared<gloo::AllreduceHalvingDoubling<T>>(ctx, ptrs, count, fn);
+            algorithm = std::make_shared<gloo::AllreduceHalvingDoubling<T>>(ctx, ptrs, count, fn);
             break;
           case AllreduceAlgo::kBcube:
             algorithm = std::make_shared<gloo::AllreduceBcube<T>>(ctx, ptrs, count, fn);
@@ -186,8 +192,8 @@ std::optional<BoundOp> bind_gloo(const OpRequest& r, const GlooComm& comm, Allre
       case Collective::kAllGather: {
         T* input = r.in_place ? recv + static_cast<std::size_t>(comm.rank()) * r.point.rank_count
                               : static_cast<T*>(r.send);
-        algorithm = std::make_shared<gloo::AllgatherRing<T>>(
-            ctx, std::vector<const T*>{input}, recv, count);
+        algorithm = std::make_shared<gloo::AllgatherRing<T>>(ctx, std::vector<const T*>{input},
+                                                             recv, count);
         bound.input = input;
         bound.output = recv;
         break;
@@ -208,10 +214,14 @@ std::optional<BoundOp> bind_gloo(const OpRequest& r, const GlooComm& comm, Allre
 
 std::string algorithm_name(Collective c, const std::string& allreduce_algo) {
   switch (c) {
-    case Collective::kAllReduce: return allreduce_algo;
-    case Collective::kReduceScatter: return "halving_doubling";
-    case Collective::kAllGather: return "ring";
-    case Collective::kBroadcast: return "one_to_all";
+    case Collective::kAllReduce:
+      return allreduce_algo;
+    case Collective::kReduceScatter:
+      return "halving_doubling";
+    case Collective::kAllGather:
+      return "ring";
+    case Collective::kBroadcast:
+      return "one_to_all";
   }
   return "?";
 }
@@ -289,9 +299,8 @@ int run(int argc, char** argv) {
   context->setTimeout(kGlooTimeout);
   context->connectFullMesh(store, device);
   GlooComm comm(context);
-  const int rc = run_sweep(comm, args, std::move(config), [&comm, algo](const OpRequest& r) {
-    return bind_gloo(r, comm, algo);
-  });
+  const int rc = run_sweep(comm, args, std::move(config),
+                           [&comm, algo](const OpRequest& r) { return bind_gloo(r, comm, algo); });
   // Ranks leave together, so none closes its pairs while another still waits on them.
   comm.barrier();
   return rc;

@@ -9,13 +9,12 @@
 // in-place only.
 #include <mpi.h>
 
+#include <CLI/CLI.hpp>
 #include <climits>
 #include <cstdio>
 #include <exception>
 #include <optional>
 #include <string>
-
-#include <CLI/CLI.hpp>
 
 #include "common/env.h"
 #include "dear/error.h"
@@ -63,12 +62,18 @@ class MpiComm final : public PeerComm {
 // bfloat16 as 16-bit integers (same bytes on the wire); reductions cannot.
 std::optional<MPI_Datatype> mpi_type(DataType t, bool reduces) {
   switch (t) {
-    case DataType::kInt8: return MPI_INT8_T;
-    case DataType::kUint8: return MPI_UINT8_T;
-    case DataType::kInt32: return MPI_INT32_T;
-    case DataType::kInt64: return MPI_INT64_T;
-    case DataType::kFloat32: return MPI_FLOAT;
-    case DataType::kFloat64: return MPI_DOUBLE;
+    case DataType::kInt8:
+      return MPI_INT8_T;
+    case DataType::kUint8:
+      return MPI_UINT8_T;
+    case DataType::kInt32:
+      return MPI_INT32_T;
+    case DataType::kInt64:
+      return MPI_INT64_T;
+    case DataType::kFloat32:
+      return MPI_FLOAT;
+    case DataType::kFloat64:
+      return MPI_DOUBLE;
     case DataType::kFloat16:
     case DataType::kBFloat16:
       if (reduces) return std::nullopt;
@@ -79,11 +84,16 @@ std::optional<MPI_Datatype> mpi_type(DataType t, bool reduces) {
 
 std::optional<MPI_Op> mpi_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return MPI_SUM;
-    case ReduceOp::kProd: return MPI_PROD;
-    case ReduceOp::kMin: return MPI_MIN;
-    case ReduceOp::kMax: return MPI_MAX;
-    case ReduceOp::kAvg: return std::nullopt;
+    case ReduceOp::kSum:
+      return MPI_SUM;
+    case ReduceOp::kProd:
+      return MPI_PROD;
+    case ReduceOp::kMin:
+      return MPI_MIN;
+    case ReduceOp::kMax:
+      return MPI_MAX;
+    case ReduceOp::kAvg:
+      return std::nullopt;
   }
   return std::nullopt;
 }
@@ -151,9 +161,9 @@ std::optional<BoundOp> bind_mpi(const OpRequest& r, const MpiComm& world) {
         };
         int size_of = 0;
         check_mpi(MPI_Type_size(type, &size_of), "MPI_Type_size");
-        bound.input = static_cast<std::byte*>(recv) +
-                      static_cast<std::size_t>(world.rank()) * r.point.rank_count *
-                          static_cast<std::size_t>(size_of);
+        bound.input = static_cast<std::byte*>(recv) + static_cast<std::size_t>(world.rank()) *
+                                                          r.point.rank_count *
+                                                          static_cast<std::size_t>(size_of);
       } else {
         bound.run = [=] {
           check_mpi(MPI_Allgather(send, count, type, recv, count, type, comm), "MPI_Allgather");
@@ -177,9 +187,9 @@ std::optional<BoundOp> bind_mpi(const OpRequest& r, const MpiComm& world) {
 // What mpirun was told about the wire, so a JSON file says what was measured.
 std::string describe_transport() {
   std::string text;
-  for (const auto& [var, label] : {std::pair{"OMPI_MCA_pml", "pml="},
-                                   std::pair{"OMPI_MCA_btl", "btl="},
-                                   std::pair{"OMPI_MCA_btl_tcp_if_include", "if="}}) {
+  for (const auto& [var, label] :
+       {std::pair{"OMPI_MCA_pml", "pml="}, std::pair{"OMPI_MCA_btl", "btl="},
+        std::pair{"OMPI_MCA_btl_tcp_if_include", "if="}}) {
     if (const auto v = env::get(var)) text += (text.empty() ? "" : " ") + std::string(label) + *v;
   }
   return text.empty() ? "mpi defaults" : text;

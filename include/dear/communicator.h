@@ -47,11 +47,11 @@ enum class Algorithm : std::uint8_t {
 
 // Per-operation knobs. Zero means "the communicator's default".
 struct OpOptions {
-  int priority = 0;                             // larger runs first
+  int priority = 0;  // larger runs first
   Algorithm algorithm = Algorithm::kAuto;
-  int channels = 0;                             // parallel rings, each on its own socket
-  std::size_t slice_bytes = 0;                  // pipelining unit
-  std::chrono::milliseconds timeout{0};         // deadline from issue; 0 = communicator's
+  int channels = 0;                      // parallel rings, each on its own socket
+  std::size_t slice_bytes = 0;           // pipelining unit
+  std::chrono::milliseconds timeout{0};  // deadline from issue; 0 = communicator's
   // A cudaStream_t (builds with CUDA only): the operation starts after the work already on
   // this stream and work enqueued on it later waits for the result, without the host waiting
   // for the stream. Null: the operation starts after the work already on the legacy default
@@ -164,8 +164,8 @@ class Communicator {
   [[nodiscard]] virtual const CommOptions& options() const = 0;
 
   // out[count] = op over ranks of in[count]. in == out is allowed (in place).
-  virtual Work all_reduce(const void* in, void* out, std::size_t count, DataType dtype,
-                          ReduceOp op, const OpOptions& opts = {}) = 0;
+  virtual Work all_reduce(const void* in, void* out, std::size_t count, DataType dtype, ReduceOp op,
+                          const OpOptions& opts = {}) = 0;
   // NCCL convention: in holds size()*recv_count elements, out receives the reduced block
   // rank()*recv_count. In place when out == in + rank()*recv_count*dtype_size.
   virtual Work reduce_scatter(const void* in, void* out, std::size_t recv_count, DataType dtype,

@@ -29,8 +29,8 @@ class Error : public std::runtime_error {
  public:
   static constexpr int kNone = -1;
 
-  Error(ErrorCode code, std::string cause, int rank = kNone, int peer = kNone,
-        std::string op = {}, std::int64_t seq = kNone);
+  Error(ErrorCode code, std::string cause, int rank = kNone, int peer = kNone, std::string op = {},
+        std::int64_t seq = kNone);
 
   [[nodiscard]] ErrorCode code() const noexcept { return code_; }
   [[nodiscard]] int rank() const noexcept { return rank_; }

@@ -136,19 +136,19 @@ std::vector<std::pair<int, int>> ranges(const dear::scheduler::FusionPlan& plan)
 }
 
 // Fusion plans as (first, last) layer ranges, inclusive, one per group.
-std::vector<std::pair<int, int>> plan_threshold(const std::vector<std::vector<std::int64_t>>& layers,
-                                                int ranks, std::int64_t threshold_bytes,
-                                                int element_bytes) {
+std::vector<std::pair<int, int>> plan_threshold(
+    const std::vector<std::vector<std::int64_t>>& layers, int ranks, std::int64_t threshold_bytes,
+    int element_bytes) {
   if (layers.empty()) return {};
-  return ranges(dear::scheduler::plan_threshold(layer_model(layers, element_bytes), ranks,
-                                                threshold_bytes));
+  return ranges(
+      dear::scheduler::plan_threshold(layer_model(layers, element_bytes), ranks, threshold_bytes));
 }
 
 std::vector<std::pair<int, int>> plan_nearby(const std::vector<std::vector<std::int64_t>>& layers,
                                              int ranks, int layers_per_group, int element_bytes) {
   if (layers.empty()) return {};
-  return ranges(dear::scheduler::plan_nearby(layer_model(layers, element_bytes), ranks,
-                                             layers_per_group));
+  return ranges(
+      dear::scheduler::plan_nearby(layer_model(layers, element_bytes), ranks, layers_per_group));
 }
 
 }  // namespace
@@ -212,8 +212,8 @@ PYBIND11_MODULE(_dear, m) {
             return c.get().all_reduce(as_ptr(in), as_ptr(out), count, dtype, op,
                                       op_options(priority, stream));
           },
-          py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"),
-          py::arg("op"), py::arg("priority") = 0, py::arg("cuda_stream") = 0)
+          py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+          py::arg("priority") = 0, py::arg("cuda_stream") = 0)
       .def(
           "reduce_scatter",
           [](PyCommunicator& c, std::uintptr_t in, std::uintptr_t out, std::size_t recv_count,

@@ -35,9 +35,9 @@
 namespace dear::transport::fabric {
 namespace {
 
-using rma::kControlSlots;
 using rma::DirectInfo;
 using rma::DirectTarget;
+using rma::kControlSlots;
 using rma::Kind;
 using rma::kPrefix;
 using rma::Prefix;
@@ -47,7 +47,7 @@ using rma::SendQueue;
 using rma::SendWindow;
 
 constexpr int kMaxChannels = 16;
-constexpr std::size_t kMaxName = 240;       // endpoint names: sockaddrs, shm paths
+constexpr std::size_t kMaxName = 240;  // endpoint names: sockaddrs, shm paths
 // The write data path's control buffers (a Prefix fits; data goes to the slots).
 constexpr std::size_t kControlBytes = 64;
 // close() waits at most this long for the provider to take what is queued and
@@ -411,8 +411,8 @@ class FabricChannel final : public Channel {
   }
   // An RMA write of `bytes` gathered from `iov` to the peer's [addr, addr + bytes) under `key`,
   // announced by `seq` as remote CQ data. The provider's return code.
-  ssize_t post_write(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
-                     std::size_t count, std::uint64_t addr, std::size_t bytes, std::uint64_t key);
+  ssize_t post_write(Buf& b, std::uint32_t seq, const iovec* iov, void** descs, std::size_t count,
+                     std::uint64_t addr, std::size_t bytes, std::uint64_t key);
   // The next step of a direct head message (its first fragment, or one payload write); false
   // when it cannot be taken now (the provider said try again).
   bool pump_direct(RecvSink& sink, Buf& b, const DirectTarget& d);
@@ -432,14 +432,14 @@ class FabricChannel final : public Channel {
   std::uint64_t tag_;
   std::size_t slot_bytes_;
   std::uint32_t slots_;
-  std::size_t in_place_min_;  // FabricOptions::in_place_bytes
-  std::size_t direct_min_;    // FabricOptions::direct_bytes
-  std::size_t write_max_;     // payload bytes per direct write
-  std::size_t iov_limit_;     // gather entries the provider takes per send
-  bool write_;                // the write data path (else send)
+  std::size_t in_place_min_;   // FabricOptions::in_place_bytes
+  std::size_t direct_min_;     // FabricOptions::direct_bytes
+  std::size_t write_max_;      // payload bytes per direct write
+  std::size_t iov_limit_;      // gather entries the provider takes per send
+  bool write_;                 // the write data path (else send)
   std::uint64_t corrupt_key_;  // FabricOptions::corrupt_write_key
-  std::uint32_t recv_bufs_;   // receive buffers kept posted
-  std::size_t recv_bytes_;    // bytes of each
+  std::uint32_t recv_bufs_;    // receive buffers kept posted
+  std::size_t recv_bytes_;     // bytes of each
 
   FidPtr<fid_cq> cq_;
   FidPtr<fid_ep> ep_;
@@ -544,17 +544,17 @@ FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, in
   // buffers: receives, then sends.
   const std::size_t slot_area = static_cast<std::size_t>(slots_) * slot_bytes_;
   const std::size_t small = (static_cast<std::size_t>(recv_bufs_) + kControlSlots) * kControlBytes;
-  const std::size_t total = write_ ? 2 * slot_area + small
-                                   : 2 * static_cast<std::size_t>(pool) * slot_bytes_;
+  const std::size_t total =
+      write_ ? 2 * slot_area + small : 2 * static_cast<std::size_t>(pool) * slot_bytes_;
   memory_.reset(static_cast<char*>(std::aligned_alloc(4096, (total + 4095) / 4096 * 4096)));
   if (!memory_) throw Error(ErrorCode::kSystem, "out of memory for fabric staging", self_);
   char* const local = write_ ? memory_.get() + slot_area : memory_.get();
   const std::size_t local_bytes = write_ ? slot_area + small : total;
   if (info->domain_attr->mr_mode & FI_MR_LOCAL) {
     fid_mr* mr = nullptr;
-    check("fi_mr_reg", dom_->register_memory(local, local_bytes,
-                                             FI_SEND | FI_RECV | (write_ ? FI_WRITE : 0),
-                                             ep_.get(), &mr));
+    check("fi_mr_reg",
+          dom_->register_memory(local, local_bytes, FI_SEND | FI_RECV | (write_ ? FI_WRITE : 0),
+                                ep_.get(), &mr));
     mr_.reset(mr);
   }
   if (write_) {
@@ -650,8 +650,8 @@ void FabricChannel::set_peer(const char* name, std::size_t len, const rma::SlotR
 
 std::string FabricChannel::describe() const {
   return "fabric (" + dom_->provider + ", " + (write_ ? "write" : "send") + ") channel " +
-         std::to_string(index_) + " between rank " +
-         std::to_string(self_) + " and rank " + std::to_string(peer_);
+         std::to_string(index_) + " between rank " + std::to_string(self_) + " and rank " +
+         std::to_string(peer_);
 }
 
 void FabricChannel::post_recv(Buf& b) {
@@ -687,8 +687,8 @@ bool FabricChannel::try_send_to(const FrameHeader& h, const void* payload, std::
   }
   if (sendq_.full()) return false;
   if (closed()) fail("send on a closed channel");
-  sendq_.push(h, payload, token, DirectTarget{window.addr + offset, window.key,
-                                              window.local + offset});
+  sendq_.push(h, payload, token,
+              DirectTarget{window.addr + offset, window.key, window.local + offset});
   return true;
 }
 
@@ -885,14 +885,14 @@ bool FabricChannel::deliver(RecvSink& sink) {
       std::memcpy(&p, base, kPrefix);
     }
     if (p.direct != 0) {
-      if (!write_ || p.first == 0) fail("protocol violation: a direct message on the send data path");
-      if (auto bad = reasm_.on_direct_header(sink, index_, base + kPrefix, p.bytes,
-                                             &direct_write_)) {
+      if (!write_ || p.first == 0)
+        fail("protocol violation: a direct message on the send data path");
+      if (auto bad =
+              reasm_.on_direct_header(sink, index_, base + kPrefix, p.bytes, &direct_write_)) {
         fail(*bad);
       }
       g_direct_received.fetch_add(1, std::memory_order_relaxed);
-    } else if (auto bad =
-                   reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
+    } else if (auto bad = reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
       fail(*bad);
     }
     recvw_.consume();  // write path: the slot is free for the fragment `slots` later
@@ -930,8 +930,8 @@ bool FabricChannel::pump(RecvSink& sink) {
       piece_desc = dom_->descriptor(whole.data, whole.bytes);
     }
     const bool in_place = piece_desc.has_value();
-    const SendQueue::Fragment f = in_place ? sendq_.fill_header(b.data + kPrefix, room)
-                                           : sendq_.fill(b.data + kPrefix, room);
+    const SendQueue::Fragment f =
+        in_place ? sendq_.fill_header(b.data + kPrefix, room) : sendq_.fill(b.data + kPrefix, room);
     const Prefix p = data_prefix(f);
     std::memcpy(b.data, &p, kPrefix);
     // In place: the prefix (and header) from the staging buffer, the payload from where it
@@ -947,8 +947,8 @@ bool FabricChannel::pump(RecvSink& sink) {
         post_fragment(b, p.seq, iov.data(), descs.data(), in_place ? 2 : 1, kPrefix + p.bytes);
     if (rc == -FI_EAGAIN) break;
     if (rc != 0) {
-      fail(std::string(write_ ? "fi_writemsg" : "fi_send") + " to rank " +
-           std::to_string(peer_) + " failed: " + fi_text(static_cast<int>(rc)));
+      fail(std::string(write_ ? "fi_writemsg" : "fi_send") + " to rank " + std::to_string(peer_) +
+           " failed: " + fi_text(static_cast<int>(rc)));
     }
     free_data_.pop_back();
     ++in_flight_;
@@ -1002,8 +1002,8 @@ bool FabricChannel::pump_direct(RecvSink& sink, Buf& b, const DirectTarget& d) {
   }
   if (rc == -FI_EAGAIN) return false;
   if (rc != 0) {
-    fail("fi_writemsg to rank " + std::to_string(peer_) + " failed: " +
-         fi_text(static_cast<int>(rc)));
+    fail("fi_writemsg to rank " + std::to_string(peer_) +
+         " failed: " + fi_text(static_cast<int>(rc)));
   }
   free_data_.pop_back();
   ++in_flight_;
@@ -1028,8 +1028,7 @@ ssize_t FabricChannel::post_fragment(Buf& b, std::uint32_t seq, const iovec* iov
     }
     return fi_sendv(ep_.get(), iov, descs, count, peer_addr_, &b.ctx);
   }
-  return post_write(b, seq, iov, descs, count, rma::slot_address(remote_, seq), bytes,
-                    remote_.key);
+  return post_write(b, seq, iov, descs, count, rma::slot_address(remote_, seq), bytes, remote_.key);
 }
 
 ssize_t FabricChannel::post_write(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
@@ -1268,8 +1267,7 @@ std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank, std:
   dom->write = writes != nullptr;
   const fi_info* use = writes ? writes.get() : chosen;
   dom->info.reset(fi_dupinfo(use));
-  dom->register_sends =
-      options.register_in_place || (use->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
+  dom->register_sends = options.register_in_place || (use->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
   o = options;
   const std::size_t max_msg = use->ep_attr->max_msg_size;
   if (max_msg < o.slot_bytes) o.slot_bytes = max_msg - max_msg % 64;

@@ -61,8 +61,7 @@ inline void set_provider_defaults() {
 // `writes`: also RMA writes to and from this endpoint with remote CQ data (FI_RMA, FI_WRITE,
 // FI_REMOTE_WRITE), accepting that such a write consumes a posted receive (FI_RX_CQ_DATA) and
 // that registrations belong to an endpoint (FI_MR_ENDPOINT): the write data path handles both.
-inline InfoPtr rdm_hints(const std::string& provider, fi_threading threading,
-                         bool writes = false) {
+inline InfoPtr rdm_hints(const std::string& provider, fi_threading threading, bool writes = false) {
   set_provider_defaults();
   InfoPtr hints(fi_allocinfo());
   if (!hints) throw Error(ErrorCode::kSystem, "fi_allocinfo failed: out of memory");

@@ -188,13 +188,13 @@ void InPlaceSends::clear() {
 }
 
 Reassembler::Reassembler(std::size_t max_body)
-    : bounce_(static_cast<char*>(std::aligned_alloc(kMaxUnit, (max_body + kMaxUnit - 1) /
-                                                                  kMaxUnit * kMaxUnit))) {
+    : bounce_(static_cast<char*>(
+          std::aligned_alloc(kMaxUnit, (max_body + kMaxUnit - 1) / kMaxUnit * kMaxUnit))) {
   if (!bounce_) throw Error(ErrorCode::kSystem, "out of memory for a receive bounce buffer");
 }
 
-std::optional<std::string> Reassembler::on_fragment(RecvSink& sink, int channel,
-                                                    const char* body, std::size_t n, bool first) {
+std::optional<std::string> Reassembler::on_fragment(RecvSink& sink, int channel, const char* body,
+                                                    std::size_t n, bool first) {
   if (!in_msg_) {
     if (!first || n < kHeader) return "protocol violation: a message starts mid-message";
     std::memcpy(&current_, body, kHeader);
@@ -231,8 +231,8 @@ std::optional<std::string> Reassembler::on_fragment(RecvSink& sink, int channel,
 }
 
 std::optional<std::string> Reassembler::on_direct_header(RecvSink& sink, int channel,
-                                                          const char* body, std::size_t n,
-                                                          std::size_t* write_bytes) {
+                                                         const char* body, std::size_t n,
+                                                         std::size_t* write_bytes) {
   if (in_msg_) return "protocol violation: a message starts inside another";
   if (n != kHeader + sizeof(DirectInfo)) {
     return "protocol violation: a direct message's first fragment holds " + std::to_string(n) +
@@ -326,8 +326,7 @@ std::optional<std::string> accept_credits(SendWindow& w, std::uint32_t credits, 
          " outstanding";
 }
 
-std::optional<std::string> accept_fragment(RecvWindow& w, std::uint32_t seq,
-                                           std::uint32_t buffer) {
+std::optional<std::string> accept_fragment(RecvWindow& w, std::uint32_t seq, std::uint32_t buffer) {
   if (w.arrived(seq, buffer)) return std::nullopt;
   return "protocol violation: fragment " + std::to_string(seq) +
          " outside the receive window (next expected " + std::to_string(w.expected()) + ")";

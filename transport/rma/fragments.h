@@ -42,7 +42,7 @@ struct Prefix {
   std::uint32_t credits = 0;  // credits returned to the receiver of this message
   std::uint32_t bytes = 0;    // bytes after the prefix
   Kind kind = Kind::kData;
-  std::uint8_t first = 0;  // kData: starts a message (a FrameHeader follows the prefix)
+  std::uint8_t first = 0;   // kData: starts a message (a FrameHeader follows the prefix)
   std::uint8_t direct = 0;  // kData, first: the payload is written directly (see DirectInfo)
   std::uint8_t reserved = 0;
   std::uint64_t reserved2 = 0;
@@ -214,8 +214,7 @@ class Reassembler {
   // what is wrong with it (a protocol violation, or a stream unit above kMaxUnit) or nullopt.
   // After an error the channel is dead: what was already delivered stays delivered.
   [[nodiscard]] std::optional<std::string> on_fragment(RecvSink& sink, int channel,
-                                                       const char* body, std::size_t n,
-                                                       bool first);
+                                                       const char* body, std::size_t n, bool first);
   // A direct message starts: `body` holds its FrameHeader and DirectInfo (`n` bytes). The sink
   // must place its payload kDirect at exactly DirectInfo::local (where the writes put it);
   // anything else is a protocol violation. On success `*write_bytes` is the payload per write,
@@ -225,8 +224,7 @@ class Reassembler {
                                                             std::size_t* write_bytes);
   // `n` more payload bytes of the current direct message are in place; on_message() once all
   // are.
-  [[nodiscard]] std::optional<std::string> on_placed(RecvSink& sink, int channel,
-                                                     std::size_t n);
+  [[nodiscard]] std::optional<std::string> on_placed(RecvSink& sink, int channel, std::size_t n);
   // The current message is direct.
   [[nodiscard]] bool in_direct() const { return in_msg_ && direct_; }
   // Payload bytes of the current message still to come.

@@ -17,21 +17,20 @@ std::uint64_t region_base(const void* registered, std::uint64_t offset, bool vir
 std::optional<std::string> check_region(const SlotRegion& theirs, std::size_t slot_bytes,
                                         std::uint32_t slots, int self, int peer) {
   if (theirs.slots == slots && theirs.slot_bytes == slot_bytes) return std::nullopt;
-  return "rank " + std::to_string(peer) + " offers " + std::to_string(theirs.slots) +
-         " slots of " + std::to_string(theirs.slot_bytes) + " bytes to write into, rank " +
-         std::to_string(self) + " has " + std::to_string(slots) + " of " +
-         std::to_string(slot_bytes) + " (slot sizes follow the slice size: do the ranks agree?)";
+  return "rank " + std::to_string(peer) + " offers " + std::to_string(theirs.slots) + " slots of " +
+         std::to_string(theirs.slot_bytes) + " bytes to write into, rank " + std::to_string(self) +
+         " has " + std::to_string(slots) + " of " + std::to_string(slot_bytes) +
+         " (slot sizes follow the slice size: do the ranks agree?)";
 }
 
 std::optional<std::string> check_written(const Prefix& p, std::uint32_t seq, std::uint64_t tag,
                                          std::size_t slot_bytes,
                                          std::optional<std::size_t> written) {
-  const std::string what = "protocol violation: the write announced as fragment " +
-                           std::to_string(seq) + " left ";
+  const std::string what =
+      "protocol violation: the write announced as fragment " + std::to_string(seq) + " left ";
   if (p.tag != tag) return what + "a prefix of another communicator in its slot";
   if (p.kind != Kind::kData) {
-    return what + "a prefix of kind " + std::to_string(static_cast<int>(p.kind)) +
-           " in its slot";
+    return what + "a prefix of kind " + std::to_string(static_cast<int>(p.kind)) + " in its slot";
   }
   if (p.seq != seq) return what + "fragment " + std::to_string(p.seq) + " in its slot";
   if (slot_bytes < kPrefix || p.bytes > slot_bytes - kPrefix) {

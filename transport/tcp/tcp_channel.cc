@@ -60,8 +60,7 @@ std::optional<std::size_t> socket_buffer_from_env() {
   const auto b = env::get_bytes("DEAR_SOCKET_BUFFER");
   if (b && (*b < kMinSocketBuffer || *b > kMaxSocketBuffer)) {
     throw Error(ErrorCode::kInvalidArgument, "environment variable DEAR_SOCKET_BUFFER=" +
-                                                 std::to_string(*b) +
-                                                 " is outside [4K, 1G] bytes");
+                                                 std::to_string(*b) + " is outside [4K, 1G] bytes");
   }
   return b;
 }
@@ -417,8 +416,9 @@ struct Outgoing {
     }
     if (stage == Stage::kWelcome) {
       if (!recv_some(fd.get(), buf.data(), sizeof(auth::Welcome), got)) {
-        fail("the peer closed the connection during the handshake (it rejected this rank's "
-             "proof, or failed)");
+        fail(
+            "the peer closed the connection during the handshake (it rejected this rank's "
+            "proof, or failed)");
       }
       const auth::Check c = auth::check_welcome(buf.data(), got, kLinkPurpose, secret_span(secret),
                                                 claim, challenge.nonce);

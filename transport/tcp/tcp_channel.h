@@ -3,12 +3,13 @@
 // call, and payloads read straight into their destination when they are large.
 #pragma once
 
+#include <sys/uio.h>
+
 #include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
-#include <sys/uio.h>
 #include <vector>
 
 #include "transport/link.h"

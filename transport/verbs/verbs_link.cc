@@ -281,7 +281,7 @@ class VerbsChannel final : public Channel {
   ibv_mr* send_mr_ = nullptr;
   std::unique_ptr<char, FreeDeleter> recv_mem_;  // data slots the peer writes into
   std::unique_ptr<char, FreeDeleter> send_mem_;  // data staging, control staging, control recv
-  rma::SlotRegion remote_{};  // the peer's receive slots
+  rma::SlotRegion remote_{};                     // the peer's receive slots
   std::uint32_t max_inline_ = 0;
   bool armed_ = false;
   bool connected_ = false;
@@ -712,8 +712,7 @@ bool VerbsChannel::pump(RecvSink& sink) {
     sge.addr = reinterpret_cast<std::uintptr_t>(buf);
     sge.length = static_cast<std::uint32_t>(kPrefix + p.bytes);
     sge.lkey = send_mr_->lkey;
-    add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, p.seq,
-           rma::slot_address(remote_, p.seq),
+    add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, p.seq, rma::slot_address(remote_, p.seq),
            Posted{b, false});
     moved = true;
     if (const auto token = sendq_.commit(f)) sink.on_sent(index_, *token);

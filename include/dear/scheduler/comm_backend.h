@@ -49,11 +49,11 @@ class CommBackend final : public Backend {
   // What happened to one operation, in seconds since `epoch` (for traces and ordering checks).
   struct Record {
     CommRequest request;
-    int iteration = 0;     // set_iteration() at issue, minus one for previous_iteration
-    int priority = 0;      // as handed to the communicator
-    double issue_s = -1;   // the policy issued it
-    double start_s = -1;   // handed to the communicator
-    double end_s = -1;     // first seen complete (by a wait, or by the hand-over thread)
+    int iteration = 0;    // set_iteration() at issue, minus one for previous_iteration
+    int priority = 0;     // as handed to the communicator
+    double issue_s = -1;  // the policy issued it
+    double start_s = -1;  // handed to the communicator
+    double end_s = -1;    // first seen complete (by a wait, or by the hand-over thread)
     bool consumed = false;
   };
 

@@ -25,8 +25,8 @@ struct Layer {
 
 struct Model {
   std::string name;
-  int batch_size = 1;     // samples per worker per iteration
-  int element_bytes = 4;  // gradient element size (fp32)
+  int batch_size = 1;         // samples per worker per iteration
+  int element_bytes = 4;      // gradient element size (fp32)
   std::vector<Layer> layers;  // forward order
 
   [[nodiscard]] std::int64_t params() const;

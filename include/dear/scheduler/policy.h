@@ -29,7 +29,7 @@ struct CommRequest {
   OpId after = kNoOp;         // do not start before this operation has completed
   int first_layer = 0;        // layers whose gradients the buffer holds (for traces, checks)
   int last_layer = 0;
-  int group = -1;             // fusion group, when the policy fuses
+  int group = -1;  // fusion group, when the policy fuses
   // The buffer holds the previous iteration's gradients (DeAR's all-gathers issued during
   // the next forward pass); traces file the operation under that iteration.
   bool previous_iteration = false;

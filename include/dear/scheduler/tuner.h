@@ -70,9 +70,9 @@ class ThresholdTuner {
   // Whether options.trials measurements have been reported.
   [[nodiscard]] bool done() const { return static_cast<int>(trials_.size()) >= options_.trials; }
   // The measured threshold with the lowest mean of its measurements (repeats are averaged;
-  // of equal means, the one measured first); before any report, the middle trial. Not the model's minimum: the model is smooth, while
-  // the true time steps wherever the threshold crosses a layer boundary, so only measured
-  // times are trusted.
+  // of equal means, the one measured first); before any report, the middle trial. Not the model's
+  // minimum: the model is smooth, while the true time steps wherever the threshold crosses a layer
+  // boundary, so only measured times are trusted.
   [[nodiscard]] std::int64_t best() const;
   // The model's predicted iteration time at a threshold in range, in ms (before any report,
   // 0). Exposed for reports and tests.
