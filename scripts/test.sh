@@ -12,7 +12,9 @@ DEAR_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=scripts/lib.sh
 . "$DEAR_ROOT/scripts/lib.sh"
 
-dear_install "${DEAR_BUILD_PACKAGES[@]}" "${DEAR_PEER_PACKAGES[@]}" "${DEAR_PYTHON_PACKAGES[@]}"
+# clang-format: the `format` test checks every source against .clang-format.
+dear_install "${DEAR_BUILD_PACKAGES[@]}" "${DEAR_PEER_PACKAGES[@]}" "${DEAR_PYTHON_PACKAGES[@]}" \
+  clang-format
 
 build=${DEAR_TEST_BUILD:-$DEAR_ROOT/build/test}
 mkdir -p "$(dirname "$build")"
