@@ -43,9 +43,10 @@ if [ "${DEAR_TEST_SKIP_SANITIZE:-0}" != 1 ]; then
   dear_log "running the tests under AddressSanitizer + UBSan"
   # The libfabric conformance suites run here on 3 ranks only: every test of every provider
   # and data path, without the 2- and 5-rank instances that the pass above has run (under the
-  # sanitizers those took a third of this pass's time).
+  # sanitizers those took a third of this pass's time). The format check, which runs no
+  # library code, ran above.
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
-    run_ctest "$asan" -E '^fabric_.*/(2|5)ranks' "$@"
+    run_ctest "$asan" -E '^fabric_.*/(2|5)ranks|^format$' "$@"
 fi
 # Fuzz what dear reads from the network (libFuzzer, 30 s per harness unless told otherwise;
 # scripts/fuzz.sh alone runs longer).
