@@ -52,9 +52,7 @@ void fill(std::byte* p, std::size_t bytes, DataType t, std::uint64_t seed) {
         std::memcpy(p + 2 * i, &h, 2);
         break;
       }
-      case DataType::kFloat32:
-        std::memcpy(p + 4 * i, &v, 4);
-        break;
+      case DataType::kFloat32: std::memcpy(p + 4 * i, &v, 4); break;
       case DataType::kFloat64: {
         const auto d = static_cast<double>(v);
         std::memcpy(p + 8 * i, &d, 8);

@@ -84,38 +84,25 @@ T wrap_integer(double v) noexcept {
 // The value `v` becomes when stored as `t`.
 double round_to(double v, DataType t) noexcept {
   switch (t) {
-    case DataType::kInt8:
-      return wrap_integer<std::int8_t>(v);
-    case DataType::kUint8:
-      return wrap_integer<std::uint8_t>(v);
-    case DataType::kInt32:
-      return wrap_integer<std::int32_t>(v);
-    case DataType::kInt64:
-      return static_cast<double>(wrap_integer<std::int64_t>(v));
-    case DataType::kFloat16:
-      return half_to_float(float_to_half(static_cast<float>(v)));
-    case DataType::kBFloat16:
-      return bf16_to_float(float_to_bf16(static_cast<float>(v)));
-    case DataType::kFloat32:
-      return static_cast<float>(v);
-    case DataType::kFloat64:
-      return v;
+    case DataType::kInt8: return wrap_integer<std::int8_t>(v);
+    case DataType::kUint8: return wrap_integer<std::uint8_t>(v);
+    case DataType::kInt32: return wrap_integer<std::int32_t>(v);
+    case DataType::kInt64: return static_cast<double>(wrap_integer<std::int64_t>(v));
+    case DataType::kFloat16: return half_to_float(float_to_half(static_cast<float>(v)));
+    case DataType::kBFloat16: return bf16_to_float(float_to_bf16(static_cast<float>(v)));
+    case DataType::kFloat32: return static_cast<float>(v);
+    case DataType::kFloat64: return v;
   }
   return v;
 }
 
 double machine_epsilon(DataType t) noexcept {
   switch (t) {
-    case DataType::kFloat16:
-      return std::ldexp(1.0, -10);
-    case DataType::kBFloat16:
-      return std::ldexp(1.0, -7);
-    case DataType::kFloat32:
-      return std::ldexp(1.0, -23);
-    case DataType::kFloat64:
-      return std::ldexp(1.0, -52);
-    default:
-      return 0.0;
+    case DataType::kFloat16: return std::ldexp(1.0, -10);
+    case DataType::kBFloat16: return std::ldexp(1.0, -7);
+    case DataType::kFloat32: return std::ldexp(1.0, -23);
+    case DataType::kFloat64: return std::ldexp(1.0, -52);
+    default: return 0.0;
   }
 }
 
@@ -225,18 +212,10 @@ double ideal_value(const CheckSpec& spec, std::uint64_t global_index) {
     const double v = pattern_value(spec.op, r, global_index, spec.seed);
     switch (spec.op) {
       case ReduceOp::kSum:
-      case ReduceOp::kAvg:
-        acc += v;
-        break;
-      case ReduceOp::kProd:
-        acc *= v;
-        break;
-      case ReduceOp::kMin:
-        acc = std::min(acc, v);
-        break;
-      case ReduceOp::kMax:
-        acc = std::max(acc, v);
-        break;
+      case ReduceOp::kAvg: acc += v; break;
+      case ReduceOp::kProd: acc *= v; break;
+      case ReduceOp::kMin: acc = std::min(acc, v); break;
+      case ReduceOp::kMax: acc = std::max(acc, v); break;
     }
   }
   return spec.op == ReduceOp::kAvg ? acc / spec.nranks : acc;
@@ -300,14 +279,10 @@ auto plain_loader(const void* out) {
 
 std::string_view to_string(Collective c) noexcept {
   switch (c) {
-    case Collective::kAllReduce:
-      return "all_reduce";
-    case Collective::kReduceScatter:
-      return "reduce_scatter";
-    case Collective::kAllGather:
-      return "all_gather";
-    case Collective::kBroadcast:
-      return "broadcast";
+    case Collective::kAllReduce: return "all_reduce";
+    case Collective::kReduceScatter: return "reduce_scatter";
+    case Collective::kAllGather: return "all_gather";
+    case Collective::kBroadcast: return "broadcast";
   }
   return "invalid";
 }
@@ -477,13 +452,10 @@ double bus_factor(Collective c, int nranks) noexcept {
   if (nranks < 1) return 0.0;
   const double n = nranks;
   switch (c) {
-    case Collective::kAllReduce:
-      return 2.0 * (n - 1.0) / n;
+    case Collective::kAllReduce: return 2.0 * (n - 1.0) / n;
     case Collective::kReduceScatter:
-    case Collective::kAllGather:
-      return (n - 1.0) / n;
-    case Collective::kBroadcast:
-      return 1.0;
+    case Collective::kAllGather: return (n - 1.0) / n;
+    case Collective::kBroadcast: return 1.0;
   }
   return 0.0;
 }
@@ -815,34 +787,22 @@ void store_value(void* buf, std::uint64_t index, DataType dtype, double value) {
     case DataType::kBFloat16:
       static_cast<std::uint16_t*>(buf)[index] = float_to_bf16(static_cast<float>(value));
       return;
-    case DataType::kFloat32:
-      static_cast<float*>(buf)[index] = static_cast<float>(value);
-      return;
-    case DataType::kFloat64:
-      static_cast<double*>(buf)[index] = value;
-      return;
+    case DataType::kFloat32: static_cast<float*>(buf)[index] = static_cast<float>(value); return;
+    case DataType::kFloat64: static_cast<double*>(buf)[index] = value; return;
   }
   invalid("store_value: invalid dtype");
 }
 
 double load_value(const void* buf, std::uint64_t index, DataType dtype) {
   switch (dtype) {
-    case DataType::kInt8:
-      return static_cast<const std::int8_t*>(buf)[index];
-    case DataType::kUint8:
-      return static_cast<const std::uint8_t*>(buf)[index];
-    case DataType::kInt32:
-      return static_cast<const std::int32_t*>(buf)[index];
-    case DataType::kInt64:
-      return static_cast<double>(static_cast<const std::int64_t*>(buf)[index]);
-    case DataType::kFloat16:
-      return half_to_float(static_cast<const std::uint16_t*>(buf)[index]);
-    case DataType::kBFloat16:
-      return bf16_to_float(static_cast<const std::uint16_t*>(buf)[index]);
-    case DataType::kFloat32:
-      return static_cast<const float*>(buf)[index];
-    case DataType::kFloat64:
-      return static_cast<const double*>(buf)[index];
+    case DataType::kInt8: return static_cast<const std::int8_t*>(buf)[index];
+    case DataType::kUint8: return static_cast<const std::uint8_t*>(buf)[index];
+    case DataType::kInt32: return static_cast<const std::int32_t*>(buf)[index];
+    case DataType::kInt64: return static_cast<double>(static_cast<const std::int64_t*>(buf)[index]);
+    case DataType::kFloat16: return half_to_float(static_cast<const std::uint16_t*>(buf)[index]);
+    case DataType::kBFloat16: return bf16_to_float(static_cast<const std::uint16_t*>(buf)[index]);
+    case DataType::kFloat32: return static_cast<const float*>(buf)[index];
+    case DataType::kFloat64: return static_cast<const double*>(buf)[index];
   }
   invalid("load_value: invalid dtype");
 }
@@ -874,8 +834,7 @@ void fill_input(void* buf, const CheckSpec& spec) {
 
 double expected_value(const CheckSpec& spec, std::uint64_t out_index) {
   switch (spec.collective) {
-    case Collective::kAllReduce:
-      return reduced_value(spec, out_index);
+    case Collective::kAllReduce: return reduced_value(spec, out_index);
     case Collective::kReduceScatter:
       return reduced_value(spec,
                            static_cast<std::uint64_t>(spec.rank) * spec.rank_count + out_index);
@@ -892,18 +851,12 @@ double expected_value(const CheckSpec& spec, std::uint64_t out_index) {
 long long count_wrong(const void* out, const CheckSpec& spec) {
   if (output_count(spec) == 0) return 0;
   switch (spec.dtype) {
-    case DataType::kInt8:
-      return count_wrong_with(spec, plain_loader<std::int8_t>(out));
-    case DataType::kUint8:
-      return count_wrong_with(spec, plain_loader<std::uint8_t>(out));
-    case DataType::kInt32:
-      return count_wrong_with(spec, plain_loader<std::int32_t>(out));
-    case DataType::kInt64:
-      return count_wrong_with(spec, plain_loader<std::int64_t>(out));
-    case DataType::kFloat32:
-      return count_wrong_with(spec, plain_loader<float>(out));
-    case DataType::kFloat64:
-      return count_wrong_with(spec, plain_loader<double>(out));
+    case DataType::kInt8: return count_wrong_with(spec, plain_loader<std::int8_t>(out));
+    case DataType::kUint8: return count_wrong_with(spec, plain_loader<std::uint8_t>(out));
+    case DataType::kInt32: return count_wrong_with(spec, plain_loader<std::int32_t>(out));
+    case DataType::kInt64: return count_wrong_with(spec, plain_loader<std::int64_t>(out));
+    case DataType::kFloat32: return count_wrong_with(spec, plain_loader<float>(out));
+    case DataType::kFloat64: return count_wrong_with(spec, plain_loader<double>(out));
     case DataType::kFloat16:
       return count_wrong_with(spec, [p = static_cast<const std::uint16_t*>(out)](std::uint64_t i) {
         return half_to_float(p[i]);

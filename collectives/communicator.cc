@@ -29,18 +29,12 @@ namespace dear {
 
 const char* to_string(Algorithm a) noexcept {
   switch (a) {
-    case Algorithm::kAuto:
-      return "auto";
-    case Algorithm::kRing:
-      return "ring";
-    case Algorithm::kGatherReduce:
-      return "gather_reduce";
-    case Algorithm::kHalvingDoubling:
-      return "halving_doubling";
-    case Algorithm::kRecursiveDoubling:
-      return "recursive_doubling";
-    case Algorithm::kTree:
-      return "tree";
+    case Algorithm::kAuto: return "auto";
+    case Algorithm::kRing: return "ring";
+    case Algorithm::kGatherReduce: return "gather_reduce";
+    case Algorithm::kHalvingDoubling: return "halving_doubling";
+    case Algorithm::kRecursiveDoubling: return "recursive_doubling";
+    case Algorithm::kTree: return "tree";
   }
   return "invalid";
 }
@@ -592,11 +586,9 @@ class CommunicatorImpl final : public Communicator {
   static bool algorithm_fits(Algorithm a, OpKind kind) {
     switch (a) {
       case Algorithm::kAuto:
-      case Algorithm::kRing:
-        return true;
+      case Algorithm::kRing: return true;
       case Algorithm::kGatherReduce:
-      case Algorithm::kTree:
-        return kind == OpKind::kAllReduce;
+      case Algorithm::kTree: return kind == OpKind::kAllReduce;
       case Algorithm::kHalvingDoubling:
       case Algorithm::kRecursiveDoubling:
         return kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter ||
@@ -665,8 +657,7 @@ class CommunicatorImpl final : public Communicator {
       case OpKind::kBroadcast:
         if (o.out != o.in && o.user_count > 0) std::memmove(o.out, o.in, o.user_count * el);
         break;
-      case OpKind::kBarrier:
-        break;
+      case OpKind::kBarrier: break;
     }
     state->complete(nullptr);
     return Work(state);

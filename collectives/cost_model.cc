@@ -212,9 +212,7 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
       candidates.push_back(Schedule::kBiGather);
       total = bytes * static_cast<std::size_t>(n);
       break;
-    case OpKind::kReduceScatter:
-      total = bytes * static_cast<std::size_t>(n);
-      break;
+    case OpKind::kReduceScatter: total = bytes * static_cast<std::size_t>(n); break;
     default:
       throw std::invalid_argument(std::string("select_schedule: ") + to_string(kind) +
                                   " has one schedule");

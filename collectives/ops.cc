@@ -46,36 +46,24 @@ std::size_t chunk_offset(const Op& op, int chunk) {
 
 const char* to_string(OpKind k) noexcept {
   switch (k) {
-    case OpKind::kAllReduce:
-      return "all_reduce";
-    case OpKind::kReduceScatter:
-      return "reduce_scatter";
-    case OpKind::kAllGather:
-      return "all_gather";
-    case OpKind::kBroadcast:
-      return "broadcast";
-    case OpKind::kBarrier:
-      return "barrier";
+    case OpKind::kAllReduce: return "all_reduce";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kAllGather: return "all_gather";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kBarrier: return "barrier";
   }
   return "unknown";
 }
 
 const char* to_string(Schedule s) noexcept {
   switch (s) {
-    case Schedule::kRing:
-      return "ring";
-    case Schedule::kGatherReduce:
-      return "gather_reduce";
-    case Schedule::kChain:
-      return "chain";
-    case Schedule::kBiGather:
-      return "bi_gather";
-    case Schedule::kRecursiveDoubling:
-      return "recursive_doubling";
-    case Schedule::kHalvingDoubling:
-      return "halving_doubling";
-    case Schedule::kTree:
-      return "tree";
+    case Schedule::kRing: return "ring";
+    case Schedule::kGatherReduce: return "gather_reduce";
+    case Schedule::kChain: return "chain";
+    case Schedule::kBiGather: return "bi_gather";
+    case Schedule::kRecursiveDoubling: return "recursive_doubling";
+    case Schedule::kHalvingDoubling: return "halving_doubling";
+    case Schedule::kTree: return "tree";
   }
   return "unknown";
 }
@@ -207,13 +195,10 @@ int chunk_sent(const Op& op, int dir, int r, int step) {
     case OpKind::kAllReduce:
       if (op.schedule == Schedule::kGatherReduce) return ring_mod(r - s, n);
       return s < n - 1 ? ring_mod(r - s - 1, n) : ring_mod(r - (s - (n - 1)), n);
-    case OpKind::kReduceScatter:
-      return ring_mod(r - s - 1, n);
+    case OpKind::kReduceScatter: return ring_mod(r - s - 1, n);
     case OpKind::kAllGather:
-    case OpKind::kBarrier:
-      return ring_mod(r - s, n);
-    case OpKind::kBroadcast:
-      return 0;
+    case OpKind::kBarrier: return ring_mod(r - s, n);
+    case OpKind::kBroadcast: return 0;
   }
   return 0;
 }
@@ -244,15 +229,13 @@ const char* send_source(const Op& op, const MessagePlan& m) {
     case OpKind::kAllReduce:
       if (op.schedule == Schedule::kGatherReduce) return op.work + off;
       return (m.step == 0 ? op.in : op.out) + off;
-    case OpKind::kReduceScatter:
-      return m.step == 0 ? op.in + off : op.scratch + off;
+    case OpKind::kReduceScatter: return m.step == 0 ? op.in + off : op.scratch + off;
     case OpKind::kAllGather:
     case OpKind::kBarrier:
       // The own block goes out from the caller's input; later steps forward what arrived.
       if (m.step == 0) return op.in + (off - chunk_offset(op, op.rank));
       return op.out + off;
-    case OpKind::kBroadcast:
-      return (op.rank == op.root ? op.in : op.out) + off;
+    case OpKind::kBroadcast: return (op.rank == op.root ? op.in : op.out) + off;
   }
   return nullptr;
 }
@@ -272,8 +255,7 @@ RecvPlace recv_place(const Op& op, const MessagePlan& m) {
       return {op.scratch + off, op.in + off, false};
     case OpKind::kAllGather:
     case OpKind::kBarrier:
-    case OpKind::kBroadcast:
-      return {op.out + off, nullptr, false};
+    case OpKind::kBroadcast: return {op.out + off, nullptr, false};
   }
   return {};
 }
@@ -287,13 +269,10 @@ bool has_direct_messages(const Op& op) {
   if (op.eager || op.out == nullptr) return false;
   switch (op.kind) {
     case OpKind::kAllReduce:
-    case OpKind::kAllGather:
-      return op.schedule == Schedule::kRing;
-    case OpKind::kBroadcast:
-      return op.schedule == Schedule::kChain;
+    case OpKind::kAllGather: return op.schedule == Schedule::kRing;
+    case OpKind::kBroadcast: return op.schedule == Schedule::kChain;
     case OpKind::kReduceScatter:
-    case OpKind::kBarrier:
-      break;
+    case OpKind::kBarrier: break;
   }
   return false;
 }
@@ -341,8 +320,7 @@ void start_local(Op& op) {
     case OpKind::kBroadcast:
       if (op.rank == op.root && op.out != op.in && block > 0) std::memcpy(op.out, op.in, block);
       break;
-    case OpKind::kReduceScatter:
-      break;
+    case OpKind::kReduceScatter: break;
   }
 }
 

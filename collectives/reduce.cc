@@ -195,18 +195,10 @@ DEAR_ALWAYS_INLINE void bf16_binary(std::uint16_t* dst, const std::uint16_t* a,
                                     const std::uint16_t* b, std::size_t n, Alias alias, Fn fn) {
   const std::size_t pairs = n / 2;
   switch (alias) {
-    case Alias::kNone:
-      bf16_pairs_none(dst, a, b, pairs, fn);
-      break;
-    case Alias::kDstIsA:
-      bf16_pairs_dst_is_a(dst, b, pairs, fn);
-      break;
-    case Alias::kDstIsB:
-      bf16_pairs_dst_is_b(dst, a, pairs, fn);
-      break;
-    case Alias::kAll:
-      bf16_pairs_all(dst, pairs, fn);
-      break;
+    case Alias::kNone: bf16_pairs_none(dst, a, b, pairs, fn); break;
+    case Alias::kDstIsA: bf16_pairs_dst_is_a(dst, b, pairs, fn); break;
+    case Alias::kDstIsB: bf16_pairs_dst_is_b(dst, a, pairs, fn); break;
+    case Alias::kAll: bf16_pairs_all(dst, pairs, fn); break;
   }
   if (n % 2 != 0) {
     using E = Element<DataType::kBFloat16>;
@@ -234,18 +226,10 @@ DEAR_ALWAYS_INLINE void binary(void* dst, const void* a, const void* b, std::siz
   }
 #endif
   switch (alias) {
-    case Alias::kNone:
-      loop_none<E>(d, pa, pb, n, fn);
-      return;
-    case Alias::kDstIsA:
-      loop_dst_is_a<E>(d, pb, n, fn);
-      return;
-    case Alias::kDstIsB:
-      loop_dst_is_b<E>(d, pa, n, fn);
-      return;
-    case Alias::kAll:
-      loop_all<E>(d, n, fn);
-      return;
+    case Alias::kNone: loop_none<E>(d, pa, pb, n, fn); return;
+    case Alias::kDstIsA: loop_dst_is_a<E>(d, pb, n, fn); return;
+    case Alias::kDstIsB: loop_dst_is_b<E>(d, pa, n, fn); return;
+    case Alias::kAll: loop_all<E>(d, n, fn); return;
   }
 }
 
@@ -268,18 +252,10 @@ DEAR_ALWAYS_INLINE void reduce_typed(void* dst, const void* a, const void* b, st
         return;
       }
       [[fallthrough]];
-    case ReduceOp::kSum:
-      binary<E>(dst, a, b, n, alias, SumOp{});
-      return;
-    case ReduceOp::kProd:
-      binary<E>(dst, a, b, n, alias, ProdOp{});
-      return;
-    case ReduceOp::kMin:
-      binary<E>(dst, a, b, n, alias, MinOp{});
-      return;
-    case ReduceOp::kMax:
-      binary<E>(dst, a, b, n, alias, MaxOp{});
-      return;
+    case ReduceOp::kSum: binary<E>(dst, a, b, n, alias, SumOp{}); return;
+    case ReduceOp::kProd: binary<E>(dst, a, b, n, alias, ProdOp{}); return;
+    case ReduceOp::kMin: binary<E>(dst, a, b, n, alias, MinOp{}); return;
+    case ReduceOp::kMax: binary<E>(dst, a, b, n, alias, MaxOp{}); return;
   }
 }
 
@@ -288,14 +264,10 @@ void reduce_dispatch(void* dst, const void* a, const void* b, std::size_t n, Dat
                      ReduceOp op, int divisor) {
   const Alias alias = alias_of(dst, a, b);
   switch (dtype) {
-    case DataType::kInt8:
-      return reduce_typed<DataType::kInt8>(dst, a, b, n, alias, op, divisor);
-    case DataType::kUint8:
-      return reduce_typed<DataType::kUint8>(dst, a, b, n, alias, op, divisor);
-    case DataType::kInt32:
-      return reduce_typed<DataType::kInt32>(dst, a, b, n, alias, op, divisor);
-    case DataType::kInt64:
-      return reduce_typed<DataType::kInt64>(dst, a, b, n, alias, op, divisor);
+    case DataType::kInt8: return reduce_typed<DataType::kInt8>(dst, a, b, n, alias, op, divisor);
+    case DataType::kUint8: return reduce_typed<DataType::kUint8>(dst, a, b, n, alias, op, divisor);
+    case DataType::kInt32: return reduce_typed<DataType::kInt32>(dst, a, b, n, alias, op, divisor);
+    case DataType::kInt64: return reduce_typed<DataType::kInt64>(dst, a, b, n, alias, op, divisor);
     case DataType::kFloat16:
       return reduce_typed<DataType::kFloat16>(dst, a, b, n, alias, op, divisor);
     case DataType::kBFloat16:
@@ -324,22 +296,14 @@ DEAR_ALWAYS_INLINE void divide_typed(void* dst, const void* src, std::size_t n, 
 DEAR_TARGET_CLONES
 void divide_dispatch(void* dst, const void* src, std::size_t n, DataType dtype, int divisor) {
   switch (dtype) {
-    case DataType::kInt8:
-      return divide_typed<DataType::kInt8>(dst, src, n, divisor);
-    case DataType::kUint8:
-      return divide_typed<DataType::kUint8>(dst, src, n, divisor);
-    case DataType::kInt32:
-      return divide_typed<DataType::kInt32>(dst, src, n, divisor);
-    case DataType::kInt64:
-      return divide_typed<DataType::kInt64>(dst, src, n, divisor);
-    case DataType::kFloat16:
-      return divide_typed<DataType::kFloat16>(dst, src, n, divisor);
-    case DataType::kBFloat16:
-      return divide_typed<DataType::kBFloat16>(dst, src, n, divisor);
-    case DataType::kFloat32:
-      return divide_typed<DataType::kFloat32>(dst, src, n, divisor);
-    case DataType::kFloat64:
-      return divide_typed<DataType::kFloat64>(dst, src, n, divisor);
+    case DataType::kInt8: return divide_typed<DataType::kInt8>(dst, src, n, divisor);
+    case DataType::kUint8: return divide_typed<DataType::kUint8>(dst, src, n, divisor);
+    case DataType::kInt32: return divide_typed<DataType::kInt32>(dst, src, n, divisor);
+    case DataType::kInt64: return divide_typed<DataType::kInt64>(dst, src, n, divisor);
+    case DataType::kFloat16: return divide_typed<DataType::kFloat16>(dst, src, n, divisor);
+    case DataType::kBFloat16: return divide_typed<DataType::kBFloat16>(dst, src, n, divisor);
+    case DataType::kFloat32: return divide_typed<DataType::kFloat32>(dst, src, n, divisor);
+    case DataType::kFloat64: return divide_typed<DataType::kFloat64>(dst, src, n, divisor);
   }
 }
 

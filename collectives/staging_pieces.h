@@ -144,15 +144,9 @@ inline PiecePlan unsplit(const StagingSpan& in, const StagingSpan& out, std::siz
                  (!reads_in || (in.ptr != nullptr && in.bytes == in_total));
     if (valid && reads_in && i0 < o0 + out_total && o0 < i0 + in_total) {
       switch (kind) {
-        case StagedKind::kReduceScatter:
-          valid = o0 == i0 + own;
-          break;
-        case StagedKind::kAllGather:
-          valid = i0 == o0 + own;
-          break;
-        default:
-          valid = i0 == o0;
-          break;
+        case StagedKind::kReduceScatter: valid = o0 == i0 + own; break;
+        case StagedKind::kAllGather: valid = i0 == o0 + own; break;
+        default: valid = i0 == o0; break;
       }
     }
     if (!valid) return detail::unsplit(in, out, count, elem);

@@ -232,14 +232,11 @@ bool is_log_step(Schedule s) noexcept {
 
 bool log_step_supports(OpKind kind, Schedule s) noexcept {
   switch (kind) {
-    case OpKind::kAllReduce:
-      return is_log_step(s);
-    case OpKind::kReduceScatter:
-      return s == Schedule::kHalvingDoubling;
+    case OpKind::kAllReduce: return is_log_step(s);
+    case OpKind::kReduceScatter: return s == Schedule::kHalvingDoubling;
     case OpKind::kAllGather:
       return s == Schedule::kRecursiveDoubling || s == Schedule::kHalvingDoubling;
-    default:
-      return false;
+    default: return false;
   }
 }
 

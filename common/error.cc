@@ -24,22 +24,14 @@ std::string describe(ErrorCode code, const std::string& cause, int rank, int pee
 
 std::string_view to_string(ErrorCode code) noexcept {
   switch (code) {
-    case ErrorCode::kInvalidArgument:
-      return "invalid argument";
-    case ErrorCode::kMismatch:
-      return "mismatch between ranks";
-    case ErrorCode::kPeerFailed:
-      return "peer failed";
-    case ErrorCode::kTimeout:
-      return "timeout";
-    case ErrorCode::kAborted:
-      return "aborted";
-    case ErrorCode::kBootstrap:
-      return "bootstrap failed";
-    case ErrorCode::kSystem:
-      return "system error";
-    case ErrorCode::kInternal:
-      return "internal error";
+    case ErrorCode::kInvalidArgument: return "invalid argument";
+    case ErrorCode::kMismatch: return "mismatch between ranks";
+    case ErrorCode::kPeerFailed: return "peer failed";
+    case ErrorCode::kTimeout: return "timeout";
+    case ErrorCode::kAborted: return "aborted";
+    case ErrorCode::kBootstrap: return "bootstrap failed";
+    case ErrorCode::kSystem: return "system error";
+    case ErrorCode::kInternal: return "internal error";
   }
   return "unknown error";
 }

@@ -20,38 +20,25 @@ std::string lower(std::string_view s) {
 
 std::string_view to_string(DataType t) noexcept {
   switch (t) {
-    case DataType::kInt8:
-      return "int8";
-    case DataType::kUint8:
-      return "uint8";
-    case DataType::kInt32:
-      return "int32";
-    case DataType::kInt64:
-      return "int64";
-    case DataType::kFloat16:
-      return "half";
-    case DataType::kBFloat16:
-      return "bfloat16";
-    case DataType::kFloat32:
-      return "float";
-    case DataType::kFloat64:
-      return "double";
+    case DataType::kInt8: return "int8";
+    case DataType::kUint8: return "uint8";
+    case DataType::kInt32: return "int32";
+    case DataType::kInt64: return "int64";
+    case DataType::kFloat16: return "half";
+    case DataType::kBFloat16: return "bfloat16";
+    case DataType::kFloat32: return "float";
+    case DataType::kFloat64: return "double";
   }
   return "invalid";
 }
 
 std::string_view to_string(ReduceOp op) noexcept {
   switch (op) {
-    case ReduceOp::kSum:
-      return "sum";
-    case ReduceOp::kProd:
-      return "prod";
-    case ReduceOp::kMin:
-      return "min";
-    case ReduceOp::kMax:
-      return "max";
-    case ReduceOp::kAvg:
-      return "avg";
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kProd: return "prod";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kAvg: return "avg";
   }
   return "invalid";
 }

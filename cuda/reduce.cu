@@ -117,18 +117,10 @@ void reduce_typed(void* dst, const void* a, const void* b, std::size_t n, Reduce
       }
       launch<E>(dst, a, b, n, SumOp{}, stream);
       return;
-    case ReduceOp::kSum:
-      launch<E>(dst, a, b, n, SumOp{}, stream);
-      return;
-    case ReduceOp::kProd:
-      launch<E>(dst, a, b, n, ProdOp{}, stream);
-      return;
-    case ReduceOp::kMin:
-      launch<E>(dst, a, b, n, MinOp{}, stream);
-      return;
-    case ReduceOp::kMax:
-      launch<E>(dst, a, b, n, MaxOp{}, stream);
-      return;
+    case ReduceOp::kSum: launch<E>(dst, a, b, n, SumOp{}, stream); return;
+    case ReduceOp::kProd: launch<E>(dst, a, b, n, ProdOp{}, stream); return;
+    case ReduceOp::kMin: launch<E>(dst, a, b, n, MinOp{}, stream); return;
+    case ReduceOp::kMax: launch<E>(dst, a, b, n, MaxOp{}, stream); return;
   }
 }
 
@@ -150,14 +142,10 @@ void dispatch(void* dst, const void* a, const void* b, std::size_t n, DataType d
                 std::string("cuda::reduce: ") + null_arg + " is null but n=" + std::to_string(n));
   }
   switch (dtype) {
-    case DataType::kInt8:
-      return reduce_typed<DataType::kInt8>(dst, a, b, n, op, divisor, stream);
-    case DataType::kUint8:
-      return reduce_typed<DataType::kUint8>(dst, a, b, n, op, divisor, stream);
-    case DataType::kInt32:
-      return reduce_typed<DataType::kInt32>(dst, a, b, n, op, divisor, stream);
-    case DataType::kInt64:
-      return reduce_typed<DataType::kInt64>(dst, a, b, n, op, divisor, stream);
+    case DataType::kInt8: return reduce_typed<DataType::kInt8>(dst, a, b, n, op, divisor, stream);
+    case DataType::kUint8: return reduce_typed<DataType::kUint8>(dst, a, b, n, op, divisor, stream);
+    case DataType::kInt32: return reduce_typed<DataType::kInt32>(dst, a, b, n, op, divisor, stream);
+    case DataType::kInt64: return reduce_typed<DataType::kInt64>(dst, a, b, n, op, divisor, stream);
     case DataType::kFloat16:
       return reduce_typed<DataType::kFloat16>(dst, a, b, n, op, divisor, stream);
     case DataType::kBFloat16:

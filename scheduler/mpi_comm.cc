@@ -32,21 +32,14 @@ std::string mpi_error_text(int rc) {
 
 MPI_Datatype mpi_type(DataType t) {
   switch (t) {
-    case DataType::kInt8:
-      return MPI_INT8_T;
-    case DataType::kUint8:
-      return MPI_UINT8_T;
-    case DataType::kInt32:
-      return MPI_INT32_T;
-    case DataType::kInt64:
-      return MPI_INT64_T;
+    case DataType::kInt8: return MPI_INT8_T;
+    case DataType::kUint8: return MPI_UINT8_T;
+    case DataType::kInt32: return MPI_INT32_T;
+    case DataType::kInt64: return MPI_INT64_T;
     case DataType::kFloat16:
-    case DataType::kBFloat16:
-      return MPI_UINT16_T;  // reduced by user operations below
-    case DataType::kFloat32:
-      return MPI_FLOAT;
-    case DataType::kFloat64:
-      return MPI_DOUBLE;
+    case DataType::kBFloat16: return MPI_UINT16_T;  // reduced by user operations below
+    case DataType::kFloat32: return MPI_FLOAT;
+    case DataType::kFloat64: return MPI_DOUBLE;
   }
   return MPI_DATATYPE_NULL;
 }
@@ -63,14 +56,10 @@ constexpr ReduceOp kBaseOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin
 template <DataType T>
 MPI_User_function* user_function(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kProd:
-      return &reduce_16<T, ReduceOp::kProd>;
-    case ReduceOp::kMin:
-      return &reduce_16<T, ReduceOp::kMin>;
-    case ReduceOp::kMax:
-      return &reduce_16<T, ReduceOp::kMax>;
-    default:
-      return &reduce_16<T, ReduceOp::kSum>;
+    case ReduceOp::kProd: return &reduce_16<T, ReduceOp::kProd>;
+    case ReduceOp::kMin: return &reduce_16<T, ReduceOp::kMin>;
+    case ReduceOp::kMax: return &reduce_16<T, ReduceOp::kMax>;
+    default: return &reduce_16<T, ReduceOp::kSum>;
   }
 }
 
@@ -268,14 +257,10 @@ class MpiCommunicator final : public Communicator {
       }
     }
     switch (base) {
-      case ReduceOp::kProd:
-        return MPI_PROD;
-      case ReduceOp::kMin:
-        return MPI_MIN;
-      case ReduceOp::kMax:
-        return MPI_MAX;
-      default:
-        return MPI_SUM;
+      case ReduceOp::kProd: return MPI_PROD;
+      case ReduceOp::kMin: return MPI_MIN;
+      case ReduceOp::kMax: return MPI_MAX;
+      default: return MPI_SUM;
     }
   }
 

@@ -28,12 +28,9 @@ std::optional<NetModel> net_by_name(std::string_view name) {
 
 const char* to_string(OpKind kind) noexcept {
   switch (kind) {
-    case OpKind::kReduceScatter:
-      return "RS";
-    case OpKind::kAllGather:
-      return "AG";
-    case OpKind::kAllReduce:
-      return "AR";
+    case OpKind::kReduceScatter: return "RS";
+    case OpKind::kAllGather: return "AG";
+    case OpKind::kAllReduce: return "AR";
   }
   return "?";
 }

@@ -335,11 +335,8 @@ class Trainer {
             std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(duration));
         std::this_thread::sleep_until(clock_);
         break;
-      case ComputeMode::kBusy:
-        BusyWork::run(duration - seconds(Clock::now() - t0));
-        break;
-      case ComputeMode::kNone:
-        break;
+      case ComputeMode::kBusy: BusyWork::run(duration - seconds(Clock::now() - t0)); break;
+      case ComputeMode::kNone: break;
     }
     if (options_.record_trace) {
       TraceEvent e;

@@ -96,9 +96,7 @@ inline void store(void* buf, std::size_t i, DataType t, double v) {
       std::memcpy(p + 4 * i, &x, 4);
       break;
     }
-    case DataType::kFloat64:
-      std::memcpy(p + 8 * i, &v, 8);
-      break;
+    case DataType::kFloat64: std::memcpy(p + 8 * i, &v, 8); break;
   }
 }
 
@@ -153,14 +151,10 @@ inline double load(const void* buf, std::size_t i, DataType t) {
 inline double wrap(double v, DataType t) {
   const auto x = static_cast<std::int64_t>(v);
   switch (t) {
-    case DataType::kInt8:
-      return static_cast<std::int8_t>(static_cast<std::uint8_t>(x & 0xff));
-    case DataType::kUint8:
-      return static_cast<std::uint8_t>(x & 0xff);
-    case DataType::kInt32:
-      return static_cast<std::int32_t>(static_cast<std::uint32_t>(x));
-    default:
-      return v;
+    case DataType::kInt8: return static_cast<std::int8_t>(static_cast<std::uint8_t>(x & 0xff));
+    case DataType::kUint8: return static_cast<std::uint8_t>(x & 0xff);
+    case DataType::kInt32: return static_cast<std::int32_t>(static_cast<std::uint32_t>(x));
+    default: return v;
   }
 }
 
@@ -171,18 +165,10 @@ inline double expected_reduce(std::size_t i, int nranks, DataType t, ReduceOp op
     const double v = input_value(r, i, t, op, salt);
     switch (op) {
       case ReduceOp::kSum:
-      case ReduceOp::kAvg:
-        acc += v;
-        break;
-      case ReduceOp::kProd:
-        acc *= v;
-        break;
-      case ReduceOp::kMin:
-        acc = std::min(acc, v);
-        break;
-      case ReduceOp::kMax:
-        acc = std::max(acc, v);
-        break;
+      case ReduceOp::kAvg: acc += v; break;
+      case ReduceOp::kProd: acc *= v; break;
+      case ReduceOp::kMin: acc = std::min(acc, v); break;
+      case ReduceOp::kMax: acc = std::max(acc, v); break;
     }
   }
   if (!is_floating(t)) {
@@ -198,18 +184,10 @@ inline bool close_enough(double got, double want, DataType t) {
   if (!is_floating(t)) return got == want;
   double tol = 0;
   switch (t) {
-    case DataType::kFloat16:
-      tol = 2e-3;
-      break;
-    case DataType::kBFloat16:
-      tol = 1.6e-2;
-      break;
-    case DataType::kFloat32:
-      tol = 1e-6;
-      break;
-    default:
-      tol = 1e-12;
-      break;
+    case DataType::kFloat16: tol = 2e-3; break;
+    case DataType::kBFloat16: tol = 1.6e-2; break;
+    case DataType::kFloat32: tol = 1e-6; break;
+    default: tol = 1e-12; break;
   }
   return std::fabs(got - want) <= tol * std::max(1.0, std::fabs(want));
 }

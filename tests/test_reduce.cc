@@ -356,21 +356,13 @@ Value decode(DataType t, std::uint64_t bits) {
     case DataType::kInt8:
     case DataType::kUint8:
     case DataType::kInt32:
-    case DataType::kInt64:
-      v.i = wrap(t, bits);
-      break;
-    case DataType::kFloat16:
-      v.f = ref_decode(kHalf, static_cast<std::uint16_t>(bits));
-      break;
-    case DataType::kBFloat16:
-      v.f = ref_decode(kBf16, static_cast<std::uint16_t>(bits));
-      break;
+    case DataType::kInt64: v.i = wrap(t, bits); break;
+    case DataType::kFloat16: v.f = ref_decode(kHalf, static_cast<std::uint16_t>(bits)); break;
+    case DataType::kBFloat16: v.f = ref_decode(kBf16, static_cast<std::uint16_t>(bits)); break;
     case DataType::kFloat32:
       v.f = static_cast<double>(std::bit_cast<float>(static_cast<std::uint32_t>(bits)));
       break;
-    case DataType::kFloat64:
-      v.f = std::bit_cast<double>(bits);
-      break;
+    case DataType::kFloat64: v.f = std::bit_cast<double>(bits); break;
   }
   return v;
 }
@@ -378,14 +370,10 @@ Value decode(DataType t, std::uint64_t bits) {
 // `v.f` must already be exact in fp32 for the fp32-computed types.
 std::uint64_t encode(DataType t, Value v) {
   switch (t) {
-    case DataType::kFloat16:
-      return ref_encode(kHalf, v.f);
-    case DataType::kBFloat16:
-      return ref_encode(kBf16, v.f);
-    case DataType::kFloat32:
-      return std::bit_cast<std::uint32_t>(static_cast<float>(v.f));
-    case DataType::kFloat64:
-      return std::bit_cast<std::uint64_t>(v.f);
+    case DataType::kFloat16: return ref_encode(kHalf, v.f);
+    case DataType::kBFloat16: return ref_encode(kBf16, v.f);
+    case DataType::kFloat32: return std::bit_cast<std::uint32_t>(static_cast<float>(v.f));
+    case DataType::kFloat64: return std::bit_cast<std::uint64_t>(v.f);
     default:
       return static_cast<std::uint64_t>(v.i) &
              (dtype_size(t) == 8 ? ~std::uint64_t{0}
@@ -395,16 +383,12 @@ std::uint64_t encode(DataType t, Value v) {
 
 bool is_nan_result(DataType t, std::uint64_t bits) {
   switch (t) {
-    case DataType::kFloat16:
-      return is_nan_bits(kHalf, static_cast<std::uint16_t>(bits));
-    case DataType::kBFloat16:
-      return is_nan_bits(kBf16, static_cast<std::uint16_t>(bits));
+    case DataType::kFloat16: return is_nan_bits(kHalf, static_cast<std::uint16_t>(bits));
+    case DataType::kBFloat16: return is_nan_bits(kBf16, static_cast<std::uint16_t>(bits));
     case DataType::kFloat32:
       return std::isnan(std::bit_cast<float>(static_cast<std::uint32_t>(bits)));
-    case DataType::kFloat64:
-      return std::isnan(std::bit_cast<double>(bits));
-    default:
-      return false;
+    case DataType::kFloat64: return std::isnan(std::bit_cast<double>(bits));
+    default: return false;
   }
 }
 
@@ -434,36 +418,20 @@ Value ref_combine(DataType t, ReduceOp op, Value x, Value y, int divisor) {
     const auto uy = static_cast<std::uint64_t>(y.i);
     switch (op) {
       case ReduceOp::kSum:
-      case ReduceOp::kAvg:
-        r.i = wrap(t, ux + uy);
-        break;
-      case ReduceOp::kProd:
-        r.i = wrap(t, ux * uy);
-        break;
-      case ReduceOp::kMin:
-        r.i = std::min(x.i, y.i);
-        break;
-      case ReduceOp::kMax:
-        r.i = std::max(x.i, y.i);
-        break;
+      case ReduceOp::kAvg: r.i = wrap(t, ux + uy); break;
+      case ReduceOp::kProd: r.i = wrap(t, ux * uy); break;
+      case ReduceOp::kMin: r.i = std::min(x.i, y.i); break;
+      case ReduceOp::kMax: r.i = std::max(x.i, y.i); break;
     }
     if (op == ReduceOp::kAvg) r.i /= divisor;
     return r;
   }
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAvg:
-      r.f = round_compute(t, x.f + y.f);
-      break;
-    case ReduceOp::kProd:
-      r.f = round_compute(t, x.f * y.f);
-      break;
-    case ReduceOp::kMin:
-      r.f = ref_min(x.f, y.f);
-      break;
-    case ReduceOp::kMax:
-      r.f = ref_max(x.f, y.f);
-      break;
+    case ReduceOp::kAvg: r.f = round_compute(t, x.f + y.f); break;
+    case ReduceOp::kProd: r.f = round_compute(t, x.f * y.f); break;
+    case ReduceOp::kMin: r.f = ref_min(x.f, y.f); break;
+    case ReduceOp::kMax: r.f = ref_max(x.f, y.f); break;
   }
   if (op == ReduceOp::kAvg && divisor != 1) r.f = round_compute(t, r.f / divisor);
   return r;
@@ -535,16 +503,11 @@ constexpr std::array<Layout, 5> kAllLayouts = {Layout::kSeparate, Layout::kDstIs
 
 const char* layout_name(Layout l) {
   switch (l) {
-    case Layout::kSeparate:
-      return "separate";
-    case Layout::kDstIsA:
-      return "dst==a";
-    case Layout::kDstIsB:
-      return "dst==b";
-    case Layout::kInputsShared:
-      return "a==b";
-    case Layout::kAllShared:
-      return "dst==a==b";
+    case Layout::kSeparate: return "separate";
+    case Layout::kDstIsA: return "dst==a";
+    case Layout::kDstIsB: return "dst==b";
+    case Layout::kInputsShared: return "a==b";
+    case Layout::kAllShared: return "dst==a==b";
   }
   return "?";
 }
@@ -594,8 +557,7 @@ void run_case(DataType t, ReduceOp op, std::size_t n, Layout layout, std::size_t
   std::byte* pd = d.data();
   Buffer* out = &d;
   switch (layout) {
-    case Layout::kSeparate:
-      break;
+    case Layout::kSeparate: break;
     case Layout::kDstIsA:
       pd = pa;
       out = &a;
@@ -604,9 +566,7 @@ void run_case(DataType t, ReduceOp op, std::size_t n, Layout layout, std::size_t
       pd = pb;
       out = &b;
       break;
-    case Layout::kInputsShared:
-      pb = pa;
-      break;
+    case Layout::kInputsShared: pb = pa; break;
     case Layout::kAllShared:
       pb = pa;
       pd = pa;

@@ -158,18 +158,10 @@ std::vector<unsigned char> reduce_inputs(const std::vector<std::vector<unsigned 
       const double v = load_value(inputs[static_cast<std::size_t>(r)].data(), i, t);
       switch (op) {
         case ReduceOp::kSum:
-        case ReduceOp::kAvg:
-          acc += v;
-          break;
-        case ReduceOp::kProd:
-          acc *= v;
-          break;
-        case ReduceOp::kMin:
-          acc = std::min(acc, v);
-          break;
-        case ReduceOp::kMax:
-          acc = std::max(acc, v);
-          break;
+        case ReduceOp::kAvg: acc += v; break;
+        case ReduceOp::kProd: acc *= v; break;
+        case ReduceOp::kMin: acc = std::min(acc, v); break;
+        case ReduceOp::kMax: acc = std::max(acc, v); break;
       }
       // Integer libraries wrap at every step; storing does the same.
       store_value(out.data(), i, t, acc);

@@ -186,14 +186,10 @@ std::size_t check(const Communicator& comm, const Spec& s, const Slot& slot, std
 
 const char* name(Kind k) {
   switch (k) {
-    case Kind::kAllReduce:
-      return "all_reduce";
-    case Kind::kReduceScatter:
-      return "reduce_scatter";
-    case Kind::kAllGather:
-      return "all_gather";
-    case Kind::kBroadcast:
-      return "broadcast";
+    case Kind::kAllReduce: return "all_reduce";
+    case Kind::kReduceScatter: return "reduce_scatter";
+    case Kind::kAllGather: return "all_gather";
+    case Kind::kBroadcast: return "broadcast";
   }
   return "?";
 }

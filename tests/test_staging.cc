@@ -125,16 +125,11 @@ TEST(StagingPlan, NothingToStageForEmptyOrUnreadBuffers) {
 
 const char* kind_name(StagedKind k) {
   switch (k) {
-    case StagedKind::kAllReduce:
-      return "all_reduce";
-    case StagedKind::kReduceScatter:
-      return "reduce_scatter";
-    case StagedKind::kAllGather:
-      return "all_gather";
-    case StagedKind::kBroadcast:
-      return "broadcast";
-    case StagedKind::kOther:
-      return "other";
+    case StagedKind::kAllReduce: return "all_reduce";
+    case StagedKind::kReduceScatter: return "reduce_scatter";
+    case StagedKind::kAllGather: return "all_gather";
+    case StagedKind::kBroadcast: return "broadcast";
+    case StagedKind::kOther: return "other";
   }
   return "?";
 }
@@ -288,8 +283,7 @@ void host_collective(const SimCase& c, std::vector<SimRank>& ranks, std::size_t 
         result[r].assign(in[static_cast<std::size_t>(root)],
                          in[static_cast<std::size_t>(root)] + b);
         break;
-      case StagedKind::kOther:
-        break;
+      case StagedKind::kOther: break;
     }
   }
   for (std::size_t r = 0; r < n; ++r) {
@@ -329,11 +323,8 @@ std::vector<std::vector<std::byte>> reference(const SimCase& c, const std::vecto
       case StagedKind::kAllGather:
         for (std::size_t q = 0; q < n; ++q) std::memcpy(out + q * b, in_of(q), b);
         break;
-      case StagedKind::kBroadcast:
-        std::memcpy(out, in_of(root), b);
-        break;
-      case StagedKind::kOther:
-        break;
+      case StagedKind::kBroadcast: std::memcpy(out, in_of(root), b); break;
+      case StagedKind::kOther: break;
     }
   }
   return want;
@@ -577,21 +568,11 @@ void scalar_functors(void* dst, const void* a, const void* b, std::size_t n, Red
     const C y = E::load(pb[i]);
     C r{};
     switch (op) {
-      case ReduceOp::kSum:
-        r = SumOp{}(x, y);
-        break;
-      case ReduceOp::kProd:
-        r = ProdOp{}(x, y);
-        break;
-      case ReduceOp::kMin:
-        r = MinOp{}(x, y);
-        break;
-      case ReduceOp::kMax:
-        r = MaxOp{}(x, y);
-        break;
-      case ReduceOp::kAvg:
-        r = divisor > 1 ? AvgFinalOp<C>{divisor}(x, y) : SumOp{}(x, y);
-        break;
+      case ReduceOp::kSum: r = SumOp{}(x, y); break;
+      case ReduceOp::kProd: r = ProdOp{}(x, y); break;
+      case ReduceOp::kMin: r = MinOp{}(x, y); break;
+      case ReduceOp::kMax: r = MaxOp{}(x, y); break;
+      case ReduceOp::kAvg: r = divisor > 1 ? AvgFinalOp<C>{divisor}(x, y) : SumOp{}(x, y); break;
     }
     d[i] = E::store(r);
   }
@@ -600,22 +581,15 @@ void scalar_functors(void* dst, const void* a, const void* b, std::size_t n, Red
 void scalar(void* dst, const void* a, const void* b, std::size_t n, DataType t, ReduceOp op,
             int divisor) {
   switch (t) {
-    case DataType::kInt8:
-      return scalar_functors<DataType::kInt8>(dst, a, b, n, op, divisor);
-    case DataType::kUint8:
-      return scalar_functors<DataType::kUint8>(dst, a, b, n, op, divisor);
-    case DataType::kInt32:
-      return scalar_functors<DataType::kInt32>(dst, a, b, n, op, divisor);
-    case DataType::kInt64:
-      return scalar_functors<DataType::kInt64>(dst, a, b, n, op, divisor);
-    case DataType::kFloat16:
-      return scalar_functors<DataType::kFloat16>(dst, a, b, n, op, divisor);
+    case DataType::kInt8: return scalar_functors<DataType::kInt8>(dst, a, b, n, op, divisor);
+    case DataType::kUint8: return scalar_functors<DataType::kUint8>(dst, a, b, n, op, divisor);
+    case DataType::kInt32: return scalar_functors<DataType::kInt32>(dst, a, b, n, op, divisor);
+    case DataType::kInt64: return scalar_functors<DataType::kInt64>(dst, a, b, n, op, divisor);
+    case DataType::kFloat16: return scalar_functors<DataType::kFloat16>(dst, a, b, n, op, divisor);
     case DataType::kBFloat16:
       return scalar_functors<DataType::kBFloat16>(dst, a, b, n, op, divisor);
-    case DataType::kFloat32:
-      return scalar_functors<DataType::kFloat32>(dst, a, b, n, op, divisor);
-    case DataType::kFloat64:
-      return scalar_functors<DataType::kFloat64>(dst, a, b, n, op, divisor);
+    case DataType::kFloat32: return scalar_functors<DataType::kFloat32>(dst, a, b, n, op, divisor);
+    case DataType::kFloat64: return scalar_functors<DataType::kFloat64>(dst, a, b, n, op, divisor);
   }
 }
 
@@ -652,8 +626,7 @@ bool is_nan(const std::byte* p, DataType t) {
       std::memcpy(&f, p, 8);
       return std::isnan(f);
     }
-    default:
-      return false;
+    default: return false;
   }
 }
 

@@ -89,18 +89,12 @@ bool make_pipe(Pipe& pipe) {
 
 std::string signal_name(int sig) {
   switch (sig) {
-    case SIGINT:
-      return "SIGINT";
-    case SIGTERM:
-      return "SIGTERM";
-    case SIGHUP:
-      return "SIGHUP";
-    case SIGQUIT:
-      return "SIGQUIT";
-    case SIGKILL:
-      return "SIGKILL";
-    default:
-      return "signal " + std::to_string(sig);
+    case SIGINT: return "SIGINT";
+    case SIGTERM: return "SIGTERM";
+    case SIGHUP: return "SIGHUP";
+    case SIGQUIT: return "SIGQUIT";
+    case SIGKILL: return "SIGKILL";
+    default: return "signal " + std::to_string(sig);
   }
 }
 
@@ -723,18 +717,13 @@ bool Job::all_exited() const {
 
 JobOutcome Job::outcome() const {
   switch (cause_) {
-    case Cause::kNone:
-      return {0, 0};
+    case Cause::kNone: return {0, 0};
     case Cause::kRankFailed:
       return {ranks_[static_cast<std::size_t>(cause_rank_)].shell_status(), 0};
-    case Cause::kTimeout:
-      return {kExitTimeout, 0};
-    case Cause::kSignal:
-      return {128 + cause_signal_, cause_signal_};
-    case Cause::kNotExecutable:
-      return {kExitNotExecutable, 0};
-    case Cause::kLaunchError:
-      return {kExitLaunchError, 0};
+    case Cause::kTimeout: return {kExitTimeout, 0};
+    case Cause::kSignal: return {128 + cause_signal_, cause_signal_};
+    case Cause::kNotExecutable: return {kExitNotExecutable, 0};
+    case Cause::kLaunchError: return {kExitLaunchError, 0};
   }
   return {kExitLaunchError, 0};
 }

@@ -107,18 +107,12 @@ bool same_mac(const Mac& a, const Mac& b) {
 
 std::string_view describe(Check c) noexcept {
   switch (c) {
-    case Check::kOk:
-      return "ok";
-    case Check::kIncomplete:
-      return "the handshake is incomplete";
-    case Check::kNotDear:
-      return "it does not speak the dear protocol";
-    case Check::kOtherVersion:
-      return "it speaks another handshake version";
-    case Check::kBadMac:
-      return "wrong secret (another job on the same address?)";
-    case Check::kRefused:
-      return "the listener refused the connection";
+    case Check::kOk: return "ok";
+    case Check::kIncomplete: return "the handshake is incomplete";
+    case Check::kNotDear: return "it does not speak the dear protocol";
+    case Check::kOtherVersion: return "it speaks another handshake version";
+    case Check::kBadMac: return "wrong secret (another job on the same address?)";
+    case Check::kRefused: return "the listener refused the connection";
   }
   return "unknown";
 }

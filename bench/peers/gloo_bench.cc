@@ -83,16 +83,11 @@ class GlooComm final : public PeerComm {
 template <typename T>
 const gloo::ReductionFunction<T>* gloo_fn(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum:
-      return gloo::ReductionFunction<T>::sum;
-    case ReduceOp::kProd:
-      return gloo::ReductionFunction<T>::product;
-    case ReduceOp::kMin:
-      return gloo::ReductionFunction<T>::min;
-    case ReduceOp::kMax:
-      return gloo::ReductionFunction<T>::max;
-    case ReduceOp::kAvg:
-      return nullptr;
+    case ReduceOp::kSum: return gloo::ReductionFunction<T>::sum;
+    case ReduceOp::kProd: return gloo::ReductionFunction<T>::product;
+    case ReduceOp::kMin: return gloo::ReductionFunction<T>::min;
+    case ReduceOp::kMax: return gloo::ReductionFunction<T>::max;
+    case ReduceOp::kAvg: return nullptr;
   }
   return nullptr;
 }
@@ -102,18 +97,12 @@ const gloo::ReductionFunction<T>* gloo_fn(ReduceOp op) {
 template <typename F>
 std::optional<BoundOp> with_type(DataType t, bool reduces, F&& f) {
   switch (t) {
-    case DataType::kInt8:
-      return f(std::int8_t{});
-    case DataType::kUint8:
-      return f(std::uint8_t{});
-    case DataType::kInt32:
-      return f(std::int32_t{});
-    case DataType::kInt64:
-      return f(std::int64_t{});
-    case DataType::kFloat32:
-      return f(float{});
-    case DataType::kFloat64:
-      return f(double{});
+    case DataType::kInt8: return f(std::int8_t{});
+    case DataType::kUint8: return f(std::uint8_t{});
+    case DataType::kInt32: return f(std::int32_t{});
+    case DataType::kInt64: return f(std::int64_t{});
+    case DataType::kFloat32: return f(float{});
+    case DataType::kFloat64: return f(double{});
     case DataType::kFloat16:
       if (reduces) return f(gloo::float16{});
       return f(std::uint16_t{});
@@ -214,14 +203,10 @@ std::optional<BoundOp> bind_gloo(const OpRequest& r, const GlooComm& comm, Allre
 
 std::string algorithm_name(Collective c, const std::string& allreduce_algo) {
   switch (c) {
-    case Collective::kAllReduce:
-      return allreduce_algo;
-    case Collective::kReduceScatter:
-      return "halving_doubling";
-    case Collective::kAllGather:
-      return "ring";
-    case Collective::kBroadcast:
-      return "one_to_all";
+    case Collective::kAllReduce: return allreduce_algo;
+    case Collective::kReduceScatter: return "halving_doubling";
+    case Collective::kAllGather: return "ring";
+    case Collective::kBroadcast: return "one_to_all";
   }
   return "?";
 }

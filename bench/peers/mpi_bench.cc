@@ -62,18 +62,12 @@ class MpiComm final : public PeerComm {
 // bfloat16 as 16-bit integers (same bytes on the wire); reductions cannot.
 std::optional<MPI_Datatype> mpi_type(DataType t, bool reduces) {
   switch (t) {
-    case DataType::kInt8:
-      return MPI_INT8_T;
-    case DataType::kUint8:
-      return MPI_UINT8_T;
-    case DataType::kInt32:
-      return MPI_INT32_T;
-    case DataType::kInt64:
-      return MPI_INT64_T;
-    case DataType::kFloat32:
-      return MPI_FLOAT;
-    case DataType::kFloat64:
-      return MPI_DOUBLE;
+    case DataType::kInt8: return MPI_INT8_T;
+    case DataType::kUint8: return MPI_UINT8_T;
+    case DataType::kInt32: return MPI_INT32_T;
+    case DataType::kInt64: return MPI_INT64_T;
+    case DataType::kFloat32: return MPI_FLOAT;
+    case DataType::kFloat64: return MPI_DOUBLE;
     case DataType::kFloat16:
     case DataType::kBFloat16:
       if (reduces) return std::nullopt;
@@ -84,16 +78,11 @@ std::optional<MPI_Datatype> mpi_type(DataType t, bool reduces) {
 
 std::optional<MPI_Op> mpi_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum:
-      return MPI_SUM;
-    case ReduceOp::kProd:
-      return MPI_PROD;
-    case ReduceOp::kMin:
-      return MPI_MIN;
-    case ReduceOp::kMax:
-      return MPI_MAX;
-    case ReduceOp::kAvg:
-      return std::nullopt;
+    case ReduceOp::kSum: return MPI_SUM;
+    case ReduceOp::kProd: return MPI_PROD;
+    case ReduceOp::kMin: return MPI_MIN;
+    case ReduceOp::kMax: return MPI_MAX;
+    case ReduceOp::kAvg: return std::nullopt;
   }
   return std::nullopt;
 }

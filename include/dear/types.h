@@ -36,17 +36,13 @@ inline constexpr int kNumReduceOps = 5;
 [[nodiscard]] constexpr std::size_t dtype_size(DataType t) noexcept {
   switch (t) {
     case DataType::kInt8:
-    case DataType::kUint8:
-      return 1;
+    case DataType::kUint8: return 1;
     case DataType::kFloat16:
-    case DataType::kBFloat16:
-      return 2;
+    case DataType::kBFloat16: return 2;
     case DataType::kInt32:
-    case DataType::kFloat32:
-      return 4;
+    case DataType::kFloat32: return 4;
     case DataType::kInt64:
-    case DataType::kFloat64:
-      return 8;
+    case DataType::kFloat64: return 8;
   }
   return 0;
 }

@@ -49,8 +49,7 @@ class Sink final : public tr::RecvSink {
         t.mode = tr::RecvTarget::kStream;
         t.unit = std::size_t{1} << (h.dtype % 4);
         break;
-      default:
-        break;
+      default: break;
     }
     unit_ = t.mode == tr::RecvTarget::kStream ? t.unit : 1;
     return t;

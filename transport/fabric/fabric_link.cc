@@ -848,9 +848,7 @@ void FabricChannel::on_arrival(Buf& b, std::size_t len) {
   }
   if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
   switch (p.kind) {
-    case Kind::kCredit:
-      post_recv(b);
-      return;
+    case Kind::kCredit: post_recv(b); return;
     case Kind::kBye:
       peer_bye_ = true;
       bye_seq_ = p.seq;

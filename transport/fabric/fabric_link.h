@@ -80,12 +80,9 @@ enum class DataPath : std::uint8_t {
 }
 [[nodiscard]] inline const char* data_path_name(DataPath p) {
   switch (p) {
-    case DataPath::kWrite:
-      return "write";
-    case DataPath::kSend:
-      return "send";
-    case DataPath::kAuto:
-      break;
+    case DataPath::kWrite: return "write";
+    case DataPath::kSend: return "send";
+    case DataPath::kAuto: break;
   }
   return "auto";
 }

@@ -280,8 +280,7 @@ void Reassembler::payload(RecvSink& sink, int channel, const char* data, std::si
     case RecvTarget::kDirect:
       if (n > 0) std::memcpy(target_.dst + done_, data, n);
       break;
-    case RecvTarget::kDiscard:
-      break;
+    case RecvTarget::kDiscard: break;
     case RecvTarget::kStream: {
       // Pieces must be whole units starting at unit-aligned addresses; fragment bodies are
       // multiples of 32 bytes into the slot, so the carry is only used for units that do not

@@ -178,9 +178,7 @@ bool TcpChannel::consume_buffered(RecvSink& sink) {
   std::size_t take = std::min(avail, need);
   if (take > 0) {
     switch (target_.mode) {
-      case RecvTarget::kDirect:
-        std::memcpy(target_.dst + done_, inbox_.get() + rpos_, take);
-        break;
+      case RecvTarget::kDirect: std::memcpy(target_.dst + done_, inbox_.get() + rpos_, take); break;
       case RecvTarget::kStream:
         // Pieces must start aligned to the element size (the reduction kernels read typed
         // elements); after odd-sized messages the inbox position may not be.
@@ -192,8 +190,7 @@ bool TcpChannel::consume_buffered(RecvSink& sink) {
         if (take < need) take -= take % target_.unit;
         if (take > 0) sink.on_payload(index_, current_, inbox_.get() + rpos_, done_, take);
         break;
-      case RecvTarget::kDiscard:
-        break;
+      case RecvTarget::kDiscard: break;
     }
     rpos_ += take;
     done_ += take;

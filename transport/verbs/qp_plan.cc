@@ -30,12 +30,9 @@ std::uint64_t subnet_prefix(const Gid& g) {
 
 const char* type_text(GidType t) {
   switch (t) {
-    case GidType::kInfiniBand:
-      return "IB";
-    case GidType::kRoceV1:
-      return "RoCE v1";
-    case GidType::kRoceV2:
-      return "RoCE v2";
+    case GidType::kInfiniBand: return "IB";
+    case GidType::kRoceV1: return "RoCE v1";
+    case GidType::kRoceV2: return "RoCE v2";
   }
   return "?";
 }

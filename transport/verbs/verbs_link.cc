@@ -567,14 +567,12 @@ void VerbsChannel::retire(std::uint64_t id) {
 
 void VerbsChannel::on_control(const Prefix& p) {
   switch (p.kind) {
-    case Kind::kCredit:
-      return;
+    case Kind::kCredit: return;
     case Kind::kBye:
       peer_bye_ = true;
       bye_seq_ = p.seq;
       return;
-    case Kind::kData:
-      break;
+    case Kind::kData: break;
   }
   fail("protocol violation: control message of kind " + std::to_string(static_cast<int>(p.kind)));
 }
