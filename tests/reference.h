@@ -6,6 +6,7 @@
 // dtype's rounding for floating ones (only avg is inexact).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -212,6 +213,54 @@ inline Mismatches check_all_reduce(const void* out, std::size_t count, int nrank
     const double want = expected_reduce(i, nranks, t, op, salt);
     const double got = load(out, i, t);
     if (!close_enough(got, want, t)) bad.add(i, got, want);
+  }
+  return bad;
+}
+
+// A rank's input of `count` elements made by input_value() (at least one byte, so that data()
+// is never null).
+inline std::vector<char> make_input(int rank, std::size_t count, DataType t, ReduceOp op,
+                                    int salt = 0) {
+  std::vector<char> buf(std::max<std::size_t>(1, count * dtype_size(t)));
+  for (std::size_t i = 0; i < count; ++i)
+    store(buf.data(), i, t, input_value(rank, i, t, op, salt));
+  return buf;
+}
+
+// One rank's all_gather buffers: `out` for `count` elements from each of `nranks` ranks
+// (filled with 0x5a), and `in`, the rank's input made by make_input(): its own buffer, or in
+// place the rank's block of `out`, which then holds that input.
+struct AllGatherBuffers {
+  std::vector<char> own;
+  std::vector<char> out;
+  const char* in = nullptr;
+};
+inline AllGatherBuffers all_gather_buffers(int rank, std::size_t count, std::size_t nranks,
+                                           DataType t, bool in_place, int salt) {
+  AllGatherBuffers b;
+  const std::size_t el = dtype_size(t);
+  b.out.assign(std::max<std::size_t>(1, count * nranks * el), 0x5a);
+  b.own = make_input(rank, count, t, ReduceOp::kSum, salt);
+  b.in = b.own.data();
+  if (in_place) {
+    char* block = b.out.data() + static_cast<std::size_t>(rank) * count * el;
+    std::memcpy(block, b.own.data(), count * el);
+    b.in = block;
+  }
+  return b;
+}
+
+// Mismatches of an all_gather result: block `src` holds rank src's make_input(..., salt).
+inline Mismatches check_all_gather(const void* out, std::size_t count, int nranks, DataType t,
+                                   int salt) {
+  Mismatches bad;
+  for (int src = 0; src < nranks; ++src) {
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::size_t at = static_cast<std::size_t>(src) * count + i;
+      const double want = input_value(src, i, t, ReduceOp::kSum, salt);
+      const double got = load(out, at, t);
+      if (got != want) bad.add(at, got, want);
+    }
   }
   return bad;
 }

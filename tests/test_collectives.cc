@@ -30,13 +30,6 @@ std::string label(const char* what, DataType t, ReduceOp op, std::size_t count, 
          (in_place ? " in-place" : " out-of-place") + " rank=" + std::to_string(rank);
 }
 
-std::vector<char> make_input(int rank, std::size_t count, DataType t, ReduceOp op, int salt = 0) {
-  std::vector<char> buf(std::max<std::size_t>(1, count * dtype_size(t)));
-  for (std::size_t i = 0; i < count; ++i)
-    store(buf.data(), i, t, input_value(rank, i, t, op, salt));
-  return buf;
-}
-
 // Algorithms per collective. The log-step ones run over the mesh links, which every transport
 // of these suites builds.
 const std::vector<Algorithm> kAllReduceAlgorithms{Algorithm::kRing, Algorithm::kGatherReduce,
@@ -128,26 +121,12 @@ TEST_P(Conformance, AllGatherEveryTypeAndSize) {
         for (const std::size_t sc :
              {std::size_t{0}, std::size_t{1}, std::size_t{13}, std::size_t{1031}}) {
           for (const bool in_place : {false, true}) {
-            const std::size_t el = dtype_size(t);
-            std::vector<char> out(std::max<std::size_t>(1, sc * nn * el), 0x5a);
-            std::vector<char> own = make_input(r, sc, t, ReduceOp::kSum, 3);
-            const char* in = own.data();
-            if (in_place) {
-              std::memcpy(out.data() + static_cast<std::size_t>(r) * sc * el, own.data(), sc * el);
-              in = out.data() + static_cast<std::size_t>(r) * sc * el;
-            }
+            auto b = all_gather_buffers(r, sc, nn, t, in_place, 3);
             OpOptions o;
             o.slice_bytes = 256;
             o.algorithm = algo;
-            comm.all_gather(in, out.data(), sc, t, o).wait();
-            Mismatches bad;
-            for (int src = 0; src < n; ++src) {
-              for (std::size_t i = 0; i < sc; ++i) {
-                const double want = input_value(src, i, t, ReduceOp::kSum, 3);
-                const double got = load(out.data(), static_cast<std::size_t>(src) * sc + i, t);
-                if (got != want) bad.add(static_cast<std::size_t>(src) * sc + i, got, want);
-              }
-            }
+            comm.all_gather(b.in, b.out.data(), sc, t, o).wait();
+            const Mismatches bad = check_all_gather(b.out.data(), sc, n, t, 3);
             ASSERT_EQ(bad.count, 0u) << label("all_gather", t, ReduceOp::kSum, sc, in_place, r)
                                      << " " << to_string(algo) << ": " << bad.first;
           }

@@ -17,12 +17,6 @@ namespace {
 
 constexpr int kDelayUs = 200;
 
-std::vector<char> make_input(int rank, std::size_t count, DataType t, ReduceOp op) {
-  std::vector<char> buf(std::max<std::size_t>(1, count * dtype_size(t)));
-  for (std::size_t i = 0; i < count; ++i) store(buf.data(), i, t, input_value(rank, i, t, op));
-  return buf;
-}
-
 CommOptions delayed(int us, int spin_us = CommOptions{}.spin_us) {
   CommOptions o;
   o.link_delay_us = us;

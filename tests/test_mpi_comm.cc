@@ -42,13 +42,6 @@ constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin,
                                 ReduceOp::kAvg};
 constexpr std::size_t kCounts[] = {0, 1, 7, 1031};
 
-std::vector<char> make_input(int rank, std::size_t count, DataType t, ReduceOp op, int salt = 0) {
-  std::vector<char> buf(std::max<std::size_t>(1, count * dtype_size(t)));
-  for (std::size_t i = 0; i < count; ++i)
-    store(buf.data(), i, t, input_value(rank, i, t, op, salt));
-  return buf;
-}
-
 std::string what(const char* name, DataType t, ReduceOp op, std::size_t count, bool in_place) {
   return std::string(name) + " dtype=" + std::string(to_string(t)) +
          " op=" + std::string(to_string(op)) + " count=" + std::to_string(count) +
@@ -114,25 +107,11 @@ TEST(MpiCommunicator, AllGatherBroadcastAndBarrier) {
   const int r = comm.rank();
   const auto nn = static_cast<std::size_t>(n);
   for (const auto t : kAllTypes) {
-    const std::size_t el = dtype_size(t);
     for (const std::size_t sc : kCounts) {
       for (const bool in_place : {false, true}) {
-        std::vector<char> out(std::max<std::size_t>(1, sc * nn * el), 0x5a);
-        std::vector<char> own = make_input(r, sc, t, ReduceOp::kSum, 3);
-        const char* in = own.data();
-        if (in_place) {
-          std::memcpy(out.data() + static_cast<std::size_t>(r) * sc * el, own.data(), sc * el);
-          in = out.data() + static_cast<std::size_t>(r) * sc * el;
-        }
-        comm.all_gather(in, out.data(), sc, t).wait();
-        Mismatches bad;
-        for (int src = 0; src < n; ++src) {
-          for (std::size_t i = 0; i < sc; ++i) {
-            const double want = input_value(src, i, t, ReduceOp::kSum, 3);
-            const double got = load(out.data(), static_cast<std::size_t>(src) * sc + i, t);
-            if (got != want) bad.add(static_cast<std::size_t>(src) * sc + i, got, want);
-          }
-        }
+        auto b = all_gather_buffers(r, sc, nn, t, in_place, 3);
+        comm.all_gather(b.in, b.out.data(), sc, t).wait();
+        const Mismatches bad = check_all_gather(b.out.data(), sc, n, t, 3);
         ASSERT_EQ(bad.count, 0U) << what("all_gather", t, ReduceOp::kSum, sc, in_place) << ": "
                                  << bad.first;
       }
