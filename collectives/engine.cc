@@ -285,6 +285,16 @@ void Engine::run() {
   // straight out of pending operations' memory, so those operations fail (and their waiters
   // may free that memory) only once no channel can read it any more.
   std::lock_guard<std::mutex> lock(turn_mu_);
+  // Every channel starts closing before any waits for its peer: see Channel::begin_close().
+  for (auto& link : links_) {
+    for (auto& ch : link) {
+      try {
+        ch->begin_close();
+      } catch (const std::exception&) {
+        // close_by() below closes it anyway.
+      }
+    }
+  }
   // One deadline for all: a stalled peer costs the linger once, not once per channel.
   const auto linger_until = std::chrono::steady_clock::now() + transport::kCloseLinger;
   for (auto& link : links_) {

@@ -152,6 +152,17 @@ pollfd DelayChannel::wait_spec() const {
   return {epoll_.get(), POLLIN, 0};
 }
 
+// Held messages go to the inner channel first, as in shut(): a FIN must not overtake them.
+void DelayChannel::begin_close() {
+  if (!inner_ || inner_->closed()) return;
+  try {
+    release(true);
+  } catch (const Error&) {
+    // Closing anyway; the inner channel is broken.
+  }
+  inner_->begin_close();
+}
+
 void DelayChannel::close() {
   shut([](Channel& inner) { inner.close(); });
 }

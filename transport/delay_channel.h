@@ -63,6 +63,7 @@ class DelayChannel final : public Channel {
   void forget_memory(const void* addr, std::size_t bytes) override {
     inner_->forget_memory(addr, bytes);
   }
+  void begin_close() override;
   void close() override;
   void close_by(std::chrono::steady_clock::time_point linger_until) override;
   bool closed() const override { return inner_->closed(); }

@@ -163,6 +163,12 @@ class Channel {
     (void)addr;
     (void)bytes;
   }
+  // Starts close() without waiting: sends what can be sent now and tells the peer that nothing
+  // follows (TCP: a FIN). An engine closing all its channels calls this on every one before
+  // close_by(), because a peer may acknowledge what one channel sent only when it closes
+  // another (its own end of the same link, say): closed one by one, each wait could last
+  // until a delayed acknowledgement (40 ms on Linux). Default: nothing to start.
+  virtual void begin_close() {}
   // Sends what can be sent now and closes; never blocks for long (a back-end may wait a
   // bounded moment for the peer to take what was sent).
   virtual void close() = 0;

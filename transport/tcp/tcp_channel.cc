@@ -296,22 +296,28 @@ bool TcpChannel::peer_closed(RecvSink& sink) {
 
 void TcpChannel::close() { close_by(std::chrono::steady_clock::now() + kCloseLinger); }
 
-// Sends a FIN after what is queued, then waits until `linger_until` at most for the peer to
-// acknowledge every byte sent, and closes.
-void TcpChannel::close_by(std::chrono::steady_clock::time_point linger_until) {
-  if (!fd_.valid()) return;
-  // Hand over what is queued if the socket takes it at once, then send a FIN.
+// Hands over what is queued if the socket takes it at once, then sends a FIN.
+void TcpChannel::begin_close() {
+  if (!fd_.valid() || fin_sent_) return;
   NullSink null_sink;
   try {
     flush(null_sink);
   } catch (const Error&) {
     // Closing anyway.
   }
+  fin_sent_ = true;
+  if (!send_gone_) ::shutdown(fd_.get(), SHUT_WR);
+}
+
+// Sends a FIN after what is queued (begin_close), then waits until `linger_until` at most for
+// the peer to acknowledge every byte sent, and closes.
+void TcpChannel::close_by(std::chrono::steady_clock::time_point linger_until) {
+  if (!fd_.valid()) return;
+  begin_close();
   if (send_gone_) {
     fd_.reset();
     return;
   }
-  ::shutdown(fd_.get(), SHUT_WR);
   // Anything the peer sends from now on (an announcement of its next operation, say) finds
   // this socket closed and draws a reset, and a reset throws away what the kernel has not yet
   // delivered. So wait, boundedly, until the peer has acknowledged every byte handed over,

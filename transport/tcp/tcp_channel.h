@@ -33,6 +33,7 @@ class TcpChannel final : public Channel {
   std::size_t queued_bytes() const override { return queued_bytes_; }
   bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
+  void begin_close() override;
   void close() override;
   void close_by(std::chrono::steady_clock::time_point linger_until) override;
   bool closed() const override { return !fd_.valid(); }
@@ -68,6 +69,7 @@ class TcpChannel final : public Channel {
   std::size_t head_offset_ = 0;  // bytes of the head message already written
   std::size_t queued_bytes_ = 0;
   bool write_blocked_ = false;
+  bool fin_sent_ = false;   // begin_close() has handed over what it could and sent a FIN
   bool send_gone_ = false;  // a send found the peer's end closed; receive() reports it
   std::array<iovec, kMaxIov> iov_{};
 
