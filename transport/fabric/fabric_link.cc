@@ -372,6 +372,7 @@ class FabricChannel final : public Channel {
   void forget_memory(const void* addr, std::size_t bytes) override { dom_->forget(addr, bytes); }
   // Callers' memory ranges the domain has registered for in-place sends so far.
   [[nodiscard]] std::uint64_t registrations_made() const { return dom_->registered; }
+  void begin_close() override;
   void close() override;
   bool closed() const override { return closed_ || peer_closed_; }
   std::string describe() const override;
@@ -1064,6 +1065,22 @@ bool FabricChannel::send_control(Kind kind, std::uint32_t seq, std::uint32_t cre
   free_ctrl_.pop_back();
   ++in_flight_;
   return true;
+}
+
+// What close() does first, without waiting: hands over what the peer's credits allow and,
+// once nothing is queued, says goodbye. Over rxm a goodbye may be a channel's first message,
+// which connects first; started on every channel before any close() waits, the connections
+// are made side by side instead of one after another.
+void FabricChannel::begin_close() {
+  if (closed_ || !ep_ || peer_addr_ == FI_ADDR_UNSPEC || bye_sent_) return;
+  NullSink null_sink;
+  try {
+    poll_cq(null_sink);
+    pump(null_sink);
+    if (!peer_bye_ && sendq_.empty()) bye_sent_ = send_control(Kind::kBye, sendw_.next_seq(), 0);
+  } catch (const Error&) {
+    // close() closes it anyway.
+  }
 }
 
 void FabricChannel::close() {
