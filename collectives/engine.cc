@@ -285,27 +285,22 @@ void Engine::run() {
   // straight out of pending operations' memory, so those operations fail (and their waiters
   // may free that memory) only once no channel can read it any more.
   std::lock_guard<std::mutex> lock(turn_mu_);
-  // Every channel starts closing before any waits for its peer: see Channel::begin_close().
-  for (auto& link : links_) {
-    for (auto& ch : link) {
-      try {
-        ch->begin_close();
-      } catch (const std::exception&) {
-        // close_by() below closes it anyway.
+  const auto each_channel = [&](const auto& fn) {
+    for (auto& link : links_) {
+      for (auto& ch : link) {
+        try {
+          fn(*ch);
+        } catch (const std::exception&) {
+          // Closing anyway; the operations fail below.
+        }
       }
     }
-  }
+  };
+  // Every channel starts closing before any waits for its peer: see Channel::begin_close().
+  each_channel([](transport::Channel& ch) { ch.begin_close(); });
   // One deadline for all: a stalled peer costs the linger once, not once per channel.
   const auto linger_until = std::chrono::steady_clock::now() + transport::kCloseLinger;
-  for (auto& link : links_) {
-    for (auto& ch : link) {
-      try {
-        ch->close_by(linger_until);
-      } catch (const std::exception&) {
-        // Closing anyway; the operations fail below.
-      }
-    }
-  }
+  each_channel([&](transport::Channel& ch) { ch.close_by(linger_until); });
   // Whatever is still pending can no longer finish.
   fail_all(std::make_exception_ptr(
       Error(ErrorCode::kAborted, "the communicator was destroyed with this operation pending",

@@ -1,5 +1,6 @@
 # cmake -DCLANG_FORMAT=... -DROOT=... -P format_check.cmake
-# Fails naming each C++/CUDA source under ROOT's source folders that clang-format would change.
+# Fails naming each C++/CUDA source under ROOT's source folders that clang-format would change
+# (or, should clang-format fail otherwise, with its own message).
 if(NOT CLANG_FORMAT)
   message("format check skipped: clang-format is not installed (apt-get install clang-format)")
   return()
@@ -21,15 +22,22 @@ list(LENGTH files n)
 if(n EQUAL 0)
   message(FATAL_ERROR "no C++ sources found under ${ROOT}")
 endif()
+# One clang-format for all files; each difference it reports starts "FILE:LINE:COL: error".
+execute_process(COMMAND "${CLANG_FORMAT}" --style=file --dry-run --Werror ${files}
+                RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE diagnostics)
 set(bad)
-foreach(f IN LISTS files)
-  execute_process(COMMAND "${CLANG_FORMAT}" --style=file --dry-run --Werror "${f}"
-                  RESULT_VARIABLE rc OUTPUT_QUIET ERROR_QUIET)
-  if(NOT rc EQUAL 0)
+if(NOT rc EQUAL 0)
+  string(REGEX MATCHALL "[^\n]+:[0-9]+:[0-9]+: error" hits "${diagnostics}")
+  foreach(hit IN LISTS hits)
+    string(REGEX REPLACE ":[0-9]+:[0-9]+: error$" "" f "${hit}")
     file(RELATIVE_PATH rel "${ROOT}" "${f}")
     list(APPEND bad "${rel}")
+  endforeach()
+  list(REMOVE_DUPLICATES bad)
+  if(NOT bad)
+    message(FATAL_ERROR "clang-format failed (status ${rc}):\n${diagnostics}")
   endif()
-endforeach()
+endif()
 if(bad)
   list(JOIN bad "\n  " text)
   message(FATAL_ERROR "not formatted as .clang-format says (run clang-format -i on them):\n  ${text}")

@@ -154,13 +154,18 @@ pollfd DelayChannel::wait_spec() const {
 
 // Held messages go to the inner channel first, as in shut(): a FIN must not overtake them.
 void DelayChannel::begin_close() {
-  if (!inner_ || inner_->closed()) return;
+  if (!inner_) return;
+  release_for_close();
+  inner_->begin_close();
+}
+
+void DelayChannel::release_for_close() {
+  if (inner_->closed()) return;
   try {
     release(true);
   } catch (const Error&) {
     // Closing anyway; the inner channel is broken.
   }
-  inner_->begin_close();
 }
 
 void DelayChannel::close() {
@@ -173,13 +178,7 @@ void DelayChannel::close_by(std::chrono::steady_clock::time_point linger_until) 
 
 void DelayChannel::shut(const std::function<void(Channel&)>& close_inner) {
   if (!inner_) return;
-  if (!inner_->closed()) {
-    try {
-      release(true);
-    } catch (const Error&) {
-      // Closing anyway; the inner channel is broken.
-    }
-  }
+  release_for_close();
   close_inner(*inner_);
   head_ = 0;
   held_ = 0;

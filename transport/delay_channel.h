@@ -76,6 +76,8 @@ class DelayChannel final : public Channel {
   // close() or close_by(): hands held messages to the inner channel, then closes
   // that with `close_inner`.
   void shut(const std::function<void(Channel&)>& close_inner);
+  // Hands every held message to the inner channel, unless that is closed or broken.
+  void release_for_close();
   struct Held {
     FrameHeader header;
     const void* payload;

@@ -1077,7 +1077,7 @@ void FabricChannel::begin_close() {
   try {
     poll_cq(null_sink);
     pump(null_sink);
-    if (!peer_bye_ && sendq_.empty()) bye_sent_ = send_control(Kind::kBye, sendw_.next_seq(), 0);
+    if (sendq_.empty()) bye_sent_ = send_control(Kind::kBye, sendw_.next_seq(), 0);
   } catch (const Error&) {
     // close() closes it anyway.
   }
