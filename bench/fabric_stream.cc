@@ -3,7 +3,7 @@
 //
 //   dear-run -n 2 dear-fabric-stream [--provider 'tcp;ofi_rxm'] [-s 64M] [--window 4]
 //                                    [--iters 20] [--warmup 3] [--chunk 1M] [--rounds 1]
-//                                    [--json FILE]
+//                                    [--op send|write] [--json FILE]
 //
 // No collective library on top: this is the ceiling a library over the provider can reach.
 //   - fabric: one reliable-datagram endpoint per rank (FI_MSG), sends from and receives into
@@ -12,6 +12,10 @@
 //     are in flight; each message goes as chunks of min(--chunk, the provider's max_msg_size).
 //     "uni": rank 0 sends, rank 1 receives. "bidi": both ranks send and receive at once, as every
 //     step of a ring does; its figure is the sum of both directions.
+//     With --op write the chunks go as RMA writes with remote CQ data (what the fabric transport
+//     does by default where offered) into the receiver's registered message slots; the receiver
+//     counts the chunks of each message from its completion queue and, once a message is
+//     checked, tells the sender with a small message (a credit) that its slot is free again.
 //   - tcp: one connection over 127.0.0.1 (Nagle on, kernel buffer sizes), the same messages
 //     with blocking send()/recv() of 1 MiB; "bidi" uses the connection full duplex,
 //     a sending thread next to the receiving one. Only the tail of each run is pushed out
@@ -34,6 +38,7 @@
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 
@@ -88,6 +93,7 @@ struct Args {
   int warmup = 3;
   int rounds = 1;
   std::uint64_t chunk = 1ULL << 20;
+  bool write = false;  // --op write
   std::string json_path;
 };
 
@@ -196,8 +202,8 @@ using transport::fabric::kApiVersion;
 // the ceiling is measured on what the library would get; one thread per endpoint here.
 // Messages from one sender must match receives in the order they were sent (FI_ORDER_SAS):
 // the stamps check that.
-InfoPtr make_hints(const std::string& provider) {
-  InfoPtr hints = transport::fabric::rdm_hints(provider, FI_THREAD_DOMAIN);
+InfoPtr make_hints(const std::string& provider, bool write) {
+  InfoPtr hints = transport::fabric::rdm_hints(provider, FI_THREAD_DOMAIN, write);
   hints->tx_attr->msg_order = FI_ORDER_SAS;
   hints->rx_attr->msg_order = FI_ORDER_SAS;
   return hints;
@@ -229,27 +235,49 @@ std::string mr_mode_text(int mode) {
 struct Op {
   fi_context2 ctx;
   bool recv = false;
+  bool credit = false;  // --op write: a receive posted for the peer's credits
   std::uint32_t slot = 0;
   std::uint32_t chunk = 0;
+};
+
+// --op write: what a receiver tells the sender, with fi_inject, after checking a message: in
+// run `run`, messages [0, done) have arrived, so their slots may be written again.
+struct Credit {
+  std::uint32_t run = 0;
+  std::uint32_t done = 0;
+};
+
+// --op write: where the peer's message slots are, for the writes.
+struct Target {
+  std::uint64_t addr = 0;
+  std::uint64_t key = 0;
 };
 static_assert(std::is_standard_layout_v<Op>, "a completion's op_context is the Op's address");
 
 // One endpoint, its completion queue and window x message-size buffers for each direction.
 class FabricStream {
  public:
-  FabricStream(const Args& args, int rank) : rank_(rank), size_(args.size) {
-    InfoPtr hints = make_hints(args.provider);
+  FabricStream(const Args& args, int rank) : rank_(rank), size_(args.size), write_(args.write) {
+    InfoPtr hints = make_hints(args.provider, write_);
     fi_info* found = nullptr;
     int rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints.get(), &found);
     if (rc != 0 || found == nullptr) {
       throw Error(ErrorCode::kInvalidArgument,
                   "libfabric provider '" + args.provider +
-                      "' is not available here for FI_EP_RDM with FI_MSG (" + fi_text(rc) +
+                      "' is not available here for FI_EP_RDM with FI_MSG" +
+                      (write_ ? " and FI_RMA with remote CQ data" : "") + " (" + fi_text(rc) +
                       "); available: " + available_providers(),
                   rank);
     }
     info_.reset(found);
     provider_ = info_->fabric_attr->prov_name;
+    if (write_ && (info_->mode & FI_RX_CQ_DATA) != 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "--op write: provider '" + provider_ +
+                      "' consumes a posted receive for each write's CQ data (FI_RX_CQ_DATA), "
+                      "which this tool does not post; use --op send",
+                  rank);
+    }
     max_msg_ = info_->ep_attr->max_msg_size;
     chunk_ = static_cast<std::size_t>(std::min<std::uint64_t>(args.chunk, max_msg_));
     chunks_ = (size_ + chunk_ - 1) / chunk_;
@@ -269,9 +297,9 @@ class FabricStream {
     av_.reset(av);
     // Room for a completion of every operation that can be outstanding at once.
     fi_cq_attr cq_attr{};
-    cq_attr.format = FI_CQ_FORMAT_MSG;
+    cq_attr.format = FI_CQ_FORMAT_DATA;
     cq_attr.wait_obj = FI_WAIT_NONE;
-    cq_attr.size = 2 * window_ * chunks_ + 64;
+    cq_attr.size = 2 * window_ * chunks_ + 2 * window_ + 64;
     fid_cq* cq = nullptr;
     check("fi_cq_open", fi_cq_open(domain, &cq_attr, &cq, nullptr));
     cq_.reset(cq);
@@ -286,11 +314,20 @@ class FabricStream {
     const std::size_t bytes = 2 * static_cast<std::size_t>(window_) * size_;
     memory_ = allocate(bytes, 0xa5, rank);
     std::memset(memory_.get() + bytes / 2, 0, bytes / 2);
-    if ((info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0) {
+    const std::uint64_t mr_mode = info_->domain_attr->mr_mode;
+    if (write_ || (mr_mode & FI_MR_LOCAL) != 0) {
+      // Writes: the receive slots are the peers' targets, so registered for them (and, where
+      // registrations belong to endpoints, bound to this one).
+      const std::uint64_t access =
+          FI_SEND | FI_RECV | (write_ ? FI_WRITE | FI_REMOTE_WRITE : std::uint64_t{0});
+      const std::uint64_t key = (mr_mode & FI_MR_PROV_KEY) != 0 ? 0 : 1;
       fid_mr* mr = nullptr;
-      check("fi_mr_reg",
-            fi_mr_reg(domain, memory_.get(), bytes, FI_SEND | FI_RECV, 0, 0, 0, &mr, nullptr));
+      check("fi_mr_reg", fi_mr_reg(domain, memory_.get(), bytes, access, 0, key, 0, &mr, nullptr));
       mr_.reset(mr);
+      if ((mr_mode & FI_MR_ENDPOINT) != 0) {
+        check("fi_mr_bind", fi_mr_bind(mr, &ep->fid, 0));
+        check("fi_mr_enable", fi_mr_enable(mr));
+      }
     }
     ops_.resize(2 * static_cast<std::size_t>(window_) * chunks_);
     for (std::size_t i = 0; i < ops_.size(); ++i) {
@@ -298,6 +335,18 @@ class FabricStream {
       op.recv = i >= ops_.size() / 2;
       op.slot = static_cast<std::uint32_t>((i % (ops_.size() / 2)) / chunks_);
       op.chunk = static_cast<std::uint32_t>(i % chunks_);
+    }
+    if (write_) {
+      // Receives for the peer's credits, kept posted for the stream's whole life: with writes
+      // nothing else is received, so every message that arrives is a credit.
+      credit_ops_.resize(2 * static_cast<std::size_t>(window_) + 2);
+      credits_in_.resize(credit_ops_.size());
+      for (std::size_t i = 0; i < credit_ops_.size(); ++i) {
+        credit_ops_[i].recv = true;
+        credit_ops_[i].credit = true;
+        credit_ops_[i].slot = static_cast<std::uint32_t>(i);
+        post_credit_recv(credit_ops_[i]);
+      }
     }
   }
   FabricStream(const FabricStream&) = delete;
@@ -313,6 +362,17 @@ class FabricStream {
   }
 
   [[nodiscard]] const std::string& provider() const { return provider_; }
+  // --op write: where this rank's receive slots are, for the peer; and where the peer's are.
+  [[nodiscard]] Target target() const {
+    Target t;
+    if (!write_) return t;
+    const bool virt = (info_->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
+    t.addr = virt ? reinterpret_cast<std::uint64_t>(slot(true, 0)) : window_ * size_;
+    t.key = fi_mr_key(mr_.get());
+    if (t.key == FI_KEY_NOTAVAIL) check("fi_mr_key", -FI_ENOKEY);
+    return t;
+  }
+  void set_target(const Target& t) { target_ = t; }
   [[nodiscard]] std::size_t chunk() const { return chunk_; }
   [[nodiscard]] std::string describe() const {
     const fi_info& i = *info_;
@@ -321,7 +381,8 @@ class FabricStream {
            ", mr_mode " + mr_mode_text(i.domain_attr->mr_mode) + ", inject_size " +
            std::to_string(i.tx_attr->inject_size) + ", tx_size " + std::to_string(i.tx_attr->size) +
            ", rx_size " + std::to_string(i.rx_attr->size) + ", chunk " + std::to_string(chunk_) +
-           " (" + std::to_string(chunks_) + " per message)";
+           " (" + std::to_string(chunks_) + " per message)" +
+           (write_ ? ", RMA writes with remote CQ data" : ", sends");
   }
 
   [[nodiscard]] std::vector<char> name() const {
@@ -359,12 +420,17 @@ class FabricStream {
     tx.limit = std::max<std::size_t>(1, info_->tx_attr->size);
     rx.limit = std::max<std::size_t>(1, info_->rx_attr->size);
     messages_ = messages;
+    ++run_;
+    credited_ = 0;
+    received_ = 0;
+    if (write_) rx.next = messages;  // the slots are written to, nothing is posted for them
     auto last_moved = start;
     std::uint64_t idle = 0;
     while ((tx.active && tx.oldest < messages) || (rx.active && rx.oldest < messages)) {
       bool moved = poll(tx, rx);
       if (tx.active) moved |= post(tx);
-      if (rx.active) moved |= post(rx);
+      if (rx.active && !write_) moved |= post(rx);
+      moved |= send_credits();
       if (moved) {
         idle = 0;
         continue;
@@ -379,6 +445,11 @@ class FabricStream {
                         std::to_string(rx.oldest) + " of " + std::to_string(messages) + " messages",
                     rank_, 1 - rank_);
       }
+    }
+    // The last credits too, or the sender's next run would count them.
+    while (credit_owed_ > 0) {
+      poll(tx, rx);
+      send_credits();
     }
     if (!recv) return 0;
     return std::chrono::duration<double>(arrived_last_ - arrived_from_).count();
@@ -416,7 +487,8 @@ class FabricStream {
 
   bool post(Side& s) {
     bool moved = false;
-    while (s.next < messages_ && s.next < s.oldest + window_ && s.outstanding < s.limit) {
+    while (s.next < messages_ && s.next < s.oldest + window_ && s.outstanding < s.limit &&
+           (!write_ || s.next < credited_ + window_)) {
       char* msg = slot(s.recv, s.next);
       if (s.next_chunk == 0) {
         if (s.recv) {
@@ -429,11 +501,21 @@ class FabricStream {
       const std::size_t len = chunk_len(s.next_chunk);
       Op& op = ops_[(s.recv ? ops_.size() / 2 : 0) +
                     static_cast<std::size_t>(s.next % window_) * chunks_ + s.next_chunk];
-      const ssize_t rc = s.recv
-                             ? fi_recv(ep_.get(), msg + off, len, desc(), FI_ADDR_UNSPEC, &op.ctx)
-                             : fi_send(ep_.get(), msg + off, len, desc(), peer_, &op.ctx);
+      ssize_t rc = 0;
+      if (s.recv) {
+        rc = fi_recv(ep_.get(), msg + off, len, desc(), FI_ADDR_UNSPEC, &op.ctx);
+      } else if (write_) {
+        // The CQ data names the slot and chunk (fits: at most 1024 x chunks per message).
+        const std::uint64_t data =
+            static_cast<std::uint64_t>(s.next % window_) * chunks_ + s.next_chunk;
+        const std::uint64_t remote = target_.addr + (s.next % window_) * size_ + off;
+        rc = fi_writedata(ep_.get(), msg + off, len, desc(), data, peer_, remote, target_.key,
+                          &op.ctx);
+      } else {
+        rc = fi_send(ep_.get(), msg + off, len, desc(), peer_, &op.ctx);
+      }
       if (rc == -FI_EAGAIN) break;  // the provider's queue is full: progress, then again
-      if (rc != 0) check(s.recv ? "fi_recv" : "fi_send", rc);
+      if (rc != 0) check(s.recv ? "fi_recv" : (write_ ? "fi_writedata" : "fi_send"), rc);
       moved = true;
       ++s.outstanding;
       if (++s.next_chunk == chunks_) {
@@ -465,8 +547,26 @@ class FabricStream {
     }
     if (n < 0) check("fi_cq_read", n);
     for (ssize_t k = 0; k < n; ++k) {
-      const fi_cq_msg_entry& e = c[static_cast<std::size_t>(k)];
-      const Op& op = *static_cast<const Op*>(e.op_context);
+      const fi_cq_data_entry& e = c[static_cast<std::size_t>(k)];
+      if ((e.flags & FI_REMOTE_WRITE) != 0) {
+        // A chunk the peer wrote into this rank's slot `data / chunks`.
+        const std::size_t slot = static_cast<std::size_t>(e.data / chunks_);
+        if ((e.flags & FI_REMOTE_CQ_DATA) == 0 || slot >= window_) {
+          throw Error(ErrorCode::kMismatch,
+                      provider_ + ": a write arrived without a slot in its CQ data", rank_,
+                      1 - rank_);
+        }
+        ++rx.done[slot];
+        continue;
+      }
+      Op& op = *static_cast<Op*>(e.op_context);
+      if (op.credit) {
+        Credit cr;
+        std::memcpy(&cr, &credits_in_[op.slot], sizeof(cr));
+        if (cr.run == run_) credited_ = std::max<std::uint64_t>(credited_, cr.done);
+        post_credit_recv(op);
+        continue;
+      }
       Side& s = op.recv ? rx : tx;
       if (op.recv && e.len != chunk_len(op.chunk)) {
         throw Error(ErrorCode::kMismatch,
@@ -485,6 +585,11 @@ class FabricStream {
           const auto now = Clock::now();
           if (s->oldest + 1 == timed_from_) arrived_from_ = now;
           arrived_last_ = now;
+          if (write_) {
+            // The slot is free for message oldest + window: cleared before the peer may write.
+            clear_stamp(slot(true, s->oldest), size_);
+            ++credit_owed_;
+          }
         }
         ++s->oldest;
       }
@@ -492,8 +597,30 @@ class FabricStream {
     return n > 0;
   }
 
+  // --op write: receives for credits, and the credits this rank owes the sender.
+  void post_credit_recv(Op& op) {
+    void* buf = &credits_in_[op.slot];
+    check("fi_recv", fi_recv(ep_.get(), buf, sizeof(Credit), nullptr, FI_ADDR_UNSPEC, &op.ctx));
+  }
+  bool send_credits() {
+    if (credit_owed_ == 0) return false;
+    received_ += credit_owed_;
+    Credit cr;
+    cr.run = static_cast<std::uint32_t>(run_);
+    cr.done = static_cast<std::uint32_t>(received_);
+    const ssize_t rc = fi_inject(ep_.get(), &cr, sizeof(cr), peer_);
+    if (rc == -FI_EAGAIN) {
+      received_ -= credit_owed_;
+      return false;
+    }
+    check("fi_inject", rc);
+    credit_owed_ = 0;
+    return true;
+  }
+
   int rank_;
   std::size_t size_;
+  bool write_;
   std::size_t max_msg_ = 0;
   std::size_t chunk_ = 0;
   std::size_t chunks_ = 0;
@@ -513,8 +640,16 @@ class FabricStream {
   FidPtr<fid_mr> mr_;
   Memory memory_;
   std::vector<Op> ops_;
-  std::array<fi_cq_msg_entry, 64> entries_{};
+  std::array<fi_cq_data_entry, 64> entries_{};
   fi_addr_t peer_ = FI_ADDR_UNSPEC;
+  // --op write.
+  Target target_;
+  std::vector<Op> credit_ops_;
+  std::vector<Credit> credits_in_;
+  std::uint64_t run_ = 0;          // runs so far, this one included (credits name theirs)
+  std::uint64_t credited_ = 0;     // this run: messages the peer has checked
+  std::uint64_t received_ = 0;     // this run: messages this rank has checked and credited
+  std::uint64_t credit_owed_ = 0;  // checked, not yet credited
 };
 
 // ---- TCP ------------------------------------------------------------------------------------
@@ -695,6 +830,11 @@ std::unique_ptr<FabricStream> open_fabric(Bootstrap& boot, const Args& args, std
   boot.all_gather(mine.data(), mine.size(), all.data());
   const char* theirs = all.data() + static_cast<std::size_t>(1 - boot.rank()) * mine.size();
   if (!all_ok(boot, [&] { stream->set_peer(theirs + sizeof(std::uint32_t)); })) return nullptr;
+  // Where to write (--op write; unused otherwise).
+  const Target own = stream->target();
+  std::array<Target, 2> targets{};
+  boot.all_gather(&own, sizeof(own), targets.data());
+  stream->set_target(targets[static_cast<std::size_t>(1 - boot.rank())]);
   return stream;
 }
 
@@ -757,6 +897,7 @@ void write_json(const Args& args, const std::string& about, const std::vector<Me
   j["size"] = args.size;
   j["window"] = args.window;
   j["chunk"] = args.chunk;
+  j["op"] = args.write ? "write" : "send";
   j["iters"] = args.iters;
   j["warmup"] = args.warmup;
   j["rounds"] = args.rounds;
@@ -814,12 +955,20 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   bytes_flag("--chunk", args.chunk,
              "Bytes per fabric send: min(this, max_msg_size); tcp always moves 1 MiB per call");
+  std::string op = "send";
+  app.add_option("--op", op,
+                 "How fabric chunks move: send (into posted receives) or write (RMA writes with "
+                 "remote CQ data into the receiver's registered slots, as the fabric transport's "
+                 "default data path does where offered)")
+      ->check(CLI::IsMember({"send", "write"}))
+      ->capture_default_str();
   app.add_option("--json", args.json_path, "Also write the rows to this JSON file (rank 0)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  args.write = op == "write";
   if (args.size < 2 * kStamp) {
     std::fprintf(stderr, "dear-fabric-stream: --size must be at least %zu bytes\n", 2 * kStamp);
     return 2;
