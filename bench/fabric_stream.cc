@@ -310,10 +310,14 @@ class FabricStream {
     check("fi_ep_bind(cq)", fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV));
     check("fi_enable", fi_enable(ep));
 
-    // [0, window) send slots, then [window, 2 window) receive slots, one registration.
-    const std::size_t bytes = 2 * static_cast<std::size_t>(window_) * size_;
+    // [0, window) send slots, then [window, 2 window) receive slots, then (writes) the
+    // receives for credits, all in one registration.
+    const std::size_t data_bytes = 2 * static_cast<std::size_t>(window_) * size_;
+    credit_bufs_ = write_ ? 2 * static_cast<std::size_t>(window_) + 2 : 0;
+    const std::size_t bytes = data_bytes + credit_bufs_ * sizeof(Credit);
     memory_ = allocate(bytes, 0xa5, rank);
-    std::memset(memory_.get() + bytes / 2, 0, bytes / 2);
+    std::memset(memory_.get() + data_bytes / 2, 0, bytes - data_bytes / 2);
+    credits_in_ = memory_.get() + data_bytes;
     const std::uint64_t mr_mode = info_->domain_attr->mr_mode;
     if (write_ || (mr_mode & FI_MR_LOCAL) != 0) {
       // Writes: the receive slots are the peers' targets, so registered for them (and, where
@@ -339,8 +343,7 @@ class FabricStream {
     if (write_) {
       // Receives for the peer's credits, kept posted for the stream's whole life: with writes
       // nothing else is received, so every message that arrives is a credit.
-      credit_ops_.resize(2 * static_cast<std::size_t>(window_) + 2);
-      credits_in_.resize(credit_ops_.size());
+      credit_ops_.resize(credit_bufs_);
       for (std::size_t i = 0; i < credit_ops_.size(); ++i) {
         credit_ops_[i].recv = true;
         credit_ops_[i].credit = true;
@@ -447,9 +450,14 @@ class FabricStream {
       }
     }
     // The last credits too, or the sender's next run would count them.
+    const auto flush_from = Clock::now();
     while (credit_owed_ > 0) {
-      poll(tx, rx);
-      send_credits();
+      if (!poll(tx, rx) && !send_credits() && Clock::now() - flush_from > kStallLimit) {
+        throw Error(ErrorCode::kTimeout,
+                    provider_ + ": the last credits could not be sent for " +
+                        std::to_string(kStallLimit.count()) + " s",
+                    rank_, 1 - rank_);
+      }
     }
     if (!recv) return 0;
     return std::chrono::duration<double>(arrived_last_ - arrived_from_).count();
@@ -562,7 +570,7 @@ class FabricStream {
       Op& op = *static_cast<Op*>(e.op_context);
       if (op.credit) {
         Credit cr;
-        std::memcpy(&cr, &credits_in_[op.slot], sizeof(cr));
+        std::memcpy(&cr, credits_in_ + op.slot * sizeof(Credit), sizeof(cr));
         if (cr.run == run_) credited_ = std::max<std::uint64_t>(credited_, cr.done);
         post_credit_recv(op);
         continue;
@@ -599,8 +607,8 @@ class FabricStream {
 
   // --op write: receives for credits, and the credits this rank owes the sender.
   void post_credit_recv(Op& op) {
-    void* buf = &credits_in_[op.slot];
-    check("fi_recv", fi_recv(ep_.get(), buf, sizeof(Credit), nullptr, FI_ADDR_UNSPEC, &op.ctx));
+    void* buf = credits_in_ + op.slot * sizeof(Credit);
+    check("fi_recv", fi_recv(ep_.get(), buf, sizeof(Credit), desc(), FI_ADDR_UNSPEC, &op.ctx));
   }
   bool send_credits() {
     if (credit_owed_ == 0) return false;
@@ -645,7 +653,8 @@ class FabricStream {
   // --op write.
   Target target_;
   std::vector<Op> credit_ops_;
-  std::vector<Credit> credits_in_;
+  std::size_t credit_bufs_ = 0;
+  char* credits_in_ = nullptr;     // credit_bufs_ Credits, in memory_
   std::uint64_t run_ = 0;          // runs so far, this one included (credits name theirs)
   std::uint64_t credited_ = 0;     // this run: messages the peer has checked
   std::uint64_t received_ = 0;     // this run: messages this rank has checked and credited
