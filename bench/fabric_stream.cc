@@ -69,6 +69,7 @@
 #include "report.h"
 #include "transport/fabric/fabric_link.h"
 #include "transport/fabric/fi_handles.h"
+#include "transport/rma/slot_region.h"
 #include "transport/socket_util.h"
 
 namespace dear::bench {
@@ -239,6 +240,7 @@ struct Op {
   std::uint32_t slot = 0;
   std::uint32_t chunk = 0;
 };
+static_assert(std::is_standard_layout_v<Op>, "a completion's op_context is the Op's address");
 
 // --op write: what a receiver tells the sender, with fi_inject, after checking a message: in
 // run `run`, messages [0, done) have arrived, so their slots may be written again.
@@ -252,7 +254,6 @@ struct Target {
   std::uint64_t addr = 0;
   std::uint64_t key = 0;
 };
-static_assert(std::is_standard_layout_v<Op>, "a completion's op_context is the Op's address");
 
 // One endpoint, its completion queue and window x message-size buffers for each direction.
 class FabricStream {
@@ -282,6 +283,15 @@ class FabricStream {
     chunk_ = static_cast<std::size_t>(std::min<std::uint64_t>(args.chunk, max_msg_));
     chunks_ = (size_ + chunk_ - 1) / chunk_;
     window_ = static_cast<std::uint32_t>(args.window);
+    // Each write's remote CQ data names its slot and chunk (window x chunks values).
+    const std::size_t data_bits = 8 * std::min<std::size_t>(info_->domain_attr->cq_data_size, 8);
+    if (write_ && data_bits < 64 && window_ * chunks_ > (std::uint64_t{1} << data_bits)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "--op write: --window " + std::to_string(window_) + " x " +
+                      std::to_string(chunks_) + " chunks per message do not fit the provider's " +
+                      std::to_string(data_bits) + "-bit remote CQ data; use a larger --chunk",
+                  rank);
+    }
 
     fid_fabric* fabric = nullptr;
     check("fi_fabric", fi_fabric(info_->fabric_attr, &fabric, nullptr));
@@ -370,7 +380,7 @@ class FabricStream {
     Target t;
     if (!write_) return t;
     const bool virt = (info_->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
-    t.addr = virt ? reinterpret_cast<std::uint64_t>(slot(true, 0)) : window_ * size_;
+    t.addr = transport::rma::region_base(memory_.get(), window_ * size_, virt);
     t.key = fi_mr_key(mr_.get());
     if (t.key == FI_KEY_NOTAVAIL) check("fi_mr_key", -FI_ENOKEY);
     return t;
@@ -513,7 +523,7 @@ class FabricStream {
       if (s.recv) {
         rc = fi_recv(ep_.get(), msg + off, len, desc(), FI_ADDR_UNSPEC, &op.ctx);
       } else if (write_) {
-        // The CQ data names the slot and chunk (fits: at most 1024 x chunks per message).
+        // The CQ data names the slot and chunk (checked to fit when the stream was opened).
         const std::uint64_t data =
             static_cast<std::uint64_t>(s.next % window_) * chunks_ + s.next_chunk;
         const std::uint64_t remote = target_.addr + (s.next % window_) * size_ + off;
@@ -612,16 +622,13 @@ class FabricStream {
   }
   bool send_credits() {
     if (credit_owed_ == 0) return false;
-    received_ += credit_owed_;
     Credit cr;
     cr.run = static_cast<std::uint32_t>(run_);
-    cr.done = static_cast<std::uint32_t>(received_);
+    cr.done = static_cast<std::uint32_t>(received_ + credit_owed_);
     const ssize_t rc = fi_inject(ep_.get(), &cr, sizeof(cr), peer_);
-    if (rc == -FI_EAGAIN) {
-      received_ -= credit_owed_;
-      return false;
-    }
+    if (rc == -FI_EAGAIN) return false;  // the provider's queue is full: progress, then again
     check("fi_inject", rc);
+    received_ = cr.done;
     credit_owed_ = 0;
     return true;
   }
