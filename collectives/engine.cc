@@ -328,6 +328,8 @@ bool Engine::turn() {
       moved = true;
       flush_links();
     }
+    // A turn that moved nothing is waiting for the network: time for the deferred copies.
+    if (!moved) moved = copy_while_waiting();
     complete_finished();
     check_deadlines();
   } catch (const Error& e) {
@@ -1043,6 +1045,15 @@ void Engine::on_closed(int link, int channel) {
   // A peer that finished its part and destroyed its communicator closes cleanly; that is an
   // error only for an operation that still needs this link.
   for (const auto& holder : active_) check_link_needed(*holder, link, channel);
+}
+
+bool Engine::copy_while_waiting() {
+  // In pieces, so that a turn stays short for the operations that arrive meanwhile.
+  constexpr std::size_t kPiece = 256 * 1024;
+  for (const auto& op : active_) {
+    if (copy_piece(*op, kPiece)) return true;
+  }
+  return false;
 }
 
 void Engine::complete_finished() {

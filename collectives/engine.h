@@ -136,6 +136,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool progress_links();
   void flush_links();
   void complete_finished();
+  // A piece of the first deferred local copy (Op::copy_left) among the active operations;
+  // false when there is none.
+  bool copy_while_waiting();
   void check_deadlines();
   [[nodiscard]] Error timeout_error(const Op& op, const std::string& prefix) const;
   [[nodiscard]] int blame_link(const Op& op) const;  // the link this operation waits on

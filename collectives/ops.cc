@@ -294,6 +294,26 @@ std::int64_t direct_offset(const Op& op, const MessagePlan& m) {
   return static_cast<std::int64_t>(m.span.offset);
 }
 
+namespace {
+
+// Copies [from, from + bytes) to `to` now, or leaves it to copy_piece() and finish_local()
+// where nothing reads `to` before the operation completes: a ring all_gather sends its own
+// block from the input, and a chain broadcast's root sends from its input (send_source). The
+// copy then no longer holds back the operation's first messages and its window. A barrier's
+// few bytes are copied at once.
+void copy_or_defer(Op& op, char* to, const char* from, std::size_t bytes) {
+  const bool deferrable = op.kind != OpKind::kBarrier && !is_log_step(op.schedule);
+  if (!deferrable) {
+    std::memcpy(to, from, bytes);
+    return;
+  }
+  op.copy_to = to;
+  op.copy_from = from;
+  op.copy_left = bytes;
+}
+
+}  // namespace
+
 void start_local(Op& op) {
   const std::size_t block = op.user_count * op.el;
   if (is_log_step(op.schedule)) {
@@ -314,17 +334,30 @@ void start_local(Op& op) {
     case OpKind::kAllGather:
     case OpKind::kBarrier: {
       char* own = op.out + static_cast<std::size_t>(op.rank) * block;
-      if (own != op.in && block > 0) std::memcpy(own, op.in, block);
+      if (own != op.in && block > 0) copy_or_defer(op, own, op.in, block);
       break;
     }
     case OpKind::kBroadcast:
-      if (op.rank == op.root && op.out != op.in && block > 0) std::memcpy(op.out, op.in, block);
+      if (op.rank == op.root && op.out != op.in && block > 0) {
+        copy_or_defer(op, op.out, op.in, block);
+      }
       break;
     case OpKind::kReduceScatter: break;
   }
 }
 
+bool copy_piece(Op& op, std::size_t max_bytes) {
+  const std::size_t n = std::min(op.copy_left, max_bytes);
+  if (n == 0) return false;
+  std::memcpy(op.copy_to, op.copy_from, n);
+  op.copy_to += n;
+  op.copy_from += n;
+  op.copy_left -= n;
+  return true;
+}
+
 void finish_local(Op& op) {
+  copy_piece(op, op.copy_left);
   if (op.log.work_is_scratch) {
     const std::size_t block = op.user_count * op.el;
     if (block > 0) {

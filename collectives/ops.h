@@ -147,6 +147,12 @@ struct Op {
   bool window_open = false;
   transport::Window peer_window{};
   bool has_peer_window = false;
+  // A copy that start_local() left for later (a ring all_gather's own block, a chain
+  // broadcast root's data): no message reads its destination, so the engine makes it in
+  // pieces while it waits for the network (copy_piece) and finish_local() makes the rest.
+  const char* copy_from = nullptr;
+  char* copy_to = nullptr;
+  std::size_t copy_left = 0;
 
   [[nodiscard]] std::uint32_t messages_sent_per_channel(int dir) const {
     return static_cast<std::uint32_t>(send_steps[static_cast<std::size_t>(dir)] * slices);
@@ -206,9 +212,11 @@ struct DirectRegion {
 // direct region, or -1 when the receiver does not place it there (it reduces it).
 [[nodiscard]] std::int64_t direct_offset(const Op& op, const MessagePlan& m);
 
-// Work done locally when the operation starts (own-block copies) and ends (the final local
-// reduction of kGatherReduce, the single-rank result).
+// Work done locally when the operation starts (own-block copies, or their deferral) and ends
+// (deferred copies, the final local reduction of kGatherReduce, the single-rank result).
 void start_local(Op& op);
 void finish_local(Op& op);
+// Makes up to `max_bytes` of the operation's deferred copy; false when none is left.
+bool copy_piece(Op& op, std::size_t max_bytes);
 
 }  // namespace dear::collectives
