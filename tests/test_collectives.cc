@@ -219,6 +219,19 @@ TEST_P(Conformance, LargeMultiChannelAllReduceReduceScatterAllGather) {
             if (got != want) bad.add(i, got, want);
           }
           ASSERT_EQ(bad.count, 0u) << "all_gather " << to_string(t) << ": " << bad.first;
+
+          // Out of place from the last rank, which copies its input into its output in pieces
+          // while the chain runs (as all_gather does its own block above).
+          const int root = n - 1;
+          auto bc_in = make_input(root, count, t, ReduceOp::kMax, 9);
+          std::vector<char> bc_out(bc_in.size(), 0x5a);
+          comm.broadcast(bc_in.data(), bc_out.data(), count, t, root).wait();
+          for (std::size_t i = 0; i < count; ++i) {
+            const double want = input_value(root, i, t, ReduceOp::kMax, 9);
+            const double got = load(bc_out.data(), i, t);
+            if (got != want) bad.add(i, got, want);
+          }
+          ASSERT_EQ(bad.count, 0u) << "broadcast " << to_string(t) << ": " << bad.first;
         }
       },
       options);
