@@ -256,6 +256,65 @@ FusionPlan plan_rs_dp(const Model& model, const SimConfig& config) {
   return plan_from_starts(model, config.workers, starts);
 }
 
+FusionPlan refine_plan(const Model& model, int ranks, FusionPlan plan, double plan_score,
+                       const std::function<double(const FusionPlan&)>& score, int budget) {
+  const int layers = static_cast<int>(model.layers.size());
+  std::vector<int> starts;
+  for (const Group& g : plan) starts.push_back(g.first);
+  // Scores the plan that starts groups at `s`; keeps it when it scores lower.
+  auto try_starts = [&](std::vector<int> s) {
+    if (budget <= 0) return false;
+    --budget;
+    FusionPlan candidate = plan_from_starts(model, ranks, s);
+    const double v = score(candidate);
+    if (v >= plan_score) return false;
+    plan_score = v;
+    plan = std::move(candidate);
+    starts = std::move(s);
+    return true;
+  };
+  // One change that scores lower, or false when none does (or the budget is spent).
+  auto improve_once = [&] {
+    for (std::size_t j = 1; j < starts.size(); ++j) {
+      // Boundary j moves within (starts[j - 1], starts[j + 1]).
+      const int lo = starts[j - 1] + 1;
+      const int hi = j + 1 < starts.size() ? starts[j + 1] - 1 : layers - 1;
+      for (int step = 1; step <= hi - lo; step *= 2) {
+        for (const int d : {-step, step}) {
+          const int at = starts[j] + d;
+          if (at < lo || at > hi) continue;
+          std::vector<int> s = starts;
+          s[j] = at;
+          if (try_starts(std::move(s))) return true;
+        }
+      }
+      std::vector<int> merged = starts;
+      merged.erase(merged.begin() + static_cast<std::ptrdiff_t>(j));
+      if (try_starts(std::move(merged))) return true;
+    }
+    for (std::size_t g = 0; g < plan.size(); ++g) {
+      if (plan[g].layers() < 2) continue;
+      // Split where the group's parameters pass half.
+      std::int64_t total = 0;
+      for (int l = plan[g].first; l <= plan[g].last; ++l) total += model.layers[l].params();
+      std::int64_t acc = 0;
+      int at = plan[g].first + 1;
+      for (int l = plan[g].first; l < plan[g].last; ++l) {
+        acc += model.layers[l].params();
+        at = l + 1;
+        if (2 * acc >= total) break;
+      }
+      std::vector<int> s = starts;
+      s.insert(s.begin() + static_cast<std::ptrdiff_t>(g) + 1, at);
+      if (try_starts(std::move(s))) return true;
+    }
+    return false;
+  };
+  while (budget > 0 && improve_once()) {
+  }
+  return plan;
+}
+
 FusionPlan plan_auto(const Model& model, const SimConfig& config,
                      const std::function<double(const FusionPlan&)>& score) {
   std::vector<FusionPlan> candidates;
@@ -298,7 +357,7 @@ FusionPlan plan_auto(const Model& model, const SimConfig& config,
       best = i;
     }
   }
-  return candidates[best];
+  return refine_plan(model, config.workers, candidates[best], best_score, score, kRefineBudget);
 }
 
 const std::vector<std::string>& policy_names() {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -451,6 +452,54 @@ TEST(Planner, DynamicProgrammingOverBoundaries) {
     return ds::simulate(m, *policy, config).iteration_s;
   };
   EXPECT_LE(score(ds::plan_auto(m, config, score)), score(ds::plan_threshold(m, 2)) + 1e-12);
+}
+
+// The boundaries of a plan, for comparing plans in the tests below.
+std::vector<int> starts_of(const ds::FusionPlan& plan) {
+  std::vector<int> starts;
+  for (const auto& g : plan) starts.push_back(g.first);
+  return starts;
+}
+
+TEST(Planner, RefinementWalksToTheBestBoundaries) {
+  std::vector<std::vector<std::int64_t>> tensors(20, std::vector<std::int64_t>{10});
+  const auto m = make_model(tensors);
+  // A score whose only minimum is groups starting at layers 0, 5 and 12: the distance of
+  // each boundary from its target, and a large cost per group too many or too few.
+  const std::vector<int> target{0, 5, 12};
+  int calls = 0;
+  auto score = [&](const ds::FusionPlan& p) {
+    ++calls;
+    const std::vector<int> s = starts_of(p);
+    const auto extra = static_cast<double>(s.size()) - static_cast<double>(target.size());
+    double v = 100.0 * extra * extra;
+    for (std::size_t j = 0; j < std::min(s.size(), target.size()); ++j) {
+      v += std::abs(s[j] - target[j]);
+    }
+    return v;
+  };
+  // From one group (split twice, then boundaries moved) and from one group per layer
+  // (groups merged, then moved).
+  for (const auto& start :
+       {ds::plan_threshold(m, 2, std::int64_t{1} << 40), ds::plan_per_layer(m, 2)}) {
+    calls = 0;
+    const auto refined = ds::refine_plan(m, 2, start, score(start), score, 10000);
+    EXPECT_EQ(starts_of(refined), target);
+    EXPECT_EQ(score(refined), 0.0);
+    EXPECT_LT(calls, 10000);
+  }
+  // The budget bounds the calls, and what comes back never scores worse than the start.
+  const auto start = ds::plan_per_layer(m, 2);
+  const double start_score = score(start);
+  calls = 0;
+  const auto cut_short = ds::refine_plan(m, 2, start, start_score, score, 5);
+  EXPECT_EQ(calls, 5);
+  calls = 0;
+  EXPECT_LE(score(cut_short), start_score);
+  // Where nothing scores lower, the plan comes back unchanged.
+  const auto flat = ds::refine_plan(
+      m, 2, start, 1.0, [](const ds::FusionPlan&) { return 1.0; }, 100);
+  EXPECT_EQ(starts_of(flat), starts_of(start));
 }
 
 TEST(Simulator, ChromeTraceAndNames) {

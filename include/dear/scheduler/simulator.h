@@ -101,10 +101,22 @@ void write_chrome_trace(const SimResult& result, const Model& model, std::ostrea
 // reduce-scatters behind backpropagation (dynamic programming over group boundaries, exact
 // for one-at-a-time operations), one group per layer, threshold plans from 1 to 256 MiB, and
 // the same thresholds with a small group 0 or groups growing geometrically from the input;
-// each is scored by `score` (e.g. a simulated iteration time) and the best is returned.
+// each is scored by `score` (e.g. a simulated iteration time), and the best is refined by
+// refine_plan() with kRefineBudget scores.
 [[nodiscard]] FusionPlan plan_rs_dp(const Model& model, const SimConfig& config);
 [[nodiscard]] FusionPlan plan_auto(const Model& model, const SimConfig& config,
                                    const std::function<double(const FusionPlan&)>& score);
+
+// Local search over group boundaries from `plan`, whose score is `plan_score`: it moves one
+// boundary by 1, 2, 4, ... layers either way, drops one (merging two groups) or splits a
+// group where its parameters pass half, keeps the first change that scores lower, and starts
+// over, until no change does or `score` has been called `budget` times. Returns the plan
+// with the lowest score seen (`plan` itself when nothing scored lower).
+inline constexpr int kRefineBudget = 4000;
+[[nodiscard]] FusionPlan refine_plan(const Model& model, int ranks, FusionPlan plan,
+                                     double plan_score,
+                                     const std::function<double(const FusionPlan&)>& score,
+                                     int budget);
 
 // Named policies as dear-sim runs them: dear dear_notf dear_prio dear_eager dear_shard
 // dear_auto dear_plus wfbp ddp bytescheduler mgwfbp. dear_shard is dear with the sharded
