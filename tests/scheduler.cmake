@@ -39,3 +39,18 @@ add_test(NAME paper_table_smoke
                  --models resnet50 --nets 10gbe --workers 8)
 set_tests_properties(paper_table_smoke PROPERTIES LABELS unit TIMEOUT 120
   PASS_REGULAR_EXPRESSION "\\| resnet50 \\| [0-9.]+ \\| [0-9]+ \\([0-9]+%\\) \\|.*x \\(dear_[a-z]+\\) \\|")
+
+# dear-sim --json counts each policy's collectives per iteration: without fusion DeAR runs a
+# reduce-scatter and an all-gather per layer, WFBP an all-reduce per parameter tensor (both
+# counted here from the profile itself).
+add_test(NAME dear_sim_ops_per_iteration
+         COMMAND bash -c "set -euo pipefail
+           p=${PROJECT_SOURCE_DIR}/profiles/resnet50.json
+           out=$($<TARGET_FILE:dear-sim> --model \"$p\" --workers 4 --policies dear_notf,wfbp --json)
+           layers=$(jq '.layers | length' \"$p\")
+           tensors=$(jq '[.layers[].params | length] | add' \"$p\")
+           notf=$(jq '.policies.dear_notf.ops_per_iteration' <<<\"$out\")
+           wfbp=$(jq '.policies.wfbp.ops_per_iteration' <<<\"$out\")
+           echo \"layers $layers tensors $tensors dear_notf $notf wfbp $wfbp\"
+           [ \"$notf\" -eq $((2 * layers)) ] && [ \"$wfbp\" -eq \"$tensors\" ]")
+set_tests_properties(dear_sim_ops_per_iteration PROPERTIES LABELS unit TIMEOUT 60)

@@ -11,6 +11,7 @@
 // threshold with the default. --optimizer-us-per-mparam charges the optimizer on the compute
 // stream (SimConfig::optimizer_us_per_mparam), which is what dear_shard saves.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -135,9 +136,16 @@ int main(int argc, char** argv) {
 
     const double bound = ds::ideal_bound_s(model, config);
     std::map<std::string, double> iter;
+    std::map<std::string, int> ops_per_iter;
     for (const auto& name : names) {
       const ds::SimResult r = ds::simulate_named(model, name, config);
       iter[name] = r.iteration_s;
+      // Collectives of one iteration: the second (of at least two), as the first has no
+      // all-gathers left over from a step before it.
+      ops_per_iter[name] = static_cast<int>(
+          std::count_if(r.events.begin(), r.events.end(), [&](const ds::TraceEvent& e) {
+            return e.kind == ds::EventKind::kComm && e.iteration == 1;
+          }));
       if (!trace_file.empty() && name == trace_policy) {
         std::ofstream out(trace_file);
         ds::write_chrome_trace(r, model, out);
@@ -166,7 +174,8 @@ int main(int argc, char** argv) {
       for (const auto& name : names) {
         pol[name] = {{"iter_ms", iter[name] * 1e3},
                      {"samples_per_s", samples / iter[name]},
-                     {"efficiency", bound / iter[name]}};
+                     {"efficiency", bound / iter[name]},
+                     {"ops_per_iteration", ops_per_iter[name]}};
       }
       doc["policies"] = std::move(pol);
       if (tuning) {
