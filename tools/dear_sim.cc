@@ -140,11 +140,11 @@ int main(int argc, char** argv) {
     for (const auto& name : names) {
       const ds::SimResult r = ds::simulate_named(model, name, config);
       iter[name] = r.iteration_s;
-      // Collectives of one iteration: the second (of at least two), as the first has no
-      // all-gathers left over from a step before it.
+      // The collectives of one iteration's gradients: the first iteration's, whose last
+      // all-gathers go out during the second (at least two are simulated).
       ops_per_iter[name] = static_cast<int>(
           std::count_if(r.events.begin(), r.events.end(), [&](const ds::TraceEvent& e) {
-            return e.kind == ds::EventKind::kComm && e.iteration == 1;
+            return e.kind == ds::EventKind::kComm && e.iteration == 0;
           }));
       if (!trace_file.empty() && name == trace_policy) {
         std::ofstream out(trace_file);
