@@ -334,14 +334,10 @@ class FabricStream {
       // registrations belong to endpoints, bound to this one).
       const std::uint64_t access =
           FI_SEND | FI_RECV | (write_ ? FI_WRITE | FI_REMOTE_WRITE : std::uint64_t{0});
-      const std::uint64_t key = (mr_mode & FI_MR_PROV_KEY) != 0 ? 0 : 1;
       fid_mr* mr = nullptr;
-      check("fi_mr_reg", fi_mr_reg(domain, memory_.get(), bytes, access, 0, key, 0, &mr, nullptr));
+      check("fi_mr_reg", transport::fabric::register_region(domain, mr_mode, memory_.get(), bytes,
+                                                            access, 1, ep, &mr));
       mr_.reset(mr);
-      if ((mr_mode & FI_MR_ENDPOINT) != 0) {
-        check("fi_mr_bind", fi_mr_bind(mr, &ep->fid, 0));
-        check("fi_mr_enable", fi_mr_enable(mr));
-      }
     }
     ops_.resize(2 * static_cast<std::size_t>(window_) * chunks_);
     for (std::size_t i = 0; i < ops_.size(); ++i) {

@@ -110,26 +110,12 @@ struct Domain {
   // Requested registration keys, unique in this domain (providers without FI_MR_PROV_KEY).
   std::uint64_t next_key = 1;
 
-  // Registers [p, p + n) for `access`, bound to `ep` and enabled where registrations belong to
-  // endpoints (FI_MR_ENDPOINT; then `ep` is required). Returns the fi_* code, 0 on success.
+  // Registers [p, p + n) for `access` (see register_region; `ep` is required where
+  // registrations belong to endpoints). Returns the fi_* code, 0 on success.
   int register_memory(const void* p, std::size_t n, std::uint64_t access, fid_ep* ep,
                       fid_mr** out) {
-    const std::uint64_t mr_mode = info->domain_attr->mr_mode;
-    if ((mr_mode & FI_MR_ENDPOINT) != 0 && ep == nullptr) return -FI_EINVAL;
-    const std::uint64_t key = (mr_mode & FI_MR_PROV_KEY) != 0 ? 0 : next_key++;
-    fid_mr* mr = nullptr;
-    int rc = fi_mr_reg(domain.get(), p, n, access, 0, key, 0, &mr, nullptr);
-    if (rc != 0) return rc;
-    if ((mr_mode & FI_MR_ENDPOINT) != 0) {
-      rc = fi_mr_bind(mr, &ep->fid, 0);
-      if (rc == 0) rc = fi_mr_enable(mr);
-      if (rc != 0) {
-        fi_close(&mr->fid);
-        return rc;
-      }
-    }
-    *out = mr;
-    return 0;
+    return register_region(domain.get(), info->domain_attr->mr_mode, p, n, access, next_key++, ep,
+                           out);
   }
 
   // Windows opened for the peers' direct writes (Channel::open_window), by key.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
 #include <rdma/fi_errno.h>
 
 #include <cstddef>
@@ -78,6 +79,29 @@ inline InfoPtr rdm_hints(const std::string& provider, fi_threading threading, bo
   hints->domain_attr->threading = threading;
   if (!provider.empty()) hints->fabric_attr->prov_name = ::strdup(provider.c_str());
   return hints;
+}
+
+// Registers [p, p + n) with `domain` for `access`, as the domain's registration mode
+// (`mr_mode`, from its fi_info) asks: the provider picks the key under FI_MR_PROV_KEY, else
+// `key` (unique in the domain) is requested; under FI_MR_ENDPOINT the registration is bound to
+// `ep` (then required) and enabled. Returns the fi_* code, 0 on success (then *out is set).
+inline int register_region(fid_domain* domain, std::uint64_t mr_mode, const void* p, std::size_t n,
+                           std::uint64_t access, std::uint64_t key, fid_ep* ep, fid_mr** out) {
+  if ((mr_mode & FI_MR_ENDPOINT) != 0 && ep == nullptr) return -FI_EINVAL;
+  fid_mr* mr = nullptr;
+  int rc = fi_mr_reg(domain, p, n, access, 0, (mr_mode & FI_MR_PROV_KEY) != 0 ? 0 : key, 0, &mr,
+                     nullptr);
+  if (rc != 0) return rc;
+  if ((mr_mode & FI_MR_ENDPOINT) != 0) {
+    rc = fi_mr_bind(mr, &ep->fid, 0);
+    if (rc == 0) rc = fi_mr_enable(mr);
+    if (rc != 0) {
+      fi_close(&mr->fid);
+      return rc;
+    }
+  }
+  *out = mr;
+  return 0;
 }
 
 }  // namespace dear::transport::fabric
