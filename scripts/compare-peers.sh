@@ -285,6 +285,9 @@ PY
 }
 
 echo "# compare-peers: $nranks ranks, $minbytes..$maxbytes B, float sum, results in $out" >&2
+# The libraries this invocation runs: only their files are merged, so results an earlier run
+# left in the same --out directory never appear as columns of this one.
+ran_libs=()
 for coll in "${coll_list[@]}"; do
   for lib in dear mpi gloo dear-shm dear-rxm mpi-vader; do
     case $lib in
@@ -302,19 +305,20 @@ for coll in "${coll_list[@]}"; do
     echo "# running $lib $coll ..." >&2
     "run_${lib}_bench" "$coll" "$json" "$log"
     [[ -s $json ]] || fail_run "$lib $coll (no JSON written)" "$log"
+    [[ " ${ran_libs[*]-} " == *" $lib "* ]] || ran_libs+=("$lib")
     echo "#   done in $((SECONDS - start)) s" >&2
   done
 done
 
 loopback_ceiling
 
-python3 - "$out" "${coll_list[@]}" <<'PY'
+python3 - "$out" "${ran_libs[*]}" "${coll_list[@]}" <<'PY'
 import json
 import os
 import sys
 
-out_dir, collectives = sys.argv[1], sys.argv[2:]
-LIBS = ["dear", "mpi", "gloo", "dear-shm", "dear-rxm", "mpi-vader"]
+out_dir, ran, collectives = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
+LIBS = [lib for lib in ["dear", "mpi", "gloo", "dear-shm", "dear-rxm", "mpi-vader"] if lib in ran]
 TCP_PEERS = ["mpi", "gloo"]
 # The --fabric rows' ratio columns: (numerator, denominator, title).
 PAIRS = [("dear-shm", "mpi-vader", "shm/vader"), ("dear-rxm", "dear", "rxm/tcp")]
