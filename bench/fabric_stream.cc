@@ -67,6 +67,7 @@
 #include "dear/bootstrap.h"
 #include "dear/error.h"
 #include "report.h"
+#include "stream.h"
 #include "transport/fabric/fabric_link.h"
 #include "transport/fabric/fi_handles.h"
 #include "transport/rma/slot_region.h"
@@ -77,14 +78,18 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr std::size_t kStamp = sizeof(std::uint64_t);
 constexpr std::size_t kMaxName = 256;  // endpoint names: sockaddrs, shm paths
-// Bytes per send()/recv() call of the TCP stream: fixed, so that the baseline does not move with
-// --chunk.
-constexpr std::size_t kTcpChunk = 1 << 20;
-// A rank that sees no progress for this long gives up, so that a failure on one rank reaches
-// the other (through the bootstrap) well within the bootstrap's own timeout.
-constexpr auto kStallLimit = std::chrono::seconds(30);
+constexpr const char* kTool = "dear-fabric-stream";
+
+using stream::allocate;
+using stream::check_stamp;
+using stream::clear_stamp;
+using stream::kStallLimit;
+using stream::kStamp;
+using stream::max_over_ranks;
+using stream::Memory;
+using stream::stamp;
+using stream::TcpStream;
 
 struct Args {
   std::string provider = "tcp;ofi_rxm";
@@ -108,88 +113,9 @@ struct Measurement {
   [[nodiscard]] double gbps() const { return algbw_gbps(bytes, seconds * 1e6); }
 };
 
-// What the first and last 8 bytes of message `seq` hold: different values, so that a message
-// put together from the wrong pieces fails too.
-std::uint64_t front_stamp(std::uint64_t seq) { return seq * 0x9e3779b97f4a7c15ULL + 1; }
-std::uint64_t back_stamp(std::uint64_t seq) { return ~front_stamp(seq); }
-
-void stamp(char* msg, std::size_t size, std::uint64_t seq) {
-  const std::uint64_t f = front_stamp(seq);
-  const std::uint64_t b = back_stamp(seq);
-  std::memcpy(msg, &f, kStamp);
-  std::memcpy(msg + size - kStamp, &b, kStamp);
-}
-void clear_stamp(char* msg, std::size_t size) {
-  std::memset(msg, 0, kStamp);
-  std::memset(msg + size - kStamp, 0, kStamp);
-}
-void check_stamp(const char* msg, std::size_t size, std::uint64_t seq, int rank,
-                 const std::string& what) {
-  std::uint64_t f = 0;
-  std::uint64_t b = 0;
-  std::memcpy(&f, msg, kStamp);
-  std::memcpy(&b, msg + size - kStamp, kStamp);
-  if (f != front_stamp(seq) || b != back_stamp(seq)) {
-    throw Error(ErrorCode::kMismatch,
-                what + ": message " + std::to_string(seq) + " arrived with wrong first/last bytes",
-                rank, 1 - rank);
-  }
-}
-
-struct FreeDeleter {
-  void operator()(char* p) const { std::free(p); }
-};
-using Memory = std::unique_ptr<char, FreeDeleter>;
-
-// Page-aligned memory, every page touched, so that no page fault lands in a timed run.
-Memory allocate(std::size_t bytes, int fill, int rank) {
-  const std::size_t rounded = (std::max<std::size_t>(bytes, 1) + 4095) / 4096 * 4096;
-  Memory m(static_cast<char*>(std::aligned_alloc(4096, rounded)));
-  if (!m) {
-    throw Error(ErrorCode::kSystem, "out of memory for " + std::to_string(bytes) + " bytes", rank);
-  }
-  std::memset(m.get(), fill, rounded);
-  return m;
-}
-
-// Runs `step` on this rank, then tells every rank whether all succeeded. A failing rank passes
-// its reason along and rank 0 prints each distinct one, so that a missing provider is named once
-// and the other rank does not wait for data that will never come. Collective.
+// Runs `step` on this rank and tells every rank whether all succeeded (stream::all_ok).
 bool all_ok(Bootstrap& boot, const std::function<void()>& step) {
-  struct Status {
-    std::int32_t ok = 1;
-    char reason[500] = {};
-  };
-  Status mine;
-  try {
-    step();
-  } catch (const Error& e) {
-    mine.ok = 0;  // the bare cause: both ranks often fail alike, and it is said once
-    std::snprintf(mine.reason, sizeof(mine.reason), "%s", e.cause().c_str());
-  } catch (const std::exception& e) {
-    mine.ok = 0;
-    std::snprintf(mine.reason, sizeof(mine.reason), "%s", e.what());
-  }
-  std::vector<Status> all(static_cast<std::size_t>(boot.size()));
-  boot.all_gather(&mine, sizeof(mine), all.data());
-  bool ok = true;
-  std::set<std::string> said;
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    if (all[r].ok != 0) continue;
-    ok = false;
-    const std::string reason(all[r].reason, strnlen(all[r].reason, sizeof(all[r].reason)));
-    if (boot.rank() == 0 && said.insert(reason).second) {
-      std::fprintf(stderr, "dear-fabric-stream: rank %zu: %s\n", r, reason.c_str());
-    }
-  }
-  return ok;
-}
-
-// The slower rank's time.
-double max_over_ranks(Bootstrap& boot, double seconds) {
-  std::vector<double> all(static_cast<std::size_t>(boot.size()));
-  boot.all_gather(&seconds, sizeof(seconds), all.data());
-  return *std::max_element(all.begin(), all.end());
+  return stream::all_ok(boot, kTool, step);
 }
 
 // ---- libfabric ------------------------------------------------------------------------------
@@ -595,7 +521,7 @@ class FabricStream {
       while (s->oldest < s->next && s->done[s->oldest % window_] == chunks_) {
         s->done[s->oldest % window_] = 0;
         if (s->recv) {
-          check_stamp(slot(true, s->oldest), size_, s->oldest, rank_, provider_);
+          check_stamp(slot(true, s->oldest), size_, s->oldest, rank_, 1 - rank_, provider_);
           const auto now = Clock::now();
           if (s->oldest + 1 == timed_from_) arrived_from_ = now;
           arrived_last_ = now;
@@ -664,138 +590,6 @@ class FabricStream {
   std::uint64_t credit_owed_ = 0;  // checked, not yet credited
 };
 
-// ---- TCP ------------------------------------------------------------------------------------
-
-// One connection between the two ranks over 127.0.0.1, used with blocking calls.
-class TcpStream {
- public:
-  TcpStream(const Args& args, int rank)
-      : rank_(rank),
-        size_(args.size),
-        chunk_(static_cast<std::size_t>(std::min<std::uint64_t>(kTcpChunk, args.size))),
-        send_buf_(allocate(size_, 0xa5, rank)),
-        recv_buf_(allocate(size_, 0, rank)) {}
-
-  // Rank 1 listens on an ephemeral port; returns it (0 on rank 0).
-  std::uint16_t listen() {
-    if (rank_ != 1) return 0;
-    listener_ = transport::listen_on(transport::resolve("127.0.0.1", 0), 1);
-    return transport::local_address(listener_.get()).port();
-  }
-  void connect(std::uint16_t port) {
-    const auto deadline = transport::deadline_after(std::chrono::seconds(30));
-    if (rank_ == 0) {
-      fd_ = transport::connect_with_retry(transport::resolve("127.0.0.1", port), deadline,
-                                          "tcp stream to rank 1");
-    } else {
-      fd_ = transport::accept_until(listener_.get(), deadline);
-      if (!fd_.valid()) throw Error(ErrorCode::kTimeout, "tcp: rank 0 did not connect", rank_, 0);
-      listener_.reset();
-    }
-    // Blocking from here; a dead peer ends a call within the stall limit instead of never.
-    transport::set_nonblocking(fd_.get(), false);
-    timeval tv{};
-    tv.tv_sec = std::chrono::duration_cast<std::chrono::seconds>(kStallLimit).count();
-    ::setsockopt(fd_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    ::setsockopt(fd_.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  }
-
-  // As FabricStream::run, on the connection: a sending thread when this rank also receives.
-  double run(bool send, bool recv, std::uint64_t messages, std::uint64_t timed_from) {
-    double seconds = 0;
-    std::exception_ptr send_error;
-    std::thread sender;
-    if (send && recv) {
-      sender = std::thread([&] {
-        try {
-          send_messages(messages);
-        } catch (...) {
-          send_error = std::current_exception();
-        }
-      });
-    } else if (send) {
-      send_messages(messages);
-    }
-    std::exception_ptr recv_error;
-    if (recv) {
-      try {
-        seconds = recv_messages(messages, timed_from);
-      } catch (...) {
-        // The sender may be blocked on a peer that stopped reading: unblock it.
-        ::shutdown(fd_.get(), SHUT_RDWR);
-        recv_error = std::current_exception();
-      }
-    }
-    if (sender.joinable()) sender.join();
-    if (recv_error) std::rethrow_exception(recv_error);
-    if (send_error) std::rethrow_exception(send_error);
-    return seconds;
-  }
-
- private:
-  void fail(const char* call, int err) const {
-    throw Error(ErrorCode::kPeerFailed, std::string("tcp: ") + call + ": " + std::strerror(err),
-                rank_, 1 - rank_);
-  }
-  void send_messages(std::uint64_t messages) {
-    char* msg = send_buf_.get();
-    for (std::uint64_t m = 0; m < messages; ++m) {
-      stamp(msg, size_, m);
-      for (std::size_t off = 0; off < size_;) {
-        const std::size_t want = std::min(chunk_, size_ - off);
-        std::size_t sent = 0;
-        while (sent < want) {
-          const ssize_t n = ::send(fd_.get(), msg + off + sent, want - sent, MSG_NOSIGNAL);
-          if (n < 0) {
-            if (errno == EINTR) continue;
-            fail("send", errno);
-          }
-          sent += static_cast<std::size_t>(n);
-        }
-        off += want;
-      }
-    }
-    // Nagle holds the stream's last partial segment until the peer acknowledges what is in
-    // flight, and the peer may delay that acknowledgement by 40 ms: a stall at the end of every
-    // run that is no part of the streaming rate. Setting TCP_NODELAY sends what is held at once;
-    // it is cleared again for the next run.
-    for (const int on : {1, 0}) {
-      if (::setsockopt(fd_.get(), IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on)) != 0) {
-        fail("setsockopt(TCP_NODELAY)", errno);
-      }
-    }
-  }
-  double recv_messages(std::uint64_t messages, std::uint64_t timed_from) {
-    char* msg = recv_buf_.get();
-    auto from = Clock::now();
-    for (std::uint64_t m = 0; m < messages; ++m) {
-      clear_stamp(msg, size_);
-      for (std::size_t off = 0; off < size_;) {
-        const std::size_t want = std::min(chunk_, size_ - off);
-        const ssize_t n = ::recv(fd_.get(), msg + off, want, MSG_WAITALL);
-        if (n == 0)
-          throw Error(ErrorCode::kPeerFailed, "tcp: rank closed the connection", rank_, 1 - rank_);
-        if (n < 0) {
-          if (errno == EINTR) continue;
-          fail("recv", errno);
-        }
-        off += static_cast<std::size_t>(n);
-      }
-      check_stamp(msg, size_, m, rank_, "tcp");
-      if (m + 1 == timed_from) from = Clock::now();
-    }
-    return std::chrono::duration<double>(Clock::now() - from).count();
-  }
-
-  int rank_;
-  std::size_t size_;
-  std::size_t chunk_;
-  Memory send_buf_;
-  Memory recv_buf_;
-  transport::Fd listener_;
-  transport::Fd fd_;
-};
-
 // ---- the two phases -------------------------------------------------------------------------
 
 // Warm-up and timed messages as one stream, one direction and then both; appends a
@@ -853,16 +647,10 @@ std::unique_ptr<FabricStream> open_fabric(Bootstrap& boot, const Args& args, std
 // The connection between the two ranks; nullptr (on every rank) when a rank failed.
 std::unique_ptr<TcpStream> open_tcp(Bootstrap& boot, const Args& args) {
   std::unique_ptr<TcpStream> stream;
-  std::uint16_t port = 0;
-  if (!all_ok(boot, [&] {
-        stream = std::make_unique<TcpStream>(args, boot.rank());
-        port = stream->listen();
-      })) {
+  if (!all_ok(boot, [&] { stream = std::make_unique<TcpStream>(args.size, boot.rank()); })) {
     return nullptr;
   }
-  std::vector<std::uint16_t> ports(2);
-  boot.all_gather(&port, sizeof(port), ports.data());
-  if (!all_ok(boot, [&] { stream->connect(ports[1]); })) return nullptr;
+  if (!stream::connect_pair(boot, kTool, *stream)) return nullptr;
   return stream;
 }
 

@@ -299,6 +299,24 @@ PY
   return 0
 }
 
+# The bytes an all_reduce must move, streamed around a ring of plain sockets by the same number
+# of ranks with no library on top (dear-tcp-ring): what the transport alone costs. A reference,
+# not a bound: nothing waits and nothing is reduced there, but a library's own scheduling of
+# its sockets can still beat it.
+ring_reference() {
+  local tcp_ring=$build/bench/dear-tcp-ring
+  if [[ ! -x $tcp_ring || ! -x $dear_run ]] || ((nranks < 2)); then
+    return 0
+  fi
+  local size line
+  for size in 1M "$maxbytes"; do
+    line=$("$dear_run" -n "$nranks" "$tcp_ring" --all-reduce "$size" --iters 20 --warmup 3 \
+      --rounds 3 2>/dev/null | sed -n 's/^\[0\] median \([0-9.]*\) us per iteration.*/\1/p')
+    [[ -n $line ]] && echo "# plain-socket ring (dear-tcp-ring): the bytes of a $size all_reduce streamed in $line us"
+  done
+  return 0
+}
+
 echo "# compare-peers: $nranks ranks, $minbytes..$maxbytes B, float sum, results in $out" >&2
 # The libraries this invocation runs: only their files are merged, so results an earlier run
 # left in the same --out directory never appear as columns of this one.
@@ -326,6 +344,7 @@ for coll in "${coll_list[@]}"; do
 done
 
 loopback_ceiling
+ring_reference
 if ((plain_malloc)); then
   echo "# malloc: glibc defaults for every library (--plain-malloc)"
 else

@@ -20,3 +20,24 @@ if(TARGET dear-fabric-stream AND TARGET dear-run)
     endforeach()
   endforeach()
 endif()
+
+# dear-tcp-ring (bench/tcp_ring.cc): a ring collective's bytes streamed over plain sockets. Three
+# ranks, an odd size; every message is checked on arrival, so a run that exits 0 and prints its
+# figure moved the data. A size too small to carry the check is refused on every rank.
+if(TARGET dear-tcp-ring AND TARGET dear-run)
+  add_test(NAME tcp_ring_streams
+           COMMAND bash -c "set -euo pipefail
+             out=$($<TARGET_FILE:dear-run> -n 3 $<TARGET_FILE:dear-tcp-ring> --all-reduce 300007 --iters 5 --warmup 2 --rounds 2)
+             echo \"$out\"
+             grep -q '400009 B per rank per iteration' <<<\"$out\"
+             grep -Eq 'median [0-9.]+ us per iteration' <<<\"$out\"")
+  add_test(NAME tcp_ring_refuses_tiny_messages
+           COMMAND bash -c "set -uo pipefail
+             if out=$($<TARGET_FILE:dear-run> -n 2 $<TARGET_FILE:dear-tcp-ring> -s 8 2>&1); then
+               echo \"accepted 8-byte messages: $out\"; exit 1
+             fi
+             echo \"$out\"
+             grep -q 'too few; at least 16' <<<\"$out\"")
+  set_tests_properties(tcp_ring_streams tcp_ring_refuses_tiny_messages
+                       PROPERTIES LABELS multiproc TIMEOUT 120)
+endif()
