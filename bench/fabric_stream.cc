@@ -720,23 +720,9 @@ int run(int argc, char** argv) {
       "dear-fabric-stream: a libfabric provider's raw streaming rate between two "
       "ranks, next to a TCP stream between the same ranks"};
   Args args;
-  const auto bytes_flag = [&app](const std::string& names, std::uint64_t& target,
-                                 const std::string& help) {
-    app.add_option_function<std::string>(
-           names,
-           [&target, names](const std::string& text) {
-             const auto v = env::parse_bytes(text);
-             if (!v || *v == 0) {
-               throw CLI::ValidationError(names, "'" + text + "' is not a size (64K, 1M, 64M)");
-             }
-             target = *v;
-           },
-           help)
-        ->default_str(std::to_string(target));
-  };
   app.add_option("--provider", args.provider, "libfabric provider: tcp;ofi_rxm, shm, sockets, ...")
       ->capture_default_str();
-  bytes_flag("-s,--size", args.size, "Bytes per message (K/M/G suffixes)");
+  add_bytes_flag(app, "-s,--size", args.size, "Bytes per message (K/M/G suffixes)", true);
   app.add_option("--window", args.window, "Messages in flight per direction (fabric)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
@@ -753,8 +739,9 @@ int run(int argc, char** argv) {
                  "ratios are of the medians")
       ->check(CLI::Range(1, 1000))
       ->capture_default_str();
-  bytes_flag("--chunk", args.chunk,
-             "Bytes per fabric send: min(this, max_msg_size); tcp always moves 1 MiB per call");
+  add_bytes_flag(app, "--chunk", args.chunk,
+                 "Bytes per fabric send: min(this, max_msg_size); tcp always moves 1 MiB per call",
+                 true);
   std::string op = "send";
   app.add_option("--op", op,
                  "How fabric chunks move: send (into posted receives) or write (RMA writes with "

@@ -304,25 +304,30 @@ bool has_root(Collective c) noexcept { return c == Collective::kBroadcast; }
 
 // ---- flags ----------------------------------------------------------------------------------
 
+CLI::Option* add_bytes_flag(CLI::App& app, const std::string& names, std::uint64_t& target,
+                            const std::string& help, bool positive) {
+  return app
+      .add_option_function<std::string>(
+          names,
+          [&target, names, positive](const std::string& text) {
+            const auto v = env::parse_bytes(text);
+            if (!v || (positive && *v == 0)) {
+              throw CLI::ValidationError(names, "'" + text + "' is not a size (8, 4K, 64M)");
+            }
+            target = *v;
+          },
+          help)
+      ->default_str(std::to_string(target));
+}
+
 void add_bench_flags(CLI::App& app, BenchArgs& args) {
-  auto bytes_flag = [&app](const std::string& names, std::uint64_t& target,
-                           const std::string& help) {
-    app.add_option_function<std::string>(
-           names,
-           [&target, names](const std::string& text) {
-             const auto v = env::parse_bytes(text);
-             if (!v) throw CLI::ValidationError(names, "'" + text + "' is not a size (8, 4K, 64M)");
-             target = *v;
-           },
-           help)
-        ->default_str(std::to_string(target));
-  };
-  bytes_flag("-b,--minbytes", args.min_bytes, "Smallest size in bytes (K/M/G suffixes)");
-  bytes_flag("-e,--maxbytes", args.max_bytes, "Largest size in bytes (K/M/G suffixes)");
+  add_bytes_flag(app, "-b,--minbytes", args.min_bytes, "Smallest size in bytes (K/M/G suffixes)");
+  add_bytes_flag(app, "-e,--maxbytes", args.max_bytes, "Largest size in bytes (K/M/G suffixes)");
   app.add_option("-f,--stepfactor", args.step_factor, "Multiply the size by this each step")
       ->check(CLI::Range(std::uint64_t{1}, std::uint64_t{1} << 20))
       ->capture_default_str();
-  bytes_flag("-i,--stepbytes", args.step_bytes, "Add this many bytes each step (0: use -f)");
+  add_bytes_flag(app, "-i,--stepbytes", args.step_bytes,
+                 "Add this many bytes each step (0: use -f)");
   app.add_option("-n,--iters", args.iters, "Timed iterations per size")
       ->check(CLI::Range(1, 1 << 24))
       ->capture_default_str();

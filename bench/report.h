@@ -29,7 +29,8 @@
 
 namespace CLI {
 class App;
-}
+class Option;
+}  // namespace CLI
 
 namespace dear::bench {
 
@@ -72,6 +73,11 @@ struct BenchArgs {
   std::string json_path;                // --json FILE
   std::string csv_path;                 // --csv FILE
 };
+
+// A size flag: K/M/G suffixes (powers of 1024), written into `target` (which must outlive
+// parsing), its current value shown as the default. With `positive`, 0 is refused too.
+CLI::Option* add_bytes_flag(CLI::App& app, const std::string& names, std::uint64_t& target,
+                            const std::string& help, bool positive = false);
 
 // Registers the flags above on `app`, writing into `args` (which must outlive parsing). Sizes
 // take K/M/G suffixes (powers of 1024); datatype and op take nccl-tests' names.
