@@ -31,21 +31,16 @@
 // Rank 0 prints one row per measurement and the provider/tcp ratio per direction. Both
 // streams are open for the whole run; the provider busy-polls its completion queue (its
 // progress is manual), the TCP calls block.
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
-#include <sys/socket.h>
-#include <sys/time.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
-#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -56,9 +51,7 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -71,7 +64,6 @@
 #include "transport/fabric/fabric_link.h"
 #include "transport/fabric/fi_handles.h"
 #include "transport/rma/slot_region.h"
-#include "transport/socket_util.h"
 
 namespace dear::bench {
 namespace {
