@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -473,6 +474,96 @@ TEST(DearRun, DryRunStartsNothingAndHidesTheSecret) {
   EXPECT_FALSE(has_hex_run(r.out, 32)) << "the secret was printed: " << r.out;
 }
 
+// The CPUs this process may run on, ascending.
+std::vector<int> own_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  EXPECT_EQ(::sched_getaffinity(0, sizeof set, &set), 0);
+  std::vector<int> out;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &set)) out.push_back(cpu);
+  }
+  return out;
+}
+
+// "0,2-3" as /proc/self/status writes Cpus_allowed_list.
+std::vector<int> parse_cpu_list(const std::string& text) {
+  std::vector<int> out;
+  std::istringstream in(text);
+  std::string part;
+  while (std::getline(in, part, ',')) {
+    const auto dash = part.find('-');
+    const int lo = std::stoi(part.substr(0, dash));
+    const int hi = dash == std::string::npos ? lo : std::stoi(part.substr(dash + 1));
+    for (int cpu = lo; cpu <= hi; ++cpu) out.push_back(cpu);
+  }
+  return out;
+}
+
+// Each rank's Cpus_allowed_list, by rank.
+std::map<int, std::vector<int>> allowed_cpus_by_rank(const std::vector<std::string>& options,
+                                                     int ranks) {
+  std::vector<std::string> args = {"-n", std::to_string(ranks)};
+  args.insert(args.end(), options.begin(), options.end());
+  args.insert(args.end(), {"sh", "-c",
+                           "echo $DEAR_RANK $(grep Cpus_allowed_list: "
+                           "/proc/self/status | cut -f2)"});
+  const Result r = run(args);
+  EXPECT_EQ(r.code(), 0) << describe(r);
+  std::map<int, std::vector<int>> out;
+  for (const auto& line : lines_of(r.out)) {
+    std::istringstream in(line);
+    std::string prefix, list;
+    int rank = -1;
+    in >> prefix >> rank >> list;
+    EXPECT_FALSE(in.fail()) << line;
+    out[rank] = parse_cpu_list(list);
+  }
+  EXPECT_EQ(out.size(), static_cast<std::size_t>(ranks)) << describe(r);
+  return out;
+}
+
+TEST(DearRun, SpreadBindsEachRankToItsShareOfTheCpus) {
+  const std::vector<int> cpus = own_cpus();
+  ASSERT_FALSE(cpus.empty());
+  const auto n = static_cast<int>(cpus.size());
+  // Fewer ranks than CPUs (when there are several), as many, and more: round robin then.
+  for (const int ranks : {std::max(1, n / 2), n, n + 1, 2 * n + 1}) {
+    const auto got = allowed_cpus_by_rank({"--bind", "spread"}, ranks);
+    const int each = std::max(1, n / ranks);
+    for (int r = 0; r < ranks; ++r) {
+      std::vector<int> want;
+      for (int i = 0; i < each; ++i) {
+        const int at = n >= ranks ? r * each + i : r % n;
+        want.push_back(cpus[static_cast<std::size_t>(at)]);
+      }
+      const auto it = got.find(r);
+      ASSERT_NE(it, got.end()) << "rank " << r << " of " << ranks;
+      EXPECT_EQ(it->second, want) << "rank " << r << " of " << ranks;
+    }
+  }
+  // Spread is the default.
+  const auto by_default = allowed_cpus_by_rank({}, n + 1);
+  EXPECT_EQ(by_default, allowed_cpus_by_rank({"--bind", "spread"}, n + 1));
+}
+
+TEST(DearRun, BindNoneLeavesEveryRankOnAllCpus) {
+  const std::vector<int> cpus = own_cpus();
+  for (const auto& [rank, list] : allowed_cpus_by_rank({"--bind", "none"}, 3)) {
+    EXPECT_EQ(list, cpus) << "rank " << rank;
+  }
+}
+
+TEST(DearRun, DryRunShowsTheBinding) {
+  const std::vector<int> cpus = own_cpus();
+  const Result r = run({"-n", "1", "--dry-run", "true"});
+  ASSERT_EQ(r.code(), 0) << describe(r);
+  // One rank gets every CPU; the list is written as ranges, so check its ends.
+  EXPECT_TRUE(contains(r.out, "# CPUs " + std::to_string(cpus.front()))) << r.out;
+  const Result none = run({"-n", "1", "--dry-run", "--bind", "none", "true"});
+  EXPECT_FALSE(contains(none.out, "# CPUs")) << none.out;
+}
+
 TEST(DearRun, CommandLine) {
   const Result version = run({"--version"});
   EXPECT_EQ(version.code(), 0);
@@ -486,6 +577,9 @@ TEST(DearRun, CommandLine) {
   EXPECT_EQ(run({"-n", "2", "--bogus", "true"}).code(), 2);
   EXPECT_EQ(run({"-n", "2", "--env", "DEAR_RANK=5", "true"}).code(), 2);
   EXPECT_EQ(run({"-n", "2", "--env", "NOVALUE", "true"}).code(), 2);
+  const Result bind = run({"-n", "2", "--bind", "socket", "true"});
+  EXPECT_EQ(bind.code(), 2);
+  EXPECT_TRUE(contains(bind.err, "--bind")) << describe(bind);
   // After --, a command may start with '-'; this one does not exist.
   EXPECT_EQ(run({"-n", "1", "--", "-no-such-command"}).code(), 127);
 }

@@ -84,6 +84,7 @@ struct Options {
   double timeout = 0.0;
   bool dry_run = false;
   std::string link_delay;  // e.g. "25us"; empty: leave DEAR_LINK_DELAY_US as inherited
+  std::string bind = "spread";
   std::vector<std::string> command;
 };
 
@@ -219,7 +220,8 @@ std::string command_text(const std::vector<std::string>& command) {
 }
 
 // --dry-run: what each rank would be started with; the secret is left out.
-void print_dry_run(const Options& o, const UniqueId& id, const Variables& extra) {
+void print_dry_run(const Options& o, const UniqueId& id, const Variables& extra,
+                   const std::vector<std::vector<int>>& cpus) {
   std::string out = "dear-run: dry run: would start " + std::to_string(o.ranks) +
                     (o.ranks == 1 ? " rank" : " ranks") + " of: " + command_text(o.command) + "\n";
   const std::string id_text = id.address() + ":" + std::string(kSecretPlaceholder);
@@ -229,7 +231,11 @@ void print_dry_run(const Options& o, const UniqueId& id, const Variables& extra)
       out += shell_quote(key + "=" + value) + " ";
     }
     for (const auto& [key, value] : extra) out += shell_quote(key + "=" + value) + " ";
-    out += command_text(o.command) + "\n";
+    out += command_text(o.command);
+    if (static_cast<std::size_t>(rank) < cpus.size()) {
+      out += "  # CPUs " + cpu_list_text(cpus[static_cast<std::size_t>(rank)]);
+    }
+    out += "\n";
   }
   std::cout << out << std::flush;
 }
@@ -284,6 +290,12 @@ int run(int argc, char** argv) {
                  "Emulated one-way delay added to every link, e.g. 25us or 1ms (sets "
                  "DEAR_LINK_DELAY_US for every rank)")
       ->type_name("DELAY");
+  app.add_option("--bind", o.bind,
+                 "Where ranks run: spread (each rank bound to its own share of dear-run's "
+                 "CPUs, round robin when ranks outnumber them, as mpirun --bind-to core) or "
+                 "none (every rank may run on any of them)")
+      ->type_name("MODE")
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -303,6 +315,9 @@ int run(int argc, char** argv) {
                        " (put -- before a command that starts with '-')");
   }
   if (o.command.empty()) return usage_error("no command given");
+  if (o.bind != "spread" && o.bind != "none") {
+    return usage_error("--bind " + o.bind + ": expected spread or none");
+  }
 
   Variables extra;
   for (const auto& entry : o.env) {
@@ -331,8 +346,10 @@ int run(int argc, char** argv) {
   UniqueId id;
   id.host = o.host;
   id.port = o.port != 0 ? static_cast<std::uint16_t>(o.port) : find_free_port(o.host);
+  const std::vector<std::vector<int>> cpus =
+      o.bind == "spread" ? spread_cpus(o.ranks) : std::vector<std::vector<int>>{};
   if (o.dry_run) {
-    print_dry_run(o, id, extra);
+    print_dry_run(o, id, extra, cpus);
     return 0;
   }
   id.secret = transport::random_secret();
@@ -343,6 +360,7 @@ int run(int argc, char** argv) {
   spec.prefix_output = !o.no_prefix;
   spec.kill_grace = std::chrono::duration<double>(o.kill_grace);
   spec.timeout = std::chrono::duration<double>(o.timeout);
+  spec.cpus = cpus;
   const std::vector<std::string> base = base_environment(extra);
   for (int rank = 0; rank < o.ranks; ++rank) {
     std::vector<std::string> env = base;

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -193,6 +195,7 @@ struct ChildSetup {
   int status_fd = -1;  // receives errno when the command cannot be executed
   char** argv = nullptr;
   char** envp = nullptr;
+  const cpu_set_t* cpus = nullptr;  // null: keep dear-run's
   const sigset_t* mask = nullptr;
   const struct sigaction* sigpipe_action = nullptr;
 };
@@ -207,6 +210,8 @@ struct ChildSetup {
   if (::getppid() != c.parent) ::_exit(kExitLaunchError);
 
   int err = 0;
+  // A failed binding is told apart from a failed exec by its sign.
+  if (c.cpus != nullptr && ::sched_setaffinity(0, sizeof(cpu_set_t), c.cpus) != 0) err = -errno;
   if (c.stdin_fd >= 0 && ::dup2(c.stdin_fd, STDIN_FILENO) < 0) err = errno;
   if (c.stdout_fd >= 0 && ::dup2(c.stdout_fd, STDOUT_FILENO) < 0) err = errno;
   if (c.stderr_fd >= 0 && ::dup2(c.stderr_fd, STDERR_FILENO) < 0) err = errno;
@@ -420,6 +425,13 @@ bool Job::start_rank(Rank& rank) {
   child.status_fd = status.write.get();
   child.argv = argv.data();
   child.envp = envp.data();
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  const auto index = static_cast<std::size_t>(rank.index);
+  if (index < spec_.cpus.size()) {
+    for (const int cpu : spec_.cpus[index]) CPU_SET(cpu, &cpus);
+    child.cpus = &cpus;
+  }
   child.mask = &old_mask_;
   child.sigpipe_action = &old_sigpipe_;
 
@@ -448,7 +460,11 @@ bool Job::start_rank(Rank& rank) {
     if (n <= 0) break;
     got += static_cast<std::size_t>(n);
   }
-  if (got == sizeof err) {
+  if (got == sizeof err && err < 0) {
+    rank.exec_errno = -err;
+    report("rank " + std::to_string(rank.index) + ": cannot bind it to CPUs " +
+           cpu_list_text(spec_.cpus[index]) + ": " + std::strerror(rank.exec_errno));
+  } else if (got == sizeof err) {
     rank.exec_errno = err != 0 ? err : EINVAL;
     report("rank " + std::to_string(rank.index) + ": cannot execute '" + spec_.command[0] +
            "': " + std::strerror(rank.exec_errno));
@@ -729,6 +745,43 @@ JobOutcome Job::outcome() const {
 }
 
 }  // namespace
+
+std::vector<std::vector<int>> spread_cpus(int ranks) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) {
+    throw std::runtime_error(std::string("cannot read this process's CPUs: ") +
+                             std::strerror(errno));
+  }
+  std::vector<int> mine;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &set)) mine.push_back(cpu);
+  }
+  const auto n = static_cast<int>(mine.size());
+  if (n == 0) return {};
+  std::vector<std::vector<int>> out(static_cast<std::size_t>(ranks));
+  const int each = std::max(1, n / ranks);
+  for (int r = 0; r < ranks; ++r) {
+    const int first = n >= ranks ? r * each : r % n;
+    for (int i = 0; i < each; ++i) {
+      out[static_cast<std::size_t>(r)].push_back(mine[static_cast<std::size_t>(first + i)]);
+    }
+  }
+  return out;
+}
+
+std::string cpu_list_text(const std::vector<int>& cpus) {
+  std::string out;
+  for (std::size_t i = 0; i < cpus.size();) {
+    std::size_t j = i;
+    while (j + 1 < cpus.size() && cpus[j + 1] == cpus[j] + 1) ++j;
+    if (!out.empty()) out += ',';
+    out += std::to_string(cpus[i]);
+    if (j > i) out += '-' + std::to_string(cpus[j]);
+    i = j + 1;
+  }
+  return out;
+}
 
 JobOutcome run_job(const JobSpec& spec) {
   Job job(spec);

@@ -32,7 +32,20 @@ struct JobSpec {
   std::chrono::duration<double> kill_grace{5.0};
   // Stop the whole job after this long; zero means never.
   std::chrono::duration<double> timeout{0.0};
+  // The CPUs each rank may run on (sched_setaffinity before the command starts), one list per
+  // rank; empty: every rank inherits dear-run's own.
+  std::vector<std::vector<int>> cpus;
 };
+
+// The CPUs of each of `ranks` ranks under dear-run --bind spread: this process's own (its
+// affinity mask, ascending) cut into groups of cpus / ranks, rank i taking the i-th; with
+// fewer CPUs than ranks, rank i gets CPU i mod cpus (mpirun --bind-to core places ranks the
+// same way, round robin when oversubscribed). Throws std::runtime_error when the mask cannot
+// be read.
+[[nodiscard]] std::vector<std::vector<int>> spread_cpus(int ranks);
+
+// "0,2-3": a CPU list as Linux writes it.
+[[nodiscard]] std::string cpu_list_text(const std::vector<int>& cpus);
 
 // Exit statuses of dear-run besides those of a failed rank.
 inline constexpr int kExitLaunchError = 1;
