@@ -6,6 +6,7 @@
 #
 #   scripts/compare-peers.sh [--build DIR] [-n RANKS] [-b MIN] [-e MAX] [--iters N] [--min-time MS]
 #                            [--only dear,mpi,gloo] [--fabric] [--out DIR] [--extra-dear "ARGS"]
+#                            [--bind best|spread|none]
 #
 # Each library's column is its out-of-place result, or in-place where it has no out-of-place
 # form (Gloo's all_reduce and reduce_scatter); such cells are marked with '*'.
@@ -43,6 +44,10 @@ Runs dear-bench, mpi-bench and gloo-bench on the same sweep and prints merged ta
   --timeout SEC        give up on one run after SEC seconds (default 1800; needs timeout(1))
   --plain-malloc       run every library with glibc's default malloc settings (by default
                        every run gets GLIBC_TUNABLES=glibc.malloc.hugetlb=1, see below)
+  --bind MODE          where the ranks run: best (default: dear where dear-run puts them
+                       by default, bound as --bind spread; every peer run both bound the same
+                       way and unbound, its faster result kept per size), spread (every
+                       library bound so), or none (every library unbound)
   -h, --help           this text
 
 Every library runs with the same environment. By default that includes
@@ -51,6 +56,13 @@ memory it maps. Open MPI allocates temporary buffers in each reduce_scatter and 
 all_reduce; on a virtual machine where a first touch of a 4 KiB page costs ~15 us, those
 page faults, not the network, set its time (a 1 MiB reduce_scatter 17.9 ms instead of 1.2 ms).
 --plain-malloc shows the libraries under the default settings instead.
+
+Bound ranks (--bind): rank i of dear, Open MPI and Gloo alike runs on the CPUs dear-run
+--bind spread gives rank i (round robin over the CPUs when the ranks outnumber them, as mpirun
+--bind-to core does); Open MPI's and Gloo's ranks are bound through taskset. With --bind best
+a peer's cell is the faster of its bound and unbound runs, marked '~' where the unbound one
+was faster: binding helps some libraries and slows others down, and each peer gets its better
+placement.
 
 Sizes are fp32 sum, step factor 2. Set MPIRUN to use another mpirun.
 EOF
@@ -75,6 +87,7 @@ out=""
 extra_dear=""
 run_timeout=1800
 plain_malloc=0
+bind=best
 
 need_value() {
   [[ $# -ge 2 && -n $2 ]] || die "option $1 needs a value (see --help)"
@@ -97,6 +110,7 @@ while [[ $# -gt 0 ]]; do
     --extra-dear) [[ $# -ge 2 ]] || die "option $1 needs a value"; extra_dear=$2; shift 2 ;;
     --timeout) need_value "$@"; run_timeout=$2; shift 2 ;;
     --plain-malloc) plain_malloc=1; shift ;;
+    --bind) need_value "$@"; bind=$2; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
@@ -106,6 +120,12 @@ done
 [[ $run_timeout =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds"
 [[ -z $iters || $iters =~ ^[1-9][0-9]*$ ]] || die "--iters must be a positive number"
 [[ $min_time =~ ^[0-9]+$ ]] || die "--min-time must be a whole number of milliseconds"
+case $bind in
+  best) dear_place=spread peer_places=(spread none) ;;
+  spread) dear_place=spread peer_places=(spread) ;;
+  none) dear_place=none peer_places=(none) ;;
+  *) die "--bind must be best, spread or none, got '$bind'" ;;
+esac
 [[ -z $warmup || $warmup =~ ^[0-9]+$ ]] || die "--warmup must be a number"
 command -v python3 >/dev/null || die "python3 is needed to merge the results"
 
@@ -154,6 +174,16 @@ if ((run_gloo)); then
 CMake finds Gloo; install libgloo-dev and reconfigure) or leave it out with --only"
 fi
 
+[[ -x $dear_run ]] || die "dear-run not found at $dear_run; build it \
+(cmake --build $build --target dear-run): every library's ranks are placed as it places dear's"
+if [[ $bind != none ]]; then
+  command -v taskset >/dev/null || die "--bind $bind needs taskset (apt-get install util-linux)"
+  # Rank i's CPU list, as dear-run --bind spread sets it (its dry run prints them).
+  mapfile -t rank_cpus < <("$dear_run" -n "$nranks" --bind spread --dry-run true |
+    sed -n 's/.*  # CPUs \([0-9,-]*\)$/\1/p')
+  ((${#rank_cpus[@]} == nranks)) || die "could not read the ranks' CPUs from dear-run --dry-run"
+fi
+
 if [[ -n $out ]]; then
   mkdir -p "$out" || die "cannot create --out directory '$out'"
   out=$(cd "$out" && pwd)
@@ -176,6 +206,21 @@ fi
 
 with_timeout=()
 if command -v timeout >/dev/null; then with_timeout=(timeout "$run_timeout"); fi
+
+# Bound, Open MPI's ranks start through this wrapper, which binds each to its CPUs (rank_cpus)
+# before the benchmark starts; mpirun itself binds nothing (--bind-to none). The peers' run
+# functions place their ranks as $place says (spread or none).
+mpi_wrapper=$out/bind-mpi-rank.sh
+place=$dear_place
+if [[ $bind != none ]]; then
+  {
+    echo '#!/bin/sh'
+    echo '# Runs "$@" on the CPUs of Open MPI rank $OMPI_COMM_WORLD_RANK (compare-peers --bind).'
+    echo "cpus=\$(printf '%s\\n' ${rank_cpus[*]} | sed -n \"\$((OMPI_COMM_WORLD_RANK + 1))p\")"
+    echo 'exec taskset -c "$cpus" "$@"'
+  } >"$mpi_wrapper"
+  chmod +x "$mpi_wrapper"
+fi
 
 common=(-b "$minbytes" -e "$maxbytes" -f 2 -d float -o sum)
 [[ -n $iters ]] && common+=(-n "$iters")
@@ -210,7 +255,7 @@ run_dear_bench() {
   # Word-splitting is the documented behaviour of --extra-dear.
   # shellcheck disable=SC2206
   [[ -n $extra_dear ]] && extra+=($extra_dear)
-  "${with_timeout[@]}" "$dear_run" -n "$nranks" "$dear_bench" "$coll" "${common[@]}" \
+  "${with_timeout[@]}" "$dear_run" -n "$nranks" --bind "$dear_place" "$dear_bench" "$coll" "${common[@]}" \
     --json "$json" "${extra[@]+"${extra[@]}"}" >"$log" 2>&1 || fail_run "dear-bench $coll" "$log"
 }
 
@@ -224,22 +269,26 @@ run_dear-rxm_bench() {
 
 run_mpi-vader_bench() {
   local coll=$1 json=$2 log=$3
+  local -a wrap=()
+  [[ $place == spread ]] && wrap=("$mpi_wrapper")
   # Shared memory between the ranks of this host (Open MPI's vader BTL), the peer of dear over
   # libfabric's shm provider.
   "${with_timeout[@]}" "$mpirun" --allow-run-as-root --oversubscribe -np "$nranks" \
-    --mca pml ob1 --mca btl vader,self \
-    "$mpi_bench" "$coll" "${common[@]}" --json "$json" >"$log" 2>&1 ||
+    --bind-to none --mca pml ob1 --mca btl vader,self \
+    "${wrap[@]+"${wrap[@]}"}" "$mpi_bench" "$coll" "${common[@]}" --json "$json" >"$log" 2>&1 ||
     peer_failed "mpi-bench (vader) $coll" "$log" "$json"
 }
 
 run_mpi_bench() {
   local coll=$1 json=$2 log=$3
+  local -a wrap=()
+  [[ $place == spread ]] && wrap=("$mpi_wrapper")
   # TCP over loopback only (no shared memory), so MPI crosses the same wire as dear and Gloo;
   # ob1 is the PML that honours the btl list.
   OMPI_MCA_btl_vader_single_copy_mechanism=none \
     "${with_timeout[@]}" "$mpirun" --allow-run-as-root --oversubscribe -np "$nranks" \
-    --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo \
-    "$mpi_bench" "$coll" "${common[@]}" --json "$json" >"$log" 2>&1 ||
+    --bind-to none --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo \
+    "${wrap[@]+"${wrap[@]}"}" "$mpi_bench" "$coll" "${common[@]}" --json "$json" >"$log" 2>&1 ||
     peer_failed "mpi-bench $coll" "$log" "$json"
 }
 
@@ -253,8 +302,10 @@ run_gloo_bench() {
   for ((rank = 0; rank < nranks; rank++)); do
     local rank_log=$log
     ((rank == 0)) || rank_log=${log%.log}.rank$rank.log
+    local -a gloo_bind=()
+    [[ $place == spread ]] && gloo_bind=(taskset -c "${rank_cpus[rank]}")
     DEAR_RANK=$rank DEAR_WORLD_SIZE=$nranks DEAR_GLOO_PREFIX=compare \
-      "${with_timeout[@]}" "$gloo_bench" "$coll" "${common[@]}" --store "$store" \
+      "${with_timeout[@]}" "${gloo_bind[@]+"${gloo_bind[@]}"}" "$gloo_bench" "$coll" "${common[@]}" --store "$store" \
       "${algo[@]+"${algo[@]}"}" --json "$json" >"$rank_log" 2>&1 &
     pids+=($!)
   done
@@ -296,6 +347,7 @@ except Exception:
 PY
 )
   [[ -n $gbps ]] && echo "# loopback TCP ceiling (iperf3, two processes with one stream each, in total): $gbps GB/s"
+  ceiling_gbps=$gbps
   return 0
 }
 
@@ -310,7 +362,8 @@ ring_reference() {
   fi
   local size line
   for size in 1M "$maxbytes"; do
-    line=$("$dear_run" -n "$nranks" "$tcp_ring" --all-reduce "$size" --iters 20 --warmup 3 \
+    line=$("$dear_run" -n "$nranks" --bind "$dear_place" "$tcp_ring" --all-reduce "$size" \
+      --iters 20 --warmup 3 \
       --rounds 3 2>/dev/null | sed -n 's/^\[0\] median \([0-9.]*\) us per iteration.*/\1/p')
     [[ -n $line ]] && echo "# plain-socket ring (dear-tcp-ring): the bytes of a $size all_reduce streamed in $line us"
   done
@@ -321,6 +374,7 @@ echo "# compare-peers: $nranks ranks, $minbytes..$maxbytes B, float sum, results
 # The libraries this invocation runs: only their files are merged, so results an earlier run
 # left in the same --out directory never appear as columns of this one.
 ran_libs=()
+ceiling_gbps=""
 for coll in "${coll_list[@]}"; do
   for lib in dear mpi gloo dear-shm dear-rxm mpi-vader; do
     case $lib in
@@ -331,32 +385,46 @@ for coll in "${coll_list[@]}"; do
       dear-rxm) ((run_dear_rxm)) || continue ;;
       mpi-vader) ((run_mpi_vader)) || continue ;;
     esac
-    json=$out/$lib-$coll.json
-    log=$out/$lib-$coll.log
-    rm -f "$json"
-    start=$SECONDS
-    echo "# running $lib $coll ..." >&2
-    "run_${lib}_bench" "$coll" "$json" "$log"
-    [[ -s $json ]] || fail_run "$lib $coll (no JSON written)" "$log"
+    places=("$dear_place")
+    [[ $lib == dear* ]] || places=("${peer_places[@]}")
+    rm -f "$out/$lib-$coll.json" "$out/$lib-$coll.unbound.json"
+    for place in "${places[@]}"; do
+      # The first placement writes the library's file; --bind best's unbound peer run its own.
+      suffix=""
+      [[ $place != "${places[0]}" ]] && suffix=.unbound
+      json=$out/$lib-$coll$suffix.json
+      log=$out/$lib-$coll$suffix.log
+      start=$SECONDS
+      echo "# running $lib $coll${suffix:+ (unbound)} ..." >&2
+      "run_${lib}_bench" "$coll" "$json" "$log"
+      [[ -s $json ]] || fail_run "$lib $coll (no JSON written)" "$log"
+      echo "#   done in $((SECONDS - start)) s" >&2
+    done
+    place=$dear_place
     [[ " ${ran_libs[*]-} " == *" $lib "* ]] || ran_libs+=("$lib")
-    echo "#   done in $((SECONDS - start)) s" >&2
   done
 done
 
 loopback_ceiling
 ring_reference
+case $bind in
+  best) echo "# binding: dear's rank i on CPUs ${rank_cpus[*]} (dear-run's default), each peer's the faster of that and unbound ('~': unbound) (--bind best)" ;;
+  spread) echo "# binding: every library's rank i on CPUs ${rank_cpus[*]} (--bind spread)" ;;
+  none) echo "# binding: none (--bind none)" ;;
+esac
 if ((plain_malloc)); then
   echo "# malloc: glibc defaults for every library (--plain-malloc)"
 else
   echo "# malloc: GLIBC_TUNABLES=$GLIBC_TUNABLES for every library (--plain-malloc to leave it out)"
 fi
 
-python3 - "$out" "${ran_libs[*]}" "${coll_list[@]}" <<'PY'
+python3 - "$out" "${ran_libs[*]}" "$ceiling_gbps" "${coll_list[@]}" <<'PY'
 import json
 import os
 import sys
 
-out_dir, ran, collectives = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
+out_dir, ran, ceiling, collectives = sys.argv[1], sys.argv[2].split(), sys.argv[3], sys.argv[4:]
+ceiling = float(ceiling) if ceiling else None
 LIBS = [lib for lib in ["dear", "mpi", "gloo", "dear-shm", "dear-rxm", "mpi-vader"] if lib in ran]
 TCP_PEERS = ["mpi", "gloo"]
 # The --fabric rows' ratio columns: (numerator, denominator, title).
@@ -380,12 +448,108 @@ def pick(row):
     return None, ""
 
 
+def merge_unbound(doc, lib, coll):
+    """--bind best: a peer's bound run (doc) and its unbound one, row by row, the faster kept
+    (its cell marked '~' where the unbound run was faster)."""
+    other = load(lib, coll + ".unbound")
+    if doc is None or other is None:
+        return doc
+    by_size = {row["size"]: row for row in other.get("rows", [])}
+    rows = []
+    for row in doc.get("rows", []):
+        alt = by_size.get(row["size"])
+        mine, _ = pick(row)
+        theirs, _ = pick(alt) if alt else (None, "")
+        if mine is not None and theirs is not None and theirs["time_us"] < mine["time_us"]:
+            alt = dict(alt)
+            alt["unbound"] = True
+            row = alt
+        rows.append(row)
+    doc = dict(doc)
+    doc["rows"] = rows
+    return doc
+
+
 def fmt_time(us):
     return f"{us:.0f}" if us >= 10000 else f"{us:.1f}" if us >= 100 else f"{us:.2f}"
 
 
+MIB = 1024 * 1024
+# The README's performance targets: (collective, size, dear's column, peers, ratio, busbw or
+# time). A busbw target asks dear's busbw >= ratio x the best listed peer's; a time target asks
+# dear's time <= ratio x the best peer's.
+TARGETS = [
+    ("all_reduce", 64 * MIB, "dear", ["mpi", "gloo"], 1.3, "busbw"),
+    ("all_reduce", 1 * MIB, "dear", ["mpi", "gloo"], 1.3, "busbw"),
+    ("reduce_scatter", 64 * MIB, "dear", ["mpi"], 1.3, "busbw"),
+    ("all_gather", 64 * MIB, "dear", ["mpi"], 1.3, "busbw"),
+    ("all_reduce", 8, "dear", ["mpi"], 1.0, "time"),
+    ("all_reduce", 64 * MIB, "dear-shm", ["mpi-vader"], 1.5, "busbw"),
+    ("all_reduce", 64 * MIB, "dear-rxm", ["dear"], 1.0, "busbw"),
+]
+# Columns that run over TCP loopback, where the ceiling bounds busbw.
+LOOPBACK = {"dear", "mpi", "gloo"}
+
+
+def target_lines(by_coll, nranks):
+    """One line per target this run covers: the ratio, and whether it was met. A busbw target
+    over loopback that was not met is checked against the loopback ceiling measured in this
+    run: every byte a ring (or any bandwidth-optimal) collective moves crosses loopback once,
+    so the ranks together push nranks x busbw through it, and busbw cannot exceed
+    ceiling / nranks."""
+    lines = []
+    for coll, size, lib, peers, want, kind in TARGETS:
+        results = by_coll.get(coll, {})
+        mine = results.get((lib, size))
+        theirs = [(p, results[(p, size)][0]) for p in peers if (p, size) in results]
+        if mine is None or not theirs:
+            continue
+        mine = mine[0]
+        name = f"{coll} {size // MIB} MiB" if size >= MIB else f"{coll} {size} B"
+        if kind == "time":
+            peer, best = min(theirs, key=lambda t: t[1]["time_us"])
+            ratio = mine["time_us"] / best["time_us"]
+            ok = ratio <= want
+            lines.append(f"# target {name} time, {lib} <= {want:g} x {peer}: "
+                         f"{fmt_time(mine['time_us'])} / {fmt_time(best['time_us'])} us = "
+                         f"{ratio:.2f}, {'met' if ok else 'not met'}")
+            continue
+        peer, best = max(theirs, key=lambda t: t[1]["busbw"])
+        if best["busbw"] <= 0:
+            continue
+        ratio = mine["busbw"] / best["busbw"]
+        line = (f"# target {name} busbw, {lib} >= {want:g} x {peer}: {mine['busbw']:.3f} / "
+                f"{best['busbw']:.3f} GB/s = {ratio:.2f}, ")
+        if ratio >= want:
+            line += "met"
+        elif ceiling and lib in LOOPBACK and isinstance(nranks, int) and nranks > 1:
+            bound = ceiling / nranks
+            need = want * best["busbw"]
+            # The ceiling is a bound only if no library went past it in this run.
+            pushed = max((res[0]["busbw"] * nranks, name_, size_)
+                         for (name_, size_), res in results.items() if name_ in LOOPBACK)
+            if pushed[0] > ceiling:
+                line += (f"not met; the loopback ceiling measured in this run "
+                         f"({ceiling:.2f} GB/s) bounds nothing: {pushed[1]} pushed "
+                         f"{pushed[0]:.2f} GB/s through loopback (busbw x {nranks} ranks) "
+                         f"at {pushed[2]} B")
+            elif need > bound:
+                line += (f"not met, out of reach in this run: it needs busbw {need:.3f} GB/s, "
+                         f"above the loopback bound {bound:.3f} (ceiling {ceiling:.2f} GB/s / "
+                         f"{nranks} ranks)")
+            else:
+                line += (f"not met: it needs busbw {need:.3f} GB/s, within the loopback bound "
+                         f"{bound:.3f} (ceiling {ceiling:.2f} GB/s / {nranks} ranks)")
+        else:
+            line += "not met"
+        lines.append(line)
+    return lines
+
+
+by_coll = {}
+run_nranks = None
 for coll in collectives:
-    docs = {lib: load(lib, coll) for lib in LIBS}
+    docs = {lib: merge_unbound(load(lib, coll), lib, coll) for lib in LIBS}
     docs = {lib: d for lib, d in docs.items() if d is not None}
     if not docs:
         continue
@@ -402,6 +566,8 @@ for coll in collectives:
         for row in doc.get("rows", []):
             sizes.add(row["size"])
             res, mark = pick(row)
+            if row.get("unbound"):
+                mark += "~"
             if res is not None:
                 results[(lib, row["size"])] = (res, mark)
             if res is not None and res.get("wrong"):
@@ -412,6 +578,8 @@ for coll in collectives:
     pairs = [p for p in PAIRS if p[0] in docs and p[1] in docs]
 
     nranks = next(iter(docs.values())).get("nranks", "?")
+    by_coll[coll] = results
+    run_nranks = nranks
     print(f"\n# {coll}, {nranks} ranks, float sum; time(us) and busbw(GB/s); "
           "* = in-place (no out-of-place form)")
     head = f"{'size(B)':>12}"
@@ -458,4 +626,9 @@ for coll in collectives:
                   f"{fmt_time(best)} us = {dear_t / best:.2f}")
     for note in notes:
         print(f"# {note}")
+lines = target_lines(by_coll, run_nranks)
+if lines:
+    print("\n# performance targets (README, \"Benchmarks\"), this run:")
+    for line in lines:
+        print(line)
 PY
