@@ -252,6 +252,7 @@ class CommunicatorImpl final : public Communicator {
     // every rank at once instead of the first channel's rank alone.
     try {
       (void)transport::tcp::socket_buffer_from_env();
+      transport::check_congestion_control_env();
     } catch (const Error& e) {
       throw Error(e.code(), e.cause(), rank_, Error::kNone, "create");
     }

@@ -6,7 +6,7 @@
 #
 #   scripts/compare-peers.sh [--build DIR] [-n RANKS] [-b MIN] [-e MAX] [--iters N] [--min-time MS]
 #                            [--only dear,mpi,gloo] [--fabric] [--out DIR] [--extra-dear "ARGS"]
-#                            [--bind best|spread|none]
+#                            [--bind best|spread|none] [--tcp-cc same|system]
 #
 # Each library's column is its out-of-place result, or in-place where it has no out-of-place
 # form (Gloo's all_reduce and reduce_scatter); such cells are marked with '*'.
@@ -48,6 +48,10 @@ Runs dear-bench, mpi-bench and gloo-bench on the same sweep and prints merged ta
                        by default, bound as --bind spread; every peer run both bound the same
                        way and unbound, its faster result kept per size), spread (every
                        library bound so), or none (every library unbound)
+  --tcp-cc MODE        TCP congestion control: same (default: every library on the one dear
+                       picks for loopback, cubic, by setting the system default for the run
+                       and restoring it after; needs root) or system (every library, dear
+                       included, on the system default)
   -h, --help           this text
 
 Every library runs with the same environment. By default that includes
@@ -88,6 +92,7 @@ extra_dear=""
 run_timeout=1800
 plain_malloc=0
 bind=best
+tcp_cc=same
 
 need_value() {
   [[ $# -ge 2 && -n $2 ]] || die "option $1 needs a value (see --help)"
@@ -111,6 +116,7 @@ while [[ $# -gt 0 ]]; do
     --timeout) need_value "$@"; run_timeout=$2; shift 2 ;;
     --plain-malloc) plain_malloc=1; shift ;;
     --bind) need_value "$@"; bind=$2; shift 2 ;;
+    --tcp-cc) need_value "$@"; tcp_cc=$2; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
@@ -120,6 +126,7 @@ done
 [[ $run_timeout =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds"
 [[ -z $iters || $iters =~ ^[1-9][0-9]*$ ]] || die "--iters must be a positive number"
 [[ $min_time =~ ^[0-9]+$ ]] || die "--min-time must be a whole number of milliseconds"
+[[ $tcp_cc == same || $tcp_cc == system ]] || die "--tcp-cc must be same or system, got '$tcp_cc'"
 case $bind in
   best) dear_place=spread peer_places=(spread none) ;;
   spread) dear_place=spread peer_places=(spread) ;;
@@ -193,8 +200,10 @@ else
   keep_out=0
 fi
 gloo_stores=()
+restore_cc() { :; }
 cleanup() {
   local d
+  restore_cc
   for d in "${gloo_stores[@]+"${gloo_stores[@]}"}"; do rm -rf "$d"; done
   if ((keep_out == 0)); then rm -rf "$out"; fi
 }
@@ -206,6 +215,24 @@ fi
 
 with_timeout=()
 if command -v timeout >/dev/null; then with_timeout=(timeout "$run_timeout"); fi
+
+# TCP congestion control. dear picks an unpaced one (cubic) for its loopback connections by
+# itself (DEAR_TCP_CONGESTION=auto, see the README); --tcp-cc same gives the peers the same by
+# making it the system default for the run, --tcp-cc system runs dear on the system's too.
+cc_file=/proc/sys/net/ipv4/tcp_congestion_control
+cc_system=$(cat "$cc_file" 2>/dev/null || echo unknown)
+cc_note="every library on the system default, $cc_system (--tcp-cc system)"
+if [[ $tcp_cc == system ]]; then
+  export DEAR_TCP_CONGESTION=system
+elif [[ $cc_system == cubic ]]; then
+  cc_note="every library on cubic, the system default"
+elif [[ -w $cc_file ]] && echo cubic >"$cc_file" 2>/dev/null; then
+  cc_note="every library on cubic, the system default for this run ($cc_system before, restored after)"
+  restore_cc() { echo "$cc_system" >"$cc_file" 2>/dev/null || true; }
+else
+  echo "$prog: warning: cannot make cubic the system's congestion control (not root?): the peers run on $cc_system, dear on cubic or reno over loopback" >&2
+  cc_note="dear on cubic or reno over loopback, the peers on the system default, $cc_system (not equal: run as root)"
+fi
 
 # Bound, Open MPI's ranks start through this wrapper, which binds each to its CPUs (rank_cpus)
 # before the benchmark starts; mpirun itself binds nothing (--bind-to none). The peers' run
@@ -412,6 +439,7 @@ case $bind in
   spread) echo "# binding: every library's rank i on CPUs ${rank_cpus[*]} (--bind spread)" ;;
   none) echo "# binding: none (--bind none)" ;;
 esac
+echo "# congestion control: $cc_note"
 if ((plain_malloc)); then
   echo "# malloc: glibc defaults for every library (--plain-malloc)"
 else

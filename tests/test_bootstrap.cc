@@ -3,16 +3,23 @@
 // address must not join it, wrong secrets are logged, and the secret never appears in any log
 // or error text. The handshake itself (transport/auth.h) is checked for replay and tampering.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "channel_exchange.h"
@@ -470,6 +477,79 @@ TEST(Links, ClosingToAPeerThatReadsNothingWaitsOneSharedDeadline) {
   EXPECT_GE(took, kLinger - 10ms) << "closed before the deadline with unacknowledged data";
   EXPECT_LT(took, kLinger + 700ms) << "the waits added up";
   EXPECT_EQ(sink.sent, 0u);
+}
+
+// The congestion control a socket runs.
+std::string congestion_of(int fd) {
+  char name[32] = {};
+  socklen_t len = sizeof name;
+  EXPECT_EQ(::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len), 0);
+  return std::string(name);
+}
+
+std::vector<std::string> words_of_file(const char* path) {
+  std::ifstream in(path);
+  std::vector<std::string> out;
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+bool has_word(const std::vector<std::string>& words, const std::string& w) {
+  return std::find(words.begin(), words.end(), w) != words.end();
+}
+
+// A connection over loopback made with listen_on / connect_with_retry / accept_until, with
+// DEAR_TCP_CONGESTION set to `value` (nullptr: unset): the congestion control of both ends.
+std::pair<std::string, std::string> loopback_congestion(const char* value) {
+  if (value != nullptr) {
+    ::setenv("DEAR_TCP_CONGESTION", value, 1);
+  } else {
+    ::unsetenv("DEAR_TCP_CONGESTION");
+  }
+  const auto deadline = dear::transport::deadline_after(std::chrono::seconds(10));
+  auto listener = dear::transport::listen_on(dear::transport::resolve("127.0.0.1", 0));
+  const auto addr = dear::transport::local_address(listener.get());
+  auto client = dear::transport::connect_with_retry(addr, deadline, "test");
+  auto server = dear::transport::accept_until(listener.get(), deadline);
+  ::unsetenv("DEAR_TCP_CONGESTION");
+  EXPECT_TRUE(server.valid());
+  return {congestion_of(client.get()), server.valid() ? congestion_of(server.get()) : ""};
+}
+
+TEST(CongestionControl, LoopbackConnectionsRunUnpacedByDefault) {
+  const auto available = words_of_file("/proc/sys/net/ipv4/tcp_available_congestion_control");
+  const auto allowed = words_of_file("/proc/sys/net/ipv4/tcp_allowed_congestion_control");
+  // cubic where this process may pick it (allowed to all, or root), else reno.
+  const bool cubic =
+      has_word(available, "cubic") && (has_word(allowed, "cubic") || ::geteuid() == 0);
+  const std::string want = cubic ? "cubic" : "reno";
+  for (const char* value : {static_cast<const char*>(nullptr), "auto"}) {
+    const auto [client, server] = loopback_congestion(value);
+    EXPECT_EQ(client, want) << (value ? value : "unset");
+    EXPECT_EQ(server, want) << (value ? value : "unset");
+  }
+}
+
+TEST(CongestionControl, SystemAndNamedValues) {
+  const auto system = words_of_file("/proc/sys/net/ipv4/tcp_congestion_control");
+  ASSERT_EQ(system.size(), 1u);
+  const auto [client, server] = loopback_congestion("system");
+  EXPECT_EQ(client, system[0]);
+  EXPECT_EQ(server, system[0]);
+  const auto [c2, s2] = loopback_congestion("reno");  // every kernel has it, every user may pick it
+  EXPECT_EQ(c2, "reno");
+  EXPECT_EQ(s2, "reno");
+  ::setenv("DEAR_TCP_CONGESTION", "no-such-algorithm", 1);
+  try {
+    dear::transport::check_congestion_control_env();
+    ADD_FAILURE() << "an unknown algorithm was accepted";
+  } catch (const dear::Error& e) {
+    EXPECT_EQ(e.code(), dear::ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("DEAR_TCP_CONGESTION=no-such-algorithm"),
+              std::string::npos)
+        << e.what();
+  }
+  ::unsetenv("DEAR_TCP_CONGESTION");
 }
 
 TEST(Interface, LoopbackResolvesAndAnUnknownNameIsNamedInTheError) {

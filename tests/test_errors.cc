@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "dear/bootstrap.h"
 #include "harness.h"
 #include "reference.h"
 
@@ -107,6 +108,25 @@ TEST(InvalidArguments, BadSocketBufferNamesTheVariable) {
     }
   }
   ::unsetenv("DEAR_SOCKET_BUFFER");
+}
+
+// A congestion control the kernel does not have fails every rank's bootstrap, before any
+// connection, naming the variable and the rank.
+TEST(InvalidArguments, UnknownCongestionControlNamesTheVariableAndRank) {
+  const UniqueId id = UniqueId::create();
+  ::setenv("DEAR_TCP_CONGESTION", "no-such-algorithm", 1);
+  for (int r = 0; r < 2; ++r) {
+    try {
+      (void)Bootstrap::create(id, r, 2);
+      ADD_FAILURE() << "rank " << r << " accepted an unknown congestion control";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      const std::string what = e.what();
+      EXPECT_NE(what.find("DEAR_TCP_CONGESTION=no-such-algorithm"), std::string::npos) << what;
+      EXPECT_NE(what.find("rank " + std::to_string(r)), std::string::npos) << what;
+    }
+  }
+  ::unsetenv("DEAR_TCP_CONGESTION");
 }
 
 // forget_memory refuses a null range naming the argument, and queued between operations it

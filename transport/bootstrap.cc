@@ -454,6 +454,11 @@ std::unique_ptr<Bootstrap> Bootstrap::create(const UniqueId& id, int rank, int w
   if (world_size > 1 && id.port == 0) {
     throw Error(ErrorCode::kInvalidArgument, "unique id has no port", rank);
   }
+  try {
+    transport::check_congestion_control_env();
+  } catch (const Error& e) {
+    throw Error(e.code(), e.cause(), rank);
+  }
   // Before the wait for the peers, the first place a Ctrl-C is likely.
   transport::reset_foreign_fatal_handlers();
   return std::make_unique<TcpBootstrap>(id, rank, world_size, options);

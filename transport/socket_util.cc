@@ -14,6 +14,7 @@
 #include <cstring>
 #include <thread>
 
+#include "common/env.h"
 #include "dear/error.h"
 
 namespace dear::transport {
@@ -99,11 +100,69 @@ SockAddr resolve(const std::string& host, std::uint16_t port) {
   return out;
 }
 
+namespace {
+
+bool is_loopback(const SockAddr& addr) {
+  if (addr.family() == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(addr.get());
+    return (ntohl(in->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (addr.family() == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(addr.get());
+    return IN6_IS_ADDR_LOOPBACK(&in6->sin6_addr) != 0;
+  }
+  return false;
+}
+
+bool set_congestion(int fd, const std::string& name) {
+  return ::setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name.data(),
+                      static_cast<socklen_t>(name.size())) == 0;
+}
+
+void set_named_congestion(int fd, const std::string& wanted) {
+  if (!set_congestion(fd, wanted)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "environment variable DEAR_TCP_CONGESTION=" + wanted + ": the kernel refused it (" +
+                    std::strerror(errno) +
+                    "; see net.ipv4.tcp_available_congestion_control and "
+                    "net.ipv4.tcp_allowed_congestion_control), or use auto or system");
+  }
+}
+
+std::string congestion_from_env() {
+  std::string wanted = env::get("DEAR_TCP_CONGESTION").value_or("auto");
+  return wanted.empty() ? "auto" : wanted;
+}
+
+}  // namespace
+
+void choose_congestion_control(int fd, const SockAddr& addr) {
+  const std::string wanted = congestion_from_env();
+  if (wanted == "system") return;
+  if (wanted == "auto") {
+    // The kernel refuses an algorithm this process may not pick (not in
+    // net.ipv4.tcp_allowed_congestion_control, without CAP_NET_ADMIN); reno always may be.
+    if (is_loopback(addr) && !set_congestion(fd, "cubic")) set_congestion(fd, "reno");
+    return;
+  }
+  set_named_congestion(fd, wanted);
+}
+
+void check_congestion_control_env() {
+  const std::string wanted = congestion_from_env();
+  if (wanted == "auto" || wanted == "system") return;
+  const Fd probe(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!probe.valid()) throw_errno("socket", errno);
+  set_named_congestion(probe.get(), wanted);
+}
+
 Fd listen_on(const SockAddr& addr, int backlog) {
   Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) throw_errno("socket", errno);
   const int one = 1;
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  // Accepted connections inherit the listener's choice.
+  choose_congestion_control(fd.get(), addr);
   if (::bind(fd.get(), addr.get(), addr.len) != 0) {
     throw Error(ErrorCode::kBootstrap,
                 "cannot listen on " + addr.to_string() + ": " + std::strerror(errno));
@@ -136,6 +195,7 @@ Fd connect_with_retry(const SockAddr& addr, Deadline deadline, const std::string
   for (;;) {
     Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!fd.valid()) throw_errno("socket", errno);
+    choose_congestion_control(fd.get(), addr);
     int rc = ::connect(fd.get(), addr.get(), addr.len);
     if (rc != 0 && errno == EINPROGRESS) {
       if (wait_ready(fd.get(), POLLOUT, deadline)) {

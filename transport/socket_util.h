@@ -74,6 +74,21 @@ struct SockAddr {
 // Accepts one connection, or returns an invalid Fd when the deadline passes first.
 [[nodiscard]] Fd accept_until(int listen_fd, Deadline deadline);
 
+// The TCP congestion control of a socket dear connects or listens with, set before the
+// connection exists (DEAR_TCP_CONGESTION):
+// - unset or "auto": on a loopback address (127.0.0.0/8, ::1) an unpaced algorithm, "cubic"
+//   where the kernel lets this process choose it, else "reno"; elsewhere the system's. A host
+//   whose default is a pacing algorithm (BBR) sends a loopback burst of more than a few
+//   segments from pacing timers, out of order, and the receiver's D-SACKs then undo spurious
+//   retransmissions (README, "Configuration"); nothing queues on loopback for pacing to spare.
+// - "system": the system's default everywhere;
+// - a name ("cubic", "bbr", ...): that one on every connection; throws kInvalidArgument naming
+//   the variable when the kernel refuses it.
+void choose_congestion_control(int fd, const SockAddr& addr);
+// Throws what choose_congestion_control() would for DEAR_TCP_CONGESTION, on a socket of its
+// own, so that a bad value fails before any connection.
+void check_congestion_control_env();
+
 void set_nonblocking(int fd, bool on = true);
 void set_nodelay(int fd);
 void set_cloexec(int fd);
