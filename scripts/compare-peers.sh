@@ -6,7 +6,7 @@
 #
 #   scripts/compare-peers.sh [--build DIR] [-n RANKS] [-b MIN] [-e MAX] [--iters N] [--min-time MS]
 #                            [--only dear,mpi,gloo] [--fabric] [--out DIR] [--extra-dear "ARGS"]
-#                            [--bind best|spread|none] [--tcp-cc same|system]
+#                            [--bind best|spread|none] [--tcp-cc same|system|own]
 #
 # Each library's column is its out-of-place result, or in-place where it has no out-of-place
 # form (Gloo's all_reduce and reduce_scatter); such cells are marked with '*'.
@@ -50,8 +50,9 @@ Runs dear-bench, mpi-bench and gloo-bench on the same sweep and prints merged ta
                        library bound so), or none (every library unbound)
   --tcp-cc MODE        TCP congestion control: same (default: every library on the one dear
                        picks for loopback, cubic, by setting the system default for the run
-                       and restoring it after; needs root) or system (every library, dear
-                       included, on the system default)
+                       and restoring it after; needs root), system (every library, dear
+                       included, on the system default) or own (each as it ships: dear on
+                       its own choice, the peers on the system default)
   -h, --help           this text
 
 Every library runs with the same environment. By default that includes
@@ -126,7 +127,8 @@ done
 [[ $run_timeout =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds"
 [[ -z $iters || $iters =~ ^[1-9][0-9]*$ ]] || die "--iters must be a positive number"
 [[ $min_time =~ ^[0-9]+$ ]] || die "--min-time must be a whole number of milliseconds"
-[[ $tcp_cc == same || $tcp_cc == system ]] || die "--tcp-cc must be same or system, got '$tcp_cc'"
+[[ $tcp_cc == same || $tcp_cc == system || $tcp_cc == own ]] ||
+  die "--tcp-cc must be same, system or own, got '$tcp_cc'"
 case $bind in
   best) dear_place=spread peer_places=(spread none) ;;
   spread) dear_place=spread peer_places=(spread) ;;
@@ -224,6 +226,9 @@ cc_system=$(cat "$cc_file" 2>/dev/null || echo unknown)
 cc_note="every library on the system default, $cc_system (--tcp-cc system)"
 if [[ $tcp_cc == system ]]; then
   export DEAR_TCP_CONGESTION=system
+elif [[ $tcp_cc == own ]]; then
+  unset DEAR_TCP_CONGESTION
+  cc_note="each library as it ships: dear on cubic or reno over loopback, the peers (and iperf3) on the system default, $cc_system (--tcp-cc own)"
 elif [[ $cc_system == cubic ]]; then
   cc_note="every library on cubic, the system default"
 elif [[ -w $cc_file ]] && echo cubic >"$cc_file" 2>/dev/null; then
