@@ -45,9 +45,9 @@ Runs dear-bench, mpi-bench and gloo-bench on the same sweep and prints merged ta
   --plain-malloc       run every library with glibc's default malloc settings (by default
                        every run gets GLIBC_TUNABLES=glibc.malloc.hugetlb=1, see below)
   --bind MODE          where the ranks run: best (default: dear where dear-run puts them
-                       by default, bound as --bind spread; every peer run both bound the same
-                       way and unbound, its faster result kept per size), spread (every
-                       library bound so), or none (every library unbound)
+                       by default, --bind auto; every peer run both bound as dear-run --bind
+                       spread binds and unbound, its faster result kept per size), spread
+                       (every library bound so), or none (every library unbound)
   --tcp-cc MODE        TCP congestion control: same (default: every library on the one dear
                        picks for loopback, cubic, by setting the system default for the run
                        and restoring it after; needs root), system (every library, dear
@@ -130,7 +130,7 @@ done
 [[ $tcp_cc == same || $tcp_cc == system || $tcp_cc == own ]] ||
   die "--tcp-cc must be same, system or own, got '$tcp_cc'"
 case $bind in
-  best) dear_place=spread peer_places=(spread none) ;;
+  best) dear_place=auto peer_places=(spread none) ;;
   spread) dear_place=spread peer_places=(spread) ;;
   none) dear_place=none peer_places=(none) ;;
   *) die "--bind must be best, spread or none, got '$bind'" ;;
@@ -440,7 +440,7 @@ done
 loopback_ceiling
 ring_reference
 case $bind in
-  best) echo "# binding: dear's rank i on CPUs ${rank_cpus[*]} (dear-run's default), each peer's the faster of that and unbound ('~': unbound) (--bind best)" ;;
+  best) echo "# binding: dear as dear-run places it by default (--bind auto: bound only when every rank can have a CPU of its own); each peer the faster of bound (rank i on CPUs ${rank_cpus[*]}) and unbound ('~': unbound) (--bind best)" ;;
   spread) echo "# binding: every library's rank i on CPUs ${rank_cpus[*]} (--bind spread)" ;;
   none) echo "# binding: none (--bind none)" ;;
 esac

@@ -542,9 +542,18 @@ TEST(DearRun, SpreadBindsEachRankToItsShareOfTheCpus) {
       EXPECT_EQ(it->second, want) << "rank " << r << " of " << ranks;
     }
   }
-  // Spread is the default.
-  const auto by_default = allowed_cpus_by_rank({}, n + 1);
-  EXPECT_EQ(by_default, allowed_cpus_by_rank({"--bind", "spread"}, n + 1));
+}
+
+// auto (the default) binds as spread while every rank can have a CPU of its own, and not at
+// all beyond that.
+TEST(DearRun, AutoBindsOnlyWhenTheCpusSuffice) {
+  const std::vector<int> cpus = own_cpus();
+  const auto n = static_cast<int>(cpus.size());
+  EXPECT_EQ(allowed_cpus_by_rank({}, n), allowed_cpus_by_rank({"--bind", "spread"}, n));
+  EXPECT_EQ(allowed_cpus_by_rank({"--bind", "auto"}, n), allowed_cpus_by_rank({}, n));
+  for (const auto& [rank, list] : allowed_cpus_by_rank({}, n + 1)) {
+    EXPECT_EQ(list, cpus) << "rank " << rank << " of " << n + 1 << " on " << n << " CPUs";
+  }
 }
 
 TEST(DearRun, BindNoneLeavesEveryRankOnAllCpus) {
@@ -556,7 +565,7 @@ TEST(DearRun, BindNoneLeavesEveryRankOnAllCpus) {
 
 TEST(DearRun, DryRunShowsTheBinding) {
   const std::vector<int> cpus = own_cpus();
-  const Result r = run({"-n", "1", "--dry-run", "true"});
+  const Result r = run({"-n", "1", "--dry-run", "--bind", "spread", "true"});
   ASSERT_EQ(r.code(), 0) << describe(r);
   // One rank gets every CPU; the list is written as ranges, so check its ends.
   EXPECT_TRUE(contains(r.out, "# CPUs " + std::to_string(cpus.front()))) << r.out;

@@ -84,7 +84,7 @@ struct Options {
   double timeout = 0.0;
   bool dry_run = false;
   std::string link_delay;  // e.g. "25us"; empty: leave DEAR_LINK_DELAY_US as inherited
-  std::string bind = "spread";
+  std::string bind = "auto";
   std::vector<std::string> command;
 };
 
@@ -292,8 +292,9 @@ int run(int argc, char** argv) {
       ->type_name("DELAY");
   app.add_option("--bind", o.bind,
                  "Where ranks run: spread (each rank bound to its own share of dear-run's "
-                 "CPUs, round robin when ranks outnumber them, as mpirun --bind-to core) or "
-                 "none (every rank may run on any of them)")
+                 "CPUs, round robin when ranks outnumber them, as mpirun --bind-to core), "
+                 "none (anywhere), or auto (spread when there are at least as many CPUs as "
+                 "ranks, else none, as mpirun binds only when not oversubscribed)")
       ->type_name("MODE")
       ->capture_default_str();
   try {
@@ -315,8 +316,8 @@ int run(int argc, char** argv) {
                        " (put -- before a command that starts with '-')");
   }
   if (o.command.empty()) return usage_error("no command given");
-  if (o.bind != "spread" && o.bind != "none") {
-    return usage_error("--bind " + o.bind + ": expected spread or none");
+  if (o.bind != "auto" && o.bind != "spread" && o.bind != "none") {
+    return usage_error("--bind " + o.bind + ": expected auto, spread or none");
   }
 
   Variables extra;
@@ -347,7 +348,9 @@ int run(int argc, char** argv) {
   id.host = o.host;
   id.port = o.port != 0 ? static_cast<std::uint16_t>(o.port) : find_free_port(o.host);
   const std::vector<std::vector<int>> cpus =
-      o.bind == "spread" ? spread_cpus(o.ranks) : std::vector<std::vector<int>>{};
+      o.bind == "spread" || (o.bind == "auto" && o.ranks <= static_cast<int>(own_cpus().size()))
+          ? spread_cpus(o.ranks)
+          : std::vector<std::vector<int>>{};
   if (o.dry_run) {
     print_dry_run(o, id, extra, cpus);
     return 0;

@@ -746,7 +746,7 @@ JobOutcome Job::outcome() const {
 
 }  // namespace
 
-std::vector<std::vector<int>> spread_cpus(int ranks) {
+std::vector<int> own_cpus() {
   cpu_set_t set;
   CPU_ZERO(&set);
   if (::sched_getaffinity(0, sizeof set, &set) != 0) {
@@ -757,6 +757,11 @@ std::vector<std::vector<int>> spread_cpus(int ranks) {
   for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
     if (CPU_ISSET(cpu, &set)) mine.push_back(cpu);
   }
+  return mine;
+}
+
+std::vector<std::vector<int>> spread_cpus(int ranks) {
+  const std::vector<int> mine = own_cpus();
   const auto n = static_cast<int>(mine.size());
   if (n == 0) return {};
   std::vector<std::vector<int>> out(static_cast<std::size_t>(ranks));

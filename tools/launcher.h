@@ -43,6 +43,8 @@ struct JobSpec {
 // same way, round robin when oversubscribed). Throws std::runtime_error when the mask cannot
 // be read.
 [[nodiscard]] std::vector<std::vector<int>> spread_cpus(int ranks);
+// This process's CPUs (its affinity mask), ascending. Throws std::runtime_error.
+[[nodiscard]] std::vector<int> own_cpus();
 
 // "0,2-3": a CPU list as Linux writes it.
 [[nodiscard]] std::string cpu_list_text(const std::vector<int>& cpus);
