@@ -552,6 +552,86 @@ TEST(CongestionControl, SystemAndNamedValues) {
   ::unsetenv("DEAR_TCP_CONGESTION");
 }
 
+// A loopback listener and one connection to it made with plain sockets, as a library dear
+// drives would make them (the system's congestion control, nothing of dear's).
+struct PlainConnection {
+  Fd listener;
+  Fd client;
+  Fd server;
+  transport::SockAddr listen_addr;
+};
+
+Fd plain_listener(transport::SockAddr* addr) {
+  Fd l(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in in{};
+  in.sin_family = AF_INET;
+  in.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::bind(l.get(), reinterpret_cast<const sockaddr*>(&in), sizeof(in)), 0);
+  EXPECT_EQ(::listen(l.get(), 8), 0);
+  *addr = transport::local_address(l.get());
+  return l;
+}
+
+PlainConnection plain_connection() {
+  PlainConnection c;
+  c.listener = plain_listener(&c.listen_addr);
+  c.client = Fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  EXPECT_EQ(::connect(c.client.get(), c.listen_addr.get(), c.listen_addr.len), 0);
+  c.server = Fd(::accept(c.listener.get(), nullptr, nullptr));
+  EXPECT_TRUE(c.server.valid());
+  return c;
+}
+
+// Another library's sockets between two endpoints get dear's choice: the listener (and what
+// it accepts later) and the connection both ways; sockets of other endpoints keep theirs.
+TEST(CongestionControl, AnotherLibrarysSocketsBetweenTwoEndpointsAdoptIt) {
+  PlainConnection ours = plain_connection();
+  PlainConnection other = plain_connection();
+  const std::string before = congestion_of(other.client.get());
+  const auto peer = transport::peer_address(ours.client.get());  // the listener's address
+  const auto own = peer;  // seen from the accepting end: its own address
+  const auto own_client = transport::local_address(ours.client.get());
+
+  ::setenv("DEAR_TCP_CONGESTION", "system", 1);
+  EXPECT_EQ(transport::adopt_congestion_control(own, own_client), 0);
+
+  ::setenv("DEAR_TCP_CONGESTION", "reno", 1);  // every kernel has it, every user may pick it
+  // The accepting end's view: its own address is the listener's; the connecting end is the peer.
+  EXPECT_EQ(transport::adopt_congestion_control(own, own_client), 2)
+      << "the listener and the accepted connection";
+  EXPECT_EQ(congestion_of(ours.listener.get()), "reno");
+  EXPECT_EQ(congestion_of(ours.server.get()), "reno");
+  // The connecting end's view: the peer is the listener.
+  transport::SockAddr nowhere = transport::resolve("127.0.0.2", 1);
+  EXPECT_EQ(transport::adopt_congestion_control(nowhere, peer), 1) << "the connecting end";
+  EXPECT_EQ(congestion_of(ours.client.get()), "reno");
+  EXPECT_EQ(congestion_of(other.client.get()), before);
+  EXPECT_EQ(congestion_of(other.server.get()), before);
+  EXPECT_EQ(congestion_of(other.listener.get()), before);
+
+  // A connection the listener accepts afterwards has it from the start.
+  Fd late(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_EQ(::connect(late.get(), ours.listen_addr.get(), ours.listen_addr.len), 0);
+  Fd accepted(::accept(ours.listener.get(), nullptr, nullptr));
+  ASSERT_TRUE(accepted.valid());
+  EXPECT_EQ(congestion_of(accepted.get()), "reno");
+
+  // auto: only between ends on this host.
+  ::setenv("DEAR_TCP_CONGESTION", "auto", 1);
+  EXPECT_EQ(transport::adopt_congestion_control(other.listen_addr,
+                                                transport::resolve("192.0.2.77", 4000)),
+            0)
+      << "a peer on another host keeps the system's choice";
+  EXPECT_EQ(congestion_of(other.listener.get()), before);
+  EXPECT_GE(transport::adopt_congestion_control(other.listen_addr,
+                                                transport::local_address(other.client.get())),
+            2)
+      << "the listener and the accepted connection";
+  const std::string unpaced = congestion_of(other.server.get());
+  EXPECT_TRUE(unpaced == "cubic" || unpaced == "reno") << unpaced;
+  ::unsetenv("DEAR_TCP_CONGESTION");
+}
+
 TEST(Interface, LoopbackResolvesAndAnUnknownNameIsNamedInTheError) {
   EXPECT_EQ(interface_address("lo", 0), "127.0.0.1");
   try {

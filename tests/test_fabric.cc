@@ -4,6 +4,9 @@
 // collectives themselves are checked over fabric by the conformance suite (test_collectives.cc,
 // built once per provider).
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <array>
@@ -11,7 +14,10 @@
 #include <cctype>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <future>
+#include <map>
+#include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -413,6 +419,57 @@ TEST_P(FabricPath, CollectivesMatchTheReference) {
         }
       },
       o);
+}
+
+// The TCP sockets of this process, by inode, with the congestion control each runs.
+std::map<std::string, std::string> tcp_sockets() {
+  std::map<std::string, std::string> out;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end;
+       it.increment(ec)) {
+    std::error_code lec;
+    const std::string target = std::filesystem::read_symlink(it->path(), lec).string();
+    if (lec || target.rfind("socket:", 0) != 0) continue;
+    const int fd = std::stoi(it->path().filename().string());
+    int protocol = 0;
+    socklen_t len = sizeof(protocol);
+    if (::getsockopt(fd, SOL_SOCKET, SO_PROTOCOL, &protocol, &len) != 0 ||
+        protocol != IPPROTO_TCP) {
+      continue;
+    }
+    char name[32] = {};
+    len = sizeof(name);
+    if (::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) == 0) out[target] = name;
+  }
+  return out;
+}
+
+// Providers over TCP open their own sockets, which dear never creates: they still get dear's
+// congestion control (DEAR_TCP_CONGESTION; "reno" here, which every kernel has and every user
+// may pick), the listeners before they accept and the connections once they exist.
+TEST_P(FabricPath, ProviderSocketsTakeDearsCongestionControl) {
+  if (provider() == "shm") GTEST_SKIP() << "shm moves data through shared memory, not TCP";
+  const auto before = tcp_sockets();
+  std::map<std::string, std::string> during;
+  ::setenv("DEAR_TCP_CONGESTION", "reno", 1);
+  const int n = 3;
+  run_ranks(
+      n,
+      [&](Communicator& comm) {
+        expect_reduce_and_gather(comm, n, DataType::kFloat32, 100003, "float count 100003");
+        comm.barrier().wait();
+        if (comm.rank() == 0) {
+          for (const auto& [inode, cc] : tcp_sockets()) {
+            if (before.count(inode) == 0) during[inode] = cc;
+          }
+        }
+        comm.barrier().wait();
+      },
+      options());
+  ::unsetenv("DEAR_TCP_CONGESTION");
+  // A ring of three: three connections, both ends in this process, plus a listener per endpoint.
+  EXPECT_GE(during.size(), 2u * n) << "too few sockets to be the provider's";
+  for (const auto& [inode, cc] : during) EXPECT_EQ(cc, "reno") << inode;
 }
 
 // A rank that leaves in the middle: the others fail, naming it, in bounded time.

@@ -11,7 +11,11 @@
 #include <asio/ip/address.hpp>
 #include <asio/ip/tcp.hpp>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
+#include <filesystem>
+#include <string_view>
+#include <system_error>
 #include <thread>
 
 #include "common/env.h"
@@ -146,6 +150,78 @@ void choose_congestion_control(int fd, const SockAddr& addr) {
     return;
   }
   set_named_congestion(fd, wanted);
+}
+
+namespace {
+
+// The address bytes of an IPv4 or IPv6 socket address; empty for any other family.
+std::string_view ip_bytes(const SockAddr& a) {
+  if (a.family() == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(a.get());
+    return {reinterpret_cast<const char*>(&in->sin_addr), sizeof(in->sin_addr)};
+  }
+  if (a.family() == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(a.get());
+    return {reinterpret_cast<const char*>(&in6->sin6_addr), sizeof(in6->sin6_addr)};
+  }
+  return {};
+}
+
+bool same_endpoint(const SockAddr& a, const SockAddr& b) {
+  const std::string_view ip = ip_bytes(a);
+  return !ip.empty() && a.family() == b.family() && ip == ip_bytes(b) && a.port() == b.port();
+}
+
+bool is_tcp_stream(int fd) {
+  int type = 0;
+  int protocol = 0;
+  socklen_t len = sizeof(type);
+  if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM) return false;
+  len = sizeof(protocol);
+  return ::getsockopt(fd, SOL_SOCKET, SO_PROTOCOL, &protocol, &len) == 0 && protocol == IPPROTO_TCP;
+}
+
+// Whether socket `fd` is the listener at `own` or a connection between `own` and `peer` (the
+// connecting end sees `peer`, the accepting end `own`); never throws.
+bool joins(int fd, const SockAddr& own, const SockAddr& peer) {
+  if (!is_tcp_stream(fd)) return false;
+  SockAddr local;
+  local.len = sizeof(local.storage);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local.storage), &local.len) != 0) {
+    return false;
+  }
+  SockAddr remote;
+  remote.len = sizeof(remote.storage);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&remote.storage), &remote.len) != 0) {
+    int listening = 0;
+    socklen_t len = sizeof(listening);
+    return errno == ENOTCONN && same_endpoint(local, own) &&
+           ::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 && listening != 0;
+  }
+  return same_endpoint(local, own) || same_endpoint(remote, peer);
+}
+
+}  // namespace
+
+int adopt_congestion_control(const SockAddr& own, const SockAddr& peer) {
+  const std::string wanted = congestion_from_env();
+  if (wanted == "system" || ip_bytes(own).empty() || ip_bytes(peer).empty()) return 0;
+  // One host: a loopback address, or the same address at both ends (routed over loopback).
+  const bool on_host = is_loopback(peer) || ip_bytes(peer) == ip_bytes(own);
+  if (wanted == "auto" && !on_host) return 0;
+  std::error_code ec;
+  std::filesystem::directory_iterator it("/proc/self/fd", ec);
+  int changed = 0;
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    int fd = -1;
+    const auto [end, err] = std::from_chars(name.data(), name.data() + name.size(), fd);
+    if (err != std::errc() || end != name.data() + name.size() || !joins(fd, own, peer)) continue;
+    const bool set = wanted == "auto" ? set_congestion(fd, "cubic") || set_congestion(fd, "reno")
+                                      : set_congestion(fd, wanted);
+    if (set) ++changed;
+  }
+  return changed;
 }
 
 void check_congestion_control_env() {

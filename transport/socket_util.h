@@ -88,6 +88,15 @@ void choose_congestion_control(int fd, const SockAddr& addr);
 // Throws what choose_congestion_control() would for DEAR_TCP_CONGESTION, on a socket of its
 // own, so that a bad value fails before any connection.
 void check_congestion_control_env();
+// The same choice for the sockets of a library dear drives (libfabric's tcp and sockets
+// providers, which offer no option for it), found among this process's descriptors: the
+// listener at `own` and every TCP connection between `own` and `peer` (both "address:port").
+// Under "auto" only where both are on this host (a loopback address, or the same address at both
+// ends: a host's own address is routed over loopback). A connection that exists already keeps
+// the pacing its first algorithm asked for (BBR's), so a listener changed before it accepts
+// serves better. Returns how many sockets it changed; never throws (a socket the kernel refuses
+// to change keeps its own).
+int adopt_congestion_control(const SockAddr& own, const SockAddr& peer);
 
 void set_nonblocking(int fd, bool on = true);
 void set_nodelay(int fd);

@@ -239,6 +239,21 @@ Buf* own(std::vector<Buf>& bufs, void* ctx) {
 // A completion announcing a peer's write into this end's data slots, as opposed to the
 // completion of one of this end's own operations (which sockets also flags with
 // FI_REMOTE_CQ_DATA when the write carried data).
+// An endpoint name that is a socket address (providers over TCP: tcp;ofi_rxm, sockets), as one;
+// nullopt for any other format.
+std::optional<SockAddr> socket_address(const fi_info* info, const std::vector<char>& name) {
+  const bool is_socket = info->addr_format == FI_SOCKADDR || info->addr_format == FI_SOCKADDR_IN ||
+                         info->addr_format == FI_SOCKADDR_IN6;
+  if (!is_socket || name.size() < sizeof(sockaddr) || name.size() > sizeof(sockaddr_storage)) {
+    return std::nullopt;
+  }
+  SockAddr a;
+  std::memcpy(&a.storage, name.data(), name.size());
+  a.len = static_cast<socklen_t>(name.size());
+  if (a.family() != AF_INET && a.family() != AF_INET6) return std::nullopt;
+  return a;
+}
+
 bool peer_write(std::uint64_t flags) {
   return (flags & FI_REMOTE_CQ_DATA) != 0 &&
          ((flags & FI_REMOTE_WRITE) != 0 || (flags & (FI_WRITE | FI_SEND)) == 0);
@@ -435,6 +450,10 @@ class FabricChannel final : public Channel {
   char* slot_mem_ = nullptr;
   rma::SlotRegion remote_{};  // write data path: the peer's data slots
   fi_addr_t peer_addr_ = FI_ADDR_UNSPEC;
+  // Providers over TCP sockets (tcp;ofi_rxm, sockets): both endpoints' socket addresses, for
+  // giving the provider's connection dear's congestion control once it exists (at the first
+  // completion); empty once done, or for other providers.
+  std::vector<SockAddr> socket_ends_;
   int wait_fd_ = -1;  // the CQ's, owned by the provider; -1 when it has none
   Fd ready_fd_;       // always readable
   Fd timer_fd_;       // providers without a wait descriptor; one-shot, see kTimerPeriod
@@ -618,13 +637,20 @@ rma::SlotRegion FabricChannel::region() const {
 }
 
 void FabricChannel::set_peer(const char* name, std::size_t len, const rma::SlotRegion& region) {
-  (void)len;
   if (write_) {
     if (auto bad = rma::check_region(region, slot_bytes_, slots_, self_, peer_)) {
       throw Error(ErrorCode::kMismatch, *bad + " on " + describe(), self_, peer_, "create");
     }
     remote_ = region;
     remote_.key ^= corrupt_key_;
+  }
+  if (const auto own = socket_address(dom_->info.get(), this->name())) {
+    if (const auto other = socket_address(dom_->info.get(), std::vector<char>(name, name + len))) {
+      // The listener now, before it accepts; the connection the endpoint makes itself once it
+      // exists (see poll_cq).
+      (void)adopt_congestion_control(*own, *other);
+      socket_ends_ = {*own, *other};
+    }
   }
   const int n = fi_av_insert(dom_->av.get(), name, 1, &peer_addr_, 0, nullptr);
   if (n != 1) {
@@ -768,6 +794,11 @@ bool FabricChannel::poll_cq(RecvSink& sink) {
       }
     }
     if (static_cast<std::size_t>(n) < entries.size()) break;
+  }
+  if (moved && !socket_ends_.empty()) {
+    // The provider opens its connection on first use; a completion says it is there.
+    (void)adopt_congestion_control(socket_ends_[0], socket_ends_[1]);
+    socket_ends_.clear();
   }
   return moved;
 }
