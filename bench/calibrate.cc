@@ -74,6 +74,7 @@ CalibrateOptions calibrate_up_to(CalibrateOptions opts, std::size_t max_bytes) {
 
 CommOptions calibration_options(CommOptions options) {
   options.gather_reduce_max_bytes = 0;  // ring all-gathers at every size
+  options.halving_max_bytes = 0;
   options.cost_model_file.clear();
   options.alpha_us = 0;
   options.beta_us_per_byte = 0;

@@ -373,6 +373,7 @@ int run(int argc, char** argv) {
                       {"slice_bytes", used.slice_bytes},
                       {"algorithm", algo},
                       {"gather_reduce_max_bytes", used.gather_reduce_max_bytes},
+                      {"halving_max_bytes", used.halving_max_bytes},
                       {"cost_model", used.cost_model_file}};
   config.info.meta["device"] = device;
   if (device == "cuda") {

@@ -616,7 +616,8 @@ class CommunicatorImpl final : public Communicator {
     const std::size_t el = dtype_size(dtype);
     if (!model_) {
       return collectives::select_schedule(kind, a, count * el, el, g, nullptr,
-                                          options_.gather_reduce_max_bytes);
+                                          options_.gather_reduce_max_bytes,
+                                          options_.halving_max_bytes);
     }
     // With a model the choice plans and predicts every candidate (about a microsecond, which
     // on an oversubscribed host is a fifth of a small all_reduce); training repeats a few
@@ -704,6 +705,7 @@ CommOptions apply_env(CommOptions options) {
   if (auto v = env::get_bytes("DEAR_EAGER_BYTES")) options.eager_bytes = *v;
   if (auto v = env::get_int("DEAR_SPIN_US", 0, 1000000)) options.spin_us = static_cast<int>(*v);
   if (auto v = env::get_bytes("DEAR_SMALL_BYTES")) options.gather_reduce_max_bytes = *v;
+  if (auto v = env::get_bytes("DEAR_MEDIUM_BYTES")) options.halving_max_bytes = *v;
   if (auto v = env::get("DEAR_TRANSPORT")) options.transport = *v;
   if (auto v = env::get("DEAR_FABRIC_PROVIDER")) options.fabric_provider = *v;
   if (auto v = env::get_bytes("DEAR_FABRIC_SLOT_BYTES")) options.fabric_slot_bytes = *v;

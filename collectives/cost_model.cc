@@ -190,7 +190,7 @@ double predict_us(const CostModel& m, OpKind kind, Schedule schedule, std::size_
 
 Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, std::size_t el,
                          const ModelGeometry& g, const CostModel* model,
-                         std::size_t threshold_bytes) {
+                         std::size_t threshold_bytes, std::size_t medium_bytes) {
   const int n = std::max(g.nranks, 1);
   std::vector<Schedule> candidates{Schedule::kRing};
   std::size_t total = bytes;  // what the threshold compares: the operation's whole buffer
@@ -238,7 +238,17 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
     }
     if (n >= 8) small = log_small;
   }
-  if (model == nullptr) return total <= threshold_bytes ? small : Schedule::kRing;
+  if (model == nullptr) {
+    if (total <= threshold_bytes) return small;
+    // Medium all_reduces: from 4 ranks on, halving + doubling's 2 log2(N) steps beat the
+    // ring's 2(N - 1) where each ring step is short (measured on loopback, see the README).
+    // Its messages are at most half the operation (the whole of it where ranks beyond a power
+    // of two fold in), so at the default 1 MiB a step holds a link about as long as one or two
+    // of the ring's default slices.
+    const bool medium =
+        kind == OpKind::kAllReduce && g.log_steps && n >= 4 && total <= medium_bytes;
+    return medium ? Schedule::kHalvingDoubling : Schedule::kRing;
+  }
   Schedule best = Schedule::kRing;
   double best_us = 0;
   double ring_us = 0;

@@ -145,10 +145,13 @@ struct SchedulePlan {
 // unless the ring's is within model->ring_margin of it (then the ring); without one (model ==
 // nullptr), a threshold: the small schedule while the operation's total bytes are <=
 // threshold_bytes (below 8 ranks, or without log steps, the ring's two-way gather; from 8 ranks on,
-// the tree for all_reduce, recursive doubling for all_gather and halving for reduce_scatter).
+// the tree for all_reduce, recursive doubling for all_gather and halving for reduce_scatter),
+// then, for all_reduce from 4 ranks on with log steps, halving + doubling while they are
+// <= medium_bytes, the ring above.
 [[nodiscard]] Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes,
                                        std::size_t el, const ModelGeometry& g,
-                                       const CostModel* model, std::size_t threshold_bytes);
+                                       const CostModel* model, std::size_t threshold_bytes,
+                                       std::size_t medium_bytes = 0);
 
 // Least-squares fit of step_us = alpha * slices + beta * bytes, weighted by 1/step_us^2 so
 // that every point counts by its relative error (small steps are not drowned by large ones).

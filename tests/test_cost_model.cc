@@ -448,6 +448,57 @@ TEST(CostModelSelect, WithoutModelKeepsTheThreshold) {
       Schedule::kRing);
 }
 
+TEST(CostModelSelect, WithoutModelMediumAllReducesHalveAndDoubleFromFourRanks) {
+  constexpr std::size_t kSmall = 16384;
+  constexpr std::size_t kMedium = 1 << 20;
+  ModelGeometry g = geometry(4);
+  g.log_steps = true;
+  // Up to the small threshold the small schedule, then halving + doubling up to the medium one
+  // (inclusive), then the ring.
+  EXPECT_EQ(
+      select_schedule(OpKind::kAllReduce, Algorithm::kAuto, kSmall, 4, g, nullptr, kSmall, kMedium),
+      Schedule::kGatherReduce);
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, kSmall + 4, 4, g, nullptr, kSmall,
+                            kMedium),
+            Schedule::kHalvingDoubling);
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, kMedium, 4, g, nullptr, kSmall,
+                            kMedium),
+            Schedule::kHalvingDoubling);
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, kMedium + 4, 4, g, nullptr,
+                            kSmall, kMedium),
+            Schedule::kRing);
+  // A forced ring, 0 as the medium threshold, other collectives, fewer than 4 ranks and a
+  // communicator without mesh links keep the ring.
+  EXPECT_EQ(
+      select_schedule(OpKind::kAllReduce, Algorithm::kRing, 65536, 4, g, nullptr, kSmall, kMedium),
+      Schedule::kRing);
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 65536, 4, g, nullptr, kSmall, 0),
+            Schedule::kRing);
+  EXPECT_EQ(select_schedule(OpKind::kReduceScatter, Algorithm::kAuto, 65536, 4, g, nullptr, kSmall,
+                            kMedium),
+            Schedule::kRing);
+  EXPECT_EQ(
+      select_schedule(OpKind::kAllGather, Algorithm::kAuto, 65536, 4, g, nullptr, kSmall, kMedium),
+      Schedule::kRing);
+  ModelGeometry three = geometry(3);
+  three.log_steps = true;
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 65536, 4, three, nullptr, kSmall,
+                            kMedium),
+            Schedule::kRing);
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 65536, 4, geometry(8), nullptr,
+                            kSmall, kMedium),
+            Schedule::kRing);
+  // From 8 ranks the tree below the small threshold, halving + doubling above it.
+  g = geometry(8);
+  g.log_steps = true;
+  EXPECT_EQ(
+      select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, g, nullptr, kSmall, kMedium),
+      Schedule::kTree);
+  EXPECT_EQ(
+      select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 65536, 4, g, nullptr, kSmall, kMedium),
+      Schedule::kHalvingDoubling);
+}
+
 TEST(CostModelFile, JsonRoundTrip) {
   CostModel m = synthetic(9.25, 0.00125, 0.02);
   fit_alpha_beta(m);

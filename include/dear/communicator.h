@@ -92,10 +92,16 @@ struct CommOptions {
   // transport "verbs": GID table index; -1 = automatic (RoCE v2 with an IPv4 address)
   // (DEAR_IB_GID_INDEX).
   int ib_gid_index = -1;
-  // kAuto picks kGatherReduce for all_reduce up to this many bytes, kRing above (DEAR_ALGO
-  // forces one; DEAR_SMALL_BYTES overrides the threshold).
+  // kAuto picks kGatherReduce for all_reduce up to this many bytes, kRing (or, below
+  // halving_max_bytes, kHalvingDoubling) above (DEAR_ALGO forces one; DEAR_SMALL_BYTES
+  // overrides the threshold).
   Algorithm algorithm = Algorithm::kAuto;
   std::size_t gather_reduce_max_bytes = 16 * 1024;
+  // Without a cost model, from 4 ranks on and where the communicator has its mesh links, kAuto
+  // runs all_reduce above gather_reduce_max_bytes and up to this many bytes as recursive
+  // halving + doubling, the ring above; 0 = the ring from gather_reduce_max_bytes on
+  // (DEAR_MEDIUM_BYTES).
+  std::size_t halving_max_bytes = 1024 * 1024;
   // A calibrated alpha-beta cost model (`dear-bench --calibrate --json FILE`) replaces that
   // threshold: kAuto then runs the schedule with the lowest predicted time (all_reduce: ring or
   // gather_reduce; all_gather: ring or both directions). A file (DEAR_COST_MODEL), or the
@@ -120,7 +126,8 @@ struct CommOptions {
 };
 
 // `options` with the DEAR_* environment overrides applied (DEAR_CHANNELS, DEAR_SLICE_BYTES,
-// DEAR_TIMEOUT, DEAR_EAGER_BYTES, DEAR_SMALL_BYTES, DEAR_SPIN_US, DEAR_TRANSPORT,
+// DEAR_TIMEOUT, DEAR_EAGER_BYTES, DEAR_SMALL_BYTES,
+// DEAR_MEDIUM_BYTES, DEAR_SPIN_US, DEAR_TRANSPORT,
 // DEAR_FABRIC_PROVIDER, DEAR_IB_DEVICE, DEAR_IB_GID_INDEX, DEAR_ALGO, DEAR_COST_MODEL). Throws
 // dear::Error(kInvalidArgument) naming a variable whose value is malformed.
 [[nodiscard]] CommOptions apply_env(CommOptions options);
