@@ -374,10 +374,12 @@ class CommunicatorImpl final : public Communicator {
                    std::vector<std::unique_ptr<transport::Channel>>& mesh) {
     namespace tr = transport;
     const std::string host = bootstrap_->advertise_host();
-    tr::Fd listener = tr::listen_on(tr::resolve(host, 0));
+    // The listeners listen once the peers' addresses are known (their congestion control
+    // depends on them); a peer that connects sooner is refused and tries again.
+    tr::Fd listener = tr::bind_unlistened(tr::resolve(host, 0));
     // The mesh has a listener of its own: a rank still accepting its ring links must not be
     // offered a mesh connection it would take for a stranger.
-    tr::Fd mesh_listener = tr::listen_on(tr::resolve(host, 0));
+    tr::Fd mesh_listener = tr::bind_unlistened(tr::resolve(host, 0));
     AddressRecord mine{};
     std::snprintf(mine.host, sizeof(mine.host), "%s", host.c_str());
     mine.port = tr::local_address(listener.get()).port();
@@ -401,6 +403,16 @@ class CommunicatorImpl final : public Communicator {
     const std::uint64_t tag = all[0].tag;
     const int next = (rank_ + 1) % size_;
     const int prev = (rank_ - 1 + size_) % size_;
+    const auto address_of = [&](int r) {
+      const auto& rec = all[static_cast<std::size_t>(r)];
+      return tr::resolve(rec.host, 0);
+    };
+    tr::listen_for(listener.get(), {address_of(prev)});
+    std::vector<tr::SockAddr> lower_addresses;
+    for (int p : mesh_peers) {
+      if (p < rank_) lower_addresses.push_back(address_of(p));
+    }
+    tr::listen_for(mesh_listener.get(), lower_addresses);
     const auto& n = all[static_cast<std::size_t>(next)];
     to_next = tr::tcp::connect_link(tr::resolve(n.host, n.port), rank_, next, options_.channels,
                                     bootstrap_->id().secret.data(), tag, deadline);

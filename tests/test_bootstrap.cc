@@ -2,7 +2,9 @@
 // and a client with the wrong secret must not stop a job from forming, another job on the same
 // address must not join it, wrong secrets are logged, and the secret never appears in any log
 // or error text. The handshake itself (transport/auth.h) is checked for replay and tampering.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <ifaddrs.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -528,6 +530,70 @@ TEST(CongestionControl, LoopbackConnectionsRunUnpacedByDefault) {
     EXPECT_EQ(client, want) << (value ? value : "unset");
     EXPECT_EQ(server, want) << (value ? value : "unset");
   }
+}
+
+// The IPv4 addresses of this host's interfaces other than loopback, as text.
+std::vector<std::string> non_loopback_ipv4() {
+  std::vector<std::string> out;
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return out;
+  for (const ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    const auto* in = reinterpret_cast<const sockaddr_in*>(i->ifa_addr);
+    if ((ntohl(in->sin_addr.s_addr) >> 24) == 127) continue;
+    if (::inet_ntop(AF_INET, &in->sin_addr, text, sizeof(text)) != nullptr) out.emplace_back(text);
+  }
+  ::freeifaddrs(list);
+  return out;
+}
+
+// A host's own non-loopback address is routed over loopback too: connections to it, and a
+// listener whose peers all have such addresses, run unpaced; a listener expecting a peer of
+// another host keeps the system's choice.
+TEST(CongestionControl, ConnectionsToThisHostsOwnAddressesRunUnpaced) {
+  const auto own = non_loopback_ipv4();
+  if (own.empty()) GTEST_SKIP() << "this host has no IPv4 address other than loopback";
+  const std::string elsewhere = "203.0.113.9";  // TEST-NET-3, never this host's
+  if (std::find(own.begin(), own.end(), elsewhere) != own.end()) {
+    GTEST_SKIP() << "this host holds " << elsewhere;
+  }
+  EXPECT_TRUE(transport::on_this_host(transport::resolve(own[0], 0)));
+  EXPECT_TRUE(transport::on_this_host(transport::resolve("127.0.0.1", 0)));
+  EXPECT_TRUE(transport::on_this_host(transport::resolve("::1", 0)));
+  EXPECT_FALSE(transport::on_this_host(transport::resolve(elsewhere, 0)));
+
+  const auto available = words_of_file("/proc/sys/net/ipv4/tcp_available_congestion_control");
+  const auto allowed = words_of_file("/proc/sys/net/ipv4/tcp_allowed_congestion_control");
+  const bool cubic =
+      has_word(available, "cubic") && (has_word(allowed, "cubic") || ::geteuid() == 0);
+  const std::string unpaced = cubic ? "cubic" : "reno";
+  const auto system = words_of_file("/proc/sys/net/ipv4/tcp_congestion_control");
+  ASSERT_EQ(system.size(), 1u);
+  ::unsetenv("DEAR_TCP_CONGESTION");
+  const auto deadline = transport::deadline_after(std::chrono::seconds(10));
+  for (const bool peers_here : {true, false}) {
+    Fd listener = transport::bind_unlistened(transport::resolve(own[0], 0));
+    const auto addr = transport::local_address(listener.get());
+    transport::listen_for(listener.get(), {transport::resolve(peers_here ? own[0] : elsewhere, 0)});
+    Fd client = transport::connect_with_retry(addr, deadline, "test");
+    Fd server = transport::accept_until(listener.get(), deadline);
+    ASSERT_TRUE(server.valid());
+    EXPECT_EQ(congestion_of(client.get()), unpaced) << "the connecting end";
+    EXPECT_EQ(congestion_of(server.get()), peers_here ? unpaced : system[0])
+        << (peers_here ? "peers on this host" : "a peer elsewhere");
+  }
+  // A listener that does not listen yet refuses; connect_with_retry tries until it listens.
+  Fd late = transport::bind_unlistened(transport::resolve("127.0.0.1", 0));
+  const auto late_addr = transport::local_address(late.get());
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    transport::listen_for(late.get(), {transport::resolve("127.0.0.1", 0)});
+  });
+  Fd client = transport::connect_with_retry(late_addr, deadline, "test");
+  opener.join();
+  EXPECT_TRUE(client.valid());
+  EXPECT_TRUE(transport::accept_until(late.get(), deadline).valid());
 }
 
 TEST(CongestionControl, SystemAndNamedValues) {

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -140,18 +141,6 @@ std::string congestion_from_env() {
 
 }  // namespace
 
-void choose_congestion_control(int fd, const SockAddr& addr) {
-  const std::string wanted = congestion_from_env();
-  if (wanted == "system") return;
-  if (wanted == "auto") {
-    // The kernel refuses an algorithm this process may not pick (not in
-    // net.ipv4.tcp_allowed_congestion_control, without CAP_NET_ADMIN); reno always may be.
-    if (is_loopback(addr) && !set_congestion(fd, "cubic")) set_congestion(fd, "reno");
-    return;
-  }
-  set_named_congestion(fd, wanted);
-}
-
 namespace {
 
 // The address bytes of an IPv4 or IPv6 socket address; empty for any other family.
@@ -166,6 +155,45 @@ std::string_view ip_bytes(const SockAddr& a) {
   }
   return {};
 }
+
+// Sets DEAR_TCP_CONGESTION's choice on `fd`; under "auto" the unpaced one only when `on_host`.
+void apply_congestion_control(int fd, bool on_host) {
+  const std::string wanted = congestion_from_env();
+  if (wanted == "system") return;
+  if (wanted == "auto") {
+    // The kernel refuses an algorithm this process may not pick (not in
+    // net.ipv4.tcp_allowed_congestion_control, without CAP_NET_ADMIN); reno always may be.
+    if (on_host && !set_congestion(fd, "cubic")) set_congestion(fd, "reno");
+    return;
+  }
+  set_named_congestion(fd, wanted);
+}
+
+}  // namespace
+
+bool on_this_host(const SockAddr& addr) {
+  if (is_loopback(addr)) return true;
+  const std::string_view ip = ip_bytes(addr);
+  if (ip.empty()) return false;
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return false;
+  bool found = false;
+  for (const ifaddrs* i = list; i != nullptr && !found; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != addr.family()) continue;
+    SockAddr own;
+    own.len = addr.family() == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+    std::memcpy(&own.storage, i->ifa_addr, own.len);
+    found = ip_bytes(own) == ip;
+  }
+  ::freeifaddrs(list);
+  return found;
+}
+
+void choose_congestion_control(int fd, const SockAddr& peer) {
+  apply_congestion_control(fd, on_this_host(peer));
+}
+
+namespace {
 
 bool same_endpoint(const SockAddr& a, const SockAddr& b) {
   const std::string_view ip = ip_bytes(a);
@@ -206,8 +234,9 @@ bool joins(int fd, const SockAddr& own, const SockAddr& peer) {
 int adopt_congestion_control(const SockAddr& own, const SockAddr& peer) {
   const std::string wanted = congestion_from_env();
   if (wanted == "system" || ip_bytes(own).empty() || ip_bytes(peer).empty()) return 0;
-  // One host: a loopback address, or the same address at both ends (routed over loopback).
-  const bool on_host = is_loopback(peer) || ip_bytes(peer) == ip_bytes(own);
+  // One host: a loopback address, the same address at both ends or another of this host's
+  // (routed over loopback).
+  const bool on_host = ip_bytes(peer) == ip_bytes(own) || on_this_host(peer);
   if (wanted == "auto" && !on_host) return 0;
   std::error_code ec;
   std::filesystem::directory_iterator it("/proc/self/fd", ec);
@@ -232,17 +261,28 @@ void check_congestion_control_env() {
   set_named_congestion(probe.get(), wanted);
 }
 
-Fd listen_on(const SockAddr& addr, int backlog) {
+Fd bind_unlistened(const SockAddr& addr) {
   Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) throw_errno("socket", errno);
   const int one = 1;
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  // Accepted connections inherit the listener's choice.
-  choose_congestion_control(fd.get(), addr);
   if (::bind(fd.get(), addr.get(), addr.len) != 0) {
     throw Error(ErrorCode::kBootstrap,
                 "cannot listen on " + addr.to_string() + ": " + std::strerror(errno));
   }
+  return fd;
+}
+
+void listen_for(int fd, const std::vector<SockAddr>& peers, int backlog) {
+  // Accepted connections inherit the listener's choice, made before any can arrive.
+  apply_congestion_control(fd, std::all_of(peers.begin(), peers.end(), on_this_host));
+  if (::listen(fd, backlog) != 0) throw_errno("listen on " + local_address(fd).to_string(), errno);
+}
+
+Fd listen_on(const SockAddr& addr, int backlog) {
+  Fd fd = bind_unlistened(addr);
+  // A listener on a loopback address is reached from this host only.
+  apply_congestion_control(fd.get(), is_loopback(addr));
   if (::listen(fd.get(), backlog) != 0) throw_errno("listen on " + addr.to_string(), errno);
   return fd;
 }

@@ -62,8 +62,19 @@ struct SockAddr {
 // Resolves a numeric address or a host name (first result). Throws kInvalidArgument.
 [[nodiscard]] SockAddr resolve(const std::string& host, std::uint16_t port);
 
-// A listening socket bound to addr (port 0 = any); SO_REUSEADDR set.
+// A listening socket bound to addr (port 0 = any); SO_REUSEADDR set. Its congestion control
+// (below) counts the peers as on this host when addr is a loopback address.
 [[nodiscard]] Fd listen_on(const SockAddr& addr, int backlog = 128);
+// The same in two steps, for a listener whose peers are known only once its port has been
+// advertised: a socket bound to addr that does not listen yet (a peer connecting now is
+// refused, and connect_with_retry tries again), then listen_for() once the addresses of the
+// peers that will connect (`peers`, any port) are known. Under DEAR_TCP_CONGESTION=auto the
+// accepted connections get the unpaced algorithm when every one of them is on this host.
+[[nodiscard]] Fd bind_unlistened(const SockAddr& addr);
+void listen_for(int fd, const std::vector<SockAddr>& peers, int backlog = 128);
+// Whether addr is one of this host's: a loopback address or an address of one of its
+// interfaces (traffic to it is routed over loopback). False when the interfaces cannot be read.
+[[nodiscard]] bool on_this_host(const SockAddr& addr);
 [[nodiscard]] SockAddr local_address(int fd);
 [[nodiscard]] SockAddr peer_address(int fd);
 
@@ -76,24 +87,25 @@ struct SockAddr {
 
 // The TCP congestion control of a socket dear connects or listens with, set before the
 // connection exists (DEAR_TCP_CONGESTION):
-// - unset or "auto": on a loopback address (127.0.0.0/8, ::1) an unpaced algorithm, "cubic"
-//   where the kernel lets this process choose it, else "reno"; elsewhere the system's. A host
+// - unset or "auto": to an address of this host (on_this_host: 127.0.0.0/8, ::1, or one of
+//   its interfaces' addresses) an unpaced algorithm, "cubic" where the kernel lets this
+//   process choose it, else "reno"; elsewhere the system's. A host
 //   whose default is a pacing algorithm (BBR) sends a loopback burst of more than a few
 //   segments from pacing timers, out of order, and the receiver's D-SACKs then undo spurious
 //   retransmissions (README, "Configuration"); nothing queues on loopback for pacing to spare.
 // - "system": the system's default everywhere;
 // - a name ("cubic", "bbr", ...): that one on every connection; throws kInvalidArgument naming
 //   the variable when the kernel refuses it.
-void choose_congestion_control(int fd, const SockAddr& addr);
+void choose_congestion_control(int fd, const SockAddr& peer);
 // Throws what choose_congestion_control() would for DEAR_TCP_CONGESTION, on a socket of its
 // own, so that a bad value fails before any connection.
 void check_congestion_control_env();
 // The same choice for the sockets of a library dear drives (libfabric's tcp and sockets
 // providers, which offer no option for it), found among this process's descriptors: the
 // listener at `own` and every TCP connection between `own` and `peer` (both "address:port").
-// Under "auto" only where both are on this host (a loopback address, or the same address at both
-// ends: a host's own address is routed over loopback). A connection that exists already keeps
-// the pacing its first algorithm asked for (BBR's), so a listener changed before it accepts
+// Under "auto" only where both are on this host (the same address at both ends, or `peer` on
+// this host: a host's own addresses are routed over loopback). A connection that exists already
+// keeps the pacing its first algorithm asked for (BBR's), so a listener changed before it accepts
 // serves better. Returns how many sockets it changed; never throws (a socket the kernel refuses
 // to change keeps its own).
 int adopt_congestion_control(const SockAddr& own, const SockAddr& peer);
