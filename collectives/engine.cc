@@ -713,7 +713,8 @@ bool Engine::advance_log_steps(Op& op) {
       h.index = static_cast<std::uint32_t>(s.tag);
       h.root = op.root;
       h.count = op.user_count;
-      if (!ch.try_send(h, op.work + s.send_offset, (op.seq << 8) | k)) break;
+      const char* src = work_source(op, s.send_offset, s.send_bytes);
+      if (!ch.try_send(h, src, (op.seq << 8) | k)) break;
       st |= Op::kStepSent;
       ++op.sends_in_flight;
       moved = true;
@@ -723,14 +724,17 @@ bool Engine::advance_log_steps(Op& op) {
       if (s.wait_send && (st & Op::kStepSendDone) == 0) break;
       if (s.reduce) {
         char* dst = op.work + s.recv_offset;
+        const char* mine = work_source(op, s.recv_offset, s.recv_bytes);
         const char* operand = op.stage + s.stage_offset;
         const std::size_t n = s.recv_bytes / op.el;
         if (s.final) {
-          reduce_final(dst, dst, operand, n, op.dtype, op.redop, op.nranks);
+          reduce_final(dst, mine, operand, n, op.dtype, op.redop, op.nranks);
         } else {
-          reduce(dst, dst, operand, n, op.dtype, op.redop);
+          reduce(dst, mine, operand, n, op.dtype, op.redop);
         }
       }
+      // A copied receive wrote its range when it arrived; no earlier step touches it.
+      work_written(op, s.recv_offset, s.recv_bytes);
     }
     ++op.step_next;
     moved = true;

@@ -317,10 +317,12 @@ void copy_or_defer(Op& op, char* to, const char* from, std::size_t bytes) {
 void start_local(Op& op) {
   const std::size_t block = op.user_count * op.el;
   if (is_log_step(op.schedule)) {
-    // Steps read and reduce in the work buffer: it starts as the input.
-    if (op.kind == OpKind::kAllReduce && op.out != op.in && block > 0) {
-      std::memcpy(op.out, op.in, block);
-    }
+    // Steps read and reduce in the work buffer: it starts as the input, which the steps read
+    // from where they have not written yet (work_source), so the first ones need no copy.
+    op.input_in_place = op.kind == OpKind::kAllReduce && op.out != op.in && block > 0 &&
+                        !op.log.work_is_scratch && op.work == op.out;
+    op.written.clear();
+    if (op.input_in_place) op.written.reserve(op.log.steps.size() + 1);
     if (op.log.work_is_scratch && op.log.work_bytes > 0) {
       std::memcpy(op.work, op.in, op.log.work_bytes);
     }
@@ -356,8 +358,70 @@ bool copy_piece(Op& op, std::size_t max_bytes) {
   return true;
 }
 
+namespace {
+
+// Whether any / every byte of [lo, hi) is in op.written.
+struct Coverage {
+  bool any = false;
+  bool all = false;
+};
+Coverage coverage(const Op& op, std::size_t lo, std::size_t hi) {
+  std::size_t covered = 0;
+  for (const auto& [b, e] : op.written) {
+    const std::size_t from = std::max(b, lo);
+    const std::size_t to = std::min(e, hi);
+    if (from < to) covered += to - from;
+  }
+  return {covered > 0, covered == hi - lo};
+}
+
+// Copies from the input the parts of [offset, offset + bytes) of the work buffer that no step
+// has written, and records the whole range as written.
+void fill_from_input(Op& op, std::size_t offset, std::size_t bytes) {
+  const std::size_t hi = offset + bytes;
+  std::size_t at = offset;
+  for (const auto& [b, e] : op.written) {
+    if (e <= at) continue;
+    if (b >= hi) break;
+    if (b > at) std::memcpy(op.work + at, op.in + at, b - at);
+    at = std::max(at, e);
+  }
+  if (at < hi) std::memcpy(op.work + at, op.in + at, hi - at);
+  work_written(op, offset, bytes);
+}
+
+}  // namespace
+
+const char* work_source(Op& op, std::size_t offset, std::size_t bytes) {
+  if (!op.input_in_place || bytes == 0) return op.work + offset;
+  const Coverage c = coverage(op, offset, offset + bytes);
+  if (!c.any) return op.in + offset;
+  if (!c.all) fill_from_input(op, offset, bytes);
+  return op.work + offset;
+}
+
+void work_written(Op& op, std::size_t offset, std::size_t bytes) {
+  if (!op.input_in_place || bytes == 0) return;
+  std::size_t lo = offset;
+  std::size_t hi = offset + bytes;
+  auto& w = op.written;
+  // Merge with every range that overlaps or touches [lo, hi).
+  auto first = std::lower_bound(w.begin(), w.end(), lo,
+                                [](const auto& r, std::size_t v) { return r.second < v; });
+  auto last = first;
+  while (last != w.end() && last->first <= hi) {
+    lo = std::min(lo, last->first);
+    hi = std::max(hi, last->second);
+    ++last;
+  }
+  first = w.erase(first, last);
+  w.insert(first, {lo, hi});
+}
+
 void finish_local(Op& op) {
   copy_piece(op, op.copy_left);
+  // Bytes no step wrote (none in dear's schedules) still hold the input's value.
+  if (op.input_in_place) fill_from_input(op, 0, op.user_count * op.el);
   if (op.log.work_is_scratch) {
     const std::size_t block = op.user_count * op.el;
     if (block > 0) {

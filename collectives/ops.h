@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dear/communicator.h"
@@ -153,6 +154,13 @@ struct Op {
   const char* copy_from = nullptr;
   char* copy_to = nullptr;
   std::size_t copy_left = 0;
+  // An out-of-place log-step all_reduce's work buffer (its output) starts as the input without
+  // a copy of its own: a step sends from the input where the work buffer does not yet hold
+  // the bytes it sends, and reduces input and operand into it (work_source, work_written).
+  // `written` lists the byte ranges of the work buffer that hold their value, as
+  // [begin, end) pairs, sorted and disjoint.
+  bool input_in_place = false;
+  std::vector<std::pair<std::size_t, std::size_t>> written;
 
   [[nodiscard]] std::uint32_t messages_sent_per_channel(int dir) const {
     return static_cast<std::uint32_t>(send_steps[static_cast<std::size_t>(dir)] * slices);
@@ -218,5 +226,13 @@ void start_local(Op& op);
 void finish_local(Op& op);
 // Makes up to `max_bytes` of the operation's deferred copy; false when none is left.
 bool copy_piece(Op& op, std::size_t max_bytes);
+
+// Log-step work buffer (Op::input_in_place): where bytes [offset, offset + bytes) of the work
+// buffer are to be read from: the input where none of them is written yet, else the work
+// buffer, after copying in from the input whatever part of them is not. Without
+// input_in_place, the work buffer.
+[[nodiscard]] const char* work_source(Op& op, std::size_t offset, std::size_t bytes);
+// Records that [offset, offset + bytes) of the work buffer now holds its value.
+void work_written(Op& op, std::size_t offset, std::size_t bytes);
 
 }  // namespace dear::collectives

@@ -330,9 +330,9 @@ TEST(CostModelFit, ScheduleFitRecoversAlphaAndScale) {
   for (const double bytes : {8.0, 4096.0, 65536.0, 1048576.0}) {
     const auto b = static_cast<std::size_t>(bytes);
     // Tree on 8 ranks, along rank 0: 3 reduce steps, 3 broadcast steps, each moving the whole
-    // vector; a reduce step stages its operand and reduces it (2 passes), and the input is
-    // copied to the output once.
-    const double band = 6 * bytes * m.beta_us_per_byte + (3 * 2 + 1) * bytes * m.reduce_us_per_byte;
+    // vector; a reduce step stages its operand and reduces it (2 passes); the input is read
+    // where the output is not yet written, never copied.
+    const double band = 6 * bytes * m.beta_us_per_byte + 3 * 2 * bytes * m.reduce_us_per_byte;
     ASSERT_NEAR(bandwidth_us(m, OpKind::kAllReduce, Schedule::kTree, b, 4, g), band,
                 1e-9 * band + 1e-12);
     ScheduleSample s;

@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "collectives/ops.h"
 #include "collectives/steps.h"
 
 namespace dear::collectives {
@@ -233,6 +234,51 @@ TEST(LogStepSchedules, EveryKindRankCountAndSizeUnderRandomInterleavings) {
       }
     }
   }
+}
+
+// An out-of-place log-step all_reduce reads its input where the work buffer (its output) has
+// not been written yet, and copies in only the gaps of a range it reads in part.
+TEST(LogStepWorkBuffer, StartsAsTheInputWithoutACopy) {
+  std::vector<char> in(64);
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = static_cast<char>(i + 1);
+  std::vector<char> out(64, 0);
+  Op op;
+  op.kind = OpKind::kAllReduce;
+  op.in = in.data();
+  op.out = out.data();
+  op.work = out.data();
+  op.input_in_place = true;
+
+  EXPECT_EQ(work_source(op, 0, 16), in.data()) << "nothing written: read the input";
+  EXPECT_EQ(work_source(op, 16, 0), out.data() + 16) << "an empty range";
+  EXPECT_TRUE(op.written.empty());
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](char c) { return c == 0; }));
+
+  std::fill(out.begin() + 8, out.begin() + 16, static_cast<char>(-1));  // a step wrote these
+  work_written(op, 8, 8);
+  EXPECT_EQ(work_source(op, 8, 8), out.data() + 8) << "all written: read the work buffer";
+  EXPECT_EQ(work_source(op, 0, 32), out.data()) << "in part: fill the gaps, then the buffer";
+  for (std::size_t i = 0; i < 32; ++i) {
+    const char want = i >= 8 && i < 16 ? static_cast<char>(-1) : in[i];
+    EXPECT_EQ(out[i], want) << "byte " << i;
+  }
+  EXPECT_EQ(out[32], 0) << "beyond the range: untouched";
+  using Ranges = std::vector<std::pair<std::size_t, std::size_t>>;
+  EXPECT_EQ(op.written, (Ranges{{0, 32}}));
+
+  work_written(op, 48, 8);
+  work_written(op, 40, 8);  // touches [48, 56): merged
+  EXPECT_EQ(op.written, (Ranges{{0, 32}, {40, 56}}));
+  work_written(op, 60, 2);
+  work_written(op, 30, 12);  // overlaps two ranges: one
+  EXPECT_EQ(op.written, (Ranges{{0, 56}, {60, 62}}));
+
+  Op plain;
+  plain.in = in.data();
+  plain.work = out.data();
+  EXPECT_EQ(work_source(plain, 4, 4), out.data() + 4) << "without input_in_place";
+  work_written(plain, 0, 8);
+  EXPECT_TRUE(plain.written.empty());
 }
 
 TEST(LogStepSchedules, StepCountsAreLogarithmic) {
