@@ -156,14 +156,21 @@ std::string_view ip_bytes(const SockAddr& a) {
   return {};
 }
 
+// Sets `wanted` (not "system") on `fd`: for "auto" the unpaced algorithm; false when the kernel
+// refuses it. The kernel refuses an algorithm this process may not pick (not in
+// net.ipv4.tcp_allowed_congestion_control, without CAP_NET_ADMIN); reno always may be.
+bool set_choice(int fd, const std::string& wanted) {
+  if (wanted != "auto") return set_congestion(fd, wanted);
+  return set_congestion(fd, "cubic") || set_congestion(fd, "reno");
+}
+
 // Sets DEAR_TCP_CONGESTION's choice on `fd`; under "auto" the unpaced one only when `on_host`.
+// Throws when the kernel refuses a named one.
 void apply_congestion_control(int fd, bool on_host) {
   const std::string wanted = congestion_from_env();
   if (wanted == "system") return;
   if (wanted == "auto") {
-    // The kernel refuses an algorithm this process may not pick (not in
-    // net.ipv4.tcp_allowed_congestion_control, without CAP_NET_ADMIN); reno always may be.
-    if (on_host && !set_congestion(fd, "cubic")) set_congestion(fd, "reno");
+    if (on_host) (void)set_choice(fd, wanted);
     return;
   }
   set_named_congestion(fd, wanted);
@@ -187,10 +194,6 @@ bool on_this_host(const SockAddr& addr) {
   }
   ::freeifaddrs(list);
   return found;
-}
-
-void choose_congestion_control(int fd, const SockAddr& peer) {
-  apply_congestion_control(fd, on_this_host(peer));
 }
 
 namespace {
@@ -234,10 +237,8 @@ bool joins(int fd, const SockAddr& own, const SockAddr& peer) {
 int adopt_congestion_control(const SockAddr& own, const SockAddr& peer) {
   const std::string wanted = congestion_from_env();
   if (wanted == "system" || ip_bytes(own).empty() || ip_bytes(peer).empty()) return 0;
-  // One host: a loopback address, the same address at both ends or another of this host's
-  // (routed over loopback).
-  const bool on_host = ip_bytes(peer) == ip_bytes(own) || on_this_host(peer);
-  if (wanted == "auto" && !on_host) return 0;
+  // One host: `peer` at a loopback address or another of this host's (routed over loopback).
+  if (wanted == "auto" && !on_this_host(peer)) return 0;
   std::error_code ec;
   std::filesystem::directory_iterator it("/proc/self/fd", ec);
   int changed = 0;
@@ -246,9 +247,7 @@ int adopt_congestion_control(const SockAddr& own, const SockAddr& peer) {
     int fd = -1;
     const auto [end, err] = std::from_chars(name.data(), name.data() + name.size(), fd);
     if (err != std::errc() || end != name.data() + name.size() || !joins(fd, own, peer)) continue;
-    const bool set = wanted == "auto" ? set_congestion(fd, "cubic") || set_congestion(fd, "reno")
-                                      : set_congestion(fd, wanted);
-    if (set) ++changed;
+    if (set_choice(fd, wanted)) ++changed;
   }
   return changed;
 }
@@ -308,10 +307,11 @@ SockAddr peer_address(int fd) {
 Fd connect_with_retry(const SockAddr& addr, Deadline deadline, const std::string& what) {
   int last_err = 0;
   auto backoff = std::chrono::milliseconds(2);
+  const bool on_host = on_this_host(addr);  // once, not on every retry
   for (;;) {
     Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!fd.valid()) throw_errno("socket", errno);
-    choose_congestion_control(fd.get(), addr);
+    apply_congestion_control(fd.get(), on_host);
     int rc = ::connect(fd.get(), addr.get(), addr.len);
     if (rc != 0 && errno == EINPROGRESS) {
       if (wait_ready(fd.get(), POLLOUT, deadline)) {

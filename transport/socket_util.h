@@ -85,8 +85,8 @@ void listen_for(int fd, const std::vector<SockAddr>& peers, int backlog = 128);
 // Accepts one connection, or returns an invalid Fd when the deadline passes first.
 [[nodiscard]] Fd accept_until(int listen_fd, Deadline deadline);
 
-// The TCP congestion control of a socket dear connects or listens with, set before the
-// connection exists (DEAR_TCP_CONGESTION):
+// The TCP congestion control of every socket dear connects (connect_with_retry) or listens
+// with (listen_on, listen_for), set before the connection exists (DEAR_TCP_CONGESTION):
 // - unset or "auto": to an address of this host (on_this_host: 127.0.0.0/8, ::1, or one of
 //   its interfaces' addresses) an unpaced algorithm, "cubic" where the kernel lets this
 //   process choose it, else "reno"; elsewhere the system's. A host
@@ -96,15 +96,13 @@ void listen_for(int fd, const std::vector<SockAddr>& peers, int backlog = 128);
 // - "system": the system's default everywhere;
 // - a name ("cubic", "bbr", ...): that one on every connection; throws kInvalidArgument naming
 //   the variable when the kernel refuses it.
-void choose_congestion_control(int fd, const SockAddr& peer);
-// Throws what choose_congestion_control() would for DEAR_TCP_CONGESTION, on a socket of its
-// own, so that a bad value fails before any connection.
+// check_congestion_control_env() throws what those would for DEAR_TCP_CONGESTION, on a socket
+// of its own, so that a bad value fails before any connection.
 void check_congestion_control_env();
 // The same choice for the sockets of a library dear drives (libfabric's tcp and sockets
 // providers, which offer no option for it), found among this process's descriptors: the
 // listener at `own` and every TCP connection between `own` and `peer` (both "address:port").
-// Under "auto" only where both are on this host (the same address at both ends, or `peer` on
-// this host: a host's own addresses are routed over loopback). A connection that exists already
+// Under "auto" only where `peer` is on this host (on_this_host). A connection that exists already
 // keeps the pacing its first algorithm asked for (BBR's), so a listener changed before it accepts
 // serves better. Returns how many sockets it changed; never throws (a socket the kernel refuses
 // to change keeps its own).

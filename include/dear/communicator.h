@@ -126,10 +126,10 @@ struct CommOptions {
 };
 
 // `options` with the DEAR_* environment overrides applied (DEAR_CHANNELS, DEAR_SLICE_BYTES,
-// DEAR_TIMEOUT, DEAR_EAGER_BYTES, DEAR_SMALL_BYTES,
-// DEAR_MEDIUM_BYTES, DEAR_SPIN_US, DEAR_TRANSPORT,
-// DEAR_FABRIC_PROVIDER, DEAR_IB_DEVICE, DEAR_IB_GID_INDEX, DEAR_ALGO, DEAR_COST_MODEL). Throws
-// dear::Error(kInvalidArgument) naming a variable whose value is malformed.
+// DEAR_TIMEOUT, DEAR_EAGER_BYTES, DEAR_SMALL_BYTES, DEAR_MEDIUM_BYTES, DEAR_SPIN_US,
+// DEAR_TRANSPORT, DEAR_FABRIC_PROVIDER, DEAR_IB_DEVICE, DEAR_IB_GID_INDEX, DEAR_ALGO,
+// DEAR_COST_MODEL). Throws dear::Error(kInvalidArgument) naming a variable whose value is
+// malformed.
 [[nodiscard]] CommOptions apply_env(CommOptions options);
 
 class Work {

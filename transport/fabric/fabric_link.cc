@@ -236,24 +236,22 @@ Buf* own(std::vector<Buf>& bufs, void* ctx) {
   return &bufs[(at - first) / sizeof(Buf)];
 }
 
-// A completion announcing a peer's write into this end's data slots, as opposed to the
-// completion of one of this end's own operations (which sockets also flags with
-// FI_REMOTE_CQ_DATA when the write carried data).
 // An endpoint name that is a socket address (providers over TCP: tcp;ofi_rxm, sockets), as one;
 // nullopt for any other format.
-std::optional<SockAddr> socket_address(const fi_info* info, const std::vector<char>& name) {
+std::optional<SockAddr> socket_address(const fi_info* info, const char* name, std::size_t len) {
   const bool is_socket = info->addr_format == FI_SOCKADDR || info->addr_format == FI_SOCKADDR_IN ||
                          info->addr_format == FI_SOCKADDR_IN6;
-  if (!is_socket || name.size() < sizeof(sockaddr) || name.size() > sizeof(sockaddr_storage)) {
-    return std::nullopt;
-  }
+  if (!is_socket || len < sizeof(sockaddr) || len > sizeof(sockaddr_storage)) return std::nullopt;
   SockAddr a;
-  std::memcpy(&a.storage, name.data(), name.size());
-  a.len = static_cast<socklen_t>(name.size());
+  std::memcpy(&a.storage, name, len);
+  a.len = static_cast<socklen_t>(len);
   if (a.family() != AF_INET && a.family() != AF_INET6) return std::nullopt;
   return a;
 }
 
+// A completion announcing a peer's write into this end's data slots, as opposed to the
+// completion of one of this end's own operations (which sockets also flags with
+// FI_REMOTE_CQ_DATA when the write carried data).
 bool peer_write(std::uint64_t flags) {
   return (flags & FI_REMOTE_CQ_DATA) != 0 &&
          ((flags & FI_REMOTE_WRITE) != 0 || (flags & (FI_WRITE | FI_SEND)) == 0);
@@ -644,8 +642,9 @@ void FabricChannel::set_peer(const char* name, std::size_t len, const rma::SlotR
     remote_ = region;
     remote_.key ^= corrupt_key_;
   }
-  if (const auto own = socket_address(dom_->info.get(), this->name())) {
-    if (const auto other = socket_address(dom_->info.get(), std::vector<char>(name, name + len))) {
+  const std::vector<char> mine = this->name();
+  if (const auto own = socket_address(dom_->info.get(), mine.data(), mine.size())) {
+    if (const auto other = socket_address(dom_->info.get(), name, len)) {
       // The listener now, before it accepts; the connection the endpoint makes itself once it
       // exists (see poll_cq).
       (void)adopt_congestion_control(*own, *other);
