@@ -119,6 +119,13 @@ constexpr std::uint32_t kAddressVersion = 2;
 // all_reduce: 128 KiB slots 0.48 GB/s busbw, 512 KiB 0.69, 1 and 2 MiB no better).
 constexpr std::size_t kMaxRingSlotPayload = std::size_t{1} << 20;
 constexpr std::size_t kSlotHeadroom = 4096;
+// CommOptions::halving_max_bytes by transport. Over fabric (shm, tcp;ofi_rxm; 4 ranks) the
+// log-step schedules fell behind the ring from 512 KiB on (all_reduce at 1 MiB 1.3-1.6x the
+// ring's time), their messages cut into the mesh links' 128 KiB fragments; over TCP they led
+// up to 1 MiB.
+constexpr std::int64_t kTcpMediumBytes = std::int64_t{1} << 20;
+constexpr std::int64_t kFragmentedMediumBytes = std::int64_t{256} << 10;
+constexpr std::uint64_t kMaxMedium = std::uint64_t{1} << 62;
 
 struct AddressRecord {
   char host[64];
@@ -294,6 +301,16 @@ class CommunicatorImpl final : public Communicator {
           "CommOptions::fabric_direct_bytes=" + std::to_string(options_.fabric_direct_bytes) +
               " is neither a byte count, 0 (off) nor -1 (the default)",
           rank_);
+    }
+    if (options_.halving_max_bytes < -1) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "CommOptions::halving_max_bytes=" + std::to_string(options_.halving_max_bytes) +
+                      " is neither a byte count, 0 (the ring) nor -1 (the transport's default)",
+                  rank_);
+    }
+    if (options_.halving_max_bytes == -1) {
+      options_.halving_max_bytes =
+          options_.transport == "tcp" ? kTcpMediumBytes : kFragmentedMediumBytes;
     }
   }
 
@@ -629,7 +646,7 @@ class CommunicatorImpl final : public Communicator {
     if (!model_) {
       return collectives::select_schedule(kind, a, count * el, el, g, nullptr,
                                           options_.gather_reduce_max_bytes,
-                                          options_.halving_max_bytes);
+                                          static_cast<std::size_t>(options_.halving_max_bytes));
     }
     // With a model the choice plans and predicts every candidate (about a microsecond, which
     // on an oversubscribed host is a fifth of a small all_reduce); training repeats a few
@@ -717,7 +734,9 @@ CommOptions apply_env(CommOptions options) {
   if (auto v = env::get_bytes("DEAR_EAGER_BYTES")) options.eager_bytes = *v;
   if (auto v = env::get_int("DEAR_SPIN_US", 0, 1000000)) options.spin_us = static_cast<int>(*v);
   if (auto v = env::get_bytes("DEAR_SMALL_BYTES")) options.gather_reduce_max_bytes = *v;
-  if (auto v = env::get_bytes("DEAR_MEDIUM_BYTES")) options.halving_max_bytes = *v;
+  if (auto v = env::get_bytes("DEAR_MEDIUM_BYTES")) {
+    options.halving_max_bytes = static_cast<std::int64_t>(std::min<std::uint64_t>(*v, kMaxMedium));
+  }
   if (auto v = env::get("DEAR_TRANSPORT")) options.transport = *v;
   if (auto v = env::get("DEAR_FABRIC_PROVIDER")) options.fabric_provider = *v;
   if (auto v = env::get_bytes("DEAR_FABRIC_SLOT_BYTES")) options.fabric_slot_bytes = *v;

@@ -236,7 +236,9 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
     for (Schedule s : {Schedule::kRecursiveDoubling, Schedule::kHalvingDoubling, Schedule::kTree}) {
       if (log_step_supports(kind, s)) candidates.push_back(s);
     }
-    if (n >= 8) small = log_small;
+    // all_gather and reduce_scatter from 4 ranks on: their log-step schedule's log2(N) steps
+    // beat the ring's (and the two-way gather's) N - 1 on small operations (see the README).
+    if (n >= 8 || (n >= 4 && kind != OpKind::kAllReduce)) small = log_small;
   }
   if (model == nullptr) {
     if (total <= threshold_bytes) return small;
@@ -245,9 +247,17 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
     // Its messages are at most half the operation (the whole of it where ranks beyond a power
     // of two fold in), so at the default 1 MiB a step holds a link about as long as one or two
     // of the ring's default slices.
-    const bool medium =
-        kind == OpKind::kAllReduce && g.log_steps && n >= 4 && total <= medium_bytes;
-    return medium ? Schedule::kHalvingDoubling : Schedule::kRing;
+    // all_gather's recursive doubling measured ahead of the ring over the same range;
+    // reduce_scatter's halving only up to about a quarter of it (level from 256 KiB on, behind
+    // at 512 KiB and 1 MiB on 8 ranks).
+    if (!g.log_steps || n < 4) return Schedule::kRing;
+    switch (kind) {
+      case OpKind::kAllReduce:
+        return total <= medium_bytes ? Schedule::kHalvingDoubling : Schedule::kRing;
+      case OpKind::kAllGather:
+        return total <= medium_bytes ? Schedule::kRecursiveDoubling : Schedule::kRing;
+      default: return total <= medium_bytes / 4 ? Schedule::kHalvingDoubling : Schedule::kRing;
+    }
   }
   Schedule best = Schedule::kRing;
   double best_us = 0;

@@ -467,19 +467,15 @@ TEST(CostModelSelect, WithoutModelMediumAllReducesHalveAndDoubleFromFourRanks) {
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, kMedium + 4, 4, g, nullptr,
                             kSmall, kMedium),
             Schedule::kRing);
-  // A forced ring, 0 as the medium threshold, other collectives, fewer than 4 ranks and a
-  // communicator without mesh links keep the ring.
+  // A forced ring, 0 as the medium threshold, fewer than 4 ranks and a communicator without
+  // mesh links keep the ring.
   EXPECT_EQ(
       select_schedule(OpKind::kAllReduce, Algorithm::kRing, 65536, 4, g, nullptr, kSmall, kMedium),
       Schedule::kRing);
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 65536, 4, g, nullptr, kSmall, 0),
             Schedule::kRing);
-  EXPECT_EQ(select_schedule(OpKind::kReduceScatter, Algorithm::kAuto, 65536, 4, g, nullptr, kSmall,
-                            kMedium),
+  EXPECT_EQ(select_schedule(OpKind::kAllGather, Algorithm::kAuto, 8192, 4, g, nullptr, kSmall, 0),
             Schedule::kRing);
-  EXPECT_EQ(
-      select_schedule(OpKind::kAllGather, Algorithm::kAuto, 65536, 4, g, nullptr, kSmall, kMedium),
-      Schedule::kRing);
   ModelGeometry three = geometry(3);
   three.log_steps = true;
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 65536, 4, three, nullptr, kSmall,
@@ -497,6 +493,39 @@ TEST(CostModelSelect, WithoutModelMediumAllReducesHalveAndDoubleFromFourRanks) {
   EXPECT_EQ(
       select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 65536, 4, g, nullptr, kSmall, kMedium),
       Schedule::kHalvingDoubling);
+}
+
+TEST(CostModelSelect, WithoutModelSmallAndMediumGathersAndScattersTakeLogStepsFromFourRanks) {
+  constexpr std::size_t kSmall = 16384;
+  constexpr std::size_t kMedium = 1 << 20;
+  ModelGeometry g = geometry(4);
+  g.log_steps = true;
+  // `bytes` is one rank's block; the thresholds compare the whole buffer (4 blocks here).
+  const auto pick = [&](OpKind kind, std::size_t block, const ModelGeometry& geo) {
+    return select_schedule(kind, Algorithm::kAuto, block, 4, geo, nullptr, kSmall, kMedium);
+  };
+  // all_gather: recursive doubling from the smallest size up to the medium threshold.
+  EXPECT_EQ(pick(OpKind::kAllGather, 64, g), Schedule::kRecursiveDoubling);
+  EXPECT_EQ(pick(OpKind::kAllGather, kSmall / 4 + 4, g), Schedule::kRecursiveDoubling);
+  EXPECT_EQ(pick(OpKind::kAllGather, kMedium / 4, g), Schedule::kRecursiveDoubling);
+  EXPECT_EQ(pick(OpKind::kAllGather, kMedium / 4 + 4, g), Schedule::kRing);
+  // reduce_scatter: halving up to a quarter of the medium threshold.
+  EXPECT_EQ(pick(OpKind::kReduceScatter, 64, g), Schedule::kHalvingDoubling);
+  EXPECT_EQ(pick(OpKind::kReduceScatter, kMedium / 16, g), Schedule::kHalvingDoubling);
+  EXPECT_EQ(pick(OpKind::kReduceScatter, kMedium / 16 + 4, g), Schedule::kRing);
+  // Below 4 ranks, or without mesh links: the two-way gather and the ring as before.
+  ModelGeometry three = geometry(3);
+  three.log_steps = true;
+  EXPECT_EQ(pick(OpKind::kAllGather, 64, three), Schedule::kBiGather);
+  EXPECT_EQ(pick(OpKind::kAllGather, 65536, three), Schedule::kRing);
+  EXPECT_EQ(pick(OpKind::kReduceScatter, 64, three), Schedule::kRing);
+  EXPECT_EQ(pick(OpKind::kAllGather, 64, geometry(4)), Schedule::kBiGather);
+  EXPECT_EQ(pick(OpKind::kReduceScatter, 4096, geometry(4)), Schedule::kRing);
+  // Five ranks (folding in the one beyond a power of two) take them too.
+  ModelGeometry five = geometry(5);
+  five.log_steps = true;
+  EXPECT_EQ(pick(OpKind::kAllGather, 4096, five), Schedule::kRecursiveDoubling);
+  EXPECT_EQ(pick(OpKind::kReduceScatter, 4096, five), Schedule::kHalvingDoubling);
 }
 
 TEST(CostModelFile, JsonRoundTrip) {

@@ -99,9 +99,11 @@ struct CommOptions {
   std::size_t gather_reduce_max_bytes = 16 * 1024;
   // Without a cost model, from 4 ranks on and where the communicator has its mesh links, kAuto
   // runs all_reduce above gather_reduce_max_bytes and up to this many bytes as recursive
-  // halving + doubling, the ring above; 0 = the ring from gather_reduce_max_bytes on
-  // (DEAR_MEDIUM_BYTES).
-  std::size_t halving_max_bytes = 1024 * 1024;
+  // halving + doubling, all_gather as recursive doubling, and reduce_scatter up to a quarter
+  // of it as halving; the ring above. 0 = the ring from gather_reduce_max_bytes on; -1 = the
+  // transport's default: 1 MiB over tcp, 256 KiB over fabric and verbs, whose mesh links carry
+  // fragments of at most 128 KiB (DEAR_MEDIUM_BYTES). create() replaces -1 with the value.
+  std::int64_t halving_max_bytes = -1;
   // A calibrated alpha-beta cost model (`dear-bench --calibrate --json FILE`) replaces that
   // threshold: kAuto then runs the schedule with the lowest predicted time (all_reduce: ring or
   // gather_reduce; all_gather: ring or both directions). A file (DEAR_COST_MODEL), or the
