@@ -387,17 +387,29 @@ PY
 # of ranks with no library on top (dear-tcp-ring): what the transport alone costs. A reference,
 # not a bound: nothing waits and nothing is reduced there, but a library's own scheduling of
 # its sockets can still beat it.
+# all_gather and reduce_scatter move the same bytes: (N-1)/N of the buffer per rank.
+# ring_refs collects "kind:size:us" for the target checks.
 ring_reference() {
   local tcp_ring=$build/bench/dear-tcp-ring
   if [[ ! -x $tcp_ring || ! -x $dear_run ]] || ((nranks < 2)); then
     return 0
   fi
-  local size line
-  for size in 1M "$maxbytes"; do
-    line=$("$dear_run" -n "$nranks" --bind "$dear_place" "$tcp_ring" --all-reduce "$size" \
+  local streams=("all-reduce 1M" "all-reduce $maxbytes") kind size line
+  if [[ " ${coll_list[*]} " == *" all_gather "* || " ${coll_list[*]} " == *" reduce_scatter "* ]]; then
+    streams+=("all-gather $maxbytes")
+  fi
+  for line in "${streams[@]}"; do
+    read -r kind size <<<"$line"
+    line=$("$dear_run" -n "$nranks" --bind "$dear_place" "$tcp_ring" "--$kind" "$size" \
       --iters 20 --warmup 3 \
       --rounds 3 2>/dev/null | sed -n 's/^\[0\] median \([0-9.]*\) us per iteration.*/\1/p')
-    [[ -n $line ]] && echo "# plain-socket ring (dear-tcp-ring): the bytes of a $size all_reduce streamed in $line us"
+    [[ -n $line ]] || continue
+    if [[ $kind == all-reduce ]]; then
+      echo "# plain-socket ring (dear-tcp-ring): the bytes of a $size all_reduce streamed in $line us"
+    else
+      echo "# plain-socket ring (dear-tcp-ring): the bytes of a $size all_gather or reduce_scatter streamed in $line us"
+    fi
+    ring_refs+=("$kind:$size:$line")
   done
   return 0
 }
@@ -407,6 +419,7 @@ echo "# compare-peers: $nranks ranks, $minbytes..$maxbytes B, float sum, results
 # left in the same --out directory never appear as columns of this one.
 ran_libs=()
 ceiling_gbps=""
+ring_refs=()
 for coll in "${coll_list[@]}"; do
   for lib in dear mpi gloo dear-shm dear-rxm mpi-vader; do
     case $lib in
@@ -451,13 +464,23 @@ else
   echo "# malloc: GLIBC_TUNABLES=$GLIBC_TUNABLES for every library (--plain-malloc to leave it out)"
 fi
 
-python3 - "$out" "${ran_libs[*]}" "$ceiling_gbps" "${coll_list[@]}" <<'PY'
+python3 - "$out" "${ran_libs[*]}" "$ceiling_gbps" "${ring_refs[*]-}" "${coll_list[@]}" <<'PY'
 import json
 import os
 import sys
 
-out_dir, ran, ceiling, collectives = sys.argv[1], sys.argv[2].split(), sys.argv[3], sys.argv[4:]
+out_dir, ran, ceiling, refs, collectives = (sys.argv[1], sys.argv[2].split(), sys.argv[3],
+                                            sys.argv[4].split(), sys.argv[5:])
 ceiling = float(ceiling) if ceiling else None
+# The plain-socket ring's time for a collective's bytes: {(collective, size): us}.
+STREAMED = {}
+for ref in refs:
+    kind, size, us = ref.split(":")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
+    size = int(size[:-1] if scale > 1 else size) * scale
+    colls = ["all_reduce"] if kind == "all-reduce" else ["all_gather", "reduce_scatter"]
+    for c in colls:
+        STREAMED[(c, size)] = float(us)
 LIBS = [lib for lib in ["dear", "mpi", "gloo", "dear-shm", "dear-rxm", "mpi-vader"] if lib in ran]
 TCP_PEERS = ["mpi", "gloo"]
 # The --fabric rows' ratio columns: (numerator, denominator, title).
@@ -575,6 +598,13 @@ def target_lines(by_coll, nranks):
                          f"{bound:.3f} (ceiling {ceiling:.2f} GB/s / {nranks} ranks)")
         else:
             line += "not met"
+        streamed = STREAMED.get((coll, size))
+        if ratio < want and streamed:
+            # The time dear would need, against a ring of plain sockets moving the same bytes
+            # with nothing on top: a reference, not a bound.
+            need_us = best["time_us"] / want
+            line += (f"; it needs {fmt_time(need_us)} us, {need_us / streamed:.2f} x the "
+                     f"{fmt_time(streamed)} us a plain-socket ring took to stream its bytes")
         lines.append(line)
     return lines
 
