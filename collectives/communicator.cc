@@ -61,10 +61,10 @@ bool Work::wait(std::chrono::milliseconds timeout) const {
   if (!state_) return true;
   const auto start = std::chrono::steady_clock::now();
   // Before sleeping, make progress on this thread (small operations: until done, or until
-  // nothing has moved for spin_us) or yield for spin_us (large ones, which the engine thread
-  // carries): most small operations finish within tens of microseconds, and a sleep costs a
-  // wake-up through the kernel on top.
-  const int spin_us = state_->spin_us;
+  // nothing has moved for wait_spin_us) or yield for wait_spin_us (large ones, which the engine
+  // thread carries): most small operations finish within tens of microseconds, and a sleep
+  // costs a wake-up through the kernel on top.
+  const int spin_us = state_->wait_spin_us;
   if (spin_us > 0 && state_->status.load(std::memory_order_acquire) == 0) {
     const auto limit = timeout == std::chrono::milliseconds::max()
                            ? std::chrono::steady_clock::time_point::max()
@@ -380,6 +380,7 @@ class CommunicatorImpl final : public Communicator {
     cfg.eager_bytes = options_.eager_bytes;
     cfg.eager_window = options_.eager_window;
     cfg.spin_us = options_.spin_us;
+    cfg.wait_spin_us = options_.wait_spin_us;
     engine_ = std::make_shared<collectives::Engine>(cfg, std::move(to_next), std::move(from[0]),
                                                     std::move(mesh_peers), std::move(mesh));
   }
@@ -733,6 +734,9 @@ CommOptions apply_env(CommOptions options) {
   }
   if (auto v = env::get_bytes("DEAR_EAGER_BYTES")) options.eager_bytes = *v;
   if (auto v = env::get_int("DEAR_SPIN_US", 0, 1000000)) options.spin_us = static_cast<int>(*v);
+  if (auto v = env::get_int("DEAR_WAIT_SPIN_US", 0, 1000000)) {
+    options.wait_spin_us = static_cast<int>(*v);
+  }
   if (auto v = env::get_bytes("DEAR_SMALL_BYTES")) options.gather_reduce_max_bytes = *v;
   if (auto v = env::get_bytes("DEAR_MEDIUM_BYTES")) {
     options.halving_max_bytes = static_cast<std::int64_t>(std::min<std::uint64_t>(*v, kMaxMedium));

@@ -143,7 +143,7 @@ Work Engine::submit(std::unique_ptr<Op> op) {
   const bool eager = op->eager;
   auto state = std::make_shared<Work::State>();
   op->state = state;
-  state->spin_us = cfg_.spin_us;
+  state->wait_spin_us = cfg_.wait_spin_us;
   state->owner = this;
   if (eager) state->engine = weak_from_this();
   std::exception_ptr failed;

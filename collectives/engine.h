@@ -45,7 +45,7 @@ struct Work::State {
   std::condition_variable cv;
   std::exception_ptr error;
   std::uint64_t seq = 0;
-  int spin_us = 0;  // wait() drives the engine (or yields) this long before it sleeps
+  int wait_spin_us = 0;  // wait() drives the engine (or yields) this long before it sleeps
   // Set for small operations, whose waiter makes their progress itself (Engine::drive);
   // empty for operations finished at once and for large ones, left to the engine thread.
   std::weak_ptr<collectives::Engine> engine;
@@ -62,7 +62,8 @@ struct EngineConfig {
   int channels = 1;
   std::size_t eager_bytes = 64 * 1024;
   int eager_window = 64;
-  int spin_us = 0;
+  int spin_us = 0;       // CommOptions::spin_us
+  int wait_spin_us = 0;  // CommOptions::wait_spin_us
 };
 
 class Engine : public std::enable_shared_from_this<Engine> {

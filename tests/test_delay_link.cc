@@ -17,10 +17,14 @@ namespace {
 
 constexpr int kDelayUs = 200;
 
-CommOptions delayed(int us, int spin_us = CommOptions{}.spin_us) {
+// spin_us sets both the engine's and the waiters' spin (-1: the defaults).
+CommOptions delayed(int us, int spin_us = -1) {
   CommOptions o;
   o.link_delay_us = us;
-  o.spin_us = spin_us;
+  if (spin_us >= 0) {
+    o.spin_us = spin_us;
+    o.wait_spin_us = spin_us;
+  }
   o.timeout = std::chrono::seconds(60);
   return o;
 }
@@ -134,13 +138,13 @@ double ping_pong_us(int delay_us, int iterations, int spin_us) {
 }
 
 // A benchmark-style check: the emulated delay adds what it says. Measured twice: with the
-// default spin_us, where engines and waiting threads fall asleep during a long delay and each
-// crossing also pays their wake-ups (as it would on a real slow network), and with spin_us
-// longer than the round trip, which isolates what the decorator itself adds. Timing on a
-// shared machine is noisy, so the assertion is loose (each crossing is held at least the delay;
-// at most 3x); the ratios are printed for the record.
+// default spins (printed as -1), where engines and waiting threads can fall asleep during a
+// long delay and each crossing also pays their wake-ups (as it would on a real slow network),
+// and with both spins longer than the round trip, which isolates what the decorator itself
+// adds. Timing on a shared machine is noisy, so the assertion is loose (each crossing is held
+// at least the delay); the ratios are printed for the record.
 TEST(DelayedLinkTiming, PingPongAddsTheDelayOnEachCrossing) {
-  const int spin_default = CommOptions{}.spin_us;
+  const int spin_default = -1;
   const double base = ping_pong_us(0, 200, spin_default);
   for (const int delay_us : {25, 200, 1000}) {
     const int iterations = delay_us >= 1000 ? 50 : 100;
