@@ -195,9 +195,9 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
   std::vector<Schedule> candidates{Schedule::kRing};
   std::size_t total = bytes;  // what the threshold compares: the operation's whole buffer
   Schedule small = Schedule::kRing;
-  // Without a model, from 8 ranks on: the tree for all_reduce (it measured fastest on small
-  // operations, alone and back to back, on an oversubscribed host), else the log-step
-  // schedule of the collective.
+  // The small schedule without a model, with log steps (from 5 ranks on for all_reduce, 4 for
+  // the others): the tree for all_reduce (it measured fastest on small operations, alone and
+  // back to back, on an oversubscribed host), else the log-step schedule of the collective.
   const Schedule log_small = kind == OpKind::kAllReduce       ? Schedule::kTree
                              : kind == OpKind::kReduceScatter ? Schedule::kHalvingDoubling
                                                               : Schedule::kRecursiveDoubling;
@@ -237,8 +237,9 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
       if (log_step_supports(kind, s)) candidates.push_back(s);
     }
     // all_gather and reduce_scatter from 4 ranks on: their log-step schedule's log2(N) steps
-    // beat the ring's (and the two-way gather's) N - 1 on small operations (see the README).
-    if (n >= 8 || (n >= 4 && kind != OpKind::kAllReduce)) small = log_small;
+    // beat the ring's (and the two-way gather's) N - 1 on small operations; all_reduce's tree
+    // beats gather_reduce's ceil((N - 1) / 2) two-way steps from 5 ranks on (see the README).
+    if (n >= 5 || (n >= 4 && kind != OpKind::kAllReduce)) small = log_small;
   }
   if (model == nullptr) {
     if (total <= threshold_bytes) return small;

@@ -414,7 +414,7 @@ TEST(CostModelFit, SizeCorrectionInterpolatesTheSamples) {
   EXPECT_NEAR(predict_us(m, OpKind::kReduceScatter, Schedule::kRing, 16384, 4, g), rs_line, 1e-9);
 }
 
-TEST(CostModelSelect, WithoutModelFromEightRanksSmallOperationsUseLogSteps) {
+TEST(CostModelSelect, WithoutModelFromFiveRanksSmallOperationsUseLogSteps) {
   ModelGeometry g = geometry(8);
   g.log_steps = true;
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, g, nullptr, 16384),
@@ -425,9 +425,17 @@ TEST(CostModelSelect, WithoutModelFromEightRanksSmallOperationsUseLogSteps) {
             Schedule::kHalvingDoubling);
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 1 << 20, 4, g, nullptr, 16384),
             Schedule::kRing);
+  g = geometry(5);
+  g.log_steps = true;
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, g, nullptr, 16384),
+            Schedule::kTree);
   g = geometry(4);
   g.log_steps = true;
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, g, nullptr, 16384),
+            Schedule::kGatherReduce);
+  // Without mesh links, gather_reduce at any rank count.
+  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, geometry(8), nullptr,
+                            16384),
             Schedule::kGatherReduce);
 }
 
