@@ -599,7 +599,7 @@ def target_lines(by_coll, nranks):
         else:
             line += "not met"
         streamed = STREAMED.get((coll, size))
-        if ratio < want and streamed:
+        if ratio < want and streamed and lib in LOOPBACK:
             # The time dear would need, against a ring of plain sockets moving the same bytes
             # with nothing on top: a reference, not a bound.
             need_us = best["time_us"] / want
