@@ -434,9 +434,9 @@ TEST(CostModelSelect, WithoutModelFromFiveRanksSmallOperationsUseLogSteps) {
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, g, nullptr, 16384),
             Schedule::kGatherReduce);
   // Without mesh links, gather_reduce at any rank count.
-  EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, geometry(8), nullptr,
-                            16384),
-            Schedule::kGatherReduce);
+  EXPECT_EQ(
+      select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, geometry(8), nullptr, 16384),
+      Schedule::kGatherReduce);
 }
 
 TEST(CostModelSelect, WithoutModelKeepsTheThreshold) {

@@ -203,9 +203,9 @@ TEST_P(Fabric, LargeSlicesSplitIntoFragments) {
 }
 
 // With no spinning anywhere (spin_us = wait_spin_us = 0: a waiting thread sleeps at once and
-// the engine sleeps as soon as nothing moves), after the ranks were idle long enough for their engines to
-// sleep deeply (on shm, which has no wait descriptor, on the channel's one-shot timer), and
-// with one rank arriving late, every operation is carried to the end by the engine threads.
+// the engine sleeps as soon as nothing moves), after the ranks were idle long enough for their
+// engines to sleep deeply (on shm, which has no wait descriptor, on the channel's one-shot timer),
+// and with one rank arriving late, every operation is carried to the end by the engine threads.
 TEST_P(Fabric, SleepingEnginesCarryOperationsAfterIdlePeriods) {
   CommOptions o = options();
   o.spin_us = 0;
