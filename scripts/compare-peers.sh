@@ -42,6 +42,10 @@ Runs dear-bench, mpi-bench and gloo-bench on the same sweep and prints merged ta
   --out DIR            keep JSON and log files in DIR (default: a temporary directory)
   --extra-dear "ARGS"  extra arguments for dear-bench, word-split
   --timeout SEC        give up on one run after SEC seconds (default 1800; needs timeout(1))
+  --rounds N           run the whole sequence of libraries N times, alternating, and give each
+                       cell the median of its N times (default 1); this machine's speed
+                       drifts within minutes, and alternating rounds spread it over every
+                       library alike
   --plain-malloc       run every library with glibc's default malloc settings (by default
                        every run gets GLIBC_TUNABLES=glibc.malloc.hugetlb=1, see below)
   --bind MODE          where the ranks run: best (default: dear where dear-run puts them
@@ -94,6 +98,7 @@ run_timeout=1800
 plain_malloc=0
 bind=best
 tcp_cc=same
+rounds=1
 
 need_value() {
   [[ $# -ge 2 && -n $2 ]] || die "option $1 needs a value (see --help)"
@@ -118,6 +123,7 @@ while [[ $# -gt 0 ]]; do
     --plain-malloc) plain_malloc=1; shift ;;
     --bind) need_value "$@"; bind=$2; shift 2 ;;
     --tcp-cc) need_value "$@"; tcp_cc=$2; shift 2 ;;
+    --rounds) need_value "$@"; rounds=$2; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
@@ -127,6 +133,7 @@ done
 [[ $run_timeout =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds"
 [[ -z $iters || $iters =~ ^[1-9][0-9]*$ ]] || die "--iters must be a positive number"
 [[ $min_time =~ ^[0-9]+$ ]] || die "--min-time must be a whole number of milliseconds"
+[[ $rounds =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive whole number, got '$rounds'"
 [[ $tcp_cc == same || $tcp_cc == system || $tcp_cc == own ]] ||
   die "--tcp-cc must be same, system or own, got '$tcp_cc'"
 case $bind in
@@ -420,6 +427,11 @@ echo "# compare-peers: $nranks ranks, $minbytes..$maxbytes B, float sum, results
 ran_libs=()
 ceiling_gbps=""
 ring_refs=()
+for round in $(seq 1 "$rounds"); do
+# Round 1 writes LIB-COLL[.unbound].json, round k > 1 LIB-COLL[.unbound].rk.json.
+rsuffix=""
+((round > 1)) && rsuffix=.r$round
+((rounds > 1)) && echo "# round $round of $rounds" >&2
 for coll in "${coll_list[@]}"; do
   for lib in dear mpi gloo dear-shm dear-rxm mpi-vader; do
     case $lib in
@@ -432,13 +444,13 @@ for coll in "${coll_list[@]}"; do
     esac
     places=("$dear_place")
     [[ $lib == dear* ]] || places=("${peer_places[@]}")
-    rm -f "$out/$lib-$coll.json" "$out/$lib-$coll.unbound.json"
+    ((round == 1)) && rm -f "$out/$lib-$coll".json "$out/$lib-$coll".*.json
     for place in "${places[@]}"; do
       # The first placement writes the library's file; --bind best's unbound peer run its own.
       suffix=""
       [[ $place != "${places[0]}" ]] && suffix=.unbound
-      json=$out/$lib-$coll$suffix.json
-      log=$out/$lib-$coll$suffix.log
+      json=$out/$lib-$coll$suffix$rsuffix.json
+      log=$out/$lib-$coll$suffix$rsuffix.log
       start=$SECONDS
       echo "# running $lib $coll${suffix:+ (unbound)} ..." >&2
       "run_${lib}_bench" "$coll" "$json" "$log"
@@ -448,6 +460,7 @@ for coll in "${coll_list[@]}"; do
     place=$dear_place
     [[ " ${ran_libs[*]-} " == *" $lib "* ]] || ran_libs+=("$lib")
   done
+done
 done
 
 loopback_ceiling
@@ -464,13 +477,14 @@ else
   echo "# malloc: GLIBC_TUNABLES=$GLIBC_TUNABLES for every library (--plain-malloc to leave it out)"
 fi
 
-python3 - "$out" "${ran_libs[*]}" "$ceiling_gbps" "${ring_refs[*]-}" "${coll_list[@]}" <<'PY'
+((rounds > 1)) && echo "# rounds: $rounds, the libraries alternating; each cell is the median of its rounds' times (busbw from that time)"
+python3 - "$out" "${ran_libs[*]}" "$ceiling_gbps" "${ring_refs[*]-}" "$rounds" "${coll_list[@]}" <<'PY'
 import json
 import os
 import sys
 
-out_dir, ran, ceiling, refs, collectives = (sys.argv[1], sys.argv[2].split(), sys.argv[3],
-                                            sys.argv[4].split(), sys.argv[5:])
+out_dir, ran, ceiling, refs = sys.argv[1], sys.argv[2].split(), sys.argv[3], sys.argv[4].split()
+rounds, collectives = int(sys.argv[5]), sys.argv[6:]
 ceiling = float(ceiling) if ceiling else None
 # The plain-socket ring's time for a collective's bytes: {(collective, size): us}.
 STREAMED = {}
@@ -487,12 +501,48 @@ TCP_PEERS = ["mpi", "gloo"]
 PAIRS = [("dear-shm", "mpi-vader", "shm/vader"), ("dear-rxm", "dear", "rxm/tcp")]
 
 
-def load(lib, coll):
-    path = os.path.join(out_dir, f"{lib}-{coll}.json")
+def load_one(name):
+    path = os.path.join(out_dir, name + ".json")
     if not os.path.exists(path):
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def median_of(results):
+    """One round's result whose time is the median of results' (the lower middle one for an
+    even count), its busbw and algbw kept as measured with that time; wrong elements summed
+    over every round."""
+    results = sorted(results, key=lambda r: r["time_us"])
+    mid = dict(results[(len(results) - 1) // 2])
+    wrong = [r["wrong"] for r in results if isinstance(r.get("wrong"), int) and r["wrong"] > 0]
+    if wrong:
+        mid["wrong"] = sum(wrong)
+    return mid
+
+
+def load(lib, coll):
+    """The library's document for coll (or coll.unbound); with --rounds, each row's out- and
+    in-place results the median of the rounds'."""
+    docs = [load_one(f"{lib}-{coll}" + (f".r{k}" if k > 1 else "")) for k in range(1, rounds + 1)]
+    docs = [d for d in docs if d is not None]
+    if len(docs) <= 1:
+        return docs[0] if docs else None
+    rows = {}
+    for d in docs:
+        for row in d.get("rows", []):
+            rows.setdefault(row["size"], []).append(row)
+    merged = []
+    for size in sorted(rows):
+        row = dict(rows[size][0])
+        for form in ("oop", "ip"):
+            got = [r[form] for r in rows[size] if r.get(form)]
+            if got:
+                row[form] = median_of(got)
+        merged.append(row)
+    doc = dict(docs[0])
+    doc["rows"] = merged
+    return doc
 
 
 def pick(row):
