@@ -16,9 +16,10 @@ function(dear_python_test name script ranks)
                        LABELS python
                        SKIP_RETURN_CODE 77
                        TIMEOUT 180
-                       # Small operations dominate here: sleep rather than spin when idle, so
-                       # that 4 ranks share a 2-core machine without starving each other.
-                       ENVIRONMENT "PYTHONPATH=${DEAR_PYTHON_DIR};DEAR_SPIN_US=0;OMP_NUM_THREADS=1")
+                       # Small operations dominate here: engines and waiters sleep rather than
+                       # spin, so that 4 ranks share a 2-core machine without starving each
+                       # other.
+                       ENVIRONMENT "PYTHONPATH=${DEAR_PYTHON_DIR};DEAR_SPIN_US=0;DEAR_WAIT_SPIN_US=0;OMP_NUM_THREADS=1")
 endfunction()
 
 dear_python_test(python_collectives_2 test_collectives.py 2)
@@ -43,7 +44,7 @@ add_test(NAME python_example_synthetic
                  --steps 10 --log-every 5 --batch-size 8)
 set_tests_properties(python_example_synthetic PROPERTIES
                      LABELS python SKIP_RETURN_CODE 77 TIMEOUT 180
-                     ENVIRONMENT "PYTHONPATH=${DEAR_PYTHON_DIR};DEAR_SPIN_US=0;OMP_NUM_THREADS=1")
+                     ENVIRONMENT "PYTHONPATH=${DEAR_PYTHON_DIR};DEAR_SPIN_US=0;DEAR_WAIT_SPIN_US=0;OMP_NUM_THREADS=1")
 
 # The DDP comparison example: a short smoke run of all three modes (its timings mean nothing
 # here; the same loss in every mode is printed for a human to read).
@@ -53,7 +54,7 @@ add_test(NAME python_example_compare_ddp
                  --model convnet --steps 2 --warmup 1 --batch 2)
 set_tests_properties(python_example_compare_ddp PROPERTIES
                      LABELS python SKIP_RETURN_CODE 77 TIMEOUT 180
-                     ENVIRONMENT "PYTHONPATH=${DEAR_PYTHON_DIR};DEAR_SPIN_US=0;OMP_NUM_THREADS=1")
+                     ENVIRONMENT "PYTHONPATH=${DEAR_PYTHON_DIR};DEAR_SPIN_US=0;DEAR_WAIT_SPIN_US=0;OMP_NUM_THREADS=1")
 
 # The training benchmark (bench/torch_train_bench.py) must keep running: every policy on a tiny
 # MLP, one round of one step. Its timings mean nothing here; --check fails the test unless all
@@ -65,4 +66,4 @@ add_test(NAME python_bench_torch_train
                  --policies local,dear,wfbp,bucket,ddp-gloo,ddp-dear)
 set_tests_properties(python_bench_torch_train PROPERTIES
                      LABELS python SKIP_RETURN_CODE 77 TIMEOUT 180
-                     ENVIRONMENT "PYTHONPATH=${DEAR_PYTHON_DIR};DEAR_SPIN_US=0;OMP_NUM_THREADS=1")
+                     ENVIRONMENT "PYTHONPATH=${DEAR_PYTHON_DIR};DEAR_SPIN_US=0;DEAR_WAIT_SPIN_US=0;OMP_NUM_THREADS=1")
