@@ -401,22 +401,22 @@ ring_reference() {
   if [[ ! -x $tcp_ring || ! -x $dear_run ]] || ((nranks < 2)); then
     return 0
   fi
-  local streams=("all-reduce 1M" "all-reduce $maxbytes") kind size line
+  local streams=("all-reduce 1M" "all-reduce $maxbytes") stream kind size us
   if [[ " ${coll_list[*]} " == *" all_gather "* || " ${coll_list[*]} " == *" reduce_scatter "* ]]; then
     streams+=("all-gather $maxbytes")
   fi
-  for line in "${streams[@]}"; do
-    read -r kind size <<<"$line"
-    line=$("$dear_run" -n "$nranks" --bind "$dear_place" "$tcp_ring" "--$kind" "$size" \
+  for stream in "${streams[@]}"; do
+    read -r kind size <<<"$stream"
+    us=$("$dear_run" -n "$nranks" --bind "$dear_place" "$tcp_ring" "--$kind" "$size" \
       --iters 20 --warmup 3 \
       --rounds 3 2>/dev/null | sed -n 's/^\[0\] median \([0-9.]*\) us per iteration.*/\1/p')
-    [[ -n $line ]] || continue
+    [[ -n $us ]] || continue
     if [[ $kind == all-reduce ]]; then
-      echo "# plain-socket ring (dear-tcp-ring): the bytes of a $size all_reduce streamed in $line us"
+      echo "# plain-socket ring (dear-tcp-ring): the bytes of a $size all_reduce streamed in $us us"
     else
-      echo "# plain-socket ring (dear-tcp-ring): the bytes of a $size all_gather or reduce_scatter streamed in $line us"
+      echo "# plain-socket ring (dear-tcp-ring): the bytes of a $size all_gather or reduce_scatter streamed in $us us"
     fi
-    ring_refs+=("$kind:$size:$line")
+    ring_refs+=("$kind:$size:$us")
   done
   return 0
 }

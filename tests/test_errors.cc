@@ -91,6 +91,20 @@ TEST(InvalidArguments, BadCommunicatorOptions) {
   EXPECT_NE(what_of(errors[0]).find("CommOptions::channels=0"), std::string::npos);
 }
 
+// CommOptions::halving_max_bytes: -1 becomes the transport's default (1 MiB over TCP); below -1
+// is refused naming the option.
+TEST(InvalidArguments, MediumThresholdTakesTheTransportsDefaultAndRefusesBelowMinusOne) {
+  run_ranks(2, [](Communicator& c) { EXPECT_EQ(c.options().halving_max_bytes, 1024 * 1024); });
+  CommOptions o;
+  o.halving_max_bytes = -2;
+  const auto errors = run_ranks_collect(
+      2, [](Communicator&) {}, o);
+  for (const auto& e : errors) {
+    ASSERT_TRUE(e);
+    EXPECT_NE(what_of(e).find("halving_max_bytes=-2"), std::string::npos) << what_of(e);
+  }
+}
+
 // A malformed or out-of-range DEAR_SOCKET_BUFFER fails every rank's create naming the
 // variable, instead of turning into a socket buffer of nothing (a crawl) or of garbage.
 TEST(InvalidArguments, BadSocketBufferNamesTheVariable) {
