@@ -53,7 +53,9 @@ bool Work::test() const {
   if (state_->status.load(std::memory_order_acquire) != 0) return true;
   // A small operation advances when its caller polls it (as MPI_Test does), not only on the
   // engine thread's next idle tick.
-  if (auto engine = state_->engine.lock()) engine->poke();
+  if (state_->driven) {
+    if (auto engine = state_->engine.lock()) engine->poke();
+  }
   return state_->status.load(std::memory_order_acquire) != 0;
 }
 
@@ -61,21 +63,19 @@ bool Work::wait(std::chrono::milliseconds timeout) const {
   if (!state_) return true;
   const auto start = std::chrono::steady_clock::now();
   // Before sleeping, make progress on this thread (small operations: until done, or until
-  // nothing has moved for wait_spin_us) or yield for wait_spin_us (large ones, which the engine
-  // thread carries): most small operations finish within tens of microseconds, and a sleep
-  // costs a wake-up through the kernel on top.
+  // nothing has moved for wait_spin_us) or yield for wait_spin_us while the engine thread,
+  // kept spinning meanwhile, carries the operation (large ones): a sleep costs a wake-up
+  // through the kernel on top, on each side.
   const int spin_us = state_->wait_spin_us;
   if (spin_us > 0 && state_->status.load(std::memory_order_acquire) == 0) {
     const auto limit = timeout == std::chrono::milliseconds::max()
                            ? std::chrono::steady_clock::time_point::max()
                            : start + timeout;
     if (auto engine = state_->engine.lock()) {
-      engine->drive(*state_, limit, std::chrono::microseconds(spin_us));
-    } else {
-      const auto until = std::min(limit, start + std::chrono::microseconds(spin_us));
-      while (state_->status.load(std::memory_order_acquire) == 0 &&
-             std::chrono::steady_clock::now() < until) {
-        sched_yield();
+      if (state_->driven) {
+        engine->drive(*state_, limit, std::chrono::microseconds(spin_us));
+      } else {
+        engine->await(*state_, limit, std::chrono::microseconds(spin_us));
       }
     }
   }

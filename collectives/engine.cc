@@ -145,7 +145,8 @@ Work Engine::submit(std::unique_ptr<Op> op) {
   op->state = state;
   state->wait_spin_us = cfg_.wait_spin_us;
   state->owner = this;
-  if (eager) state->engine = weak_from_this();
+  state->engine = weak_from_this();
+  state->driven = eager;
   std::exception_ptr failed;
   {
     std::lock_guard<std::mutex> lock(submit_mu_);
@@ -267,7 +268,12 @@ void Engine::run() {
       // Briefly yield instead of sleeping after the engine thread itself moved something: a
       // peer's reply or the caller's next operation usually comes within a few microseconds,
       // and waking from poll() costs a context switch on each hop.
-      if (now - last_moved_ < std::chrono::microseconds(cfg_.spin_us)) {
+      // While a thread waits for an operation (await), the caller has nothing else to run and
+      // the engine spins as long as that thread does.
+      const int spin_us = awaiters_.load(std::memory_order_relaxed) > 0
+                              ? std::max(cfg_.spin_us, cfg_.wait_spin_us)
+                              : cfg_.spin_us;
+      if (now - last_moved_ < std::chrono::microseconds(spin_us)) {
         lock.unlock();
         sched_yield();
         continue;
@@ -431,6 +437,18 @@ bool Engine::drive(const Work::State& state, std::chrono::steady_clock::time_poi
     if (!wake_if(kIdleSleep)) wake_if(kDeepSleep);
   }
   return done;
+}
+
+bool Engine::await(const Work::State& state, std::chrono::steady_clock::time_point until,
+                   std::chrono::microseconds spin) {
+  awaiters_.fetch_add(1);
+  const auto limit = std::min(until, std::chrono::steady_clock::now() + spin);
+  while (state.status.load(std::memory_order_acquire) == 0 && !stop_.load() &&
+         std::chrono::steady_clock::now() < limit) {
+    sched_yield();
+  }
+  awaiters_.fetch_sub(1);
+  return state.status.load(std::memory_order_acquire) != 0;
 }
 
 bool Engine::drain_submissions() {

@@ -46,9 +46,11 @@ struct Work::State {
   std::exception_ptr error;
   std::uint64_t seq = 0;
   int wait_spin_us = 0;  // wait() drives the engine (or yields) this long before it sleeps
-  // Set for small operations, whose waiter makes their progress itself (Engine::drive);
-  // empty for operations finished at once and for large ones, left to the engine thread.
+  // The engine that runs it; empty for operations finished at once.
   std::weak_ptr<collectives::Engine> engine;
+  // Small operations: their waiter makes their progress itself (Engine::drive). Large ones
+  // are left to the engine thread, and their waiter only keeps it spinning (Engine::await).
+  bool driven = false;
   const collectives::Engine* owner = nullptr;  // the engine that runs it (null: none)
 
   void complete(std::exception_ptr e);
@@ -102,6 +104,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void forget_memory(const void* addr, std::size_t bytes);
   bool drive(const Work::State& state, std::chrono::steady_clock::time_point until,
              std::chrono::microseconds idle);
+  // Yields until `state` completes, `until`, or `spin` has passed; meanwhile the engine
+  // thread spins for wait_spin_us instead of spin_us before it sleeps. True when completed.
+  bool await(const Work::State& state, std::chrono::steady_clock::time_point until,
+             std::chrono::microseconds spin);
 
  private:
   class LinkSink;
@@ -215,6 +221,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // holds turn_mu_. The engine thread stands aside while drivers_ > 0.
   std::mutex turn_mu_;
   std::atomic<int> drivers_{0};
+  // Threads in await(): while any waits, the caller has nothing else to run, so the engine
+  // thread keeps spinning as long as they do rather than sleeping between arrivals.
+  std::atomic<int> awaiters_{0};
   std::atomic<bool> has_active_{false};  // active_ is not empty (updated each turn)
   int idle_ticks_ = 0;                   // engine thread only
 

@@ -119,13 +119,15 @@ struct CommOptions {
   int eager_window = 64;
   // How long the engine thread yields the CPU, once it has moved something, before it sleeps in
   // the kernel (microseconds; DEAR_SPIN_US). Yielding saves a wake-up on every hop of a small
-  // operation; 0 sleeps at once.
+  // operation; 0 sleeps at once. While a thread is yielding in Work::wait() on a large
+  // operation, the engine thread yields up to wait_spin_us instead.
   int spin_us = 100;
   // How long a thread in Work::wait() makes progress itself (small operations) or yields (large
   // ones) while nothing moves, before it sleeps until the operation completes (microseconds;
   // DEAR_WAIT_SPIN_US); 0 sleeps at once. The waiter has nothing else to do meanwhile, and a
   // sleep costs a wake-up through the kernel: with 100 µs, a 4-rank 8-byte all_reduce on 2 CPUs
   // had a mean of 106-213 µs and a p99 of 0.3-1.5 ms; with 1000 µs, 100-125 µs and 0.3-0.4 ms.
+  // Meanwhile the engine thread, too, yields this long instead of spin_us before it sleeps.
   int wait_spin_us = 1000;
   // Extra one-way latency added to every message on every link, in microseconds
   // (DEAR_LINK_DELAY_US), to emulate slower networks over any transport; 0 adds none. All ranks
