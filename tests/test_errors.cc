@@ -91,10 +91,11 @@ TEST(InvalidArguments, BadCommunicatorOptions) {
   EXPECT_NE(what_of(errors[0]).find("CommOptions::channels=0"), std::string::npos);
 }
 
-// CommOptions::halving_max_bytes: -1 becomes the transport's default (1 MiB over TCP); below -1
-// is refused naming the option.
+// CommOptions::halving_max_bytes: -1 becomes the transport's default (over TCP 4 MiB up to 4
+// ranks, 1 MiB above); below -1 is refused naming the option.
 TEST(InvalidArguments, MediumThresholdTakesTheTransportsDefaultAndRefusesBelowMinusOne) {
-  run_ranks(2, [](Communicator& c) { EXPECT_EQ(c.options().halving_max_bytes, 1024 * 1024); });
+  run_ranks(4, [](Communicator& c) { EXPECT_EQ(c.options().halving_max_bytes, 4 << 20); });
+  run_ranks(5, [](Communicator& c) { EXPECT_EQ(c.options().halving_max_bytes, 1 << 20); });
   CommOptions o;
   o.halving_max_bytes = -2;
   const auto errors = run_ranks_collect(

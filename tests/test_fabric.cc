@@ -331,7 +331,7 @@ TEST(FabricSetup, DirectBytesFromTheEnvironment) {
 }
 
 TEST_P(Fabric, MediumThresholdDefaultsToTheTransports) {
-  // -1 becomes 256 KiB over fabric (1 MiB over TCP: InvalidArguments.MediumThreshold...); a
+  // -1 becomes 256 KiB over fabric (4 or 1 MiB over TCP: InvalidArguments.MediumThreshold...); a
   // value set is kept.
   run_ranks(
       2, [](Communicator& c) { EXPECT_EQ(c.options().halving_max_bytes, 256 * 1024); }, options());
