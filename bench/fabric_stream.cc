@@ -1,24 +1,27 @@
-// dear-fabric-stream: how fast a libfabric provider itself moves bytes between two processes of
-// this host, next to a plain TCP stream between the same two processes, in one run.
+// dear-fabric-stream: how fast a libfabric provider itself moves bytes between processes of this
+// host, next to a plain TCP stream between the same processes, in one run.
 //
-//   dear-run -n 2 dear-fabric-stream [--provider 'tcp;ofi_rxm'] [-s 64M] [--window 4]
+//   dear-run -n N dear-fabric-stream [--provider 'tcp;ofi_rxm'] [-s 64M] [--window 4]
 //                                    [--iters 20] [--warmup 3] [--chunk 1M] [--rounds 1]
 //                                    [--op send|write] [--json FILE]
 //
-// No collective library on top: this is the ceiling a library over the provider can reach.
+// No collective library on top: the provider's own rate for this traffic. Not a strict ceiling:
+// on a ring of 4 ranks sharing 2 CPUs dear over rxm moved the same bytes faster (README).
 //   - fabric: one reliable-datagram endpoint per rank (FI_MSG), sends from and receives into
 //     buffers posted up front (registered where the provider asks for FI_MR_LOCAL), names
 //     exchanged through the bootstrap and inserted into an address vector. Up to --window messages
 //     are in flight; each message goes as chunks of min(--chunk, the provider's max_msg_size).
-//     "uni": rank 0 sends, rank 1 receives. "bidi": both ranks send and receive at once, as every
-//     step of a ring does; its figure is the sum of both directions.
+//     "uni": rank 0 sends, rank 1 receives. "bidi": every rank sends to the next one and receives
+//     from the previous one at once, as every step of a ring does (on 2 ranks: both directions
+//     of the pair); its figure is the sum over the ranks.
 //     With --op write the chunks go as RMA writes with remote CQ data (what the fabric transport
 //     does by default where offered) into the receiver's registered message slots; the receiver
 //     counts the chunks of each message from its completion queue and, once a message is
 //     checked, tells the sender with a small message (a credit) that its slot is free again.
 //   - tcp: one connection over 127.0.0.1 (Nagle on, kernel buffer sizes), the same messages
 //     with blocking send()/recv() of 1 MiB; "bidi" uses the connection full duplex,
-//     a sending thread next to the receiving one. Only the tail of each run is pushed out
+//     a sending thread next to the receiving one (more than 2 ranks: a ring of connections,
+//     one per direction, as dear-tcp-ring makes). Only the tail of each run is pushed out
 //     at once (TCP_NODELAY set and cleared), so that no delayed acknowledgement is timed.
 // With --rounds N both transports are measured N times, alternating which goes first, and the
 // ratios are of the medians: on a shared machine a slow spell then hits both alike.
@@ -37,6 +40,7 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
+#include <sched.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -319,14 +323,13 @@ class FabricStream {
     n.resize(len);
     return n;
   }
-  void set_peer(const char* name) {
-    const int n = fi_av_insert(av_.get(), name, 1, &peer_, 0, nullptr);
-    if (n != 1) {
-      throw Error(ErrorCode::kSystem,
-                  "fi_av_insert of the peer's endpoint failed: " +
-                      (n < 0 ? fi_text(n) : std::string("address not accepted")),
-                  rank_, 1 - rank_);
-    }
+  // The ranks this one writes or sends to (next) and receives from (prev): the same one on 2
+  // ranks. Credits go back to prev.
+  void set_peers(int next, const char* next_name, int prev, const char* prev_name) {
+    next_rank_ = next;
+    prev_rank_ = prev;
+    next_ = insert(next, next_name);
+    prev_ = prev == next ? next_ : insert(prev, prev_name);
   }
 
   // Streams messages [0, messages): sends them when `send`, receives and checks them when
@@ -362,6 +365,9 @@ class FabricStream {
         idle = 0;
         continue;
       }
+      // Nothing moved: let the other ranks' processes run (with more ranks than CPUs, a rank
+      // that polls without yielding holds back the ones it waits for).
+      sched_yield();
       if (++idle % 4096 != 0) continue;
       const auto now = Clock::now();
       if (idle == 4096) last_moved = now;
@@ -370,7 +376,7 @@ class FabricStream {
                     provider_ + ": no completion for " + std::to_string(kStallLimit.count()) +
                         " s; sent " + std::to_string(tx.oldest) + ", received " +
                         std::to_string(rx.oldest) + " of " + std::to_string(messages) + " messages",
-                    rank_, 1 - rank_);
+                    rank_, prev_rank_);
       }
     }
     // The last credits too, or the sender's next run would count them.
@@ -380,7 +386,7 @@ class FabricStream {
         throw Error(ErrorCode::kTimeout,
                     provider_ + ": the last credits could not be sent for " +
                         std::to_string(kStallLimit.count()) + " s",
-                    rank_, 1 - rank_);
+                    rank_, next_rank_);
       }
     }
     if (!recv) return 0;
@@ -402,6 +408,18 @@ class FabricStream {
     std::size_t outstanding = 0;
     std::size_t limit = 0;
   };
+
+  fi_addr_t insert(int peer, const char* name) {
+    fi_addr_t addr = FI_ADDR_UNSPEC;
+    const int n = fi_av_insert(av_.get(), name, 1, &addr, 0, nullptr);
+    if (n != 1) {
+      throw Error(ErrorCode::kSystem,
+                  "fi_av_insert of rank " + std::to_string(peer) + "'s endpoint failed: " +
+                      (n < 0 ? fi_text(n) : std::string("address not accepted")),
+                  rank_, peer);
+    }
+    return addr;
+  }
 
   void check(const char* call, long rc) const {
     if (rc != 0) {
@@ -441,10 +459,10 @@ class FabricStream {
         const std::uint64_t data =
             static_cast<std::uint64_t>(s.next % window_) * chunks_ + s.next_chunk;
         const std::uint64_t remote = target_.addr + (s.next % window_) * size_ + off;
-        rc = fi_writedata(ep_.get(), msg + off, len, desc(), data, peer_, remote, target_.key,
+        rc = fi_writedata(ep_.get(), msg + off, len, desc(), data, next_, remote, target_.key,
                           &op.ctx);
       } else {
-        rc = fi_send(ep_.get(), msg + off, len, desc(), peer_, &op.ctx);
+        rc = fi_send(ep_.get(), msg + off, len, desc(), next_, &op.ctx);
       }
       if (rc == -FI_EAGAIN) break;  // the provider's queue is full: progress, then again
       if (rc != 0) check(s.recv ? "fi_recv" : (write_ ? "fi_writedata" : "fi_send"), rc);
@@ -475,7 +493,7 @@ class FabricStream {
       throw Error(
           ErrorCode::kPeerFailed,
           provider_ + ": a " + (recv ? "receive" : "send") + " failed: " + fi_text(err.err) + why,
-          rank_, 1 - rank_);
+          rank_, recv ? prev_rank_ : next_rank_);
     }
     if (n < 0) check("fi_cq_read", n);
     for (ssize_t k = 0; k < n; ++k) {
@@ -486,7 +504,7 @@ class FabricStream {
         if ((e.flags & FI_REMOTE_CQ_DATA) == 0 || slot >= window_) {
           throw Error(ErrorCode::kMismatch,
                       provider_ + ": a write arrived without a slot in its CQ data", rank_,
-                      1 - rank_);
+                      prev_rank_);
         }
         ++rx.done[slot];
         continue;
@@ -504,7 +522,7 @@ class FabricStream {
         throw Error(ErrorCode::kMismatch,
                     provider_ + ": a chunk arrived with " + std::to_string(e.len) + " bytes, " +
                         std::to_string(chunk_len(op.chunk)) + " expected",
-                    rank_, 1 - rank_);
+                    rank_, prev_rank_);
       }
       ++s.done[op.slot];
       --s.outstanding;
@@ -513,7 +531,7 @@ class FabricStream {
       while (s->oldest < s->next && s->done[s->oldest % window_] == chunks_) {
         s->done[s->oldest % window_] = 0;
         if (s->recv) {
-          check_stamp(slot(true, s->oldest), size_, s->oldest, rank_, 1 - rank_, provider_);
+          check_stamp(slot(true, s->oldest), size_, s->oldest, rank_, prev_rank_, provider_);
           const auto now = Clock::now();
           if (s->oldest + 1 == timed_from_) arrived_from_ = now;
           arrived_last_ = now;
@@ -539,7 +557,7 @@ class FabricStream {
     Credit cr;
     cr.run = static_cast<std::uint32_t>(run_);
     cr.done = static_cast<std::uint32_t>(received_ + credit_owed_);
-    const ssize_t rc = fi_inject(ep_.get(), &cr, sizeof(cr), peer_);
+    const ssize_t rc = fi_inject(ep_.get(), &cr, sizeof(cr), prev_);
     if (rc == -FI_EAGAIN) return false;  // the provider's queue is full: progress, then again
     check("fi_inject", rc);
     received_ = cr.done;
@@ -570,14 +588,17 @@ class FabricStream {
   Memory memory_;
   std::vector<Op> ops_;
   std::array<fi_cq_data_entry, 64> entries_{};
-  fi_addr_t peer_ = FI_ADDR_UNSPEC;
+  fi_addr_t next_ = FI_ADDR_UNSPEC;  // written or sent to; credits come from it
+  fi_addr_t prev_ = FI_ADDR_UNSPEC;  // received from; credits go to it
+  int next_rank_ = 0;
+  int prev_rank_ = 0;
   // --op write.
   Target target_;
   std::vector<Op> credit_ops_;
   std::size_t credit_bufs_ = 0;
   char* credits_in_ = nullptr;     // credit_bufs_ Credits, in memory_
   std::uint64_t run_ = 0;          // runs so far, this one included (credits name theirs)
-  std::uint64_t credited_ = 0;     // this run: messages the peer has checked
+  std::uint64_t credited_ = 0;     // this run: messages the next rank has checked
   std::uint64_t received_ = 0;     // this run: messages this rank has checked and credited
   std::uint64_t credit_owed_ = 0;  // checked, not yet credited
 };
@@ -604,13 +625,14 @@ bool measure(Bootstrap& boot, Stream& stream, const std::string& transport, cons
     m.direction = both ? "bidi" : "uni";
     m.round = round;
     m.seconds = max_over_ranks(boot, seconds);
-    m.bytes = (both ? 2 : 1) * iters * args.size;
+    m.bytes = static_cast<std::uint64_t>(both ? boot.size() : 1) * iters * args.size;
     out.push_back(m);
   }
   return true;
 }
 
-// The endpoint of each rank, each knowing the other's; nullptr (on every rank) when a rank failed.
+// The endpoint of each rank, each knowing its ring neighbours'; nullptr (on every rank) when a
+// rank failed.
 std::unique_ptr<FabricStream> open_fabric(Bootstrap& boot, const Args& args, std::string& about) {
   std::unique_ptr<FabricStream> stream;
   std::vector<char> mine(kMaxName + sizeof(std::uint32_t));
@@ -624,25 +646,35 @@ std::unique_ptr<FabricStream> open_fabric(Bootstrap& boot, const Args& args, std
     return nullptr;
   }
   about = stream->describe();
-  std::vector<char> all(2 * mine.size());
+  const int n = boot.size();
+  const int next = (boot.rank() + 1) % n;
+  const int prev = (boot.rank() + n - 1) % n;
+  std::vector<char> all(static_cast<std::size_t>(n) * mine.size());
   boot.all_gather(mine.data(), mine.size(), all.data());
-  const char* theirs = all.data() + static_cast<std::size_t>(1 - boot.rank()) * mine.size();
-  if (!all_ok(boot, [&] { stream->set_peer(theirs + sizeof(std::uint32_t)); })) return nullptr;
+  const auto name_of = [&](int r) {
+    return all.data() + static_cast<std::size_t>(r) * mine.size() + sizeof(std::uint32_t);
+  };
+  if (!all_ok(boot, [&] { stream->set_peers(next, name_of(next), prev, name_of(prev)); })) {
+    return nullptr;
+  }
   // Where to write (--op write; unused otherwise).
   const Target own = stream->target();
-  std::array<Target, 2> targets{};
+  std::vector<Target> targets(static_cast<std::size_t>(n));
   boot.all_gather(&own, sizeof(own), targets.data());
-  stream->set_target(targets[static_cast<std::size_t>(1 - boot.rank())]);
+  stream->set_target(targets[static_cast<std::size_t>(next)]);
   return stream;
 }
 
-// The connection between the two ranks; nullptr (on every rank) when a rank failed.
+// The connection between the two ranks (more: the ring of connections); nullptr (on every rank)
+// when a rank failed.
 std::unique_ptr<TcpStream> open_tcp(Bootstrap& boot, const Args& args) {
   std::unique_ptr<TcpStream> stream;
   if (!all_ok(boot, [&] { stream = std::make_unique<TcpStream>(args.size, boot.rank()); })) {
     return nullptr;
   }
-  if (!stream::connect_pair(boot, kTool, *stream)) return nullptr;
+  const bool ok = boot.size() == 2 ? stream::connect_pair(boot, kTool, *stream)
+                                   : stream::connect_ring(boot, kTool, *stream);
+  if (!ok) return nullptr;
   return stream;
 }
 
@@ -709,8 +741,8 @@ void write_json(const Args& args, const std::string& about, const std::vector<Me
 
 int run(int argc, char** argv) {
   CLI::App app{
-      "dear-fabric-stream: a libfabric provider's raw streaming rate between two "
-      "ranks, next to a TCP stream between the same ranks"};
+      "dear-fabric-stream: a libfabric provider's raw streaming rate between ranks (2: a pair, "
+      "more: a ring), next to a TCP stream between the same ranks"};
   Args args;
   app.add_option("--provider", args.provider, "libfabric provider: tcp;ofi_rxm, shm, sockets, ...")
       ->capture_default_str();
@@ -754,9 +786,9 @@ int run(int argc, char** argv) {
   }
 
   auto boot = Bootstrap::from_env();
-  if (boot->size() != 2) {
+  if (boot->size() < 2) {
     if (boot->rank() == 0) {
-      std::fprintf(stderr, "dear-fabric-stream: needs exactly 2 ranks (got %d)\n", boot->size());
+      std::fprintf(stderr, "dear-fabric-stream: needs at least 2 ranks (got %d)\n", boot->size());
     }
     return 2;
   }
@@ -778,10 +810,11 @@ int run(int argc, char** argv) {
   if (boot->rank() == 0) {
     std::printf("# dear-fabric-stream: %s\n", about.c_str());
     std::printf(
-        "# 2 ranks, %llu-byte messages, window %d, %d timed after %d warm-up per "
-        "direction, %d round(s); bidi = both directions summed; GB = 1e9 bytes\n",
-        static_cast<unsigned long long>(args.size), args.window, args.iters, args.warmup,
-        args.rounds);
+        "# %d ranks, %llu-byte messages, window %d, %d timed after %d warm-up per "
+        "direction, %d round(s); bidi = every rank to the next at once, summed over the ranks; "
+        "GB = 1e9 bytes\n",
+        boot->size(), static_cast<unsigned long long>(args.size), args.window, args.iters,
+        args.warmup, args.rounds);
     print_table(args, fabric->provider(), rows);
     if (!args.json_path.empty()) write_json(args, about, rows);
   }

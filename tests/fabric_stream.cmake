@@ -19,6 +19,13 @@ if(TARGET dear-fabric-stream AND TARGET dear-run)
         SKIP_REGULAR_EXPRESSION "is not available here")
     endforeach()
   endforeach()
+  # Three ranks: a ring, where a rank's writes go to one neighbour and its credits to the other.
+  add_test(NAME fabric_stream_write_rxm_ring
+           COMMAND ${CMAKE_COMMAND} -DDEAR_RUN=$<TARGET_FILE:dear-run>
+                   -DSTREAM=$<TARGET_FILE:dear-fabric-stream> "-DPROVIDER=tcp$<SEMICOLON>ofi_rxm"
+                   -DOP=write -DRANKS=3 -P ${CMAKE_CURRENT_LIST_DIR}/fabric_stream_check.cmake)
+  set_tests_properties(fabric_stream_write_rxm_ring PROPERTIES LABELS fabric TIMEOUT 180
+    SKIP_REGULAR_EXPRESSION "is not available here")
 endif()
 
 # dear-tcp-ring (bench/tcp_ring.cc): a ring collective's bytes streamed over plain sockets. Three

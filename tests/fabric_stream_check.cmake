@@ -1,9 +1,13 @@
-# cmake -DDEAR_RUN=... -DSTREAM=... -DPROVIDER=... -DOP=send|write -P fabric_stream_check.cmake
-# Runs dear-fabric-stream on two ranks with small messages in four chunks, six of them through
+# cmake -DDEAR_RUN=... -DSTREAM=... -DPROVIDER=... -DOP=send|write [-DRANKS=n] -P fabric_stream_check.cmake
+# Runs dear-fabric-stream on RANKS ranks (default two; more make a ring, each rank writing to the
+# next and crediting the previous) with small messages in four chunks, six of them through
 # two slots (so that with writes the receiver's credits pace the sender), and fails unless it
 # exits 0 (every message arrived with its stamps) and rank 0 printed a GB/s figure for PROVIDER
 # and for tcp, in both directions, moved the way OP says.
-execute_process(COMMAND "${DEAR_RUN}" -n 2 --timeout 150 "${STREAM}" --provider "${PROVIDER}"
+if(NOT DEFINED RANKS)
+  set(RANKS 2)
+endif()
+execute_process(COMMAND "${DEAR_RUN}" -n ${RANKS} --timeout 150 "${STREAM}" --provider "${PROVIDER}"
                         -s 1M --chunk 256K --iters 4 --warmup 2 --window 2 --op "${OP}"
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 message("${out}${err}")
