@@ -713,11 +713,13 @@ void print_table(const Args& args, const std::string& provider,
   }
 }
 
-void write_json(const Args& args, const std::string& about, const std::vector<Measurement>& rows) {
+void write_json(const Args& args, int ranks, const std::string& about,
+                const std::vector<Measurement>& rows) {
   nlohmann::json j;
   j["tool"] = "dear-fabric-stream";
   j["provider"] = args.provider;
   j["fabric"] = about;
+  j["ranks"] = ranks;
   j["size"] = args.size;
   j["window"] = args.window;
   j["chunk"] = args.chunk;
@@ -816,7 +818,7 @@ int run(int argc, char** argv) {
         boot->size(), static_cast<unsigned long long>(args.size), args.window, args.iters,
         args.warmup, args.rounds);
     print_table(args, fabric->provider(), rows);
-    if (!args.json_path.empty()) write_json(args, about, rows);
+    if (!args.json_path.empty()) write_json(args, boot->size(), about, rows);
   }
   boot->barrier();
   return 0;
