@@ -250,7 +250,7 @@ class CommunicatorImpl final : public Communicator {
 
   bool set_priority(const Work& work, int priority) override {
     const Work::State* s = work.state();
-    if (s == nullptr || !engine_ || s->owner != engine_.get()) return false;
+    if (s == nullptr || !engine_ || s->engine.lock() != engine_) return false;
     if (s->status.load(std::memory_order_acquire) != 0) return false;
     return engine_->set_priority(s->seq, priority);
   }

@@ -144,7 +144,6 @@ Work Engine::submit(std::unique_ptr<Op> op) {
   auto state = std::make_shared<Work::State>();
   op->state = state;
   state->wait_spin_us = cfg_.wait_spin_us;
-  state->owner = this;
   state->engine = weak_from_this();
   state->driven = eager;
   std::exception_ptr failed;

@@ -51,7 +51,6 @@ struct Work::State {
   // Small operations: their waiter makes their progress itself (Engine::drive). Large ones
   // are left to the engine thread, and their waiter only keeps it spinning (Engine::await).
   bool driven = false;
-  const collectives::Engine* owner = nullptr;  // the engine that runs it (null: none)
 
   void complete(std::exception_ptr e);
 };
