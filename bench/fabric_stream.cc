@@ -6,7 +6,8 @@
 //                                    [--op send|write] [--json FILE]
 //
 // No collective library on top: the provider's own rate for this traffic. Not a strict ceiling:
-// on a ring of 4 ranks sharing 2 CPUs dear over rxm moved the same bytes faster (README).
+// on a ring of 4 ranks sharing 2 CPUs dear over rxm moved the same bytes faster
+// (docs/transports.md).
 //   - fabric: one reliable-datagram endpoint per rank (FI_MSG), sends from and receives into
 //     buffers posted up front (registered where the provider asks for FI_MR_LOCAL), names
 //     exchanged through the bootstrap and inserted into an address vector. Up to --window messages

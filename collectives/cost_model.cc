@@ -238,13 +238,14 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
     }
     // all_gather and reduce_scatter from 4 ranks on: their log-step schedule's log2(N) steps
     // beat the ring's (and the two-way gather's) N - 1 on small operations; all_reduce's tree
-    // beats gather_reduce's ceil((N - 1) / 2) two-way steps from 5 ranks on (see the README).
+    // beats gather_reduce's ceil((N - 1) / 2) two-way steps from 5 ranks on (see
+    // docs/benchmarks.md).
     if (n >= 5 || (n >= 4 && kind != OpKind::kAllReduce)) small = log_small;
   }
   if (model == nullptr) {
     if (total <= threshold_bytes) return small;
     // Medium all_reduces: from 4 ranks on, halving + doubling's 2 log2(N) steps beat the
-    // ring's 2(N - 1) where each ring step is short (measured on loopback, see the README).
+    // ring's 2(N - 1) where each ring step is short (measured on loopback, see docs/benchmarks.md).
     // Its messages are at most half the operation (the whole of it where ranks beyond a power
     // of two fold in), so at the default 1 MiB a step holds a link about as long as one or two
     // of the ring's default slices.

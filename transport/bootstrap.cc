@@ -412,7 +412,7 @@ class TcpBootstrap final : public Bootstrap {
 };
 
 // Not secret: lets a job started by a launcher without a secret tell itself apart from
-// other jobs on the same address (see README, "Launchers").
+// other jobs on the same address (see README, "Launching").
 std::array<std::uint8_t, 16> derived_secret(const std::string& seed) {
   std::array<std::uint8_t, 16> out{};
   std::uint64_t h1 = 1469598103934665603ULL;

@@ -106,7 +106,7 @@ struct FabricOptions {
   // On the write data path, messages of at least this many payload bytes whose destination
   // the peer opened as a window (Channel::open_window, try_send_to) are written straight into
   // it, which saves the receiver's copy out of its slot; 0: never. Default by measurement (see
-  // the README).
+  // docs/transports.md).
   std::size_t direct_bytes = 384 * 1024;
   // A direct message's payload goes in writes of at most this many bytes (each spends one of
   // the peer's credits, as a fragment does), and of at most the provider's message size.

@@ -46,7 +46,8 @@ inline constexpr std::size_t kWriteDataBytes = 4;
 // enabled; at its own default (16 KiB) that is 34 MB per endpoint: here, half a second of page
 // faults to create a 2-rank communicator, and 250 MB per rank. dear's traffic over rxm is
 // 64-byte control messages, RMA writes, and fragments of up to a slot (about 1 MiB), which rxm
-// sends eagerly only up to this size; README "libfabric transport" has the measurements.
+// sends eagerly only up to this size; docs/transports.md, "libfabric transport", has the
+// measurements.
 inline constexpr const char* kRxmBufferSize = "4096";
 
 // Sets the provider parameters above where the environment does not already; called before
