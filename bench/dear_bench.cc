@@ -313,6 +313,13 @@ int run(int argc, char** argv) {
       compare_algos.push_back(a);
     }
   }
+  if (!args.samples_path.empty() && (calibrate_only || !compare_algos.empty())) {
+    std::fprintf(stderr,
+                 "dear-bench: --samples records the sweep's iterations; it does not go "
+                 "with --%s\n",
+                 calibrate_only ? "calibrate" : "compare");
+    return 2;
+  }
   if (!compare_algos.empty() && device != "host") {
     std::fprintf(stderr, "dear-bench: --compare times host buffers only (not --device %s)\n",
                  device.c_str());

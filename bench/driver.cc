@@ -64,7 +64,8 @@ long long wrong_in(const void* output, std::size_t bytes, const CheckSpec& spec,
 // `first`: the sweep's first measurement, which also warms up the process and the library
 // under test (its threads, caches and lazily made state), not only this size.
 Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bool in_place,
-               bool first, std::uint64_t seed, const Binder& bind, const BufferMemory* memory) {
+               bool first, std::uint64_t seed, const Binder& bind, const BufferMemory* memory,
+               SampleLog& log) {
   CheckSpec spec;
   spec.collective = args.collective;
   spec.dtype = args.dtype;
@@ -128,6 +129,7 @@ Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bo
     samples.add(watch.elapsed_us() / agg);
   }
   const double time_us = comm.max_over_ranks(samples.mean());
+  log.add(point.bytes, in_place, samples);
 
   long long wrong = kNotChecked;
   if (args.check != 0) {
@@ -157,13 +159,14 @@ int run_sweep(PeerComm& comm, const BenchArgs& args, DriverConfig config, const 
   fill_info(config.info, args, comm.size());
   const auto points = size_sweep(args, args.collective, args.dtype, comm.size());
   Reporter reporter(std::move(config.info), args, comm.rank());
+  SampleLog log(args.samples_path, comm.rank());
   reporter.begin();
   for (std::size_t i = 0; i < points.size(); ++i) {
     Row row = make_row(points[i], args.collective, args.dtype, args.op, args.root);
     // A distinct seed per run, so a result left over from the previous run is wrong.
     const BufferMemory* memory = config.memory ? &*config.memory : nullptr;
-    row.oop = measure(comm, args, points[i], false, i == 0, 2 * i, bind, memory);
-    row.ip = measure(comm, args, points[i], true, false, 2 * i + 1, bind, memory);
+    row.oop = measure(comm, args, points[i], false, i == 0, 2 * i, bind, memory, log);
+    row.ip = measure(comm, args, points[i], true, false, 2 * i + 1, bind, memory, log);
     reporter.add(std::move(row));
     print_progress(config.tool, args.collective, points[i].bytes, i + 1, points.size(),
                    comm.rank());

@@ -378,6 +378,9 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
       ->capture_default_str();
   app.add_option("--json", args.json_path, "Also write the results as JSON to FILE");
   app.add_option("--csv", args.csv_path, "Also write the results as CSV to FILE");
+  app.add_option("--samples", args.samples_path,
+                 "Also write every timed iteration's time on rank 0 to FILE (CSV: size, "
+                 "placement, iteration, us), the samples behind p50/p99");
   app.add_option_function<std::string>(
          "collective",
          [&args](const std::string& text) {
@@ -739,6 +742,31 @@ long long Reporter::finish() {
   if (!args_.json_path.empty()) write_json_file(args_.json_path, report_);
   if (!args_.csv_path.empty()) write_csv_file(args_.csv_path, report_);
   return total_wrong(report_.rows);
+}
+
+SampleLog::SampleLog(const std::string& path, int rank) : path_(path) {
+  if (rank != 0 || path.empty()) return;
+  out_ = std::make_unique<std::ofstream>(path, std::ios::binary | std::ios::trunc);
+  if (!*out_) {
+    throw Error(ErrorCode::kSystem, "--samples: cannot open '" + path + "' for writing", rank);
+  }
+  *out_ << "size,placement,iteration,us\n";
+}
+
+void SampleLog::add(std::uint64_t bytes, bool in_place, const Samples& samples) {
+  if (!out_) return;
+  const char* placement = in_place ? "ip" : "oop";
+  std::string text;
+  char line[96];
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const int n =
+        std::snprintf(line, sizeof(line), "%llu,%s,%zu,%.3f\n",
+                      static_cast<unsigned long long>(bytes), placement, i, samples.values()[i]);
+    text.append(line, static_cast<std::size_t>(n));
+  }
+  *out_ << text;
+  out_->flush();
+  if (!*out_) throw Error(ErrorCode::kSystem, "--samples: cannot write '" + path_ + "'", 0);
 }
 
 void print_progress(std::string_view tool, Collective c, std::uint64_t bytes, std::size_t done,

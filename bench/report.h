@@ -19,6 +19,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -72,6 +74,7 @@ struct BenchArgs {
   int root = 0;                         // -r/--root (broadcast only)
   std::string json_path;                // --json FILE
   std::string csv_path;                 // --csv FILE
+  std::string samples_path;             // --samples FILE (every timed iteration, rank 0)
 };
 
 // A size flag: K/M/G suffixes (powers of 1024), written into `target` (which must outlive
@@ -245,6 +248,23 @@ class Reporter {
   BenchArgs args_;
   int rank_;
   std::FILE* out_;
+};
+
+// --samples FILE: every timed iteration's time on rank 0, one CSV line each, written as each
+// size and placement completes (a long sweep leaves what it measured so far):
+//   size,placement,iteration,us        placement: oop or ip; us per operation (with -m k, / k)
+// The rows' time is the slowest rank's mean and p50/p99 are rank 0's, so these are the samples
+// behind p50/p99. Inactive (every call a no-op) on other ranks or without a path.
+class SampleLog {
+ public:
+  // Opens and truncates `path` on rank 0; throws dear::Error naming --samples when it cannot.
+  SampleLog(const std::string& path, int rank);
+  void add(std::uint64_t bytes, bool in_place, const Samples& samples);
+  [[nodiscard]] bool active() const noexcept { return static_cast<bool>(out_); }
+
+ private:
+  std::string path_;
+  std::unique_ptr<std::ofstream> out_;
 };
 
 // One stderr line per completed size, on rank 0 only:

@@ -1,2 +1,17 @@
 # The shared benchmark report library (bench/report.h); included from tests/CMakeLists.txt.
 dear_test(test_report SOURCES test_report.cc LIBS dear_bench_report LABELS unit)
+
+# dear-bench --samples end to end: two ranks, three sizes, both placements; check_samples.py
+# recomputes rank 0's p50/p99 from the samples and compares them with the run's --json.
+if(TARGET dear-bench AND TARGET dear-run)
+  find_package(Python3 COMPONENTS Interpreter)
+  if(Python3_Interpreter_FOUND)
+    add_test(NAME dear_bench_samples
+             COMMAND bash -c "set -euo pipefail
+               dir=$(mktemp -d)
+               trap 'rm -rf \"$dir\"' EXIT
+               $<TARGET_FILE:dear-run> -n 2 $<TARGET_FILE:dear-bench> all_reduce -b 1K -e 4K -n 7 -w 1 --samples \"$dir/s.csv\" --json \"$dir/r.json\"
+               ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/check_samples.py \"$dir/s.csv\" \"$dir/r.json\" 7")
+    set_tests_properties(dear_bench_samples PROPERTIES LABELS multiproc TIMEOUT 120)
+  endif()
+endif()

@@ -373,6 +373,60 @@ TEST(Csv, OneLinePerRowWithEmptyFieldsForNA) {
   EXPECT_NE(csv_line(report.info, report.rows[1]).find(",,,,,"), std::string::npos);
 }
 
+std::string read_file(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) return "<missing>";
+  std::string text;
+  char buf[4096];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) text.append(buf, n);
+  std::fclose(f);
+  return text;
+}
+
+TEST(SampleLog, RankZeroWritesEveryIterationInOrder) {
+  const std::string path = ::testing::TempDir() + "dear_sample_log.csv";
+  {
+    SampleLog log(path, 0);
+    EXPECT_TRUE(log.active());
+    Samples oop;
+    oop.add(12.5);
+    oop.add(3.25);
+    Samples ip;
+    ip.add(1000.0);
+    log.add(1048576, false, oop);
+    log.add(1048576, true, ip);
+    log.add(8, true, Samples{});  // a placement with no iterations adds nothing
+  }
+  EXPECT_EQ(read_file(path),
+            "size,placement,iteration,us\n"
+            "1048576,oop,0,12.500\n"
+            "1048576,oop,1,3.250\n"
+            "1048576,ip,0,1000.000\n");
+  std::remove(path.c_str());
+}
+
+TEST(SampleLog, InactiveOnOtherRanksAndWithoutAPath) {
+  const std::string path = ::testing::TempDir() + "dear_sample_log_rank1.csv";
+  std::remove(path.c_str());
+  SampleLog other(path, 1);
+  EXPECT_FALSE(other.active());
+  Samples s;
+  s.add(1.0);
+  other.add(8, false, s);
+  EXPECT_EQ(read_file(path), "<missing>");
+  SampleLog none("", 0);
+  EXPECT_FALSE(none.active());
+}
+
+TEST(SampleLog, UnwritablePathNamesTheFlag) {
+  try {
+    SampleLog log("/nonexistent-dir/samples.csv", 0);
+    FAIL() << "opened a file in a directory that does not exist";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--samples"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Table, RowsLineUpWithTheHeader) {
   const RunReport report = sample_report();
   const std::string a = format_row(report.rows[0]);
