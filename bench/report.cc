@@ -746,15 +746,15 @@ long long Reporter::finish() {
 
 SampleLog::SampleLog(const std::string& path, int rank) : path_(path) {
   if (rank != 0 || path.empty()) return;
-  out_ = std::make_unique<std::ofstream>(path, std::ios::binary | std::ios::trunc);
-  if (!*out_) {
+  out_.open(path, std::ios::binary | std::ios::trunc);
+  if (!out_) {
     throw Error(ErrorCode::kSystem, "--samples: cannot open '" + path + "' for writing", rank);
   }
-  *out_ << "size,placement,iteration,us\n";
+  out_ << "size,placement,iteration,us\n";
 }
 
 void SampleLog::add(std::uint64_t bytes, bool in_place, const Samples& samples) {
-  if (!out_) return;
+  if (!out_.is_open()) return;
   const char* placement = in_place ? "ip" : "oop";
   std::string text;
   char line[96];
@@ -764,9 +764,9 @@ void SampleLog::add(std::uint64_t bytes, bool in_place, const Samples& samples) 
                       static_cast<unsigned long long>(bytes), placement, i, samples.values()[i]);
     text.append(line, static_cast<std::size_t>(n));
   }
-  *out_ << text;
-  out_->flush();
-  if (!*out_) throw Error(ErrorCode::kSystem, "--samples: cannot write '" + path_ + "'", 0);
+  out_ << text;
+  out_.flush();
+  if (!out_) throw Error(ErrorCode::kSystem, "--samples: cannot write '" + path_ + "'", 0);
 }
 
 void print_progress(std::string_view tool, Collective c, std::uint64_t bytes, std::size_t done,

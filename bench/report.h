@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
-#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -260,11 +259,11 @@ class SampleLog {
   // Opens and truncates `path` on rank 0; throws dear::Error naming --samples when it cannot.
   SampleLog(const std::string& path, int rank);
   void add(std::uint64_t bytes, bool in_place, const Samples& samples);
-  [[nodiscard]] bool active() const noexcept { return static_cast<bool>(out_); }
+  [[nodiscard]] bool active() const noexcept { return out_.is_open(); }
 
  private:
   std::string path_;
-  std::unique_ptr<std::ofstream> out_;
+  std::ofstream out_;  // open on rank 0 with a path only
 };
 
 // One stderr line per completed size, on rank 0 only:

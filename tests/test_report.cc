@@ -7,11 +7,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "dear/error.h"
+#include "proc.h"
 #include "report.h"
 
 namespace dear::bench {
@@ -373,16 +375,6 @@ TEST(Csv, OneLinePerRowWithEmptyFieldsForNA) {
   EXPECT_NE(csv_line(report.info, report.rows[1]).find(",,,,,"), std::string::npos);
 }
 
-std::string read_file(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) return "<missing>";
-  std::string text;
-  char buf[4096];
-  for (std::size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) text.append(buf, n);
-  std::fclose(f);
-  return text;
-}
-
 TEST(SampleLog, RankZeroWritesEveryIterationInOrder) {
   const std::string path = ::testing::TempDir() + "dear_sample_log.csv";
   {
@@ -397,7 +389,7 @@ TEST(SampleLog, RankZeroWritesEveryIterationInOrder) {
     log.add(1048576, true, ip);
     log.add(8, true, Samples{});  // a placement with no iterations adds nothing
   }
-  EXPECT_EQ(read_file(path),
+  EXPECT_EQ(test::slurp(path),
             "size,placement,iteration,us\n"
             "1048576,oop,0,12.500\n"
             "1048576,oop,1,3.250\n"
@@ -413,7 +405,7 @@ TEST(SampleLog, InactiveOnOtherRanksAndWithoutAPath) {
   Samples s;
   s.add(1.0);
   other.add(8, false, s);
-  EXPECT_EQ(read_file(path), "<missing>");
+  EXPECT_FALSE(std::filesystem::exists(path));
   SampleLog none("", 0);
   EXPECT_FALSE(none.active());
 }
