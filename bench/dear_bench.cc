@@ -329,12 +329,7 @@ int run(int argc, char** argv) {
   auto bootstrap = Bootstrap::from_env();
   const int rank = bootstrap->rank();
   const int nranks = bootstrap->size();
-  try {
-    validate(args, nranks);
-  } catch (const Error& e) {
-    if (rank == 0) std::fprintf(stderr, "dear-bench: %s\n", e.what());
-    return 2;
-  }
+  if (!flags_valid("dear-bench", args, nranks, rank)) return 2;
   // Command-line flags win over DEAR_* variables, which win over the defaults.
   CommOptions options = apply_env(CommOptions{});
   if (!transport.empty()) options.transport = transport;

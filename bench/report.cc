@@ -416,6 +416,17 @@ void validate(const BenchArgs& args, int nranks) {
   if (args.agg_iters < 1) invalid("--agg_iters must be at least 1");
 }
 
+bool flags_valid(std::string_view tool, const BenchArgs& args, int nranks, int rank) {
+  try {
+    validate(args, nranks);
+    return true;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%.*s: rank %d: %s\n", static_cast<int>(tool.size()), tool.data(), rank,
+                 e.what());
+    return false;
+  }
+}
+
 // ---- sizes ----------------------------------------------------------------------------------
 
 SizePoint size_point(std::uint64_t bytes, Collective c, DataType t, int nranks) {

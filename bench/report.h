@@ -88,6 +88,10 @@ void add_bench_flags(CLI::App& app, BenchArgs& args);
 // Checks what the flags alone cannot: max >= min, a step that grows, root < nranks.
 // Throws dear::Error(kInvalidArgument) naming the flag.
 void validate(const BenchArgs& args, int nranks);
+// validate() for a tool's main: false after printing what it refused ("TOOL: rank R: ...") on
+// stderr. Every rank prints its own copy: a launcher that stops the job when its first rank
+// exits (dear-run, mpirun) could stop rank 0 before a copy printed there alone appeared.
+[[nodiscard]] bool flags_valid(std::string_view tool, const BenchArgs& args, int nranks, int rank);
 
 // ---------------------------------------------------------------------------------------------
 // Sizes and bandwidth.

@@ -101,10 +101,9 @@ int run(int argc, char** argv) {
     args.bytes = 2ULL << 20;
   }
   if (args.bytes < 2 * stream::kStamp) {
-    if (boot->rank() == 0) {
-      std::fprintf(stderr, "%s: %llu bytes per rank is too few; at least %zu\n", kTool,
-                   static_cast<unsigned long long>(args.bytes), 2 * stream::kStamp);
-    }
+    // Every rank says it (see flags_valid in report.h).
+    std::fprintf(stderr, "%s: rank %d: %llu bytes per rank is too few; at least %zu\n", kTool,
+                 boot->rank(), static_cast<unsigned long long>(args.bytes), 2 * stream::kStamp);
     return 2;
   }
 

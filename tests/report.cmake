@@ -15,3 +15,19 @@ if(TARGET dear-bench AND TARGET dear-run)
     set_tests_properties(dear_bench_samples PROPERTIES LABELS multiproc TIMEOUT 120)
   endif()
 endif()
+
+# Flags that validate() refuses: the job fails and the reason reaches the terminal whichever
+# rank exits first (dear-run stops the others then). Five runs, since which rank exits first
+# is up to the scheduler.
+if(TARGET dear-bench AND TARGET dear-run)
+  add_test(NAME dear_bench_refused_flags
+           COMMAND bash -c "for i in 1 2 3 4 5; do
+               if out=$($<TARGET_FILE:dear-run> -n 4 $<TARGET_FILE:dear-bench> all_reduce -b 0 -e 1K 2>&1); then
+                 echo \"run $i: the job succeeded\"; exit 1
+               fi
+               if ! grep -q 'dear-bench: rank [0-3]: .*--minbytes 0 with a step factor never grows' <<<\"$out\"; then
+                 echo \"run $i: no rank said why:\"; echo \"$out\"; exit 1
+               fi
+             done")
+  set_tests_properties(dear_bench_refused_flags PROPERTIES LABELS multiproc TIMEOUT 120)
+endif()

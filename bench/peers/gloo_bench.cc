@@ -235,19 +235,15 @@ int run(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return rank == 0 ? app.exit(e) : e.get_exit_code();
+    // One copy of --help is enough; each rank reports an error itself (see flags_valid).
+    return rank == 0 || e.get_exit_code() != 0 ? app.exit(e) : e.get_exit_code();
   }
   if (!launch) {
     throw Error(ErrorCode::kInvalidArgument,
                 "no rank: set DEAR_RANK and DEAR_WORLD_SIZE (or RANK/WORLD_SIZE), or launch "
                 "with mpirun");
   }
-  try {
-    validate(args, launch->size);
-  } catch (const Error& e) {
-    if (rank == 0) std::fprintf(stderr, "gloo-bench: %s\n", e.what());
-    return 2;
-  }
+  if (!flags_valid("gloo-bench", args, launch->size, rank)) return 2;
   if (store_dir.empty()) {
     throw Error(ErrorCode::kInvalidArgument,
                 "no rendezvous directory: pass --store DIR or set DEAR_GLOO_STORE");

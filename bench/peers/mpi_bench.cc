@@ -203,16 +203,12 @@ int run(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    // Every rank parses the same line; one copy of the message is enough.
-    return world.rank() == 0 ? app.exit(e) : e.get_exit_code();
+    // Every rank parses the same line: one copy of --help is enough, but each rank reports an
+    // error itself (see flags_valid).
+    return world.rank() == 0 || e.get_exit_code() != 0 ? app.exit(e) : e.get_exit_code();
   }
 
-  try {
-    validate(args, world.size());
-  } catch (const Error& e) {
-    if (world.rank() == 0) std::fprintf(stderr, "mpi-bench: %s\n", e.what());
-    return 2;
-  }
+  if (!flags_valid("mpi-bench", args, world.size(), world.rank())) return 2;
 
   DriverConfig config;
   config.tool = "mpi-bench";
