@@ -561,7 +561,8 @@ void Engine::open_window(Op& op) {
 
 void Engine::close_window(Op& op) noexcept {
   // Before the operation completes: once the caller has its memory back, no peer may write
-  // there.
+  // there (the peer writes only into windows of operations in flight; a back-end may keep the
+  // registration cached for the next operation on that memory).
   if (!op.window_open) return;
   op.window_open = false;
   try {

@@ -730,6 +730,97 @@ TEST_P(FabricPath, DirectWritesLandInTheWindowAndAreChecked) {
   }
 }
 
+// A window's registration is cached (write data path): a second window on the same memory, or
+// on part of it, reuses it, and once the memory is forgotten (Communicator::forget_memory) the
+// next window registers it afresh. Each round the sender writes a message straight into the
+// round's window; every byte of it is checked where the receiver expects it.
+TEST_P(FabricPath, WindowsReuseTheirRegistrationUntilForgotten) {
+  if (path() != "write") GTEST_SKIP() << "direct writes need the write data path";
+  constexpr int kRounds = 3;
+  constexpr std::size_t kWindow = 256 * 1024;
+  constexpr std::size_t kPart = 4096;  // round 1's window starts this far in
+  constexpr std::size_t kMessage = 100003;
+  constexpr std::size_t kAt = 777;  // the message's offset in each window
+  std::vector<char> dst(kWindow);
+  std::array<std::promise<transport::Window>, kRounds> opened;
+  std::array<std::shared_future<transport::Window>, kRounds> windows;
+  for (int k = 0; k < kRounds; ++k) windows[k] = opened[k].get_future().share();
+  std::vector<std::uint64_t> registered;  // the receiver's window registrations after each open
+  std::vector<std::string> wrong;
+  // Places message m at base + h.index, base being the current window's first byte.
+  struct RoundSink final : transport::RecvSink {
+    char* base = nullptr;
+    std::size_t received = 0;
+    std::size_t sent = 0;
+    transport::RecvTarget on_header(int, const transport::FrameHeader& h) override {
+      return {transport::RecvTarget::kDirect, base + h.index, 1};
+    }
+    void on_payload(int, const transport::FrameHeader&, const char*, std::size_t,
+                    std::size_t) override {}
+    void on_message(int, const transport::FrameHeader&) override { ++received; }
+    void on_sent(int, std::uint64_t) override { ++sent; }
+    void on_closed(int) override {}
+  };
+  const auto errors = run_bootstraps(2, [&](Bootstrap& bs) {
+    const int r = bs.rank();
+    auto fo = fabric_options();
+    fo.direct_bytes = 4096;
+    fo.direct_write_bytes = 64 * 1024;
+    auto chans = transport::fabric::connect_peers(bs, {1 - r}, fo);
+    transport::Channel& ch = *chans.at(0);
+    RoundSink sink;
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    auto until = [&](auto&& done, const char* what) {
+      progress_until(ch, sink, deadline, done, what);
+    };
+    if (r == 1) {
+      for (int k = 0; k < kRounds; ++k) {
+        if (k == 2) ch.forget_memory(dst.data(), dst.size());
+        char* base = dst.data() + (k == 1 ? kPart : 0);
+        std::fill(dst.begin(), dst.end(), char{0x5a});
+        const auto w = ch.open_window(base, kWindow - (k == 1 ? kPart : 0), kMessage);
+        if (!w) throw std::runtime_error("open_window refused a window on the write data path");
+        registered.push_back(transport::fabric::window_registrations_made(ch));
+        sink.base = base;
+        opened[k].set_value(*w);
+        until([&] { return sink.received == static_cast<std::size_t>(k) + 1; }, "a message");
+        ch.close_window(*w);
+        const std::vector<char> want = pattern_of(kMessage, k);
+        for (std::size_t i = 0; i < kMessage; ++i) {
+          if (base[kAt + i] != want[i]) {
+            wrong.push_back("round " + std::to_string(k) + ", byte " + std::to_string(i));
+            break;
+          }
+        }
+      }
+      // The sender may leave once its last message is delivered.
+      transport::FrameHeader ack;
+      ack.type = transport::FrameType::kPosted;
+      until([&] { return ch.try_send(ack, nullptr, 0); }, "room to send");
+      until([&] { return sink.sent == 1; }, "the acknowledgement to leave");
+    } else {
+      for (int k = 0; k < kRounds; ++k) {
+        const transport::Window w = windows[k].get();
+        const std::vector<char> payload = pattern_of(kMessage, k);
+        transport::FrameHeader h;
+        h.bytes = static_cast<std::uint32_t>(kMessage);
+        h.seq = static_cast<std::uint64_t>(k);
+        h.index = static_cast<std::uint32_t>(kAt);
+        until([&] { return ch.try_send_to(h, payload.data(), k, w, kAt); }, "room to send");
+        until([&] { return sink.sent == static_cast<std::size_t>(k) + 1; }, "a send");
+      }
+      until([&] { return sink.received == 1; }, "the acknowledgement");
+    }
+    ch.close();
+  });
+  EXPECT_EQ(what_of(errors[0]), "");
+  EXPECT_EQ(what_of(errors[1]), "");
+  EXPECT_TRUE(wrong.empty()) << wrong.front();
+  EXPECT_EQ(registered, (std::vector<std::uint64_t>{1, 1, 2}))
+      << "registrations after each window (part of the memory in round 1, the memory forgotten "
+         "before round 2)";
+}
+
 // Collectives over the write data path with direct writes on and off: every result checked
 // against the reference, out of place and in place, and the receivers took messages straight
 // into their destination exactly when it is on.

@@ -132,7 +132,8 @@ class Channel {
   // nullopt where the back-end has none (the default), where such messages are too small to
   // gain from it, or where the memory cannot be registered. Open until close_window(): the
   // owner closes it once nothing more may be written there (its operation completed or
-  // failed), before the memory is returned to the caller.
+  // failed), before the memory is returned to the caller. A back-end may keep the memory's
+  // registration after that, for the next window on it, until forget_memory() names it.
   [[nodiscard]] virtual std::optional<Window> open_window(char* base, std::size_t bytes,
                                                           std::size_t message_bytes) {
     (void)base;

@@ -56,6 +56,9 @@ constexpr auto kCloseLinger = std::chrono::milliseconds(200);
 // A destroyed channel's endpoint and memory are kept (see Graveyard) until the
 // peer has said goodbye too, or for this long.
 constexpr auto kRetireFor = std::chrono::seconds(10);
+// Registrations of windows for direct writes kept for reuse per domain (least recently used
+// dropped first); a training step's buffers for one communicator are far fewer.
+constexpr std::size_t kWindowCacheEntries = 64;
 // Without a wait descriptor (shm) an engine asleep with nothing in flight
 // wakes on a timer to progress the provider. An engine with work in flight
 // never sleeps on such a channel (it keeps polling, see polled()), so the timer
@@ -118,8 +121,20 @@ struct Domain {
                            out);
   }
 
-  // Windows opened for the peers' direct writes (Channel::open_window), by key.
-  std::unordered_map<std::uint64_t, fid_mr*> windows;
+  // Windows opened for the peers' direct writes (Channel::open_window). Their registrations
+  // are cached by address range like those of in-place sends: an operation on a buffer used
+  // before (a training step's gradients) finds it registered, which on providers that pin
+  // memory (verbs;ofi_rxm, efa) saves a registration per operation. A cached registration
+  // stays open between operations; peers write only into the windows announced for an
+  // operation in flight, and Communicator::forget_memory drops those overlapping a range.
+  struct WindowRegistration {
+    fid_mr* mr = nullptr;
+    int open = 0;        // windows of operations in flight on it
+    bool cached = true;  // false once the cache gave it up: closed when no window is open
+  };
+  std::unordered_map<std::uint64_t, WindowRegistration> windows;  // by key
+  verbs::RegistrationCache window_cache{kWindowCacheEntries};
+  std::uint64_t windows_registered = 0;  // registrations made for windows, for tests
 
   std::optional<Window> open_window(char* base, std::size_t bytes) {
     // A registration shared by the domain's endpoints: not where registrations belong to one.
@@ -127,22 +142,50 @@ struct Domain {
       return std::nullopt;
     }
     fid_mr* mr = nullptr;
-    if (register_memory(base, bytes, FI_REMOTE_WRITE, nullptr, &mr) != 0) return std::nullopt;
+    std::uintptr_t begin = 0;
+    if (const auto e = window_cache.lookup(base, bytes)) {
+      mr = reinterpret_cast<fid_mr*>(e->handle);
+      begin = e->begin;
+    } else {
+      if (register_memory(base, bytes, FI_REMOTE_WRITE, nullptr, &mr) != 0) return std::nullopt;
+      const std::uint64_t key = fi_mr_key(mr);
+      if (key == FI_KEY_NOTAVAIL || !windows.emplace(key, WindowRegistration{mr}).second) {
+        fi_close(&mr->fid);
+        return std::nullopt;
+      }
+      ++windows_registered;
+      begin = reinterpret_cast<std::uintptr_t>(base);
+      for (const std::uint64_t h :
+           window_cache.insert(base, bytes, reinterpret_cast<std::uint64_t>(mr))) {
+        uncache_window(h);
+      }
+    }
+    const std::uint64_t key = fi_mr_key(mr);
+    ++windows.at(key).open;
     Window w;
-    w.addr = rma::region_base(base, 0, (info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0);
-    w.key = fi_mr_key(mr);
+    w.addr = rma::region_base(reinterpret_cast<const void*>(begin),
+                              reinterpret_cast<std::uintptr_t>(base) - begin,
+                              (info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0);
+    w.key = key;
     w.local = reinterpret_cast<std::uint64_t>(base);
     w.bytes = bytes;
-    if (w.key == FI_KEY_NOTAVAIL || !windows.emplace(w.key, mr).second) {
-      fi_close(&mr->fid);
-      return std::nullopt;
-    }
     return w;
   }
   void close_window(const Window& w) {
     const auto it = windows.find(w.key);
+    if (it == windows.end() || it->second.open == 0) return;
+    if (--it->second.open == 0 && !it->second.cached) close_window_registration(it);
+  }
+  // The cache gave up registration `handle` (evicted, or forgotten).
+  void uncache_window(std::uint64_t handle) {
+    const auto it = windows.find(fi_mr_key(reinterpret_cast<fid_mr*>(handle)));
     if (it == windows.end()) return;
-    fi_close(&it->second->fid);
+    it->second.cached = false;
+    if (it->second.open == 0) close_window_registration(it);
+  }
+  void close_window_registration(
+      std::unordered_map<std::uint64_t, WindowRegistration>::iterator it) {
+    fi_close(&it->second.mr->fid);
     windows.erase(it);
   }
 
@@ -189,6 +232,7 @@ struct Domain {
     if (n == 0) return;
     for (const std::uint64_t h : registrations.invalidate(p, n)) displaced.push_back(h);
     release_displaced();
+    for (const std::uint64_t h : window_cache.invalidate(p, n)) uncache_window(h);
   }
   void release_displaced() {
     if (in_place_in_flight > 0) return;
@@ -197,8 +241,9 @@ struct Domain {
   }
 
   ~Domain() {
-    for (const auto& [key, mr] : windows) fi_close(&mr->fid);
+    for (const auto& [key, w] : windows) fi_close(&w.mr->fid);
     windows.clear();
+    (void)window_cache.clear();
     in_place_in_flight = 0;
     for (const std::uint64_t h : registrations.clear()) displaced.push_back(h);
     release_displaced();
@@ -371,6 +416,7 @@ class FabricChannel final : public Channel {
   void forget_memory(const void* addr, std::size_t bytes) override { dom_->forget(addr, bytes); }
   // Callers' memory ranges the domain has registered for in-place sends so far.
   [[nodiscard]] std::uint64_t registrations_made() const { return dom_->registered; }
+  [[nodiscard]] std::uint64_t window_registrations_made() const { return dom_->windows_registered; }
   void begin_close() override;
   void close() override;
   bool closed() const override { return closed_ || peer_closed_; }
@@ -1214,6 +1260,11 @@ std::uint64_t direct_received_total() { return g_direct_received.load(); }
 std::uint64_t registrations_made(const Channel& channel) {
   const auto* f = dynamic_cast<const FabricChannel*>(&channel);
   return f != nullptr ? f->registrations_made() : 0;
+}
+
+std::uint64_t window_registrations_made(const Channel& channel) {
+  const auto* f = dynamic_cast<const FabricChannel*>(&channel);
+  return f != nullptr ? f->window_registrations_made() : 0;
 }
 
 std::vector<std::string> available_providers() {

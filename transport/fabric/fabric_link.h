@@ -28,7 +28,9 @@
 //   it (try_send_to), the message is its first fragment alone (FrameHeader and DirectInfo, in a
 //   slot), then its payload in RMA writes straight into the window, each with remote CQ data
 //   and a credit like a fragment; the receiver's copy out of the slot disappears. The
-//   receiver checks that its sink places the message exactly where it was written.
+//   receiver checks that its sink places the message exactly where it was written. A window's
+//   registration is cached by address range and reused by the next window on that memory
+//   (until Communicator::forget_memory names it, or it is the least recently used of many).
 // - send: the receiver keeps its data slots and the control buffers posted as receives, and
 //   fragments are sent into whichever of them the provider matches.
 // Fragments are consumed in sequence order even when completions arrive out of order; a
@@ -148,6 +150,11 @@ using RingLinks = transport::RingLinks;
 // to (FabricOptions::register_in_place, or a provider that needs local registrations); 0 for a
 // channel of another back-end. For tests of the registration cache.
 [[nodiscard]] std::uint64_t registrations_made(const Channel& channel);
+
+// Registrations made so far for windows (Channel::open_window) by the domain `channel` belongs
+// to: a window on memory used before reuses its cached registration. 0 for a channel of
+// another back-end. For tests.
+[[nodiscard]] std::uint64_t window_registrations_made(const Channel& channel);
 
 // Messages received written directly into a window (FabricOptions::direct_bytes) by every
 // fabric channel of this process so far. For tests.

@@ -21,6 +21,7 @@ std::optional<std::string> write_unavailable_reason(const std::string&) {
 }
 
 std::uint64_t registrations_made(const Channel&) { return 0; }
+std::uint64_t window_registrations_made(const Channel&) { return 0; }
 std::uint64_t direct_received_total() { return 0; }
 
 RingLinks connect_ring(Bootstrap& bootstrap, int, const FabricOptions&) {
