@@ -361,6 +361,24 @@ TEST(FabricSetup, NegativeDirectBytesAreRefusedNamingTheOptionAndTheRank) {
 // Every provider that runs here, on each data path it offers.
 const std::vector<std::string> kPathProviders = {"tcp;ofi_rxm", "shm", "sockets"};
 
+// Places message m at base + its FrameHeader::index, where the sender put the offset it wrote
+// to; message `misplaced` (its seq; -1: none) one byte off.
+struct WindowSink final : transport::RecvSink {
+  char* base = nullptr;
+  std::int64_t misplaced = -1;
+  std::size_t received = 0;
+  std::size_t sent = 0;
+  transport::RecvTarget on_header(int, const transport::FrameHeader& h) override {
+    const bool off = static_cast<std::int64_t>(h.seq) == misplaced;
+    return {transport::RecvTarget::kDirect, base + h.index - (off ? 1 : 0), 1};
+  }
+  void on_payload(int, const transport::FrameHeader&, const char*, std::size_t,
+                  std::size_t) override {}
+  void on_message(int, const transport::FrameHeader&) override { ++received; }
+  void on_sent(int, std::uint64_t) override { ++sent; }
+  void on_closed(int) override {}
+};
+
 class FabricPath : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {
  protected:
   void SetUp() override {
@@ -376,6 +394,13 @@ class FabricPath : public ::testing::TestWithParam<std::tuple<std::string, std::
     fo.provider = provider();
     fo.data_path = *transport::fabric::parse_data_path(path());
     return fo;
+  }
+  // One channel to the other of two ranks, with direct writes from 4 KiB in writes of 64 KiB.
+  std::vector<std::unique_ptr<transport::Channel>> direct_channel(Bootstrap& bs) const {
+    auto fo = fabric_options();
+    fo.direct_bytes = 4096;
+    fo.direct_write_bytes = 64 * 1024;
+    return transport::fabric::connect_peers(bs, {1 - bs.rank()}, fo);
   }
   CommOptions options() const {
     CommOptions o;
@@ -650,30 +675,13 @@ TEST_P(FabricPath, DirectWritesLandInTheWindowAndAreChecked) {
   std::string receiver_error;
   std::size_t received_before_error = 0;
   std::atomic<bool> receiver_done{false};
-  // The sink places message m (its FrameHeader::seq) at dst + index, where the sender put the
-  // offset it wrote to; message 2 one byte off.
-  struct WindowSink final : transport::RecvSink {
-    char* base;
-    std::size_t received = 0;
-    std::size_t sent = 0;
-    explicit WindowSink(char* b) : base(b) {}
-    transport::RecvTarget on_header(int, const transport::FrameHeader& h) override {
-      return {transport::RecvTarget::kDirect, base + h.index - (h.seq == 2 ? 1 : 0), 1};
-    }
-    void on_payload(int, const transport::FrameHeader&, const char*, std::size_t,
-                    std::size_t) override {}
-    void on_message(int, const transport::FrameHeader&) override { ++received; }
-    void on_sent(int, std::uint64_t) override { ++sent; }
-    void on_closed(int) override {}
-  };
   const auto errors = run_bootstraps(2, [&](Bootstrap& bs) {
     const int r = bs.rank();
-    auto fo = fabric_options();
-    fo.direct_bytes = 4096;
-    fo.direct_write_bytes = 64 * 1024;
-    auto chans = transport::fabric::connect_peers(bs, {1 - r}, fo);
+    auto chans = direct_channel(bs);
     transport::Channel& ch = *chans.at(0);
-    WindowSink sink(dst.data());
+    WindowSink sink;
+    sink.base = dst.data();
+    sink.misplaced = 2;
     const auto deadline = std::chrono::steady_clock::now() + 20s;
     auto until = [&](auto&& done, const char* what) {
       progress_until(ch, sink, deadline, done, what);
@@ -747,28 +755,11 @@ TEST_P(FabricPath, WindowsReuseTheirRegistrationUntilForgotten) {
   for (int k = 0; k < kRounds; ++k) windows[k] = opened[k].get_future().share();
   std::vector<std::uint64_t> registered;  // the receiver's window registrations after each open
   std::vector<std::string> wrong;
-  // Places message m at base + h.index, base being the current window's first byte.
-  struct RoundSink final : transport::RecvSink {
-    char* base = nullptr;
-    std::size_t received = 0;
-    std::size_t sent = 0;
-    transport::RecvTarget on_header(int, const transport::FrameHeader& h) override {
-      return {transport::RecvTarget::kDirect, base + h.index, 1};
-    }
-    void on_payload(int, const transport::FrameHeader&, const char*, std::size_t,
-                    std::size_t) override {}
-    void on_message(int, const transport::FrameHeader&) override { ++received; }
-    void on_sent(int, std::uint64_t) override { ++sent; }
-    void on_closed(int) override {}
-  };
   const auto errors = run_bootstraps(2, [&](Bootstrap& bs) {
     const int r = bs.rank();
-    auto fo = fabric_options();
-    fo.direct_bytes = 4096;
-    fo.direct_write_bytes = 64 * 1024;
-    auto chans = transport::fabric::connect_peers(bs, {1 - r}, fo);
+    auto chans = direct_channel(bs);
     transport::Channel& ch = *chans.at(0);
-    RoundSink sink;
+    WindowSink sink;  // its base: the current round's window
     const auto deadline = std::chrono::steady_clock::now() + 20s;
     auto until = [&](auto&& done, const char* what) {
       progress_until(ch, sink, deadline, done, what);
