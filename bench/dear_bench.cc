@@ -313,12 +313,12 @@ int run(int argc, char** argv) {
       compare_algos.push_back(a);
     }
   }
-  if (!args.samples_path.empty() && (calibrate_only || !compare_algos.empty())) {
-    std::fprintf(stderr,
-                 "dear-bench: --samples records the sweep's iterations; it does not go "
-                 "with --%s\n",
-                 calibrate_only ? "calibrate" : "compare");
-    return 2;
+  for (const char* sweep_only : {"--samples", "--placement"}) {
+    if (app.count(sweep_only) > 0 && (calibrate_only || !compare_algos.empty())) {
+      std::fprintf(stderr, "dear-bench: %s applies to the sweep; it does not go with --%s\n",
+                   sweep_only, calibrate_only ? "calibrate" : "compare");
+      return 2;
+    }
   }
   if (!compare_algos.empty() && device != "host") {
     std::fprintf(stderr, "dear-bench: --compare times host buffers only (not --device %s)\n",

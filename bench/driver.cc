@@ -165,8 +165,14 @@ int run_sweep(PeerComm& comm, const BenchArgs& args, DriverConfig config, const 
     Row row = make_row(points[i], args.collective, args.dtype, args.op, args.root);
     // A distinct seed per run, so a result left over from the previous run is wrong.
     const BufferMemory* memory = config.memory ? &*config.memory : nullptr;
-    row.oop = measure(comm, args, points[i], false, i == 0, 2 * i, bind, memory, log);
-    row.ip = measure(comm, args, points[i], true, false, 2 * i + 1, bind, memory, log);
+    // The sweep's first timed placement also warms up the sweep (see --min_time_ms).
+    if (args.out_of_place) {
+      row.oop = measure(comm, args, points[i], false, i == 0, 2 * i, bind, memory, log);
+    }
+    if (args.in_place) {
+      row.ip = measure(comm, args, points[i], true, i == 0 && !args.out_of_place, 2 * i + 1, bind,
+                       memory, log);
+    }
     reporter.add(std::move(row));
     print_progress(config.tool, args.collective, points[i].bytes, i + 1, points.size(),
                    comm.rank());

@@ -382,6 +382,16 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
                  "Also write every timed iteration's time on rank 0 to FILE (CSV: size, "
                  "placement, iteration, us), the samples behind p50/p99");
   app.add_option_function<std::string>(
+         "--placement",
+         [&args](const std::string& text) {
+           args.out_of_place = text != "in";
+           args.in_place = text != "out";
+         },
+         "Time out of place, in place or both; the other placement's columns print N/A (for "
+         "profiling one of them)")
+      ->check(CLI::IsMember({"both", "out", "in"}))
+      ->default_str("both");
+  app.add_option_function<std::string>(
          "collective",
          [&args](const std::string& text) {
            const auto c = parse_collective(text);

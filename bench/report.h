@@ -74,6 +74,9 @@ struct BenchArgs {
   std::string json_path;                // --json FILE
   std::string csv_path;                 // --csv FILE
   std::string samples_path;             // --samples FILE (every timed iteration, rank 0)
+  // --placement: which placements are timed; the other's columns print N/A.
+  bool out_of_place = true;
+  bool in_place = true;
 };
 
 // A size flag: K/M/G suffixes (powers of 1024), written into `target` (which must outlive

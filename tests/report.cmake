@@ -13,6 +13,26 @@ if(TARGET dear-bench AND TARGET dear-run)
                $<TARGET_FILE:dear-run> -n 2 $<TARGET_FILE:dear-bench> all_reduce -b 1K -e 4K -n 7 -w 1 --samples \"$dir/s.csv\" --json \"$dir/r.json\"
                ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/check_samples.py \"$dir/s.csv\" \"$dir/r.json\" 7")
     set_tests_properties(dear_bench_samples PROPERTIES LABELS multiproc TIMEOUT 120)
+    # --placement: only the placement asked for is timed and checked; the other is null.
+    add_test(NAME dear_bench_placement
+             COMMAND bash -c "set -euo pipefail
+               dir=$(mktemp -d)
+               trap 'rm -rf \"$dir\"' EXIT
+               for p in out in; do
+                 $<TARGET_FILE:dear-run> -n 2 $<TARGET_FILE:dear-bench> all_reduce -b 1K -e 4K -n 3 -w 1 --placement $p --json \"$dir/$p.json\"
+               done
+               ${Python3_EXECUTABLE} -c '
+import json, sys
+for placement, timed, skipped in ((\"out\", \"oop\", \"ip\"), (\"in\", \"ip\", \"oop\")):
+    rows = json.load(open(sys.argv[1] + \"/\" + placement + \".json\"))[\"rows\"]
+    assert len(rows) == 3, (placement, len(rows))
+    for row in rows:
+        assert row[skipped] is None, (placement, row)
+        assert row[timed] is not None and row[timed][\"wrong\"] == 0, (placement, row)
+print(\"placements as asked\")
+' \"$dir\"")
+    set_tests_properties(dear_bench_placement PROPERTIES LABELS multiproc TIMEOUT 120
+                         PASS_REGULAR_EXPRESSION "placements as asked")
   endif()
 endif()
 

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dear/error.h"
@@ -463,6 +464,18 @@ TEST(Flags, ParseTheNcclTestsSpelling) {
   EXPECT_EQ(args.root, 1);
   EXPECT_EQ(args.json_path, "out.json");
   EXPECT_EQ(args.collective, Collective::kAllGather);
+  EXPECT_TRUE(args.out_of_place && args.in_place) << "both placements by default";
+
+  for (const auto& [value, out, in] :
+       {std::tuple{"out", true, false}, std::tuple{"in", false, true},
+        std::tuple{"both", true, true}}) {
+    CLI::App one;
+    BenchArgs placed;
+    add_bench_flags(one, placed);
+    one.parse(std::string("--placement ") + value + " all_reduce", false);
+    EXPECT_EQ(placed.out_of_place, out) << value;
+    EXPECT_EQ(placed.in_place, in) << value;
+  }
 
   CLI::App bad;
   BenchArgs ignored;
@@ -470,6 +483,7 @@ TEST(Flags, ParseTheNcclTestsSpelling) {
   EXPECT_THROW(bad.parse("-d complex all_reduce", false), CLI::ParseError);
   EXPECT_THROW(bad.parse("-b 12Q all_reduce", false), CLI::ParseError);
   EXPECT_THROW(bad.parse("-b 8", false), CLI::ParseError);  // no collective
+  EXPECT_THROW(bad.parse("--placement sideways all_reduce", false), CLI::ParseError);
 }
 
 TEST(Collectives, NamesParseBack) {
