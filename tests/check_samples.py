@@ -1,10 +1,12 @@
 """Checks dear-bench --samples against the run's own --json, independently of the benchmark.
 
-usage: check_samples.py SAMPLES.csv RESULT.json ITERS
+usage: check_samples.py SAMPLES.csv RESULT.json ITERS [ROWS oop|ip]
 
 Every size and placement in the JSON must have exactly ITERS samples, numbered 0..ITERS-1 in
 order, each a positive time; and the JSON's p50/p99 (rank 0's) must be the nearest-rank
-percentiles of those samples, recomputed here.
+percentiles of those samples, recomputed here. With ROWS and a placement (a run with
+--placement), the JSON must hold ROWS rows in which only that placement was timed, each with
+0 wrong elements, and the other placement is null.
 """
 import csv
 import json
@@ -19,6 +21,7 @@ def nearest_rank(values, p):
 
 def main():
     samples_path, json_path, iters = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    only = sys.argv[5] if len(sys.argv) > 5 else None
     with open(samples_path, newline="") as f:
         rows = list(csv.reader(f))
     if rows[0] != ["size", "placement", "iteration", "us"]:
@@ -36,11 +39,20 @@ def main():
         got.append(us)
     with open(json_path) as f:
         report = json.load(f)
+    if only is not None:
+        if len(report["rows"]) != int(sys.argv[4]):
+            sys.exit(f"{len(report['rows'])} rows, expected {sys.argv[4]}")
+        for row in report["rows"]:
+            timed = row[only]
+            if timed is None or timed["wrong"] != 0:
+                sys.exit(f"--placement {only}: {only} not timed or not correct in {row}")
+            if row["ip" if only == "oop" else "oop"] is not None:
+                sys.exit(f"--placement {only}: the other placement was timed in {row}")
     expected = set()
     for row in report["rows"]:
         for placement in ("oop", "ip"):
             cell = row[placement]
-            if cell.get("p50_us") is None:
+            if cell is None or cell.get("p50_us") is None:
                 continue
             key = (row["size"], placement)
             expected.add(key)
