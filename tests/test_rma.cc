@@ -1,6 +1,7 @@
 // The pieces of a slot-staged channel that need no network, shared by the libfabric and
 // ibverbs back-ends (transport/rma/): the slot/credit protocol (slot_window.h) and the
-// fragmenting and reassembly of messages (fragments.h). Every build runs them, with or
+// fragmenting and reassembly of messages (fragments.h), and the registrations behind direct-write
+// windows (window_registrations.h). Every build runs them, with or
 // without libfabric, rdma-core or an RDMA device.
 #include <gtest/gtest.h>
 
@@ -19,6 +20,7 @@
 #include "transport/rma/fragments.h"
 #include "transport/rma/slot_region.h"
 #include "transport/rma/slot_window.h"
+#include "transport/rma/window_registrations.h"
 
 namespace dear::testing {
 namespace {
@@ -902,6 +904,137 @@ TEST(RmaChecks, SlotOptionsNameTheTransport) {
               std::string::npos)
         << e.what();
   }
+}
+
+// ---- registrations of direct-write windows
+// ---------------------------------------------------
+
+// A back-end that registers by handing out numbers: handle h has key 1000 + h, unless `keys`
+// says otherwise; it records what it registered and released.
+struct FakeRegistrar {
+  std::uint64_t next = 1;
+  bool fail = false;
+  std::optional<std::uint64_t> key;  // every registration's key, when set
+  std::vector<std::pair<std::uintptr_t, std::size_t>> registered;
+  std::vector<std::uint64_t> released;
+
+  transport::rma::WindowRegistrations::Register make() {
+    return
+        [this](char* b, std::size_t n) -> std::optional<transport::rma::WindowRegistrations::Made> {
+          if (fail) return std::nullopt;
+          registered.emplace_back(reinterpret_cast<std::uintptr_t>(b), n);
+          const std::uint64_t h = next++;
+          return transport::rma::WindowRegistrations::Made{h, key.value_or(1000 + h)};
+        };
+  }
+  transport::rma::WindowRegistrations::Release release() {
+    return [this](std::uint64_t h) { released.push_back(h); };
+  }
+};
+
+TEST(WindowRegistrations, AWindowOnMemoryUsedBeforeReusesItsRegistration) {
+  FakeRegistrar fake;
+  std::vector<char> mem(1 << 16);
+  transport::rma::WindowRegistrations w(4, fake.release());
+  const auto a = w.open(mem.data(), mem.size(), fake.make());
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->key, 1001U);
+  EXPECT_EQ(a->begin, reinterpret_cast<std::uintptr_t>(mem.data()));
+  w.close(a->key);
+  EXPECT_TRUE(fake.released.empty()) << "a closed window's registration stays cached";
+  // A window inside the registered range: the same registration, its start reported.
+  const auto b = w.open(mem.data() + 4096, 8192, fake.make());
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(b->key, a->key);
+  EXPECT_EQ(b->begin, reinterpret_cast<std::uintptr_t>(mem.data()));
+  EXPECT_EQ(w.made(), 1U);
+  EXPECT_EQ(fake.registered.size(), 1U);
+  w.close(b->key);
+  // Memory beyond the registered range needs a registration of its own.
+  std::vector<char> other(4096);
+  const auto c = w.open(other.data(), other.size(), fake.make());
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->key, 1002U);
+  EXPECT_EQ(w.made(), 2U);
+  EXPECT_EQ(w.held(), 2U);
+  w.close(c->key);
+  w.clear();
+  std::sort(fake.released.begin(), fake.released.end());
+  EXPECT_EQ(fake.released, (std::vector<std::uint64_t>{1, 2}));
+  EXPECT_EQ(w.held(), 0U);
+}
+
+TEST(WindowRegistrations, ForgottenMemoryIsReleasedOnceItsLastWindowCloses) {
+  FakeRegistrar fake;
+  std::vector<char> mem(1 << 16);
+  transport::rma::WindowRegistrations w(4, fake.release());
+  const auto a = w.open(mem.data(), mem.size(), fake.make());
+  const auto b = w.open(mem.data(), 100, fake.make());  // two operations on one buffer
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(a->key, b->key);
+  w.forget(mem.data() + 100, 1);
+  EXPECT_TRUE(fake.released.empty()) << "released while peers may still write into it";
+  w.close(a->key);
+  EXPECT_TRUE(fake.released.empty()) << "one window is still open";
+  w.close(b->key);
+  EXPECT_EQ(fake.released, (std::vector<std::uint64_t>{1}));
+  // Opened again after forget(): registered afresh.
+  const auto c = w.open(mem.data(), mem.size(), fake.make());
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->key, 1002U);
+  EXPECT_EQ(w.made(), 2U);
+  // Forgetting memory no window touches changes nothing; neither do stray closes.
+  std::vector<char> other(64);
+  w.forget(other.data(), other.size());
+  w.close(77);
+  w.close(c->key);
+  w.close(c->key);
+  EXPECT_EQ(fake.released.size(), 1U);
+  EXPECT_EQ(w.held(), 1U);
+}
+
+TEST(WindowRegistrations, EvictedWhileOpenStaysUntilClosed) {
+  FakeRegistrar fake;
+  std::vector<std::vector<char>> bufs(3, std::vector<char>(4096));
+  transport::rma::WindowRegistrations w(2, fake.release());
+  const auto a = w.open(bufs[0].data(), 4096, fake.make());
+  ASSERT_TRUE(a.has_value());
+  w.close(w.open(bufs[1].data(), 4096, fake.make())->key);
+  // A third range evicts the least recently used entry, a's, which is still open.
+  const auto c = w.open(bufs[2].data(), 4096, fake.make());
+  ASSERT_TRUE(c.has_value());
+  EXPECT_TRUE(fake.released.empty());
+  EXPECT_EQ(w.held(), 3U);
+  w.close(a->key);
+  EXPECT_EQ(fake.released, (std::vector<std::uint64_t>{1}));
+  // a's memory is no longer cached: a new window there registers it again.
+  const auto again = w.open(bufs[0].data(), 4096, fake.make());
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->key, 1004U);
+  EXPECT_EQ(w.made(), 4U);
+  w.close(again->key);
+  w.close(c->key);
+}
+
+TEST(WindowRegistrations, FailedOrClashingRegistrationsOpenNothing) {
+  FakeRegistrar fake;
+  std::vector<char> mem(8192);
+  std::vector<char> other(8192);
+  transport::rma::WindowRegistrations w(4, fake.release());
+  fake.fail = true;
+  EXPECT_FALSE(w.open(mem.data(), mem.size(), fake.make()).has_value());
+  fake.fail = false;
+  EXPECT_FALSE(w.open(nullptr, 10, fake.make()).has_value());
+  EXPECT_FALSE(w.open(mem.data(), 0, fake.make()).has_value());
+  EXPECT_TRUE(fake.registered.empty());
+  // A back-end handing out a key that a held registration has: released, not opened.
+  fake.key = 5;
+  const auto a = w.open(mem.data(), mem.size(), fake.make());
+  ASSERT_TRUE(a.has_value());
+  EXPECT_FALSE(w.open(other.data(), other.size(), fake.make()).has_value());
+  EXPECT_EQ(fake.released, (std::vector<std::uint64_t>{2}));
+  EXPECT_EQ(w.made(), 1U);
+  w.close(a->key);
 }
 
 }  // namespace

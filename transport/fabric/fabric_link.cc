@@ -29,6 +29,7 @@
 #include "transport/rma/fragments.h"
 #include "transport/rma/slot_region.h"
 #include "transport/rma/slot_window.h"
+#include "transport/rma/window_registrations.h"
 #include "transport/socket_util.h"
 #include "transport/verbs/reg_cache.h"
 
@@ -121,73 +122,37 @@ struct Domain {
                            out);
   }
 
-  // Windows opened for the peers' direct writes (Channel::open_window). Their registrations
-  // are cached by address range like those of in-place sends: an operation on a buffer used
-  // before (a training step's gradients) finds it registered, which on providers that pin
-  // memory (verbs;ofi_rxm, efa) saves a registration per operation. A cached registration
-  // stays open between operations; peers write only into the windows announced for an
-  // operation in flight, and Communicator::forget_memory drops those overlapping a range.
-  struct WindowRegistration {
-    fid_mr* mr = nullptr;
-    int open = 0;        // windows of operations in flight on it
-    bool cached = true;  // false once the cache gave it up: closed when no window is open
-  };
-  std::unordered_map<std::uint64_t, WindowRegistration> windows;  // by key
-  verbs::RegistrationCache window_cache{kWindowCacheEntries};
-  std::uint64_t windows_registered = 0;  // registrations made for windows, for tests
+  // Windows opened for the peers' direct writes (Channel::open_window), their registrations
+  // kept for reuse (rma/window_registrations.h): on providers that pin memory (verbs;ofi_rxm,
+  // efa) that saves a registration per operation on a buffer used before.
+  rma::WindowRegistrations windows{
+      kWindowCacheEntries, [](std::uint64_t h) { fi_close(&reinterpret_cast<fid_mr*>(h)->fid); }};
 
   std::optional<Window> open_window(char* base, std::size_t bytes) {
     // A registration shared by the domain's endpoints: not where registrations belong to one.
-    if (!write || (info->domain_attr->mr_mode & FI_MR_ENDPOINT) != 0 || bytes == 0) {
-      return std::nullopt;
-    }
-    fid_mr* mr = nullptr;
-    std::uintptr_t begin = 0;
-    if (const auto e = window_cache.lookup(base, bytes)) {
-      mr = reinterpret_cast<fid_mr*>(e->handle);
-      begin = e->begin;
-    } else {
-      if (register_memory(base, bytes, FI_REMOTE_WRITE, nullptr, &mr) != 0) return std::nullopt;
-      const std::uint64_t key = fi_mr_key(mr);
-      if (key == FI_KEY_NOTAVAIL || !windows.emplace(key, WindowRegistration{mr}).second) {
-        fi_close(&mr->fid);
-        return std::nullopt;
-      }
-      ++windows_registered;
-      begin = reinterpret_cast<std::uintptr_t>(base);
-      for (const std::uint64_t h :
-           window_cache.insert(base, bytes, reinterpret_cast<std::uint64_t>(mr))) {
-        uncache_window(h);
-      }
-    }
-    const std::uint64_t key = fi_mr_key(mr);
-    ++windows.at(key).open;
+    if (!write || (info->domain_attr->mr_mode & FI_MR_ENDPOINT) != 0) return std::nullopt;
+    const auto o = windows.open(
+        base, bytes, [&](char* b, std::size_t n) -> std::optional<rma::WindowRegistrations::Made> {
+          fid_mr* mr = nullptr;
+          if (register_memory(b, n, FI_REMOTE_WRITE, nullptr, &mr) != 0) return std::nullopt;
+          const std::uint64_t key = fi_mr_key(mr);
+          if (key == FI_KEY_NOTAVAIL) {
+            fi_close(&mr->fid);
+            return std::nullopt;
+          }
+          return rma::WindowRegistrations::Made{reinterpret_cast<std::uint64_t>(mr), key};
+        });
+    if (!o) return std::nullopt;
     Window w;
-    w.addr = rma::region_base(reinterpret_cast<const void*>(begin),
-                              reinterpret_cast<std::uintptr_t>(base) - begin,
+    w.addr = rma::region_base(reinterpret_cast<const void*>(o->begin),
+                              reinterpret_cast<std::uintptr_t>(base) - o->begin,
                               (info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0);
-    w.key = key;
+    w.key = o->key;
     w.local = reinterpret_cast<std::uint64_t>(base);
     w.bytes = bytes;
     return w;
   }
-  void close_window(const Window& w) {
-    const auto it = windows.find(w.key);
-    if (it == windows.end() || it->second.open == 0) return;
-    if (--it->second.open == 0 && !it->second.cached) close_window_registration(it);
-  }
-  // The cache gave up registration `handle` (evicted, or forgotten).
-  void uncache_window(std::uint64_t handle) {
-    const auto it = windows.find(fi_mr_key(reinterpret_cast<fid_mr*>(handle)));
-    if (it == windows.end()) return;
-    it->second.cached = false;
-    if (it->second.open == 0) close_window_registration(it);
-  }
-  void close_window_registration(
-      std::unordered_map<std::uint64_t, WindowRegistration>::iterator it) {
-    fi_close(&it->second.mr->fid);
-    windows.erase(it);
-  }
+  void close_window(const Window& w) { windows.close(w.key); }
 
   // In-place sends (FabricOptions::in_place_bytes) on a provider that needs local
   // registrations: the callers' memory, registered once per range and looked up after. A
@@ -232,7 +197,7 @@ struct Domain {
     if (n == 0) return;
     for (const std::uint64_t h : registrations.invalidate(p, n)) displaced.push_back(h);
     release_displaced();
-    for (const std::uint64_t h : window_cache.invalidate(p, n)) uncache_window(h);
+    windows.forget(p, n);
   }
   void release_displaced() {
     if (in_place_in_flight > 0) return;
@@ -241,9 +206,7 @@ struct Domain {
   }
 
   ~Domain() {
-    for (const auto& [key, w] : windows) fi_close(&w.mr->fid);
     windows.clear();
-    (void)window_cache.clear();
     in_place_in_flight = 0;
     for (const std::uint64_t h : registrations.clear()) displaced.push_back(h);
     release_displaced();
@@ -416,7 +379,7 @@ class FabricChannel final : public Channel {
   void forget_memory(const void* addr, std::size_t bytes) override { dom_->forget(addr, bytes); }
   // Callers' memory ranges the domain has registered for in-place sends so far.
   [[nodiscard]] std::uint64_t registrations_made() const { return dom_->registered; }
-  [[nodiscard]] std::uint64_t window_registrations_made() const { return dom_->windows_registered; }
+  [[nodiscard]] std::uint64_t window_registrations_made() const { return dom_->windows.made(); }
   void begin_close() override;
   void close() override;
   bool closed() const override { return closed_ || peer_closed_; }
