@@ -361,6 +361,9 @@ class CommunicatorImpl final : public Communicator {
       vo.device = options_.ib_device;
       vo.gid_index = options_.ib_gid_index;
       vo.deadline = deadline;
+      if (options_.fabric_direct_bytes >= 0) {
+        vo.direct_bytes = static_cast<std::size_t>(options_.fabric_direct_bytes);
+      }
       connect_rdma(tr::verbs::connect_ring, tr::verbs::connect_peers, vo, vo);
     } else {
       connect_tcp(deadline, to_next, from, mesh_peers, mesh);

@@ -1,15 +1,18 @@
-// A check any back-end's connect_peers() must pass, shared by the transports' tests: ranks as
-// threads in one process, each joined to rank^1 and rank^2 (the links of recursive doubling),
-// send messages of several sizes (one spanning many staging slots) on every channel, both ways
-// at once, and check every byte they receive and on which channel it arrives.
+// Checks any back-end's connect_peers() must pass, shared by the transports' tests (ranks as
+// threads in one process): exchange_with_peers, messages both ways on every channel, and
+// write_into_window, a direct write into a window the receiver opened.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <future>
 #include <memory>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -49,6 +52,9 @@ inline char peer_byte(int from, int to, int m, std::size_t i) {
 using ConnectPeers = std::function<std::vector<std::unique_ptr<transport::Channel>>(
     Bootstrap&, const std::vector<int>&)>;
 
+// Each rank joined to rank^1 and rank^2 (the links of recursive doubling) sends messages of
+// several sizes (one spanning many staging slots) on every channel, both ways at once, and
+// checks every byte it receives and on which channel it arrives.
 // Runs the exchange over `n` ranks (a power of two, at least 4) joined by `connect`. Returns
 // each rank's failure, "" where it passed.
 inline std::vector<std::string> exchange_with_peers(int n, const ConnectPeers& connect) {
@@ -151,6 +157,112 @@ inline std::vector<std::string> exchange_with_peers(int n, const ConnectPeers& c
         for (auto& ch : chans) ch->close();
       } catch (const std::exception& e) {
         failure = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return failures;
+}
+
+// Places each message at `base` + its header's index (where the sender names the window).
+struct PlaceAtIndexSink final : transport::RecvSink {
+  char* base = nullptr;
+  std::size_t received = 0;
+  std::size_t sent = 0;
+  transport::RecvTarget on_header(int, const transport::FrameHeader& h) override {
+    return {transport::RecvTarget::kDirect, base + h.index, 1};
+  }
+  void on_payload(int, const transport::FrameHeader&, const char*, std::size_t,
+                  std::size_t) override {}
+  void on_message(int, const transport::FrameHeader&) override { ++received; }
+  void on_sent(int, std::uint64_t) override { ++sent; }
+  void on_closed(int) override {}
+};
+
+// A check any back-end with direct writes (Channel::open_window, try_send_to) must pass, ranks
+// as threads: rank 1 opens a window on its memory for messages of `large` bytes and hands it
+// to rank 0, which names it for a message of `large` bytes (written directly, in several
+// writes where the back-end was given a smaller write size) and one of 100 bytes (through
+// slots whatever the window), each at its own offset; rank 1 places each where it was named,
+// then checks every byte of its memory: the messages where they belong, the rest untouched.
+// `connect` gives each rank one channel to the other. Returns each rank's failure, "" where it
+// passed.
+inline std::vector<std::string> write_into_window(const ConnectPeers& connect, std::size_t large) {
+  using namespace std::chrono_literals;
+  constexpr std::size_t kLargeAt = 1000;
+  constexpr std::size_t kSmall = 100;
+  const std::size_t small_at = kLargeAt + large + 333;
+  const std::size_t window_bytes = small_at + kSmall + 4096;
+  constexpr char kUntouched = 0x11;
+  std::vector<char> dst(window_bytes, kUntouched);
+  std::vector<char> large_msg(large);
+  std::vector<char> small_msg(kSmall);
+  for (std::size_t i = 0; i < large; ++i) large_msg[i] = peer_byte(0, 1, 0, i);
+  for (std::size_t i = 0; i < kSmall; ++i) small_msg[i] = peer_byte(0, 1, 1, i);
+  std::promise<std::optional<transport::Window>> opened;
+  std::shared_future<std::optional<transport::Window>> window = opened.get_future().share();
+  std::atomic<bool> received{false};
+  const UniqueId id = UniqueId::create("127.0.0.1");
+  std::vector<std::string> failures(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      std::string& failure = failures[static_cast<std::size_t>(r)];
+      bool told = false;  // rank 1: the window (or its absence) handed over
+      try {
+        auto bs = Bootstrap::create(id, r, 2);
+        auto chans = connect(*bs, {1 - r});
+        transport::Channel& ch = *chans.at(0);
+        PlaceAtIndexSink sink;
+        sink.base = dst.data();
+        const auto deadline = std::chrono::steady_clock::now() + 20s;
+        const auto until = [&](auto&& done, const std::string& what) {
+          while (!done()) {
+            ch.progress(sink, true);
+            if (std::chrono::steady_clock::now() > deadline) {
+              throw std::runtime_error("timed out waiting for " + what);
+            }
+            std::this_thread::yield();
+          }
+        };
+        if (r == 1) {
+          const auto w = ch.open_window(dst.data(), dst.size(), large);
+          opened.set_value(w);
+          told = true;
+          if (!w) throw std::runtime_error("open_window refused a window");
+          until([&] { return sink.received == 2; }, "both messages");
+          ch.close_window(*w);
+          received = true;
+          for (std::size_t i = 0; i < dst.size(); ++i) {
+            char want = kUntouched;
+            if (i >= kLargeAt && i < kLargeAt + large) want = large_msg[i - kLargeAt];
+            if (i >= small_at && i < small_at + kSmall) want = small_msg[i - small_at];
+            if (dst[i] != want) {
+              failure = "window byte " + std::to_string(i) + " wrong";
+              break;
+            }
+          }
+        } else {
+          const std::optional<transport::Window> w = window.get();
+          if (!w) return;  // rank 1 says why
+          const auto send = [&](std::uint64_t seq, const std::vector<char>& msg, std::size_t at) {
+            transport::FrameHeader h;
+            h.bytes = static_cast<std::uint32_t>(msg.size());
+            h.seq = seq;
+            h.index = static_cast<std::uint32_t>(at);
+            until([&] { return ch.try_send_to(h, msg.data(), seq, *w, at); }, "room to send");
+          };
+          send(0, large_msg, kLargeAt);
+          send(1, small_msg, small_at);
+          until([&] { return sink.sent == 2; }, "both messages to be reported sent");
+          // The writes may need this side's progress until the receiver has them.
+          until([&] { return received.load(); }, "the receiver");
+        }
+        ch.close();
+      } catch (const std::exception& e) {
+        failure = e.what();
+        if (r == 1 && !told) opened.set_value(std::nullopt);
+        if (r == 1) received = true;
       }
     });
   }

@@ -644,6 +644,25 @@ TEST_P(FabricPath, ForgottenMemoryIsRegisteredAgain) {
       << "registrations after each message (the buffer forgotten before the third)";
 }
 
+// The check every back-end with direct writes shares (tests/channel_exchange.h; the verbs
+// transport's tests run it on a device), here on the write data path: a message in five
+// writes, a small one through slots, every byte of the window checked.
+TEST_P(FabricPath, SharedWindowCheckPasses) {
+  if (path() != "write") GTEST_SKIP() << "direct writes need the write data path";
+  const std::uint64_t before = transport::fabric::direct_received_total();
+  const auto failures = write_into_window(
+      [&](Bootstrap& bs, const std::vector<int>& peers) {
+        auto fo = fabric_options();
+        fo.direct_bytes = 4096;
+        fo.direct_write_bytes = 64 * 1024;
+        return transport::fabric::connect_peers(bs, peers, fo);
+      },
+      300007);
+  for (std::size_t r = 0; r < failures.size(); ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+  EXPECT_EQ(transport::fabric::direct_received_total() - before, 1U)
+      << "the large message, and only it, was written directly";
+}
+
 // Direct writes at the channel level (write data path): the receiver opens a window on its
 // memory and the sender names it. A large message lands in the window in several writes
 // without passing through a slot; a small one goes through slots even when named so; and a

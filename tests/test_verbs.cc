@@ -349,5 +349,20 @@ TEST_F(VerbsDevice, ConnectPeersExchangesBothWaysOnEveryChannel) {
   for (std::size_t r = 0; r < failures.size(); ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
+// Direct writes (tests/channel_exchange.h): a message of 1 MiB written straight into the
+// window the receiver opened, in four writes of 256 KiB, a small one through slots, every byte
+// of the window checked.
+TEST_F(VerbsDevice, DirectWritesLandInTheWindow) {
+  const auto failures = write_into_window(
+      [](Bootstrap& bs, const std::vector<int>& peers) {
+        VerbsOptions o;
+        o.direct_bytes = 4096;
+        o.direct_write_bytes = 256 * 1024;
+        return transport::verbs::connect_peers(bs, peers, o);
+      },
+      1 << 20);
+  for (std::size_t r = 0; r < failures.size(); ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+}
+
 }  // namespace
 }  // namespace dear::testing

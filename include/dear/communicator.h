@@ -81,10 +81,10 @@ struct CommOptions {
   // the receiver keeps posted), or "auto" (write where the provider offers it, else send)
   // (DEAR_FABRIC_DATA_PATH). Every rank must end up on the same path.
   std::string fabric_data_path = "auto";
-  // transport "fabric", write data path: messages of at least this many bytes that the
-  // receiver copies into their destination unchanged (all_gather, broadcast, all_reduce's
-  // all-gather steps) are written straight into it, saving the receiver a copy; 0 = never;
-  // -1 = the transport's default (DEAR_FABRIC_DIRECT_BYTES).
+  // transports "fabric" (write data path) and "verbs": messages of at least this many bytes
+  // that the receiver copies into their destination unchanged (all_gather, broadcast,
+  // all_reduce's all-gather steps) are written straight into it, saving the receiver a copy;
+  // 0 = never; -1 = the transport's default (DEAR_FABRIC_DIRECT_BYTES).
   std::int64_t fabric_direct_bytes = -1;
   // transport "verbs": the RDMA device, optionally with its port ("mlx5_0", "mlx5_0:1"); empty
   // = the first with an active port (DEAR_IB_DEVICE).

@@ -18,6 +18,7 @@
 #include "transport/rma/fragments.h"
 #include "transport/rma/slot_region.h"
 #include "transport/rma/slot_window.h"
+#include "transport/rma/window_registrations.h"
 #include "transport/socket_util.h"
 #include "transport/verbs/qp_plan.h"
 #include "transport/verbs/reg_cache.h"
@@ -25,6 +26,7 @@
 namespace dear::transport::verbs {
 namespace {
 
+using rma::DirectTarget;
 using rma::kControlSlots;
 using rma::Kind;
 using rma::kPrefix;
@@ -42,6 +44,9 @@ constexpr auto kCloseLinger = std::chrono::milliseconds(200);
 // Receive work requests carry this bit in their id (send ids count up from 0), because an
 // error completion reports no opcode, only the id.
 constexpr std::uint64_t kRecvId = 1ULL << 63;
+// Registrations of windows for direct writes kept for reuse per protection domain (least
+// recently used beyond).
+constexpr std::size_t kWindowCacheEntries = 64;
 
 std::string errno_text(int e) { return std::strerror(e); }
 
@@ -73,17 +78,67 @@ struct Context {
   LinkLayer link = LinkLayer::kInfiniBand;
   std::uint16_t lid = 0;
   std::uint32_t mtu = 0;
+  std::uint32_t max_msg = 0;  // the port's largest message
   int gid_index = 0;
   Gid gid{};
-  RegistrationCache cache;
+
+  // Windows opened for the peers' direct writes (Channel::open_window), their registrations
+  // kept for reuse: an operation on a buffer used before (a training step's gradients) finds
+  // it registered instead of pinning it again.
+  rma::WindowRegistrations windows{
+      kWindowCacheEntries, [](std::uint64_t h) { ibv_dereg_mr(reinterpret_cast<ibv_mr*>(h)); }};
+
+  // The callers' memory that direct messages are written from, registered once per range and
+  // looked up after. A registration the cache gives up may still be read by a write in flight,
+  // so it is released only once no direct write of these channels is.
+  RegistrationCache sources;
+  std::vector<std::uint64_t> displaced;
+  std::uint64_t direct_in_flight = 0;
+  bool source_failed = false;  // once failed, direct messages go through slots
 
   Context() = default;
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
   ~Context() {
-    for (const std::uint64_t h : cache.clear()) ibv_dereg_mr(reinterpret_cast<ibv_mr*>(h));
+    windows.clear();
+    direct_in_flight = 0;
+    for (const std::uint64_t h : sources.clear()) displaced.push_back(h);
+    release_displaced();
     if (pd != nullptr) ibv_dealloc_pd(pd);
     if (ctx != nullptr) ibv_close_device(ctx);
+  }
+
+  // The local key for writing from [p, p + n), registering the range when it is not yet;
+  // nullopt when it cannot be registered.
+  std::optional<std::uint32_t> source_key(const char* p, std::size_t n) {
+    if (const auto e = sources.lookup(p, n)) return reinterpret_cast<ibv_mr*>(e->handle)->lkey;
+    if (source_failed) return std::nullopt;
+    const auto span = RegistrationCache::page_span(p, n);
+    // Read by the local adapter only; the page span may reach read-only pages.
+    ibv_mr* mr = ibv_reg_mr(pd, reinterpret_cast<void*>(span.begin), span.end - span.begin, 0);
+    if (mr == nullptr) {
+      source_failed = true;
+      return std::nullopt;
+    }
+    for (const std::uint64_t h :
+         sources.insert(reinterpret_cast<const void*>(span.begin), span.end - span.begin,
+                        reinterpret_cast<std::uint64_t>(mr))) {
+      displaced.push_back(h);
+    }
+    release_displaced();
+    return mr->lkey;
+  }
+  // Communicator::forget_memory: registrations overlapping [p, p + n) leave both caches.
+  void forget(const void* p, std::size_t n) {
+    if (n == 0) return;
+    for (const std::uint64_t h : sources.invalidate(p, n)) displaced.push_back(h);
+    release_displaced();
+    windows.forget(p, n);
+  }
+  void release_displaced() {
+    if (direct_in_flight > 0) return;
+    for (const std::uint64_t h : displaced) ibv_dereg_mr(reinterpret_cast<ibv_mr*>(h));
+    displaced.clear();
   }
 };
 
@@ -164,6 +219,7 @@ std::shared_ptr<Context> open_context(const VerbsOptions& o, int rank) {
       c->link = link_of(pa);
       c->lid = pa.lid;
       c->mtu = mtu_bytes(static_cast<int>(pa.active_mtu));
+      c->max_msg = pa.max_msg_sz;
       const auto table = gid_table(c->ctx, c->port, pa.gid_tbl_len);
       c->gid_index = choose_gid_index(table, c->link, o.gid_index, rank);
       ibv_gid g{};
@@ -227,6 +283,12 @@ class VerbsChannel final : public Channel {
   void connect(const QpRecord& remote, const VerbsOptions& o);
 
   bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
+  bool try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
+                   const Window& window, std::size_t offset) override;
+  std::optional<Window> open_window(char* base, std::size_t bytes,
+                                    std::size_t message_bytes) override;
+  void close_window(const Window& window) override { ctx_->windows.close(window.key); }
+  void forget_memory(const void* addr, std::size_t bytes) override { ctx_->forget(addr, bytes); }
   std::size_t queued() const override { return sendq_.size(); }
   std::size_t queued_bytes() const override { return sendq_.bytes(); }
   bool progress(RecvSink& sink, bool may_read) override;
@@ -239,8 +301,17 @@ class VerbsChannel final : public Channel {
  private:
   // A posted send work request, until a signalled completion at or after it retires it.
   struct Posted {
-    std::uint32_t buf = 0;  // staging buffer it holds
+    std::uint32_t buf = 0;  // staging buffer it holds (a direct write holds one unused, which
+                            // bounds the requests in flight as staged fragments are)
     bool control = false;
+    bool direct = false;                 // a direct message's payload write
+    std::optional<std::uint64_t> token;  // its message's token, on its last write
+
+    static Posted staged(std::uint32_t b) { return {b, false, false, std::nullopt}; }
+    static Posted control_message(std::uint32_t b) { return {b, true, false, std::nullopt}; }
+    static Posted direct_write(std::uint32_t b, std::optional<std::uint64_t> t) {
+      return {b, false, true, t};
+    }
   };
 
   [[noreturn]] void fail(const std::string& why) const {
@@ -256,7 +327,7 @@ class VerbsChannel final : public Channel {
   char* slot(std::uint32_t i) const { return recv_mem_.get() + i * slot_bytes_; }
   void post_recv(std::uint32_t i);
   void add_wr(const ibv_sge& sge, ibv_wr_opcode op, std::uint32_t imm, std::uint64_t raddr,
-              Posted what);
+              std::uint64_t rkey, Posted what);
   bool flush_chain();
   void arm();
   bool poll_cq();
@@ -264,6 +335,9 @@ class VerbsChannel final : public Channel {
   void on_control(const Prefix& p);
   bool deliver(RecvSink& sink);
   bool pump(RecvSink& sink);
+  // The next step of a direct head message (its first fragment, or one payload write) into
+  // staging buffer `b`; false when it cannot be taken now.
+  bool pump_direct(RecvSink& sink, std::uint32_t b, const DirectTarget& d);
   bool send_control(Kind kind, std::uint32_t seq, std::uint32_t credits);
 
   std::shared_ptr<Context> ctx_;  // first: outlives the resources below
@@ -283,6 +357,15 @@ class VerbsChannel final : public Channel {
   std::unique_ptr<char, FreeDeleter> send_mem_;  // data staging, control staging, control recv
   rma::SlotRegion remote_{};                     // the peer's receive slots
   std::uint32_t max_inline_ = 0;
+  std::size_t direct_min_;  // VerbsOptions::direct_bytes
+  std::size_t write_max_;   // payload bytes per direct write
+  // Bytes each data slot's last write placed (from its completion), checked when its turn
+  // comes; a direct message's payload writes leave their slot untouched.
+  std::vector<std::uint32_t> written_;
+  // Receiving a direct message: payload bytes per write (its writes are the next fragments).
+  std::size_t direct_write_ = 0;
+  // Direct messages whose last write completed, reported sent by the next progress().
+  std::vector<std::uint64_t> sent_;
   bool armed_ = false;
   bool connected_ = false;
 
@@ -320,6 +403,11 @@ VerbsChannel::VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int
       slot_bytes_(o.slot_bytes),
       slots_(o.slots),
       psn_(random_psn()),
+      direct_min_(o.direct_bytes),
+      write_max_(std::max<std::size_t>(
+          1, std::min<std::size_t>(o.direct_write_bytes,
+                                   ctx_->max_msg > 0 ? ctx_->max_msg : o.direct_write_bytes))),
+      written_(o.slots, 0),
       sendw_(o.slots),
       recvw_(o.slots, std::max<std::uint32_t>(1, o.slots / 2)),
       reasm_(o.slot_bytes) {
@@ -504,7 +592,7 @@ void VerbsChannel::post_recv(std::uint32_t i) {
 }
 
 void VerbsChannel::add_wr(const ibv_sge& sge, ibv_wr_opcode op, std::uint32_t imm,
-                          std::uint64_t raddr, Posted what) {
+                          std::uint64_t raddr, std::uint64_t rkey, Posted what) {
   const std::size_t k = chain_n_++;
   chain_sge_[k] = sge;
   ibv_send_wr& wr = chain_[k];
@@ -517,9 +605,9 @@ void VerbsChannel::add_wr(const ibv_sge& sge, ibv_wr_opcode op, std::uint32_t im
   if (op == IBV_WR_RDMA_WRITE_WITH_IMM) {
     wr.imm_data = htonl(imm);
     wr.wr.rdma.remote_addr = raddr;
-    wr.wr.rdma.rkey = static_cast<std::uint32_t>(remote_.key);
+    wr.wr.rdma.rkey = static_cast<std::uint32_t>(rkey);
   }
-  sq_[sq_next_ % sq_.size()] = what;
+  sq_[sq_next_ % sq_.size()] = std::move(what);
   ++sq_next_;
 }
 
@@ -561,6 +649,11 @@ void VerbsChannel::retire(std::uint64_t id) {
   while (sq_head_ <= id && sq_head_ < sq_next_) {
     const Posted& p = sq_[sq_head_ % sq_.size()];
     (p.control ? free_ctrl_ : free_data_).push_back(p.buf);
+    if (p.direct) {
+      // The caller's memory is read no more.
+      if (--ctx_->direct_in_flight == 0) ctx_->release_displaced();
+      if (p.token) sent_.push_back(*p.token);
+    }
     ++sq_head_;
   }
 }
@@ -598,14 +691,13 @@ bool VerbsChannel::poll_cq() {
       }
       const auto recv_index = static_cast<std::uint32_t>(c.wr_id & ~kRecvId);
       if (c.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+        // Only recorded here: what the write left in its slot is read when its turn comes,
+        // as the write may be one of a direct message's, which leave their slot untouched, and
+        // that is known only once the message's first fragment has been read.
         const std::uint32_t seq = ntohl(c.imm_data);
         const std::uint32_t s = seq % slots_;
-        Prefix p;
-        std::memcpy(&p, slot(s), kPrefix);
-        // Tag 0: a queue pair has one peer.
-        if (auto bad = rma::check_written(p, seq, 0, slot_bytes_, c.byte_len)) fail(*bad);
-        if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
         if (auto bad = rma::accept_fragment(recvw_, seq, s)) fail(*bad);
+        written_[s] = c.byte_len;
         post_recv(recv_index);
       } else if (c.opcode == IBV_WC_RECV) {
         Prefix p;
@@ -641,6 +733,38 @@ bool VerbsChannel::try_send(const FrameHeader& h, const void* payload, std::uint
   return true;
 }
 
+bool VerbsChannel::try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
+                               const Window& window, std::size_t offset) {
+  if (direct_min_ == 0 || h.bytes < direct_min_ || offset > window.bytes ||
+      h.bytes > window.bytes - offset) {
+    return try_send(h, payload, token);
+  }
+  if (sendq_.full()) return false;
+  if (closed()) fail("send on a closed channel");
+  sendq_.push(h, payload, token,
+              DirectTarget{window.addr + offset, window.key, window.local + offset});
+  return true;
+}
+
+std::optional<Window> VerbsChannel::open_window(char* base, std::size_t bytes,
+                                                std::size_t message_bytes) {
+  if (direct_min_ == 0 || message_bytes < direct_min_ || closed()) return std::nullopt;
+  const auto o = ctx_->windows.open(
+      base, bytes, [&](char* b, std::size_t n) -> std::optional<rma::WindowRegistrations::Made> {
+        ibv_mr* mr = ibv_reg_mr(ctx_->pd, b, n, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+        if (mr == nullptr) return std::nullopt;
+        return rma::WindowRegistrations::Made{reinterpret_cast<std::uint64_t>(mr), mr->rkey};
+      });
+  if (!o) return std::nullopt;
+  // ibverbs addresses registered memory by virtual address, whatever the registration's start.
+  Window w;
+  w.addr = reinterpret_cast<std::uint64_t>(base);
+  w.key = o->key;
+  w.local = reinterpret_cast<std::uint64_t>(base);
+  w.bytes = bytes;
+  return w;
+}
+
 pollfd VerbsChannel::wait_spec() const {
   if (closed()) return {-1, 0, 0};
   return {cc_->fd, POLLIN, 0};
@@ -653,6 +777,8 @@ bool VerbsChannel::progress(RecvSink& sink, bool may_read) {
   arm();
   for (int round = 0; round < 8 && !closed(); ++round) {
     bool m = poll_cq();
+    for (const std::uint64_t t : sent_) sink.on_sent(index_, t);
+    sent_.clear();
     m |= deliver(sink);
     if (closed()) break;
     m |= pump(sink);
@@ -671,10 +797,33 @@ bool VerbsChannel::progress(RecvSink& sink, bool may_read) {
 bool VerbsChannel::deliver(RecvSink& sink) {
   bool moved = false;
   while (auto si = recvw_.next_ready()) {
+    if (reasm_.in_direct()) {
+      // One of a direct message's writes: its payload is in place already.
+      const std::size_t n = std::min(direct_write_, reasm_.remaining());
+      if (written_[*si] != n) {
+        fail("protocol violation: a direct write of " + std::to_string(written_[*si]) +
+             " bytes where " + std::to_string(n) + " were due");
+      }
+      if (auto bad = reasm_.on_placed(sink, index_, n)) fail(*bad);
+      recvw_.consume();
+      moved = true;
+      continue;
+    }
     const char* base = slot(*si);
     Prefix p;
     std::memcpy(&p, base, kPrefix);
-    if (auto bad = reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
+    // Tag 0: a queue pair has one peer.
+    if (auto bad = rma::check_written(p, recvw_.expected(), 0, slot_bytes_, written_[*si])) {
+      fail(*bad);
+    }
+    if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
+    if (p.direct != 0) {
+      if (p.first == 0) fail("protocol violation: a direct record in a message's later fragment");
+      if (auto bad =
+              reasm_.on_direct_header(sink, index_, base + kPrefix, p.bytes, &direct_write_)) {
+        fail(*bad);
+      }
+    } else if (auto bad = reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
       fail(*bad);
     }
     recvw_.consume();  // the slot is free again: one more credit owed
@@ -696,6 +845,11 @@ bool VerbsChannel::pump(RecvSink& sink) {
   while (!sendq_.empty() && sendw_.can_send() && !free_data_.empty() &&
          chain_n_ + 1 < chain_.size()) {
     const std::uint32_t b = free_data_.back();
+    if (const DirectTarget* d = sendq_.direct()) {
+      if (!pump_direct(sink, b, *d)) break;
+      moved = true;
+      continue;
+    }
     free_data_.pop_back();
     char* buf = data_staging(b);
     const SendQueue::Fragment f = sendq_.fill(buf + kPrefix, slot_bytes_ - kPrefix);
@@ -710,12 +864,61 @@ bool VerbsChannel::pump(RecvSink& sink) {
     sge.addr = reinterpret_cast<std::uintptr_t>(buf);
     sge.length = static_cast<std::uint32_t>(kPrefix + p.bytes);
     sge.lkey = send_mr_->lkey;
-    add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, p.seq, rma::slot_address(remote_, p.seq),
-           Posted{b, false});
+    add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, p.seq, rma::slot_address(remote_, p.seq), remote_.key,
+           Posted::staged(b));
     moved = true;
     if (const auto token = sendq_.commit(f)) sink.on_sent(index_, *token);
   }
   return moved;
+}
+
+bool VerbsChannel::pump_direct(RecvSink& sink, std::uint32_t b, const DirectTarget& d) {
+  // The payload is read where it lies, so it needs a registration; without one the message
+  // goes through slots after all (if still possible).
+  const SendQueue::Piece whole = sendq_.message();
+  const std::optional<std::uint32_t> lkey = ctx_->source_key(whole.data, whole.bytes);
+  if (!lkey) {
+    if (!sendq_.started()) {
+      sendq_.drop_direct();
+      return true;
+    }
+    fail("the memory of a message being written directly can no longer be registered");
+  }
+  free_data_.pop_back();
+  ibv_sge sge{};
+  if (!sendq_.started()) {
+    // First fragment: the header and where the payload goes, in a slot.
+    char* buf = data_staging(b);
+    const SendQueue::Fragment f = sendq_.fill_direct_header(buf + kPrefix, write_max_);
+    Prefix p;
+    p.seq = sendw_.take();
+    p.credits = recvw_.take_owed();
+    p.bytes = f.bytes;
+    p.kind = Kind::kData;
+    p.first = 1;
+    p.direct = 1;
+    std::memcpy(buf, &p, kPrefix);
+    sge.addr = reinterpret_cast<std::uintptr_t>(buf);
+    sge.length = static_cast<std::uint32_t>(kPrefix + p.bytes);
+    sge.lkey = send_mr_->lkey;
+    add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, p.seq, rma::slot_address(remote_, p.seq), remote_.key,
+           Posted::staged(b));
+    if (const auto token = sendq_.commit_direct(0)) sink.on_sent(index_, *token);
+    return true;
+  }
+  // A payload write, straight from the caller's memory into the peer's window.
+  const SendQueue::Piece piece = sendq_.piece(write_max_);
+  const std::uint64_t raddr = d.addr + sendq_.offset();
+  const std::uint64_t rkey = d.key;
+  const std::uint32_t seq = sendw_.take();
+  sge.addr = reinterpret_cast<std::uintptr_t>(piece.data);
+  sge.length = static_cast<std::uint32_t>(piece.bytes);
+  sge.lkey = *lkey;
+  // d is gone once this was the last write.
+  const std::optional<std::uint64_t> token = sendq_.commit_direct(piece.bytes);
+  ++ctx_->direct_in_flight;
+  add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, seq, raddr, rkey, Posted::direct_write(b, token));
+  return true;
 }
 
 bool VerbsChannel::send_control(Kind kind, std::uint32_t seq, std::uint32_t credits) {
@@ -731,7 +934,7 @@ bool VerbsChannel::send_control(Kind kind, std::uint32_t seq, std::uint32_t cred
   sge.addr = reinterpret_cast<std::uintptr_t>(ctrl_staging(b));
   sge.length = kPrefix;
   sge.lkey = send_mr_->lkey;
-  add_wr(sge, IBV_WR_SEND, 0, 0, Posted{b, true});
+  add_wr(sge, IBV_WR_SEND, 0, 0, 0, Posted::control_message(b));
   return true;
 }
 

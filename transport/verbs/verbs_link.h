@@ -21,6 +21,18 @@
 // signalled (RC completes in order, so a signalled completion retires everything before it).
 // Messages are reported sent once their last fragment is copied to staging.
 //
+// Direct messages (VerbsOptions::direct_bytes), the protocol of the fabric link's write path
+// (rma/fragments.h, DirectInfo): where the receiver opened a window on a message's destination
+// (Channel::open_window registers it for remote writes, the registration cached by address
+// range in rma::WindowRegistrations) and the sender names it (try_send_to), the message is its
+// first fragment alone (FrameHeader and DirectInfo, into a slot), then its payload in RDMA
+// WRITE WITH IMMEDIATE requests from the caller's memory (registered through a cache of its
+// own) straight into the window, each spending a credit and a sequence number like a
+// fragment. The receiver checks each write's length and that its sink places the message
+// exactly where it was written. Such a message is reported sent once its last write has
+// completed. Windows are host memory here (the engine stages GPU buffers through the host),
+// so no GPU flush is needed before the receiver is told.
+//
 // Completion is polled from progress() (polled() is true); wait_spec() returns the completion
 // channel's descriptor, armed with ibv_req_notify_cq, so an idle engine may sleep on it.
 //
@@ -72,6 +84,14 @@ struct VerbsOptions {
   // Bytes per data slot (prefix included) and data slots per channel and direction.
   std::size_t slot_bytes = 128 * 1024;
   std::uint32_t slots = 8;
+  // Messages of at least this many payload bytes whose destination the peer opened as a window
+  // (Channel::open_window, try_send_to) are written straight into it with RDMA WRITE from the
+  // caller's memory, which saves the sender's copy into staging and the receiver's copy out of
+  // its slot; 0: never. The fabric link's default (measured there, not on RDMA hardware).
+  std::size_t direct_bytes = 384 * 1024;
+  // A direct message's payload goes in writes of at most this many bytes (each spends one of
+  // the peer's credits, as a fragment does), and of at most the port's message size.
+  std::size_t direct_write_bytes = 4 << 20;
   // Setup must finish by then (it only waits on the bootstrap, whose own timeout also
   // applies).
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
