@@ -7,6 +7,7 @@
 #include <limits>
 #include <string_view>
 
+#include "cuda/driver.h"
 #include "cuda/error.h"
 #include "cuda/memory.h"
 
@@ -29,22 +30,10 @@ struct MemOps {
   StreamValue64 write = nullptr;
 };
 
-void* entry_point(const char* symbol) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &found) !=
-          cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return fn;
-}
-
 MemOps find_memops() {
   const char* env = std::getenv("DEAR_CUDA_MEMOPS");
   if (env == nullptr || std::string_view(env) != "1") return {};
-  auto* attribute = reinterpret_cast<DeviceAttribute>(entry_point("cuDeviceGetAttribute"));
+  auto* attribute = reinterpret_cast<DeviceAttribute>(driver_entry_point("cuDeviceGetAttribute"));
   int device = 0;
   int usable = 0;
   if (attribute == nullptr || cudaGetDevice(&device) != cudaSuccess ||
@@ -55,8 +44,8 @@ MemOps find_memops() {
     return {};
   }
   MemOps ops;
-  ops.wait = reinterpret_cast<StreamValue64>(entry_point("cuStreamWaitValue64"));
-  ops.write = reinterpret_cast<StreamValue64>(entry_point("cuStreamWriteValue64"));
+  ops.wait = reinterpret_cast<StreamValue64>(driver_entry_point("cuStreamWaitValue64"));
+  ops.write = reinterpret_cast<StreamValue64>(driver_entry_point("cuStreamWriteValue64"));
   if (ops.wait == nullptr || ops.write == nullptr) return {};
   return ops;
 }
