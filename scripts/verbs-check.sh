@@ -5,7 +5,8 @@
 #   1. an RDMA device with an active port is present (ibv_devinfo),
 #   2. build with DEAR_VERBS=ON,
 #   3. test_verbs on this host: its device tests must run, not skip,
-#   4. dear-bench over verbs with every result checked (-c 1), 2 ranks on this host,
+#   4. dear-bench over verbs with every result checked (-c 1), 2 ranks on this host, and
+#      where a GPU is present GPUDirect RDMA (test_cuda's dma-buf and device-window tests),
 #   5. the same on 2 or more nodes, one rank per node: under Slurm (srun, inside an
 #      allocation of 2+ nodes) or with Open MPI's mpirun and --hosts.
 # Exits non-zero at the first failure.
@@ -77,6 +78,17 @@ if [ "$skip_local" = 0 ]; then
 
   step "dear-bench over verbs, 2 ranks on this host, checked"
   bench_sweep timeout 600 "$build/tools/dear-run" -n 2 --
+
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    step "GPUDirect RDMA on this host (a GPU is present): dma-buf export, device windows, flush"
+    cmake --build "$build" -j"$(nproc)" --target test_cuda \
+      || fail "build test_cuda (is the CUDA toolkit installed?)"
+    out="$(timeout 300 "$build/tests/test_cuda" \
+      --gtest_filter='Gpu.DeviceMemoryIsExportedAsADmaBuf:Gpu.GpuDirectWritesLandInDeviceMemory' 2>&1)" \
+      || { echo "$out"; fail "GPUDirect RDMA"; }
+    echo "$out" | tail -n 4
+    echo "$out" | grep -A1 "SKIPPED \]" || true
+  fi
 fi
 
 step "dear-bench over verbs across nodes, one rank per node, checked"

@@ -3,6 +3,7 @@
 // write_into_window, a direct write into a window the receiver opened.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -179,26 +180,54 @@ struct PlaceAtIndexSink final : transport::RecvSink {
   void on_closed(int) override {}
 };
 
+// The memory write_into_window() works on: host memory by default; a GPUDirect check gives
+// device memory. `make` returns memory holding `bytes` (freed with the pointer), `read` copies
+// `n` bytes at `p` back to the host, `open` opens the receiver's window (Channel::open_window
+// or open_device_window), `source` prepares the sender's message memory for sending (false:
+// it could not). `small`: also send a message small enough to be staged, which only host
+// memory can receive.
+struct WindowMemory {
+  std::function<std::shared_ptr<char>(const std::vector<char>& bytes)> make =
+      [](const std::vector<char>& bytes) {
+        auto p = std::shared_ptr<char>(new char[bytes.size()], std::default_delete<char[]>());
+        std::copy(bytes.begin(), bytes.end(), p.get());
+        return p;
+      };
+  std::function<std::vector<char>(const char* p, std::size_t n)> read =
+      [](const char* p, std::size_t n) { return std::vector<char>(p, p + n); };
+  std::function<std::optional<transport::Window>(transport::Channel&, char* base, std::size_t bytes,
+                                                 std::size_t message_bytes)>
+      open = [](transport::Channel& ch, char* base, std::size_t bytes, std::size_t message_bytes) {
+        return ch.open_window(base, bytes, message_bytes);
+      };
+  std::function<bool(transport::Channel&, const char* p, std::size_t n)> source =
+      [](transport::Channel&, const char*, std::size_t) { return true; };
+  bool small = true;
+};
+
 // A check any back-end with direct writes (Channel::open_window, try_send_to) must pass, ranks
 // as threads: rank 1 opens a window on its memory for messages of `large` bytes and hands it
 // to rank 0, which names it for a message of `large` bytes (written directly, in several
-// writes where the back-end was given a smaller write size) and one of 100 bytes (through
-// slots whatever the window), each at its own offset; rank 1 places each where it was named,
-// then checks every byte of its memory: the messages where they belong, the rest untouched.
-// `connect` gives each rank one channel to the other. Returns each rank's failure, "" where it
-// passed.
-inline std::vector<std::string> write_into_window(const ConnectPeers& connect, std::size_t large) {
+// writes where the back-end was given a smaller write size) and, with `memory.small`, one of
+// 100 bytes (through slots whatever the window), each at its own offset; rank 1 places each
+// where it was named, then checks every byte of its memory: the messages where they belong,
+// the rest untouched. `connect` gives each rank one channel to the other. Returns each rank's
+// failure, "" where it passed.
+inline std::vector<std::string> write_into_window(const ConnectPeers& connect, std::size_t large,
+                                                  const WindowMemory& memory = {}) {
   using namespace std::chrono_literals;
   constexpr std::size_t kLargeAt = 1000;
   constexpr std::size_t kSmall = 100;
   const std::size_t small_at = kLargeAt + large + 333;
   const std::size_t window_bytes = small_at + kSmall + 4096;
   constexpr char kUntouched = 0x11;
-  std::vector<char> dst(window_bytes, kUntouched);
   std::vector<char> large_msg(large);
   std::vector<char> small_msg(kSmall);
   for (std::size_t i = 0; i < large; ++i) large_msg[i] = peer_byte(0, 1, 0, i);
   for (std::size_t i = 0; i < kSmall; ++i) small_msg[i] = peer_byte(0, 1, 1, i);
+  const std::shared_ptr<char> dst = memory.make(std::vector<char>(window_bytes, kUntouched));
+  const std::shared_ptr<char> large_src = memory.make(large_msg);
+  const std::size_t messages = memory.small ? 2 : 1;
   std::promise<std::optional<transport::Window>> opened;
   std::shared_future<std::optional<transport::Window>> window = opened.get_future().share();
   std::atomic<bool> received{false};
@@ -214,7 +243,7 @@ inline std::vector<std::string> write_into_window(const ConnectPeers& connect, s
         auto chans = connect(*bs, {1 - r});
         transport::Channel& ch = *chans.at(0);
         PlaceAtIndexSink sink;
-        sink.base = dst.data();
+        sink.base = dst.get();
         const auto deadline = std::chrono::steady_clock::now() + 20s;
         const auto until = [&](auto&& done, const std::string& what) {
           while (!done()) {
@@ -226,18 +255,21 @@ inline std::vector<std::string> write_into_window(const ConnectPeers& connect, s
           }
         };
         if (r == 1) {
-          const auto w = ch.open_window(dst.data(), dst.size(), large);
+          const auto w = memory.open(ch, dst.get(), window_bytes, large);
           opened.set_value(w);
           told = true;
-          if (!w) throw std::runtime_error("open_window refused a window");
-          until([&] { return sink.received == 2; }, "both messages");
+          if (!w) throw std::runtime_error("the channel refused to open a window");
+          until([&] { return sink.received == messages; }, "the messages");
           ch.close_window(*w);
           received = true;
-          for (std::size_t i = 0; i < dst.size(); ++i) {
+          const std::vector<char> got = memory.read(dst.get(), window_bytes);
+          for (std::size_t i = 0; i < got.size(); ++i) {
             char want = kUntouched;
             if (i >= kLargeAt && i < kLargeAt + large) want = large_msg[i - kLargeAt];
-            if (i >= small_at && i < small_at + kSmall) want = small_msg[i - small_at];
-            if (dst[i] != want) {
+            if (memory.small && i >= small_at && i < small_at + kSmall) {
+              want = small_msg[i - small_at];
+            }
+            if (got[i] != want) {
               failure = "window byte " + std::to_string(i) + " wrong";
               break;
             }
@@ -245,16 +277,19 @@ inline std::vector<std::string> write_into_window(const ConnectPeers& connect, s
         } else {
           const std::optional<transport::Window> w = window.get();
           if (!w) return;  // rank 1 says why
-          const auto send = [&](std::uint64_t seq, const std::vector<char>& msg, std::size_t at) {
+          const auto send = [&](std::uint64_t seq, const char* msg, std::size_t n, std::size_t at) {
             transport::FrameHeader h;
-            h.bytes = static_cast<std::uint32_t>(msg.size());
+            h.bytes = static_cast<std::uint32_t>(n);
             h.seq = seq;
             h.index = static_cast<std::uint32_t>(at);
-            until([&] { return ch.try_send_to(h, msg.data(), seq, *w, at); }, "room to send");
+            until([&] { return ch.try_send_to(h, msg, seq, *w, at); }, "room to send");
           };
-          send(0, large_msg, kLargeAt);
-          send(1, small_msg, small_at);
-          until([&] { return sink.sent == 2; }, "both messages to be reported sent");
+          if (!memory.source(ch, large_src.get(), large)) {
+            throw std::runtime_error("the channel refused the message's memory as a source");
+          }
+          send(0, large_src.get(), large, kLargeAt);
+          if (memory.small) send(1, small_msg.data(), kSmall, small_at);
+          until([&] { return sink.sent == messages; }, "the messages to be reported sent");
           // The writes may need this side's progress until the receiver has them.
           until([&] { return received.load(); }, "the receiver");
         }

@@ -2,7 +2,9 @@
 // on device buffers with ranks as threads sharing one GPU, and stream ordering. Every test
 // skips with "no CUDA device" where none is present.
 #include <cuda_runtime_api.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <barrier>
 #include <chrono>
@@ -14,14 +16,17 @@
 #include <thread>
 #include <vector>
 
+#include "channel_exchange.h"
 #include "collectives/device_staging.h"
 #include "collectives/reduce.h"
 #include "collectives/staging_pieces.h"
 #include "cuda/device.h"
+#include "cuda/dmabuf.h"
 #include "cuda/error.h"
 #include "cuda/reduce.h"
 #include "harness.h"
 #include "reference.h"
+#include "transport/verbs/verbs_link.h"
 
 namespace dear {
 namespace {
@@ -442,6 +447,77 @@ TEST_F(Gpu, DevicePointersAreDetected) {
   EXPECT_TRUE(collectives::is_device_pointer(d.get()));
   float host = 0;
   EXPECT_FALSE(collectives::is_device_pointer(&host));
+}
+
+// GPUDirect RDMA's first step: the driver exports device memory as a dma-buf whose offset
+// leads to the address asked for, and refuses host memory with a reason.
+TEST_F(Gpu, DeviceMemoryIsExportedAsADmaBuf) {
+  constexpr std::size_t kBytes = 4 << 20;
+  DeviceBuffer buf(kBytes);
+  const std::byte* p = buf.get() + 5000;
+  const cuda::DmaBuf d = cuda::export_dmabuf(p, 100000);
+  if (d.fd < 0 && d.why.find("does not export dma-bufs") != std::string::npos) {
+    GTEST_SKIP() << d.why;
+  }
+  ASSERT_GE(d.fd, 0) << d.why;
+  const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  EXPECT_EQ(d.offset, reinterpret_cast<std::uintptr_t>(p) % page);
+  EXPECT_GE(::fcntl(d.fd, F_GETFD), 0) << "the descriptor is open";
+  // A dma-buf's size is its end: it holds the whole range asked for.
+  EXPECT_GE(::lseek(d.fd, 0, SEEK_END), static_cast<off_t>(d.offset + 100000));
+  ::close(d.fd);
+
+  std::vector<char> host(4096);
+  const cuda::DmaBuf h = cuda::export_dmabuf(host.data(), host.size());
+  EXPECT_EQ(h.fd, -1);
+  EXPECT_NE(h.why.find("not CUDA device memory"), std::string::npos) << h.why;
+}
+
+// GPUDirect RDMA over ibverbs (needs a GPU and an RDMA device; ranks as threads through the
+// first active port): a 1 MiB message from device memory written straight into a window on
+// device memory in four writes, then the GPU flush, and every byte of the window read back
+// (tests/channel_exchange.h, the check the host windows pass).
+TEST_F(Gpu, GpuDirectWritesLandInDeviceMemory) {
+  if (auto why = transport::verbs::unavailable_reason()) GTEST_SKIP() << *why;
+  testing::WindowMemory m;
+  m.make = [](const std::vector<char>& bytes) {
+    void* p = nullptr;
+    ck(cudaMalloc(&p, bytes.size()), "cudaMalloc");
+    ck(cudaMemcpy(p, bytes.data(), bytes.size(), cudaMemcpyHostToDevice), "cudaMemcpy");
+    return std::shared_ptr<char>(static_cast<char*>(p), [](char* q) { (void)cudaFree(q); });
+  };
+  m.read = [](const char* p, std::size_t n) {
+    std::vector<char> out(n);
+    ck(cudaMemcpy(out.data(), p, n, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    return out;
+  };
+  // The registration holds the dma-buf; its descriptor is closed once it is made.
+  const auto device_memory = [](const char* p, std::size_t n, auto&& use) {
+    const cuda::DmaBuf d = cuda::export_dmabuf(p, n);
+    const auto result = use(transport::DeviceMemory{d.fd, d.offset});
+    if (d.fd >= 0) ::close(d.fd);
+    return result;
+  };
+  m.open = [&](transport::Channel& ch, char* base, std::size_t bytes, std::size_t message) {
+    return device_memory(base, bytes, [&](const transport::DeviceMemory& dm) {
+      return ch.open_device_window(base, bytes, message, dm);
+    });
+  };
+  m.source = [&](transport::Channel& ch, const char* p, std::size_t n) {
+    return device_memory(p, n, [&](const transport::DeviceMemory& dm) {
+      return ch.register_device_source(p, n, dm);
+    });
+  };
+  m.small = false;
+  const auto failures = testing::write_into_window(
+      [](Bootstrap& bs, const std::vector<int>& peers) {
+        transport::verbs::VerbsOptions o;
+        o.direct_bytes = 4096;
+        o.direct_write_bytes = 256 * 1024;
+        return transport::verbs::connect_peers(bs, peers, o);
+      },
+      1 << 20, m);
+  for (std::size_t r = 0; r < failures.size(); ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
 }  // namespace

@@ -122,6 +122,32 @@ TEST(VerbsPlan, OptionsAreCarriedAndCheckedWithTheirNames) {
   rejects(b, "service_level=16");
 }
 
+// The GPU flush's queue pair is connected to itself: the plan for an endpoint towards itself
+// targets its own queue pair, LID or GID and sequence numbers, and allows the one RDMA READ the
+// flush needs in flight.
+TEST(VerbsPlan, AQueuePairConnectedToItselfTargetsItself) {
+  const QpEndpoint ib = ib_end(7, 2048, 300, 0x42);
+  ConnectionPlan p = plan_connection(ib, ib, 1, {});
+  EXPECT_EQ(p.dest_qpn, 300u);
+  EXPECT_EQ(p.dlid, 7);
+  EXPECT_EQ(p.rq_psn, 0x42u);
+  EXPECT_EQ(p.sq_psn, 0x42u);
+  EXPECT_EQ(p.path_mtu, 2048u);
+  EXPECT_FALSE(p.use_grh);
+  EXPECT_GE(p.max_rd_atomic, 1);
+  EXPECT_GE(p.max_dest_rd_atomic, 1);
+
+  QpEndpoint roce = ib;
+  roce.link_layer = LinkLayer::kEthernet;
+  roce.gid = ipv4_gid(10, 0, 0, 7);
+  roce.gid_index = 3;
+  p = plan_connection(roce, roce, 1, {});
+  EXPECT_TRUE(p.use_grh);
+  EXPECT_EQ(p.dgid, roce.gid);
+  EXPECT_EQ(p.sgid_index, 3);
+  EXPECT_EQ(p.dest_qpn, 300u);
+}
+
 TEST(VerbsPlan, GlobalRoutingAcrossSubnetsWithoutALidAndAlwaysOnRoce) {
   QpEndpoint a = ib_end(1, 4096, 1, 1);
   QpEndpoint b = ib_end(2, 4096, 2, 2);

@@ -85,6 +85,15 @@ struct Window {
 };
 static_assert(sizeof(Window) == 32, "a window travels as 32 bytes");
 
+// CUDA device memory handed to a link for GPUDirect RDMA: the dma-buf the CUDA driver exported
+// for the pages holding it (cuda/dmabuf.h), and the memory's offset into that dma-buf; fd -1
+// where the driver exported none (a back-end then tries its peer-memory path). The link does
+// not tell device memory from host memory itself: the caller says which it passes.
+struct DeviceMemory {
+  int dmabuf_fd = -1;
+  std::uint64_t offset = 0;
+};
+
 class RecvSink {
  public:
   virtual ~RecvSink() = default;
@@ -142,6 +151,38 @@ class Channel {
     return std::nullopt;
   }
   virtual void close_window(const Window& window) { (void)window; }
+  // open_window() on CUDA device memory (GPUDirect RDMA), `memory` saying how the back-end may
+  // register it. The peer's direct writes land in device memory, and before the sink hears
+  // that such a message is complete (on_message) the back-end makes every write visible to the
+  // device (verbs: an RDMA READ through a loopback queue pair, which completes only after the
+  // writes before it reached memory). Only direct messages may land there: the receiver's CPU
+  // cannot copy a staged one into device memory, so the sender sends into such a window only
+  // messages of at least the back-end's direct size, from host memory or from device memory
+  // it registered (register_device_source). nullopt where the back-end cannot reach device
+  // memory (the default) or cannot register this memory: the caller then stages through host
+  // memory. Closed with close_window().
+  [[nodiscard]] virtual std::optional<Window> open_device_window(char* base, std::size_t bytes,
+                                                                 std::size_t message_bytes,
+                                                                 const DeviceMemory& memory) {
+    (void)base;
+    (void)bytes;
+    (void)message_bytes;
+    (void)memory;
+    return std::nullopt;
+  }
+  // Registers CUDA device memory [base, base + bytes) as a source of direct messages
+  // (try_send_to) on every channel of this link; false where the back-end cannot read device
+  // memory (the default) or cannot register it. A message whose payload lies there must go
+  // direct: try_send() and try_send_to() throw dear::Error(kInvalidArgument) for one that
+  // would be staged, which the CPU would have to read. Registered until forget_memory() names
+  // the memory.
+  [[nodiscard]] virtual bool register_device_source(const char* base, std::size_t bytes,
+                                                    const DeviceMemory& memory) {
+    (void)base;
+    (void)bytes;
+    (void)memory;
+    return false;
+  }
   [[nodiscard]] virtual std::size_t queued() const = 0;
   [[nodiscard]] virtual std::size_t queued_bytes() const = 0;
   // Moves bytes both ways without blocking; returns true if anything moved. On return every

@@ -65,14 +65,184 @@ struct DeviceListDeleter {
 };
 using DeviceList = std::unique_ptr<ibv_device*, DeviceListDeleter>;
 
+struct FreeDeleter {
+  void operator()(char* p) const { std::free(p); }
+};
+
 LinkLayer link_of(const ibv_port_attr& a) {
   return a.link_layer == IBV_LINK_LAYER_ETHERNET ? LinkLayer::kEthernet : LinkLayer::kInfiniBand;
 }
+
+std::uint32_t random_psn() {
+  std::uint32_t v = 0;
+  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
+    v = static_cast<std::uint32_t>(Clock::now().time_since_epoch().count());
+  }
+  return v & 0xffffffU;
+}
+
+// Moves `qp` (in INIT) to RTR and RTS as `p` says; `towards` names the other end in errors.
+void bring_up(ibv_qp* qp, const ConnectionPlan& p, const std::string& towards, int self, int peer) {
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_RTR;
+  a.path_mtu = static_cast<ibv_mtu>(mtu_code(p.path_mtu));
+  a.dest_qp_num = p.dest_qpn;
+  a.rq_psn = p.rq_psn;
+  a.max_dest_rd_atomic = p.max_dest_rd_atomic;
+  a.min_rnr_timer = p.min_rnr_timer;
+  a.ah_attr.dlid = p.dlid;
+  a.ah_attr.sl = p.service_level;
+  a.ah_attr.src_path_bits = 0;
+  a.ah_attr.port_num = p.port;
+  a.ah_attr.is_global = p.use_grh ? 1 : 0;
+  if (p.use_grh) {
+    std::memcpy(a.ah_attr.grh.dgid.raw, p.dgid.data(), 16);
+    a.ah_attr.grh.sgid_index = p.sgid_index;
+    a.ah_attr.grh.hop_limit = p.hop_limit;
+    a.ah_attr.grh.traffic_class = p.traffic_class;
+    a.ah_attr.grh.flow_label = 0;
+  }
+  if (ibv_modify_qp(qp, &a,
+                    IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                        IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) != 0) {
+    throw_sys("ibv_modify_qp(RTR) towards " + towards, errno, self, peer);
+  }
+  a = {};
+  a.qp_state = IBV_QPS_RTS;
+  a.timeout = p.timeout;
+  a.retry_cnt = p.retry_count;
+  a.rnr_retry = p.rnr_retry;
+  a.sq_psn = p.sq_psn;
+  a.max_rd_atomic = p.max_rd_atomic;
+  if (ibv_modify_qp(qp, &a,
+                    IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                        IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) != 0) {
+    throw_sys("ibv_modify_qp(RTS) towards " + towards, errno, self, peer);
+  }
+}
+
+// Moves a new queue pair to INIT on `port`, open to the other end's writes and reads.
+void to_init(ibv_qp* qp, std::uint8_t port, int self, int peer) {
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_INIT;
+  a.pkey_index = 0;
+  a.port_num = port;
+  a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+  if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) !=
+      0) {
+    throw_sys("ibv_modify_qp(INIT)", errno, self, peer);
+  }
+}
+
+// The GPU flush (GPUDirect RDMA): before a consumer of device memory is told that the
+// adapter's writes into it arrived, one byte of that memory is read back with RDMA READ
+// through a queue pair connected to itself. The adapter completes the read only after the
+// writes before it reached the memory (PCIe ordering), so its completion is the signal. One
+// per opened device and port, made with the first device window; every read is signalled and
+// numbered (its ticket), and RC completes them in order.
+class Flusher {
+ public:
+  Flusher(ibv_context* ctx, ibv_pd* pd, std::uint8_t port, const QpEndpoint& self_end,
+          const VerbsOptions& o, int rank)
+      : rank_(rank) {
+    const auto sys = [&](const std::string& call) {
+      throw_sys(call + " (GPU flush)", errno, rank);
+    };
+    cq_ = ibv_create_cq(ctx, static_cast<int>(kDepth), nullptr, nullptr, 0);
+    if (cq_ == nullptr) sys("ibv_create_cq");
+    ibv_qp_init_attr qa{};
+    qa.send_cq = cq_;
+    qa.recv_cq = cq_;
+    qa.qp_type = IBV_QPT_RC;
+    qa.sq_sig_all = 1;
+    qa.cap.max_send_wr = kDepth;
+    qa.cap.max_recv_wr = 1;
+    qa.cap.max_send_sge = 1;
+    qa.cap.max_recv_sge = 1;
+    qp_ = ibv_create_qp(pd, &qa);
+    if (qp_ == nullptr) sys("ibv_create_qp");
+    byte_.reset(static_cast<char*>(std::aligned_alloc(64, 64)));
+    if (!byte_) throw Error(ErrorCode::kSystem, "out of memory for the GPU flush", rank);
+    mr_ = ibv_reg_mr(pd, byte_.get(), 64, IBV_ACCESS_LOCAL_WRITE);
+    if (mr_ == nullptr) sys("ibv_reg_mr");
+    to_init(qp_, port, rank, rank);
+    QpEndpoint end = self_end;
+    end.qpn = qp_->qp_num;
+    end.psn = random_psn();
+    bring_up(qp_, plan_connection(end, end, port, o, rank, rank), "itself (GPU flush)", rank, rank);
+  }
+  ~Flusher() {
+    if (qp_ != nullptr) ibv_destroy_qp(qp_);
+    if (mr_ != nullptr) ibv_dereg_mr(mr_);
+    if (cq_ != nullptr) ibv_destroy_cq(cq_);
+  }
+  Flusher(const Flusher&) = delete;
+  Flusher& operator=(const Flusher&) = delete;
+
+  // Reads one byte at `addr` of the registration with remote key `rkey`: its ticket, or
+  // nullopt while kDepth reads are in flight.
+  std::optional<std::uint64_t> post(std::uint64_t addr, std::uint32_t rkey) {
+    if (posted_ - done_ >= kDepth) return std::nullopt;
+    ibv_sge sge{};
+    sge.addr = reinterpret_cast<std::uintptr_t>(byte_.get());
+    sge.length = 1;
+    sge.lkey = mr_->lkey;
+    ibv_send_wr wr{};
+    wr.wr_id = posted_ + 1;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_RDMA_READ;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.rdma.remote_addr = addr;
+    wr.wr.rdma.rkey = rkey;
+    ibv_send_wr* bad = nullptr;
+    const int rc = ibv_post_send(qp_, &wr, &bad);
+    if (rc != 0) {
+      throw Error(ErrorCode::kSystem, "ibv_post_send (GPU flush) failed: " + errno_text(rc), rank_);
+    }
+    return ++posted_;
+  }
+  // Takes the completions there are: what went wrong, or nullopt.
+  std::optional<std::string> poll() {
+    std::array<ibv_wc, 16> wc{};
+    const int n = ibv_poll_cq(cq_, static_cast<int>(wc.size()), wc.data());
+    if (n < 0) return std::string("ibv_poll_cq (GPU flush) failed");
+    for (int i = 0; i < n; ++i) {
+      const ibv_wc& c = wc[static_cast<std::size_t>(i)];
+      if (c.status != IBV_WC_SUCCESS) {
+        return std::string("the GPU flush (RDMA READ on the loopback queue pair) failed: ") +
+               ibv_wc_status_str(c.status) + " (vendor error 0x" + hex(c.vendor_err) + ")";
+      }
+      done_ = std::max<std::uint64_t>(done_, c.wr_id);
+    }
+    return std::nullopt;
+  }
+  [[nodiscard]] bool done(std::uint64_t ticket) const { return done_ >= ticket; }
+
+ private:
+  static constexpr std::uint32_t kDepth = 64;
+  int rank_;
+  ibv_cq* cq_ = nullptr;
+  ibv_qp* qp_ = nullptr;
+  ibv_mr* mr_ = nullptr;
+  std::unique_ptr<char, FreeDeleter> byte_;
+  std::uint64_t posted_ = 0;
+  std::uint64_t done_ = 0;
+};
+
+// Device memory registered as a source of direct messages (Channel::register_device_source).
+struct DeviceSource {
+  std::uintptr_t begin = 0;
+  std::uintptr_t end = 0;
+  ibv_mr* mr = nullptr;
+};
 
 // One opened device and port, shared by the channels of one connect call.
 struct Context {
   ibv_context* ctx = nullptr;
   ibv_pd* pd = nullptr;
+  int rank = -1;
+  VerbsOptions options;  // what the connect call asked for (the GPU flush's queue pair uses it)
   std::string device;
   std::uint8_t port = 1;
   LinkLayer link = LinkLayer::kInfiniBand;
@@ -96,13 +266,27 @@ struct Context {
   std::uint64_t direct_in_flight = 0;
   bool source_failed = false;  // once failed, direct messages go through slots
 
+  // GPUDirect RDMA (compiled, not run): device memory registered as a source of direct
+  // messages, never evicted (a message from it cannot fall back to staging); the device
+  // windows open now (one entry per open_device_window call), which tell a receiver that a
+  // direct message needs the GPU flush; the flush itself, made with the first device window.
+  std::vector<DeviceSource> device_sources;
+  std::vector<Window> device_windows;
+  std::unique_ptr<Flusher> flusher;
+  bool flusher_failed = false;  // once failed, device windows are refused
+
   Context() = default;
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
   ~Context() {
+    flusher.reset();
     windows.clear();
     direct_in_flight = 0;
     for (const std::uint64_t h : sources.clear()) displaced.push_back(h);
+    for (const DeviceSource& d : device_sources) {
+      displaced.push_back(reinterpret_cast<std::uint64_t>(d.mr));
+    }
+    device_sources.clear();
     release_displaced();
     if (pd != nullptr) ibv_dealloc_pd(pd);
     if (ctx != nullptr) ibv_close_device(ctx);
@@ -111,6 +295,7 @@ struct Context {
   // The local key for writing from [p, p + n), registering the range when it is not yet;
   // nullopt when it cannot be registered.
   std::optional<std::uint32_t> source_key(const char* p, std::size_t n) {
+    if (const DeviceSource* d = device_source(p, n)) return d->mr->lkey;
     if (const auto e = sources.lookup(p, n)) return reinterpret_cast<ibv_mr*>(e->handle)->lkey;
     if (source_failed) return std::nullopt;
     const auto span = RegistrationCache::page_span(p, n);
@@ -132,8 +317,70 @@ struct Context {
   void forget(const void* p, std::size_t n) {
     if (n == 0) return;
     for (const std::uint64_t h : sources.invalidate(p, n)) displaced.push_back(h);
+    const auto lo = reinterpret_cast<std::uintptr_t>(p);
+    std::erase_if(device_sources, [&](const DeviceSource& d) {
+      if (d.end <= lo || d.begin >= lo + n) return false;
+      displaced.push_back(reinterpret_cast<std::uint64_t>(d.mr));
+      return true;
+    });
     release_displaced();
     windows.forget(p, n);
+  }
+  // The registered device source holding [p, p + n), if any.
+  const DeviceSource* device_source(const void* p, std::size_t n) const {
+    const auto lo = reinterpret_cast<std::uintptr_t>(p);
+    for (const DeviceSource& d : device_sources) {
+      if (lo >= d.begin && lo + n <= d.end) return &d;
+    }
+    return nullptr;
+  }
+  // True when [p, p + n) overlaps registered device memory (which the CPU cannot read).
+  bool in_device_memory(const void* p, std::size_t n) const {
+    if (device_sources.empty() || p == nullptr || n == 0) return false;
+    const auto lo = reinterpret_cast<std::uintptr_t>(p);
+    return std::any_of(device_sources.begin(), device_sources.end(),
+                       [&](const DeviceSource& d) { return lo < d.end && lo + n > d.begin; });
+  }
+  bool add_device_source(const char* p, std::size_t n, const DeviceMemory& m) {
+    if (device_source(p, n) != nullptr) return true;
+    // Registered for reading only by this adapter; ibv_reg_* take a non-const address.
+    GpuRegistration g = register_gpu_memory(pd, const_cast<char*>(p), n, m.dmabuf_fd, m.offset);
+    if (g.mr == nullptr) return false;
+    const auto lo = reinterpret_cast<std::uintptr_t>(p);
+    device_sources.push_back({lo, lo + n, g.mr});
+    return true;
+  }
+  // The open device window holding the local address `at`, if any.
+  std::optional<Window> device_window_at(std::uint64_t at) const {
+    for (const Window& w : device_windows) {
+      if (at >= w.local && at - w.local < w.bytes) return w;
+    }
+    return std::nullopt;
+  }
+  void close_window(const Window& w) {
+    const auto it =
+        std::find_if(device_windows.begin(), device_windows.end(), [&](const Window& d) {
+          return d.key == w.key && d.local == w.local && d.bytes == w.bytes;
+        });
+    if (it != device_windows.end()) device_windows.erase(it);
+    windows.close(w.key);
+  }
+  // The GPU flush, made on first use; nullptr when it cannot be made (device windows are then
+  // refused, and the caller stages through host memory).
+  Flusher* gpu_flusher() {
+    if (flusher || flusher_failed) return flusher.get();
+    QpEndpoint self_end;
+    self_end.link_layer = link;
+    self_end.lid = lid;
+    self_end.mtu = mtu;
+    self_end.gid = gid;
+    self_end.gid_index = gid_index;
+    try {
+      flusher = std::make_unique<Flusher>(ctx, pd, port, self_end, options, rank);
+    } catch (const Error&) {
+      flusher_failed = true;
+    }
+    return flusher.get();
   }
   void release_displaced() {
     if (direct_in_flight > 0) return;
@@ -228,6 +475,8 @@ std::shared_ptr<Context> open_context(const VerbsOptions& o, int rank) {
       }
       c->pd = ibv_alloc_pd(c->ctx);
       if (c->pd == nullptr) throw_sys("ibv_alloc_pd(" + name + ")", errno, rank);
+      c->rank = rank;
+      c->options = o;
       return c;
     }
     if (spec.port != 0 && spec.port > da.phys_port_cnt) {
@@ -241,14 +490,6 @@ std::shared_ptr<Context> open_context(const VerbsOptions& o, int rank) {
                   "); devices: " + join(device_names()) +
                   " (set CommOptions::ib_device or DEAR_IB_DEVICE)",
               rank);
-}
-
-std::uint32_t random_psn() {
-  std::uint32_t v = 0;
-  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
-    v = static_cast<std::uint32_t>(Clock::now().time_since_epoch().count());
-  }
-  return v & 0xffffffU;
 }
 
 // What each end publishes about one queue pair.
@@ -267,10 +508,6 @@ struct QpRecord {
 };
 static_assert(sizeof(QpRecord) == 72, "exchanged as plain bytes, with no padding");
 
-struct FreeDeleter {
-  void operator()(char* p) const { std::free(p); }
-};
-
 class VerbsChannel final : public Channel {
  public:
   VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int index, const VerbsOptions& o);
@@ -287,7 +524,11 @@ class VerbsChannel final : public Channel {
                    const Window& window, std::size_t offset) override;
   std::optional<Window> open_window(char* base, std::size_t bytes,
                                     std::size_t message_bytes) override;
-  void close_window(const Window& window) override { ctx_->windows.close(window.key); }
+  std::optional<Window> open_device_window(char* base, std::size_t bytes, std::size_t message_bytes,
+                                           const DeviceMemory& memory) override;
+  bool register_device_source(const char* base, std::size_t bytes,
+                              const DeviceMemory& memory) override;
+  void close_window(const Window& window) override { ctx_->close_window(window); }
   void forget_memory(const void* addr, std::size_t bytes) override { ctx_->forget(addr, bytes); }
   std::size_t queued() const override { return sendq_.size(); }
   std::size_t queued_bytes() const override { return sendq_.bytes(); }
@@ -334,6 +575,9 @@ class VerbsChannel final : public Channel {
   void retire(std::uint64_t id);
   void on_control(const Prefix& p);
   bool deliver(RecvSink& sink);
+  // Before the last write of a direct message into a device window is placed: true once the
+  // GPU flush behind it completed (posting it first), false while it has not.
+  bool flushed();
   bool pump(RecvSink& sink);
   // The next step of a direct head message (its first fragment, or one payload write) into
   // staging buffer `b`; false when it cannot be taken now.
@@ -366,6 +610,10 @@ class VerbsChannel final : public Channel {
   std::size_t direct_write_ = 0;
   // Direct messages whose last write completed, reported sent by the next progress().
   std::vector<std::uint64_t> sent_;
+  // Receiving a direct message into a device window: the window, and the ticket of the GPU
+  // flush once posted.
+  std::optional<Window> flush_window_;
+  std::optional<std::uint64_t> flush_ticket_;
   bool armed_ = false;
   bool connected_ = false;
 
@@ -455,15 +703,7 @@ VerbsChannel::VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int
   send_mr_ = ibv_reg_mr(ctx_->pd, send_mem_.get(), send_bytes, IBV_ACCESS_LOCAL_WRITE);
   if (send_mr_ == nullptr) sys("ibv_reg_mr(staging)");
 
-  ibv_qp_attr a{};
-  a.qp_state = IBV_QPS_INIT;
-  a.pkey_index = 0;
-  a.port_num = ctx_->port;
-  a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
-  if (ibv_modify_qp(qp_, &a,
-                    IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) != 0) {
-    sys("ibv_modify_qp(INIT)");
-  }
+  to_init(qp_, ctx_->port, self_, peer_);
 
   sq_.resize(sq_depth);
   chain_.resize(sq_depth);
@@ -529,44 +769,8 @@ void VerbsChannel::connect(const QpRecord& remote, const VerbsOptions& o) {
   peer.psn = remote.psn;
   std::memcpy(peer.gid.data(), remote.gid, 16);
   peer.gid_index = remote.gid_index;
-  const ConnectionPlan p = plan_connection(local, peer, ctx_->port, o, self_, peer_);
-
-  ibv_qp_attr a{};
-  a.qp_state = IBV_QPS_RTR;
-  a.path_mtu = static_cast<ibv_mtu>(mtu_code(p.path_mtu));
-  a.dest_qp_num = p.dest_qpn;
-  a.rq_psn = p.rq_psn;
-  a.max_dest_rd_atomic = p.max_dest_rd_atomic;
-  a.min_rnr_timer = p.min_rnr_timer;
-  a.ah_attr.dlid = p.dlid;
-  a.ah_attr.sl = p.service_level;
-  a.ah_attr.src_path_bits = 0;
-  a.ah_attr.port_num = p.port;
-  a.ah_attr.is_global = p.use_grh ? 1 : 0;
-  if (p.use_grh) {
-    std::memcpy(a.ah_attr.grh.dgid.raw, p.dgid.data(), 16);
-    a.ah_attr.grh.sgid_index = p.sgid_index;
-    a.ah_attr.grh.hop_limit = p.hop_limit;
-    a.ah_attr.grh.traffic_class = p.traffic_class;
-    a.ah_attr.grh.flow_label = 0;
-  }
-  if (ibv_modify_qp(qp_, &a,
-                    IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-                        IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) != 0) {
-    throw_sys("ibv_modify_qp(RTR) towards rank " + std::to_string(peer_), errno, self_, peer_);
-  }
-  a = {};
-  a.qp_state = IBV_QPS_RTS;
-  a.timeout = p.timeout;
-  a.retry_cnt = p.retry_count;
-  a.rnr_retry = p.rnr_retry;
-  a.sq_psn = p.sq_psn;
-  a.max_rd_atomic = p.max_rd_atomic;
-  if (ibv_modify_qp(qp_, &a,
-                    IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-                        IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) != 0) {
-    throw_sys("ibv_modify_qp(RTS) towards rank " + std::to_string(peer_), errno, self_, peer_);
-  }
+  bring_up(qp_, plan_connection(local, peer, ctx_->port, o, self_, peer_),
+           "rank " + std::to_string(peer_), self_, peer_);
   remote_ = remote.slots;
   connected_ = true;
 }
@@ -727,6 +931,14 @@ bool VerbsChannel::poll_cq() {
 }
 
 bool VerbsChannel::try_send(const FrameHeader& h, const void* payload, std::uint64_t token) {
+  if (ctx_->in_device_memory(payload, h.bytes)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "a message of " + std::to_string(h.bytes) +
+                    " bytes from registered device memory cannot be staged through the host on " +
+                    describe() + "; send it with try_send_to() into a window, at least " +
+                    std::to_string(direct_min_) + " bytes (VerbsOptions::direct_bytes)",
+                self_, peer_);
+  }
   if (sendq_.full()) return false;
   if (closed()) fail("send on a closed channel");
   sendq_.push(h, payload, token);
@@ -765,6 +977,34 @@ std::optional<Window> VerbsChannel::open_window(char* base, std::size_t bytes,
   return w;
 }
 
+std::optional<Window> VerbsChannel::open_device_window(char* base, std::size_t bytes,
+                                                       std::size_t message_bytes,
+                                                       const DeviceMemory& memory) {
+  if (direct_min_ == 0 || message_bytes < direct_min_ || closed()) return std::nullopt;
+  if (ctx_->gpu_flusher() == nullptr) return std::nullopt;
+  const auto o = ctx_->windows.open(
+      base, bytes, [&](char* b, std::size_t n) -> std::optional<rma::WindowRegistrations::Made> {
+        GpuRegistration g = register_gpu_memory(ctx_->pd, b, n, memory.dmabuf_fd,
+                                                memory.offset + static_cast<std::size_t>(b - base));
+        if (g.mr == nullptr) return std::nullopt;
+        return rma::WindowRegistrations::Made{reinterpret_cast<std::uint64_t>(g.mr), g.mr->rkey};
+      });
+  if (!o) return std::nullopt;
+  Window w;
+  w.addr = reinterpret_cast<std::uint64_t>(base);
+  w.key = o->key;
+  w.local = reinterpret_cast<std::uint64_t>(base);
+  w.bytes = bytes;
+  ctx_->device_windows.push_back(w);
+  return w;
+}
+
+bool VerbsChannel::register_device_source(const char* base, std::size_t bytes,
+                                          const DeviceMemory& memory) {
+  if (base == nullptr || bytes == 0 || closed()) return false;
+  return ctx_->add_device_source(base, bytes, memory);
+}
+
 pollfd VerbsChannel::wait_spec() const {
   if (closed()) return {-1, 0, 0};
   return {cc_->fd, POLLIN, 0};
@@ -777,6 +1017,9 @@ bool VerbsChannel::progress(RecvSink& sink, bool may_read) {
   arm();
   for (int round = 0; round < 8 && !closed(); ++round) {
     bool m = poll_cq();
+    if (flush_ticket_) {
+      if (auto bad = ctx_->flusher->poll()) fail(*bad);
+    }
     for (const std::uint64_t t : sent_) sink.on_sent(index_, t);
     sent_.clear();
     m |= deliver(sink);
@@ -804,6 +1047,10 @@ bool VerbsChannel::deliver(RecvSink& sink) {
         fail("protocol violation: a direct write of " + std::to_string(written_[*si]) +
              " bytes where " + std::to_string(n) + " were due");
       }
+      if (n == reasm_.remaining() && flush_window_) {
+        if (!flushed()) break;  // placed by a later progress(), in order
+        flush_window_.reset();
+      }
       if (auto bad = reasm_.on_placed(sink, index_, n)) fail(*bad);
       recvw_.consume();
       moved = true;
@@ -823,6 +1070,12 @@ bool VerbsChannel::deliver(RecvSink& sink) {
               reasm_.on_direct_header(sink, index_, base + kPrefix, p.bytes, &direct_write_)) {
         fail(*bad);
       }
+      if (!ctx_->device_windows.empty()) {
+        // on_direct_header() checked the record: the header, then where the payload lands.
+        rma::DirectInfo info;
+        std::memcpy(&info, base + kPrefix + sizeof(FrameHeader), sizeof(info));
+        flush_window_ = ctx_->device_window_at(info.local);
+      }
     } else if (auto bad = reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
       fail(*bad);
     }
@@ -838,6 +1091,19 @@ bool VerbsChannel::deliver(RecvSink& sink) {
     moved = true;
   }
   return moved;
+}
+
+bool VerbsChannel::flushed() {
+  if (!flush_ticket_) {
+    // The window is this rank's own: the loopback queue pair reads it with its remote key.
+    flush_ticket_ =
+        ctx_->flusher->post(flush_window_->local, static_cast<std::uint32_t>(flush_window_->key));
+    if (!flush_ticket_) return false;  // as many reads in flight as the flusher takes: later
+  }
+  if (auto bad = ctx_->flusher->poll()) fail(*bad);
+  if (!ctx_->flusher->done(*flush_ticket_)) return false;
+  flush_ticket_.reset();
+  return true;
 }
 
 bool VerbsChannel::pump(RecvSink& sink) {

@@ -30,8 +30,19 @@
 // own) straight into the window, each spending a credit and a sequence number like a
 // fragment. The receiver checks each write's length and that its sink places the message
 // exactly where it was written. Such a message is reported sent once its last write has
-// completed. Windows are host memory here (the engine stages GPU buffers through the host),
-// so no GPU flush is needed before the receiver is told.
+// completed.
+//
+// GPUDirect RDMA (compiled, NOT run: needs a GPU and an RDMA NIC): a window may be CUDA device
+// memory (Channel::open_device_window, registered through register_gpu_memory() below), and so
+// may a direct message's source (Channel::register_device_source, registered once and never
+// evicted). Before the last write of a message into a device window is placed, the receiver
+// reads one byte of the window back with RDMA READ through a queue pair connected to itself
+// (one per device and port, made with the first device window) and tells its sink only once
+// that read completed: the adapter completes it after the writes before it reached the GPU's
+// memory. A message from registered device memory that would go through slots (too small, or
+// no window) is refused with kInvalidArgument, as the CPU cannot copy it. The collectives do
+// not use these yet: the engine stages GPU buffers through host memory
+// (collectives/device_staging.h), so every window it opens is host memory.
 //
 // Completion is polled from progress() (polled() is true); wait_spec() returns the completion
 // channel's descriptor, armed with ibv_req_notify_cq, so an idle engine may sleep on it.
