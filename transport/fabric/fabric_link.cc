@@ -702,14 +702,11 @@ bool FabricChannel::try_send(const FrameHeader& h, const void* payload, std::uin
 
 bool FabricChannel::try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
                                 const Window& window, std::size_t offset) {
-  if (direct_min_ == 0 || h.bytes < direct_min_ || offset > window.bytes ||
-      h.bytes > window.bytes - offset) {
-    return try_send(h, payload, token);
-  }
+  const auto d = rma::direct_target(h.bytes, window, offset, direct_min_);
+  if (!d) return try_send(h, payload, token);
   if (sendq_.full()) return false;
   if (closed()) fail("send on a closed channel");
-  sendq_.push(h, payload, token,
-              DirectTarget{window.addr + offset, window.key, window.local + offset});
+  sendq_.push(h, payload, token, *d);
   return true;
 }
 

@@ -68,6 +68,20 @@ struct DirectTarget {
   std::uint64_t local = 0;
 };
 
+// Where a message of `bytes` payload bytes named for byte `offset` of the peer's `window`
+// (Channel::try_send_to) is written directly: at least `direct_min` bytes (0: never) and
+// wholly inside the window; nullopt where it goes through slots like any other.
+[[nodiscard]] inline std::optional<DirectTarget> direct_target(std::size_t bytes,
+                                                               const Window& window,
+                                                               std::size_t offset,
+                                                               std::size_t direct_min) {
+  if (direct_min == 0 || bytes < direct_min || offset > window.bytes ||
+      bytes > window.bytes - offset) {
+    return std::nullopt;
+  }
+  return DirectTarget{window.addr + offset, window.key, window.local + offset};
+}
+
 // The sender's queue of messages (Channel::try_send) and the fragmenting of its head message.
 // Payloads are not copied: they stay the caller's until the message is reported sent.
 class SendQueue {

@@ -121,6 +121,31 @@ void bring_up(ibv_qp* qp, const ConnectionPlan& p, const std::string& towards, i
   }
 }
 
+// An RC queue pair on `pd` whose queues both complete on `cq`, one scatter/gather entry per
+// request, asking for `inline_bytes` of inline data and settling for none where the device
+// offers none; nullptr (errno set) when it cannot be made. What inline data it got is in
+// *inline_granted.
+ibv_qp* create_rc_qp(ibv_pd* pd, ibv_cq* cq, std::uint32_t send_wr, std::uint32_t recv_wr,
+                     std::uint32_t inline_bytes, std::uint32_t* inline_granted) {
+  ibv_qp_init_attr qa{};
+  qa.send_cq = cq;
+  qa.recv_cq = cq;
+  qa.qp_type = IBV_QPT_RC;
+  qa.sq_sig_all = 0;
+  qa.cap.max_send_wr = send_wr;
+  qa.cap.max_recv_wr = recv_wr;
+  qa.cap.max_send_sge = 1;
+  qa.cap.max_recv_sge = 1;
+  qa.cap.max_inline_data = inline_bytes;
+  ibv_qp* qp = ibv_create_qp(pd, &qa);
+  if (qp == nullptr && inline_bytes > 0) {
+    qa.cap.max_inline_data = 0;
+    qp = ibv_create_qp(pd, &qa);
+  }
+  *inline_granted = qa.cap.max_inline_data;
+  return qp;
+}
+
 // Moves a new queue pair to INIT on `port`, open to the other end's writes and reads.
 void to_init(ibv_qp* qp, std::uint8_t port, int self, int peer) {
   ibv_qp_attr a{};
@@ -150,16 +175,8 @@ class Flusher {
     };
     cq_ = ibv_create_cq(ctx, static_cast<int>(kDepth), nullptr, nullptr, 0);
     if (cq_ == nullptr) sys("ibv_create_cq");
-    ibv_qp_init_attr qa{};
-    qa.send_cq = cq_;
-    qa.recv_cq = cq_;
-    qa.qp_type = IBV_QPT_RC;
-    qa.sq_sig_all = 1;
-    qa.cap.max_send_wr = kDepth;
-    qa.cap.max_recv_wr = 1;
-    qa.cap.max_send_sge = 1;
-    qa.cap.max_recv_sge = 1;
-    qp_ = ibv_create_qp(pd, &qa);
+    std::uint32_t no_inline = 0;
+    qp_ = create_rc_qp(pd, cq_, kDepth, 1, 0, &no_inline);
     if (qp_ == nullptr) sys("ibv_create_qp");
     byte_.reset(static_cast<char*>(std::aligned_alloc(64, 64)));
     if (!byte_) throw Error(ErrorCode::kSystem, "out of memory for the GPU flush", rank);
@@ -365,18 +382,24 @@ struct Context {
     if (it != device_windows.end()) device_windows.erase(it);
     windows.close(w.key);
   }
+  // A queue pair `qpn` of this port, sending from `psn`, as plan_connection() sees it.
+  QpEndpoint endpoint(std::uint32_t qpn, std::uint32_t psn) const {
+    QpEndpoint e;
+    e.link_layer = link;
+    e.lid = lid;
+    e.mtu = mtu;
+    e.qpn = qpn;
+    e.psn = psn;
+    e.gid = gid;
+    e.gid_index = gid_index;
+    return e;
+  }
   // The GPU flush, made on first use; nullptr when it cannot be made (device windows are then
   // refused, and the caller stages through host memory).
   Flusher* gpu_flusher() {
     if (flusher || flusher_failed) return flusher.get();
-    QpEndpoint self_end;
-    self_end.link_layer = link;
-    self_end.lid = lid;
-    self_end.mtu = mtu;
-    self_end.gid = gid;
-    self_end.gid_index = gid_index;
     try {
-      flusher = std::make_unique<Flusher>(ctx, pd, port, self_end, options, rank);
+      flusher = std::make_unique<Flusher>(ctx, pd, port, endpoint(0, 0), options, rank);
     } catch (const Error&) {
       flusher_failed = true;
     }
@@ -670,23 +693,9 @@ VerbsChannel::VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int
   cq_ = ibv_create_cq(ctx_->ctx, static_cast<int>(sq_depth + rq_depth), nullptr, cc_, 0);
   if (cq_ == nullptr) sys("ibv_create_cq");
 
-  ibv_qp_init_attr qa{};
-  qa.send_cq = cq_;
-  qa.recv_cq = cq_;
-  qa.qp_type = IBV_QPT_RC;
-  qa.sq_sig_all = 0;
-  qa.cap.max_send_wr = sq_depth;
-  qa.cap.max_recv_wr = rq_depth;
-  qa.cap.max_send_sge = 1;
-  qa.cap.max_recv_sge = 1;
-  qa.cap.max_inline_data = kControlBytes;
-  qp_ = ibv_create_qp(ctx_->pd, &qa);
-  if (qp_ == nullptr) {
-    qa.cap.max_inline_data = 0;  // some devices offer no inline data
-    qp_ = ibv_create_qp(ctx_->pd, &qa);
-  }
+  qp_ = create_rc_qp(ctx_->pd, cq_, sq_depth, rq_depth, static_cast<std::uint32_t>(kControlBytes),
+                     &max_inline_);
   if (qp_ == nullptr) sys("ibv_create_qp");
-  max_inline_ = qa.cap.max_inline_data;
 
   const std::size_t recv_bytes = static_cast<std::size_t>(slots_) * slot_bytes_;
   const std::size_t send_bytes = recv_bytes + (2 * kControlSlots + rq_depth) * kControlBytes;
@@ -753,14 +762,7 @@ void VerbsChannel::connect(const QpRecord& remote, const VerbsOptions& o) {
   if (auto bad = rma::check_region(remote.slots, slot_bytes_, slots_, self_, peer_)) {
     throw Error(ErrorCode::kMismatch, *bad, self_, peer_, "create");
   }
-  QpEndpoint local;
-  local.link_layer = ctx_->link;
-  local.lid = ctx_->lid;
-  local.mtu = ctx_->mtu;
-  local.qpn = qp_->qp_num;
-  local.psn = psn_;
-  local.gid = ctx_->gid;
-  local.gid_index = ctx_->gid_index;
+  const QpEndpoint local = ctx_->endpoint(qp_->qp_num, psn_);
   QpEndpoint peer;
   peer.link_layer = static_cast<LinkLayer>(remote.link);
   peer.lid = remote.lid;
@@ -947,14 +949,11 @@ bool VerbsChannel::try_send(const FrameHeader& h, const void* payload, std::uint
 
 bool VerbsChannel::try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
                                const Window& window, std::size_t offset) {
-  if (direct_min_ == 0 || h.bytes < direct_min_ || offset > window.bytes ||
-      h.bytes > window.bytes - offset) {
-    return try_send(h, payload, token);
-  }
+  const auto d = rma::direct_target(h.bytes, window, offset, direct_min_);
+  if (!d) return try_send(h, payload, token);
   if (sendq_.full()) return false;
   if (closed()) fail("send on a closed channel");
-  sendq_.push(h, payload, token,
-              DirectTarget{window.addr + offset, window.key, window.local + offset});
+  sendq_.push(h, payload, token, *d);
   return true;
 }
 
