@@ -606,6 +606,11 @@ class VerbsChannel final : public Channel {
   // staging buffer `b`; false when it cannot be taken now.
   bool pump_direct(RecvSink& sink, std::uint32_t b, const DirectTarget& d);
   bool send_control(Kind kind, std::uint32_t seq, std::uint32_t credits);
+  // A window on [base, base + bytes) for messages of `message_bytes`, registered through
+  // `make` unless a cached registration holds it; nullopt where such messages do not go direct
+  // or the memory cannot be registered.
+  std::optional<Window> open_registered(char* base, std::size_t bytes, std::size_t message_bytes,
+                                        const rma::WindowRegistrations::Register& make);
 
   std::shared_ptr<Context> ctx_;  // first: outlives the resources below
   int self_;
@@ -957,15 +962,11 @@ bool VerbsChannel::try_send_to(const FrameHeader& h, const void* payload, std::u
   return true;
 }
 
-std::optional<Window> VerbsChannel::open_window(char* base, std::size_t bytes,
-                                                std::size_t message_bytes) {
+std::optional<Window> VerbsChannel::open_registered(
+    char* base, std::size_t bytes, std::size_t message_bytes,
+    const rma::WindowRegistrations::Register& make) {
   if (direct_min_ == 0 || message_bytes < direct_min_ || closed()) return std::nullopt;
-  const auto o = ctx_->windows.open(
-      base, bytes, [&](char* b, std::size_t n) -> std::optional<rma::WindowRegistrations::Made> {
-        ibv_mr* mr = ibv_reg_mr(ctx_->pd, b, n, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-        if (mr == nullptr) return std::nullopt;
-        return rma::WindowRegistrations::Made{reinterpret_cast<std::uint64_t>(mr), mr->rkey};
-      });
+  const auto o = ctx_->windows.open(base, bytes, make);
   if (!o) return std::nullopt;
   // ibverbs addresses registered memory by virtual address, whatever the registration's start.
   Window w;
@@ -976,25 +977,30 @@ std::optional<Window> VerbsChannel::open_window(char* base, std::size_t bytes,
   return w;
 }
 
+std::optional<Window> VerbsChannel::open_window(char* base, std::size_t bytes,
+                                                std::size_t message_bytes) {
+  return open_registered(
+      base, bytes, message_bytes,
+      [&](char* b, std::size_t n) -> std::optional<rma::WindowRegistrations::Made> {
+        ibv_mr* mr = ibv_reg_mr(ctx_->pd, b, n, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+        if (mr == nullptr) return std::nullopt;
+        return rma::WindowRegistrations::Made{reinterpret_cast<std::uint64_t>(mr), mr->rkey};
+      });
+}
+
 std::optional<Window> VerbsChannel::open_device_window(char* base, std::size_t bytes,
                                                        std::size_t message_bytes,
                                                        const DeviceMemory& memory) {
-  if (direct_min_ == 0 || message_bytes < direct_min_ || closed()) return std::nullopt;
   if (ctx_->gpu_flusher() == nullptr) return std::nullopt;
-  const auto o = ctx_->windows.open(
-      base, bytes, [&](char* b, std::size_t n) -> std::optional<rma::WindowRegistrations::Made> {
+  auto w = open_registered(
+      base, bytes, message_bytes,
+      [&](char* b, std::size_t n) -> std::optional<rma::WindowRegistrations::Made> {
         GpuRegistration g = register_gpu_memory(ctx_->pd, b, n, memory.dmabuf_fd,
                                                 memory.offset + static_cast<std::size_t>(b - base));
         if (g.mr == nullptr) return std::nullopt;
         return rma::WindowRegistrations::Made{reinterpret_cast<std::uint64_t>(g.mr), g.mr->rkey};
       });
-  if (!o) return std::nullopt;
-  Window w;
-  w.addr = reinterpret_cast<std::uint64_t>(base);
-  w.key = o->key;
-  w.local = reinterpret_cast<std::uint64_t>(base);
-  w.bytes = bytes;
-  ctx_->device_windows.push_back(w);
+  if (w) ctx_->device_windows.push_back(*w);
   return w;
 }
 
