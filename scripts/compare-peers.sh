@@ -267,12 +267,16 @@ common=(-b "$minbytes" -e "$maxbytes" -f 2 -d float -o sum)
 common+=(--min_time_ms "$min_time")
 
 # A peer that exits non-zero after writing its results (it counted wrong elements: a peer's
-# own bug, as Gloo's halving-doubling reduce-scatter shows at some sizes) is reported and
-# kept in the table, with its wrong counts noted; without results it stops the script.
+# own bug, as Gloo's halving-doubling reduce-scatter shows at some sizes; or a rank failed at
+# teardown) is reported with the first error line of its logs (every rank's) and kept in the
+# table, with any wrong counts noted; without results it stops the script.
 peer_failed() {
   local what=$1 log=$2 json=$3
   if [[ -s $json ]]; then
-    echo "$prog: warning: $what exited non-zero; its wrong-element counts are in the table notes" >&2
+    local why
+    why=$(grep -h -i -E "error|fail|closed|abort|wrong" "$log" "${log%.log}".rank*.log \
+      2>/dev/null | grep -v -E "^#|#wrong" | head -n1 || true)
+    echo "$prog: warning: $what exited non-zero after writing its results (${why:-its logs say no more}); its rows are kept, any wrong-element counts in the table notes" >&2
     return 0
   fi
   fail_run "$what" "$log"
