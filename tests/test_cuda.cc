@@ -479,6 +479,17 @@ TEST_F(Gpu, DeviceMemoryIsExportedAsADmaBuf) {
 // (tests/channel_exchange.h, the check the host windows pass).
 TEST_F(Gpu, GpuDirectWritesLandInDeviceMemory) {
   if (auto why = transport::verbs::unavailable_reason()) GTEST_SKIP() << *why;
+  {
+    // Without a dma-buf and without the peer-memory module the adapter cannot reach device
+    // memory at all: that host has no GPUDirect RDMA to check.
+    DeviceBuffer probe(1 << 20);
+    const cuda::DmaBuf d = cuda::export_dmabuf(probe.get(), 1 << 20);
+    if (d.fd >= 0) ::close(d.fd);
+    if (d.fd < 0 && ::access("/sys/module/nvidia_peermem", F_OK) != 0) {
+      GTEST_SKIP() << "no GPUDirect RDMA path on this host: " << d.why
+                   << ", and the nvidia_peermem module is not loaded";
+    }
+  }
   testing::WindowMemory m;
   m.make = [](const std::vector<char>& bytes) {
     void* p = nullptr;
