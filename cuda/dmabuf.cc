@@ -1,10 +1,10 @@
 #include "cuda/dmabuf.h"
 
 #include <cuda.h>  // types and flags only: the functions come from the runtime's entry points
-#include <cuda_runtime_api.h>
 #include <unistd.h>
 
 #include "cuda/driver.h"
+#include "cuda/memory.h"
 
 namespace dear::cuda {
 namespace {
@@ -21,9 +21,8 @@ DmaBuf export_dmabuf(const void* p, std::size_t bytes) noexcept {
     out.why = "nothing to export (null address or zero bytes)";
     return out;
   }
-  cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess || attr.type != cudaMemoryTypeDevice) {
-    (void)cudaGetLastError();
+  const Location where = locate(p);
+  if (where.kind != MemoryKind::kDevice) {
     out.why = "not CUDA device memory";
     return out;
   }
@@ -35,9 +34,9 @@ DmaBuf export_dmabuf(const void* p, std::size_t bytes) noexcept {
     return out;
   }
   int supported = 0;
-  if (attribute(&supported, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, attr.device) != CUDA_SUCCESS ||
+  if (attribute(&supported, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, where.device) != CUDA_SUCCESS ||
       supported == 0) {
-    out.why = "device " + std::to_string(attr.device) +
+    out.why = "device " + std::to_string(where.device) +
               " does not export dma-bufs (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0: the "
               "driver's open kernel modules are needed)";
     return out;

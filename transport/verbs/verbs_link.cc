@@ -599,7 +599,8 @@ class VerbsChannel final : public Channel {
   void on_control(const Prefix& p);
   bool deliver(RecvSink& sink);
   // Before the last write of a direct message into a device window is placed: true once the
-  // GPU flush behind it completed (posting it first), false while it has not.
+  // GPU flush behind it completed (posting it first, then polling for it), false while it has
+  // not.
   bool flushed();
   bool pump(RecvSink& sink);
   // The next step of a direct head message (its first fragment, or one payload write) into
@@ -1022,9 +1023,6 @@ bool VerbsChannel::progress(RecvSink& sink, bool may_read) {
   arm();
   for (int round = 0; round < 8 && !closed(); ++round) {
     bool m = poll_cq();
-    if (flush_ticket_) {
-      if (auto bad = ctx_->flusher->poll()) fail(*bad);
-    }
     for (const std::uint64_t t : sent_) sink.on_sent(index_, t);
     sent_.clear();
     m |= deliver(sink);
