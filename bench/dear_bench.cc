@@ -270,6 +270,15 @@ int run(int argc, char** argv) {
       "Link transport: tcp, fabric (libfabric; provider from DEAR_FABRIC_PROVIDER) or verbs "
       "(ibverbs; device from DEAR_IB_DEVICE); "
       "default DEAR_TRANSPORT or tcp");
+  std::string fabric_provider;
+  app.add_option("--fabric-provider", fabric_provider,
+                 "libfabric provider for --transport fabric, as fi_info names it: tcp;ofi_rxm, "
+                 "shm, sockets, verbs;ofi_rxm, efa; default DEAR_FABRIC_PROVIDER or the first "
+                 "one libfabric offers that reaches other hosts");
+  std::string ib_device;
+  app.add_option("--ib-device", ib_device,
+                 "RDMA device for --transport verbs, optionally with its port (mlx5_0, "
+                 "mlx5_0:1); default DEAR_IB_DEVICE or the first with an active port");
   app.add_option("--channels", channels,
                  "Parallel rings (sockets per link); default DEAR_CHANNELS or 1")
       ->check(CLI::Range(1, 16));
@@ -333,6 +342,23 @@ int run(int argc, char** argv) {
   // Command-line flags win over DEAR_* variables, which win over the defaults.
   CommOptions options = apply_env(CommOptions{});
   if (!transport.empty()) options.transport = transport;
+  // A device or provider for a transport this run does not use would be ignored without a
+  // word, and the figures read as if it had been used. Refused as flags_valid() refuses: every
+  // rank says why.
+  const auto applies = [&](const char* flag, const std::string& value, const char* wants) {
+    if (value.empty() || options.transport == wants) return true;
+    std::fprintf(stderr,
+                 "dear-bench: rank %d: %s '%s' applies to --transport %s, and this run's "
+                 "transport is %s (--transport or DEAR_TRANSPORT)\n",
+                 rank, flag, value.c_str(), wants, options.transport.c_str());
+    return false;
+  };
+  if (!applies("--fabric-provider", fabric_provider, "fabric") ||
+      !applies("--ib-device", ib_device, "verbs")) {
+    return 2;
+  }
+  if (!fabric_provider.empty()) options.fabric_provider = fabric_provider;
+  if (!ib_device.empty()) options.ib_device = ib_device;
   if (channels > 0) options.channels = channels;
   if (!slice.empty()) {
     const auto bytes = env::parse_bytes(slice);
@@ -378,6 +404,9 @@ int run(int argc, char** argv) {
                       {"halving_max_bytes", used.halving_max_bytes},
                       {"cost_model", used.cost_model_file}};
   config.info.meta["device"] = device;
+  // What was asked for; empty: the transport's own default choice.
+  if (used.transport == "fabric") config.info.meta["fabric_provider"] = used.fabric_provider;
+  if (used.transport == "verbs") config.info.meta["ib_device"] = used.ib_device;
   if (device == "cuda") {
 #ifdef DEAR_HAVE_CUDA
     config.memory = cuda_memory();

@@ -39,5 +39,17 @@ if(TARGET dear-bench AND TARGET dear-run)
                  ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/check_samples.py \"$dir/s.csv\" \"$dir/r.json\" 3 3 \${p%:*}
                done")
     set_tests_properties(dear_bench_placement PROPERTIES LABELS multiproc TIMEOUT 120)
+    # --fabric-provider and --ib-device: refused for another transport, and (where libfabric is
+    # built) the provider named is the one that runs (dear_bench_transport_flags.sh).
+    set(fabric "")
+    if(DEAR_HAVE_FABRIC)
+      set(fabric fabric)
+    endif()
+    add_test(NAME dear_bench_transport_flags
+             COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/dear_bench_transport_flags.sh
+                     $<TARGET_FILE:dear-run> $<TARGET_FILE:dear-bench> ${Python3_EXECUTABLE}
+                     ${fabric})
+    set_tests_properties(dear_bench_transport_flags PROPERTIES LABELS multiproc TIMEOUT 120
+      SKIP_REGULAR_EXPRESSION "is not available here")
   endif()
 endif()
