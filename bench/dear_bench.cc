@@ -267,9 +267,8 @@ int run(int argc, char** argv) {
   app.get_option("collective")->required(false);
   app.add_option(
       "--transport", transport,
-      "Link transport: tcp, fabric (libfabric; provider from DEAR_FABRIC_PROVIDER) or verbs "
-      "(ibverbs; device from DEAR_IB_DEVICE); "
-      "default DEAR_TRANSPORT or tcp");
+      "Link transport: tcp, fabric (libfabric; see --fabric-provider) or verbs (ibverbs; see "
+      "--ib-device); default DEAR_TRANSPORT or tcp");
   std::string fabric_provider;
   app.add_option("--fabric-provider", fabric_provider,
                  "libfabric provider for --transport fabric, as fi_info names it: tcp;ofi_rxm, "
