@@ -657,6 +657,7 @@ TEST(Reassembler, DirectWritesCompleteAMessageWhereTheSinkPlacesIt) {
     EXPECT_EQ(per_write, 128u);
     EXPECT_TRUE(r2.in_direct());
     EXPECT_EQ(r2.remaining(), 300u);
+    EXPECT_EQ(reinterpret_cast<std::uint64_t>(r2.direct_destination()), local);
     const auto slot = r2.on_fragment(sink, 0, body.data(), 10, false);
     ASSERT_TRUE(slot);
     EXPECT_NE(slot->find("slot fragment inside a direct message"), std::string::npos) << *slot;
@@ -667,6 +668,7 @@ TEST(Reassembler, DirectWritesCompleteAMessageWhereTheSinkPlacesIt) {
     ASSERT_FALSE(r2.on_placed(sink, 0, 44));
     EXPECT_EQ(sink.messages.size(), before + 1);
     EXPECT_FALSE(r2.in_message());
+    EXPECT_EQ(r2.direct_destination(), nullptr);
     EXPECT_EQ(sink.pieces, 0u);
     const auto outside = r2.on_placed(sink, 0, 1);
     ASSERT_TRUE(outside);

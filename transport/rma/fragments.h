@@ -241,6 +241,11 @@ class Reassembler {
   [[nodiscard]] std::optional<std::string> on_placed(RecvSink& sink, int channel, std::size_t n);
   // The current message is direct.
   [[nodiscard]] bool in_direct() const { return in_msg_ && direct_; }
+  // Where the current direct message's writes land (its DirectInfo::local, which its sink
+  // placed it at); nullptr outside a direct message.
+  [[nodiscard]] const char* direct_destination() const {
+    return in_direct() ? target_.dst : nullptr;
+  }
   // Payload bytes of the current message still to come.
   [[nodiscard]] std::size_t remaining() const { return in_msg_ ? current_.bytes - done_ : 0; }
   // Inside a message: some of its fragments have arrived, not all.

@@ -1074,10 +1074,8 @@ bool VerbsChannel::deliver(RecvSink& sink) {
         fail(*bad);
       }
       if (!ctx_->device_windows.empty()) {
-        // on_direct_header() checked the record: the header, then where the payload lands.
-        rma::DirectInfo info;
-        std::memcpy(&info, base + kPrefix + sizeof(FrameHeader), sizeof(info));
-        flush_window_ = ctx_->device_window_at(info.local);
+        flush_window_ =
+            ctx_->device_window_at(reinterpret_cast<std::uint64_t>(reasm_.direct_destination()));
       }
     } else if (auto bad = reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
       fail(*bad);
