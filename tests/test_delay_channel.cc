@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "dear/error.h"
@@ -161,6 +162,12 @@ TEST(DelayChannel, BoundedHoldAndInnerBackPressure) {
   while (f.channel->try_send(header(1), nullptr, t)) ++t;
   EXPECT_EQ(t, DelayChannel::kHoldCapacity);
   ASSERT_TRUE(f.run_until(sink, [&] { return f.inner->accepted_.size() == 4; }));
+  // The fifth message was sent a little after the fourth and may not have been due when the
+  // fourth left; until it is due and refused, its timer rightly wakes the engine. Wait until
+  // every held message is due, then let the decorator offer the next one and be refused.
+  std::this_thread::sleep_for(5ms);
+  f.channel->progress(sink, true);
+  EXPECT_EQ(f.inner->accepted_.size(), 4u);
   EXPECT_EQ(f.channel->held(), DelayChannel::kHoldCapacity - 4);
   // Due but refused: only the inner channel's readiness may wake us, or the engine would spin.
   EXPECT_FALSE(f.wait(30ms));
