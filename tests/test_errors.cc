@@ -293,7 +293,8 @@ TEST(Abort, FailsPendingWorkQuicklyAndLaterCallsAtOnce) {
           std::thread t([&] { comm.abort("test says stop"); });
           const Error e = expect_error([&] { w.wait(); });
           t.join();
-          EXPECT_LT(std::chrono::steady_clock::now() - t0, 100ms);
+          // Quickly against the 30 s timeout; loose enough for a sanitizer build on a busy host.
+          EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
           EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
           EXPECT_NE(std::string(e.what()).find("test says stop"), std::string::npos);
           const Error later = expect_error([&] { comm.barrier().wait(); });
