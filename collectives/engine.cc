@@ -886,6 +886,7 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
       ctx.pending = &unexpected_.back();
       return {RecvTarget::kDirect, ctx.pending->data.data(), 1};
     }
+    case FrameType::kConsumed: break;  // the TCP channel's own; never reaches the engine
   }
   throw Error(ErrorCode::kPeerFailed,
               "protocol violation: unexpected frame type " +

@@ -455,6 +455,76 @@ TEST(Links, APeerThatClosesWithUnreadDataStillDeliversWhatItSent) {
   EXPECT_TRUE(late_sink.got[0][0] == last) << "the closed rank's last message arrived damaged";
 }
 
+// Large payloads leave without a copy (the kernel sends from the caller's pages), so they
+// count as sent only once the peer has read them: not while it reads nothing, and then
+// exactly once, before its close is reported, with every byte as it was.
+TEST(Links, ASplicedPayloadIsReportedSentOnlyOnceThePeerHasReadIt) {
+  ASSERT_GE(std::size_t{1} << 20, transport::tcp::zerocopy_bytes_from_env())
+      << "DEAR_TCP_ZEROCOPY_BYTES is set above this test's message";
+  ASSERT_GT(transport::tcp::zerocopy_bytes_from_env(), 0u) << "DEAR_TCP_ZEROCOPY_BYTES=0";
+  // Socket buffers that hold the whole message: it is all handed over without a read, and
+  // only the notice can tell the sender that it was read.
+  ::setenv("DEAR_SOCKET_BUFFER", "8M", 1);
+  auto pair = tcp_channel_pair();
+  ::unsetenv("DEAR_SOCKET_BUFFER");
+  transport::Channel& from = *pair[0];
+  transport::Channel& to = *pair[1];
+  CollectSink from_sink(1);
+  CollectSink to_sink(1);
+  std::vector<char> big(1 << 20);
+  for (std::size_t i = 0; i < big.size(); ++i) big[i] = peer_byte(0, 1, 3, i);
+  transport::FrameHeader h;
+  h.type = transport::FrameType::kData;
+  h.bytes = static_cast<std::uint32_t>(big.size());
+  ASSERT_TRUE(from.try_send(h, big.data(), 7));
+  for (int i = 0; i < 100; ++i) {
+    from.progress(from_sink, true);
+    std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_EQ(from_sink.sent, 0u) << "reported sent while the peer had read nothing";
+  EXPECT_EQ(from.queued(), 1u);
+
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (to_sink.got[0].empty() && std::chrono::steady_clock::now() < deadline) {
+    from.progress(from_sink, true);
+    to.progress(to_sink, true);
+  }
+  ASSERT_EQ(to_sink.got[0].size(), 1u);
+  EXPECT_TRUE(to_sink.got[0][0] == big) << "the spliced payload arrived damaged";
+  to.close();  // the consumed notice went out with the read, before the FIN
+  while (from_sink.closed == 0 && std::chrono::steady_clock::now() < deadline) {
+    from.progress(from_sink, true);
+    std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_EQ(from_sink.sent, 1u);
+  EXPECT_EQ(from_sink.closed, 1u);
+  EXPECT_EQ(to_sink.sent, 0u);
+}
+
+// A consumed notice for messages that were never spliced is a protocol violation that names
+// the peer, not a miscount.
+TEST(Links, AConsumedNoticeForNothingIsAProtocolViolation) {
+  auto pair = tcp_channel_pair();
+  CollectSink sink(1);
+  transport::FrameHeader h;
+  h.type = transport::FrameType::kConsumed;
+  h.count = 1;
+  ASSERT_TRUE(pair[0]->try_send(h, nullptr, 1));
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  std::string error;
+  try {
+    while (std::chrono::steady_clock::now() < deadline) {
+      pair[0]->progress(sink, true);
+      pair[1]->progress(sink, true);
+    }
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("protocol violation: a consumed notice for 1 messages"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("rank 0"), std::string::npos) << error;
+}
+
 // Closing waits for the peer to acknowledge what was sent, but boundedly: channels closed with
 // one shared deadline to a peer that reads nothing wait for that deadline once, not each in
 // turn (a communicator's teardown closes all its channels so).

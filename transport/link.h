@@ -13,7 +13,9 @@
 // and unchanged until the SendSink is told the message is sent) or returns false when the
 // channel's bounded queue is full (back-pressure: try again after progress()). Messages on one
 // channel leave in the order they were queued. "Sent" means the payload was handed to the
-// transport and the buffer may be reused; it does not mean the peer has it.
+// transport and the buffer may be reused; it does not mean the peer has it. (A back-end that
+// sends from the caller's memory reports it later: TCP's zero-copy sends once the peer has
+// read them.)
 //
 // Receiving: progress() reads what has arrived. For each message it calls
 // RecvSink::on_header(); the sink answers where the payload goes: straight into memory
@@ -46,6 +48,9 @@ enum class FrameType : std::uint8_t {
   kData = 1,    // a slice of an operation
   kPosted = 2,  // "I have posted operation `seq`": the sender may send non-eager slices
   kAbort = 3,   // the peer failed; payload = reason text; root = rank to blame; count = code
+  // Internal to a back-end, never handed to a RecvSink: the TCP channel's "consumed" notice
+  // for payloads it sent without copying them (tcp_channel.h); count = messages consumed.
+  kConsumed = 4,
 };
 
 struct FrameHeader {

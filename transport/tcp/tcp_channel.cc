@@ -3,6 +3,8 @@
 #include <fcntl.h>
 #include <linux/sockios.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -32,11 +34,37 @@ constexpr std::size_t kReadBudget = 4 * 1024 * 1024;
 
 bool would_block(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
 
+// splice() has no MSG_NOSIGNAL: into a socket whose peer has gone it raises SIGPIPE, which
+// by default ends the process. Blocks SIGPIPE on this thread for the call and takes away one
+// the call raised, so the failure is only the EPIPE it returns. A SIGPIPE already pending
+// before is left alone.
+ssize_t splice_no_sigpipe(int from, int to, std::size_t bytes) {
+  sigset_t pipe_set;
+  sigset_t old;
+  sigemptyset(&pipe_set);
+  sigaddset(&pipe_set, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_set, &old);
+  sigset_t pending;
+  sigpending(&pending);
+  const bool was_pending = sigismember(&pending, SIGPIPE) == 1;
+  const ssize_t n = ::splice(from, nullptr, to, nullptr, bytes, SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+  const int err = errno;
+  if (n < 0 && err == EPIPE && !was_pending) {
+    const timespec zero{0, 0};
+    (void)sigtimedwait(&pipe_set, nullptr, &zero);
+  }
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  errno = err;
+  return n;
+}
+
 // The peer's side is gone: it closed its socket (a reset when our data, or data arriving
 // after its close, found it unread) or its process ended.
 bool peer_gone(int err) { return err == ECONNRESET || err == EPIPE; }
 
 constexpr std::uint64_t kMinSocketBuffer = 4 << 10;
+// What a channel asks for its splice pipe.
+constexpr std::size_t kPipeBytes = 1 << 20;
 constexpr std::uint64_t kMaxSocketBuffer = 1 << 30;
 
 }  // namespace
@@ -54,6 +82,22 @@ TcpChannel::TcpChannel(Fd fd, int self_rank, int peer_rank, int index)
     ::setsockopt(fd_.get(), SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
     ::setsockopt(fd_.get(), SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
   }
+  zerocopy_min_ = zerocopy_bytes_from_env();
+  int p[2] = {-1, -1};
+  if (zerocopy_min_ > 0 && ::pipe2(p, O_NONBLOCK | O_CLOEXEC) == 0) {
+    pipe_read_.reset(p[0]);
+    pipe_write_.reset(p[1]);
+    // A larger pipe moves more per splice; the kernel may refuse (fs.pipe-max-size).
+    (void)::fcntl(p[1], F_SETPIPE_SZ, static_cast<int>(kPipeBytes));
+    const int cap = ::fcntl(p[1], F_GETPIPE_SZ);
+    pipe_capacity_ = cap > 0 ? static_cast<std::size_t>(cap) : 0;
+  }
+  // Without a pipe (out of descriptors, say) every payload is copied as before.
+  if (pipe_capacity_ == 0) zerocopy_min_ = 0;
+}
+
+std::size_t zerocopy_bytes_from_env() {
+  return env::get_bytes("DEAR_TCP_ZEROCOPY_BYTES").value_or(kZeroCopyBytes);
 }
 
 std::optional<std::size_t> socket_buffer_from_env() {
@@ -77,9 +121,13 @@ void TcpChannel::fail(const std::string& why) const {
 }
 
 bool TcpChannel::try_send(const FrameHeader& h, const void* payload, std::uint64_t token) {
-  if (count_ == kQueueCapacity) return false;
+  if (count_ + awaiting_count_ == kQueueCapacity) return false;
   if (!fd_.valid()) fail("send on a closed connection");
-  queue_[(head_ + count_) % kQueueCapacity] = {h, static_cast<const char*>(payload), token};
+  Pending& m = queue_[(head_ + count_) % kQueueCapacity];
+  m = {h, static_cast<const char*>(payload), token};
+  if (zerocopy_min_ > 0 && h.type == FrameType::kData && h.bytes >= zerocopy_min_) {
+    m.header.type = static_cast<FrameType>(static_cast<std::uint8_t>(h.type) | kAckBit);
+  }
   ++count_;
   queued_bytes_ += h.bytes;
   return true;
@@ -88,7 +136,8 @@ bool TcpChannel::try_send(const FrameHeader& h, const void* payload, std::uint64
 pollfd TcpChannel::wait_spec() const {
   if (!fd_.valid()) return {-1, 0, 0};
   short events = POLLIN;
-  if (count_ > 0 && write_blocked_) events |= POLLOUT;
+  const bool to_write = count_ > 0 || pipe_bytes_ > 0 || acks_owed_ > 0 || ack_left_ > 0;
+  if (to_write && write_blocked_) events |= POLLOUT;
   return {fd_.get(), events, 0};
 }
 
@@ -96,7 +145,75 @@ bool TcpChannel::progress(RecvSink& sink, bool may_read) {
   if (!fd_.valid()) return false;
   bool moved = flush(sink);
   if (fd_.valid()) moved |= receive(sink, may_read ? kReadBudget : 0);
+  // What was just read may be owed a consumed notice: the peer is waiting for it.
+  if (fd_.valid() && acks_owed_ > 0) moved |= flush(sink);
   return moved;
+}
+
+bool TcpChannel::send_failed(const char* what) {
+  if (would_block(errno)) {
+    write_blocked_ = errno != EINTR;
+    return true;
+  }
+  // A peer that closed its end cannot take what is queued. What it sent before closing
+  // may still wait in the socket, so the close is reported by receive() once that has
+  // been read; operations that still expected to send here learn of it then.
+  if (peer_gone(errno)) {
+    send_gone_ = true;
+    drop_queue();
+    return true;
+  }
+  fail(std::string("connection lost while ") + what + " (" + std::strerror(errno) + ")");
+}
+
+bool TcpChannel::flush_spliced(bool& moved) {
+  for (;;) {
+    // Bytes in the pipe go to the socket before anything else is written.
+    while (pipe_bytes_ > 0) {
+      const ssize_t n = splice_no_sigpipe(pipe_read_.get(), fd_.get(), pipe_bytes_);
+      if (n == 0) fail("splice moved nothing out of a pipe that holds bytes");
+      if (n < 0) {
+        send_failed("splicing");
+        return false;
+      }
+      moved = true;
+      pipe_bytes_ -= static_cast<std::size_t>(n);
+    }
+    if (!splicing_) return true;
+    const Pending& m = queue_[head_];
+    const std::size_t off = head_offset_ - kHeader;
+    if (off == m.header.bytes) {
+      // All of it is the kernel's now; reported sent when the peer has read it.
+      awaiting_[(awaiting_head_ + awaiting_count_) % kQueueCapacity] = m.token;
+      ++awaiting_count_;
+      head_ = (head_ + 1) % kQueueCapacity;
+      --count_;
+      queued_bytes_ -= m.header.bytes;
+      head_offset_ = 0;
+      splicing_ = false;
+      return true;
+    }
+    iovec v{const_cast<char*>(m.payload) + off,
+            std::min<std::size_t>(m.header.bytes - off, pipe_capacity_)};
+    ssize_t n = ::vmsplice(pipe_write_.get(), &v, 1, SPLICE_F_NONBLOCK);
+    if (n > 0) {
+      pipe_bytes_ = static_cast<std::size_t>(n);
+    } else if (errno != EAGAIN && errno != EINTR) {
+      // Memory the kernel cannot splice from: copy it, as every payload once was. The peer
+      // still sends the notice this header asked for.
+      zerocopy_min_ = 0;
+      n = ::send(fd_.get(), v.iov_base, v.iov_len, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0) {
+        send_failed("sending");
+        return false;
+      }
+    } else {
+      write_blocked_ = true;
+      return false;
+    }
+    moved = true;
+    head_offset_ += static_cast<std::size_t>(n);
+  }
 }
 
 bool TcpChannel::flush(RecvSink& sink) {
@@ -105,10 +222,26 @@ bool TcpChannel::flush(RecvSink& sink) {
     return false;
   }
   bool moved = false;
-  while (count_ > 0) {
-    // Gather as many queued messages as fit in one sendmsg().
+  for (;;) {
+    if (!flush_spliced(moved)) return moved;
+    if (send_gone_) return true;
+    // A consumed notice is due and the stream is between messages: it goes first.
+    if (acks_owed_ > 0 && ack_left_ == 0 && head_offset_ == 0) {
+      ack_ = FrameHeader{};
+      ack_.type = FrameType::kConsumed;
+      ack_.count = acks_owed_;
+      acks_owed_ = 0;
+      ack_left_ = kHeader;
+    }
+    if (count_ == 0 && ack_left_ == 0) break;
+    // Gather the notice and as many queued messages as fit in one sendmsg(), up to the
+    // header of a message whose payload is spliced.
     int n_iov = 0;
     std::size_t total = 0;
+    if (ack_left_ > 0) {
+      iov_[n_iov++] = {reinterpret_cast<char*>(&ack_) + (kHeader - ack_left_), ack_left_};
+      total += ack_left_;
+    }
     for (std::size_t i = 0; i < count_ && n_iov + 2 <= kMaxIov; ++i) {
       const Pending& m = queue_[(head_ + i) % kQueueCapacity];
       std::size_t skip = i == 0 ? head_offset_ : 0;
@@ -120,6 +253,7 @@ bool TcpChannel::flush(RecvSink& sink) {
       } else {
         skip -= kHeader;
       }
+      if ((static_cast<std::uint8_t>(m.header.type) & kAckBit) != 0) break;
       if (m.header.bytes > skip) {
         iov_[n_iov++] = {const_cast<char*>(m.payload) + skip, m.header.bytes - skip};
         total += m.header.bytes - skip;
@@ -130,38 +264,32 @@ bool TcpChannel::flush(RecvSink& sink) {
     msg.msg_iovlen = static_cast<std::size_t>(n_iov);
     const ssize_t n = ::sendmsg(fd_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0) {
-      if (would_block(errno)) {
-        write_blocked_ = errno != EINTR;
-        return moved;
-      }
-      // A peer that closed its end cannot take what is queued. What it sent before closing
-      // may still wait in the socket, so the close is reported by receive() once that has
-      // been read; operations that still expected to send here learn of it then.
-      if (peer_gone(errno)) {
-        send_gone_ = true;
-        drop_queue();
-        return true;
-      }
-      fail(std::string("connection lost while sending (") + std::strerror(errno) + ")");
+      send_failed("sending");
+      return moved || send_gone_;
     }
     moved = true;
     std::size_t left = static_cast<std::size_t>(n);
-    while (left > 0 || (count_ > 0 && head_offset_ == kHeader + queue_[head_].header.bytes)) {
+    const std::size_t ack_take = std::min(left, ack_left_);
+    ack_left_ -= ack_take;
+    left -= ack_take;
+    while (count_ > 0 && !splicing_) {
       const Pending& m = queue_[head_];
-      const std::size_t msg_left = kHeader + m.header.bytes - head_offset_;
-      const std::size_t take = std::min(left, msg_left);
+      const bool spliced = (static_cast<std::uint8_t>(m.header.type) & kAckBit) != 0;
+      const std::size_t end = spliced ? kHeader : kHeader + m.header.bytes;
+      const std::size_t take = std::min(left, end - head_offset_);
       head_offset_ += take;
       left -= take;
-      if (head_offset_ == kHeader + m.header.bytes) {
-        const std::uint64_t token = m.token;
-        head_ = (head_ + 1) % kQueueCapacity;
-        --count_;
-        queued_bytes_ -= m.header.bytes;
-        head_offset_ = 0;
-        sink.on_sent(index_, token);
-      } else {
+      if (head_offset_ < end) break;
+      if (spliced) {
+        splicing_ = true;  // its payload follows through the pipe
         break;
       }
+      const std::uint64_t token = m.token;
+      head_ = (head_ + 1) % kQueueCapacity;
+      --count_;
+      queued_bytes_ -= m.header.bytes;
+      head_offset_ = 0;
+      sink.on_sent(index_, token);
     }
     if (static_cast<std::size_t>(n) < total) {
       write_blocked_ = true;
@@ -170,6 +298,25 @@ bool TcpChannel::flush(RecvSink& sink) {
     write_blocked_ = false;
   }
   return moved;
+}
+
+void TcpChannel::finish_message(RecvSink& sink) {
+  in_payload_ = false;
+  if (current_acked_) ++acks_owed_;
+  sink.on_message(index_, current_);
+}
+
+void TcpChannel::on_consumed(RecvSink& sink, const FrameHeader& h) {
+  if (h.bytes != 0 || h.count == 0 || h.count > awaiting_count_) {
+    fail("protocol violation: a consumed notice for " + std::to_string(h.count) +
+         " messages where " + std::to_string(awaiting_count_) + " wait for one");
+  }
+  for (std::uint64_t i = 0; i < h.count; ++i) {
+    const std::uint64_t token = awaiting_[awaiting_head_];
+    awaiting_head_ = (awaiting_head_ + 1) % kQueueCapacity;
+    --awaiting_count_;
+    sink.on_sent(index_, token);
+  }
 }
 
 bool TcpChannel::consume_buffered(RecvSink& sink) {
@@ -196,8 +343,7 @@ bool TcpChannel::consume_buffered(RecvSink& sink) {
     done_ += take;
   }
   if (done_ == current_.bytes) {
-    in_payload_ = false;
-    sink.on_message(index_, current_);
+    finish_message(sink);
     return true;
   }
   return false;
@@ -213,6 +359,14 @@ bool TcpChannel::receive(RecvSink& sink, std::size_t budget) {
       if (wpos_ - rpos_ >= kHeader) {
         std::memcpy(&current_, inbox_.get() + rpos_, kHeader);
         rpos_ += kHeader;
+        moved = true;
+        if (current_.type == FrameType::kConsumed) {
+          on_consumed(sink, current_);
+          continue;
+        }
+        const auto type = static_cast<std::uint8_t>(current_.type);
+        current_acked_ = (type & kAckBit) != 0;
+        current_.type = static_cast<FrameType>(type & ~kAckBit);
         in_payload_ = true;
         done_ = 0;
         target_ = sink.on_header(index_, current_);
@@ -259,10 +413,7 @@ bool TcpChannel::receive(RecvSink& sink, std::size_t budget) {
         wpos_ += static_cast<std::size_t>(n);
       } else {
         done_ += static_cast<std::size_t>(n);
-        if (done_ == current_.bytes) {
-          in_payload_ = false;
-          sink.on_message(index_, current_);
-        }
+        if (done_ == current_.bytes) finish_message(sink);
       }
       continue;
     }
@@ -285,6 +436,17 @@ void TcpChannel::drop_queue() {
   count_ = 0;
   queued_bytes_ = 0;
   head_offset_ = 0;
+  splicing_ = false;
+  awaiting_count_ = 0;
+  acks_owed_ = 0;
+  ack_left_ = 0;
+  // What the pipe still holds would otherwise lead the next splice; the channel is done.
+  if (pipe_bytes_ > 0) {
+    pipe_read_.reset();
+    pipe_write_.reset();
+    pipe_bytes_ = 0;
+    zerocopy_min_ = 0;
+  }
 }
 
 bool TcpChannel::peer_closed(RecvSink& sink) {

@@ -1,6 +1,15 @@
 // TCP back-end of the link contract (transport/link.h): one non-blocking socket per channel,
 // TCP_NODELAY, vectored writes of header+payload with several messages batched per system
 // call, and payloads read straight into their destination when they are large.
+//
+// Large data payloads (DEAR_TCP_ZEROCOPY_BYTES and more) leave without being copied: their
+// pages are spliced into the socket (vmsplice into a pipe, splice into the socket), so the
+// kernel sends from the caller's memory. That memory must then stay unchanged until the peer
+// has read the bytes, not merely until they were handed over, so such a message is reported
+// sent only when the peer's channel says it has consumed it: the sender marks the header
+// (kAckBit in its type), the receiver, once the payload is read, sends back a kConsumed frame
+// with the number of marked messages consumed since its last one. On loopback this halves
+// what the kernel copies (one copy, into the reader, instead of two).
 #pragma once
 
 #include <sys/uio.h>
@@ -23,13 +32,23 @@ namespace dear::transport::tcp {
 // naming the variable when it is malformed or outside [4K, 1G].
 [[nodiscard]] std::optional<std::size_t> socket_buffer_from_env();
 
+// DEAR_TCP_ZEROCOPY_BYTES (K/M/G suffixes): data payloads of at least this many bytes are
+// spliced into the socket instead of copied (above); 0 turns it off. Default kZeroCopyBytes.
+// Throws dear::Error(kInvalidArgument) naming the variable when it is malformed or negative.
+inline constexpr std::size_t kZeroCopyBytes = 256 * 1024;
+[[nodiscard]] std::size_t zerocopy_bytes_from_env();
+
 class TcpChannel final : public Channel {
  public:
   TcpChannel(Fd fd, int self_rank, int peer_rank, int index);
   ~TcpChannel() override;
 
   bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
-  std::size_t queued() const override { return count_; }
+  // Messages not yet reported sent: queued, and spliced ones the peer has not yet consumed;
+  // one more while a consumed notice of our own waits to be written.
+  std::size_t queued() const override {
+    return count_ + awaiting_count_ + (acks_owed_ > 0 || ack_left_ > 0 ? 1 : 0);
+  }
   std::size_t queued_bytes() const override { return queued_bytes_; }
   bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
@@ -48,8 +67,21 @@ class TcpChannel final : public Channel {
   static constexpr std::size_t kQueueCapacity = 64;
   static constexpr std::size_t kInboxBytes = 256 * 1024;
   static constexpr int kMaxIov = 64;
+  // Set in a data header's type: the payload was spliced, answer with kConsumed once read.
+  static constexpr std::uint8_t kAckBit = 0x80;
 
   bool flush(RecvSink& sink);
+  // The part of flush() that moves the head message's spliced payload and what the pipe
+  // holds. Returns false when the socket (or pipe) takes no more now.
+  bool flush_spliced(bool& moved);
+  // A send-side system call failed with errno: true when it would block (and the caller
+  // should stop for now); a peer that is gone drops the queue; anything else throws.
+  bool send_failed(const char* what);
+  // A message's payload has been read in full: tells the sink, and owes a consumed notice
+  // when the sender spliced it.
+  void finish_message(RecvSink& sink);
+  // A kConsumed frame: reports that many spliced messages sent, oldest first.
+  void on_consumed(RecvSink& sink, const FrameHeader& h);
   bool receive(RecvSink& sink, std::size_t budget);  // reads at most `budget` socket bytes
   // Consumes payload bytes buffered in the inbox; true when the message completed.
   bool consume_buffered(RecvSink& sink);
@@ -72,6 +104,24 @@ class TcpChannel final : public Channel {
   bool fin_sent_ = false;   // begin_close() has handed over what it could and sent a FIN
   bool send_gone_ = false;  // a send found the peer's end closed; receive() reports it
   std::array<iovec, kMaxIov> iov_{};
+
+  // Zero-copy sends. splicing_: the head message's header is written and its payload goes
+  // through the pipe; pipe_bytes_ of it sit in the pipe, not yet in the socket. Spliced
+  // messages fully handed over wait in awaiting_ (their tokens) for the peer's notice.
+  std::size_t zerocopy_min_ = 0;  // 0: off
+  Fd pipe_read_;
+  Fd pipe_write_;
+  std::size_t pipe_capacity_ = 0;
+  std::size_t pipe_bytes_ = 0;
+  bool splicing_ = false;
+  std::array<std::uint64_t, kQueueCapacity> awaiting_{};
+  std::size_t awaiting_head_ = 0;
+  std::size_t awaiting_count_ = 0;
+  // Consumed notices owed to the peer, and what is left to write of the one being written.
+  std::uint64_t acks_owed_ = 0;
+  FrameHeader ack_{};
+  std::size_t ack_left_ = 0;
+  bool current_acked_ = false;  // the message being read was spliced by the peer
 
   std::unique_ptr<char[]> inbox_;
   std::size_t rpos_ = 0;
