@@ -150,10 +150,10 @@ bool TcpChannel::progress(RecvSink& sink, bool may_read) {
   return moved;
 }
 
-bool TcpChannel::send_failed(const char* what) {
+void TcpChannel::send_failed(const char* what) {
   if (would_block(errno)) {
     write_blocked_ = errno != EINTR;
-    return true;
+    return;
   }
   // A peer that closed its end cannot take what is queued. What it sent before closing
   // may still wait in the socket, so the close is reported by receive() once that has
@@ -161,7 +161,7 @@ bool TcpChannel::send_failed(const char* what) {
   if (peer_gone(errno)) {
     send_gone_ = true;
     drop_queue();
-    return true;
+    return;
   }
   fail(std::string("connection lost while ") + what + " (" + std::strerror(errno) + ")");
 }
@@ -184,12 +184,8 @@ bool TcpChannel::flush_spliced(bool& moved) {
     const std::size_t off = head_offset_ - kHeader;
     if (off == m.header.bytes) {
       // All of it is the kernel's now; reported sent when the peer has read it.
-      awaiting_[(awaiting_head_ + awaiting_count_) % kQueueCapacity] = m.token;
+      awaiting_[(awaiting_head_ + awaiting_count_) % kQueueCapacity] = pop_head();
       ++awaiting_count_;
-      head_ = (head_ + 1) % kQueueCapacity;
-      --count_;
-      queued_bytes_ -= m.header.bytes;
-      head_offset_ = 0;
       splicing_ = false;
       return true;
     }
@@ -223,8 +219,7 @@ bool TcpChannel::flush(RecvSink& sink) {
   }
   bool moved = false;
   for (;;) {
-    if (!flush_spliced(moved)) return moved;
-    if (send_gone_) return true;
+    if (!flush_spliced(moved)) return moved || send_gone_;
     // A consumed notice is due and the stream is between messages: it goes first.
     if (acks_owed_ > 0 && ack_left_ == 0 && head_offset_ == 0) {
       ack_ = FrameHeader{};
@@ -253,7 +248,7 @@ bool TcpChannel::flush(RecvSink& sink) {
       } else {
         skip -= kHeader;
       }
-      if ((static_cast<std::uint8_t>(m.header.type) & kAckBit) != 0) break;
+      if (asks_consumed(m.header)) break;
       if (m.header.bytes > skip) {
         iov_[n_iov++] = {const_cast<char*>(m.payload) + skip, m.header.bytes - skip};
         total += m.header.bytes - skip;
@@ -274,7 +269,7 @@ bool TcpChannel::flush(RecvSink& sink) {
     left -= ack_take;
     while (count_ > 0 && !splicing_) {
       const Pending& m = queue_[head_];
-      const bool spliced = (static_cast<std::uint8_t>(m.header.type) & kAckBit) != 0;
+      const bool spliced = asks_consumed(m.header);
       const std::size_t end = spliced ? kHeader : kHeader + m.header.bytes;
       const std::size_t take = std::min(left, end - head_offset_);
       head_offset_ += take;
@@ -284,12 +279,7 @@ bool TcpChannel::flush(RecvSink& sink) {
         splicing_ = true;  // its payload follows through the pipe
         break;
       }
-      const std::uint64_t token = m.token;
-      head_ = (head_ + 1) % kQueueCapacity;
-      --count_;
-      queued_bytes_ -= m.header.bytes;
-      head_offset_ = 0;
-      sink.on_sent(index_, token);
+      sink.on_sent(index_, pop_head());
     }
     if (static_cast<std::size_t>(n) < total) {
       write_blocked_ = true;
@@ -298,6 +288,15 @@ bool TcpChannel::flush(RecvSink& sink) {
     write_blocked_ = false;
   }
   return moved;
+}
+
+std::uint64_t TcpChannel::pop_head() {
+  const Pending& m = queue_[head_];
+  head_ = (head_ + 1) % kQueueCapacity;
+  --count_;
+  queued_bytes_ -= m.header.bytes;
+  head_offset_ = 0;
+  return m.token;
 }
 
 void TcpChannel::finish_message(RecvSink& sink) {
@@ -371,7 +370,6 @@ bool TcpChannel::receive(RecvSink& sink, std::size_t budget) {
         done_ = 0;
         target_ = sink.on_header(index_, current_);
         if (target_.unit == 0) target_.unit = 1;
-        moved = true;
         consume_buffered(sink);
         continue;
       }

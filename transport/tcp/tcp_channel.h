@@ -74,9 +74,15 @@ class TcpChannel final : public Channel {
   // The part of flush() that moves the head message's spliced payload and what the pipe
   // holds. Returns false when the socket (or pipe) takes no more now.
   bool flush_spliced(bool& moved);
-  // A send-side system call failed with errno: true when it would block (and the caller
-  // should stop for now); a peer that is gone drops the queue; anything else throws.
-  bool send_failed(const char* what);
+  // A send-side system call failed with errno: marks the socket blocked when it would block;
+  // a peer that is gone drops the queue (send_gone_); anything else throws.
+  void send_failed(const char* what);
+  // Takes the head message off the queue, fully handed over; returns its token.
+  std::uint64_t pop_head();
+  // The header asks the peer for a consumed notice: its payload is spliced.
+  static bool asks_consumed(const FrameHeader& h) {
+    return (static_cast<std::uint8_t>(h.type) & kAckBit) != 0;
+  }
   // A message's payload has been read in full: tells the sink, and owes a consumed notice
   // when the sender spliced it.
   void finish_message(RecvSink& sink);
