@@ -411,10 +411,19 @@ ring_reference() {
   fi
   for stream in "${streams[@]}"; do
     read -r kind size <<<"$stream"
+    local errs
+    errs=$(mktemp)
+    # A size the ring cannot stream (too few bytes per rank) leaves no reference for that size;
+    # it never ends the script before the tables.
     us=$("$dear_run" -n "$nranks" --bind "$dear_place" "$tcp_ring" "--$kind" "$size" \
       --iters 20 --warmup 3 \
-      --rounds 3 2>/dev/null | sed -n 's/^\[0\] median \([0-9.]*\) us per iteration.*/\1/p')
-    [[ -n $us ]] || continue
+      --rounds 3 2>"$errs" | sed -n 's/^\[0\] median \([0-9.]*\) us per iteration.*/\1/p') || true
+    if [[ -z $us ]]; then
+      echo "# plain-socket ring (dear-tcp-ring): no ${kind/-/_} reference at $size: $(grep -m1 -o 'dear-tcp-ring: rank 0: .*' "$errs" || echo 'it printed no time')"
+      rm -f "$errs"
+      continue
+    fi
+    rm -f "$errs"
     if [[ $kind == all-reduce ]]; then
       echo "# plain-socket ring (dear-tcp-ring): the bytes of a $size all_reduce streamed in $us us"
     else
