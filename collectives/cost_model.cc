@@ -1,6 +1,7 @@
 #include "collectives/cost_model.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -192,7 +193,11 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
                          const ModelGeometry& g, const CostModel* model,
                          std::size_t threshold_bytes, std::size_t medium_bytes) {
   const int n = std::max(g.nranks, 1);
-  std::vector<Schedule> candidates{Schedule::kRing};
+  // At most the ring, a two-way gather and three log-step schedules; a fixed array, as this
+  // runs for every operation without a model.
+  std::array<Schedule, 5> candidates{Schedule::kRing};
+  std::size_t ncandidates = 1;
+  const auto add = [&](Schedule s) { candidates.at(ncandidates++) = s; };
   std::size_t total = bytes;  // what the threshold compares: the operation's whole buffer
   Schedule small = Schedule::kRing;
   // The small schedule without a model, with log steps (from 5 ranks on for all_reduce, 4 for
@@ -205,11 +210,11 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
     case OpKind::kAllReduce:
       small = Schedule::kGatherReduce;
       if (requested == Algorithm::kGatherReduce) return Schedule::kGatherReduce;
-      candidates.push_back(Schedule::kGatherReduce);
+      add(Schedule::kGatherReduce);
       break;
     case OpKind::kAllGather:
       small = Schedule::kBiGather;
-      candidates.push_back(Schedule::kBiGather);
+      add(Schedule::kBiGather);
       total = bytes * static_cast<std::size_t>(n);
       break;
     case OpKind::kReduceScatter: total = bytes * static_cast<std::size_t>(n); break;
@@ -234,7 +239,7 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
   if (requested == Algorithm::kTree) return forced(Schedule::kTree);
   if (g.log_steps && n > 1) {
     for (Schedule s : {Schedule::kRecursiveDoubling, Schedule::kHalvingDoubling, Schedule::kTree}) {
-      if (log_step_supports(kind, s)) candidates.push_back(s);
+      if (log_step_supports(kind, s)) add(s);
     }
     // all_gather and reduce_scatter from 4 ranks on: their log-step schedule's log2(N) steps
     // beat the ring's (and the two-way gather's) N - 1 on small operations; all_reduce's tree
@@ -264,7 +269,8 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
   Schedule best = Schedule::kRing;
   double best_us = 0;
   double ring_us = 0;
-  for (Schedule s : candidates) {
+  for (std::size_t i = 0; i < ncandidates; ++i) {
+    const Schedule s = candidates[i];
     const double t = predict_us(*model, kind, s, bytes, el, g);
     if (s == Schedule::kRing) ring_us = t;
     if (s == Schedule::kRing || t < best_us) {

@@ -876,15 +876,16 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
                         "the same operations?)",
                     cfg_.rank, peer);
       }
-      std::vector<char> buf;
-      if (!spare_buffers_.empty()) {
-        buf = std::move(spare_buffers_.back());
-        spare_buffers_.pop_back();
-      }
-      buf.resize(h.bytes);
-      unexpected_.push_back(Unexpected{h, link, channel, std::move(buf)});
-      ctx.pending = &unexpected_.back();
-      return {RecvTarget::kDirect, ctx.pending->data.data(), 1};
+      if (spare_unexpected_.empty()) spare_unexpected_.emplace_back();
+      unexpected_.splice(unexpected_.end(), spare_unexpected_, std::prev(spare_unexpected_.end()));
+      Unexpected& u = unexpected_.back();
+      u.header = h;
+      u.link = link;
+      u.channel = channel;
+      u.complete = false;
+      u.data.resize(h.bytes);
+      ctx.pending = &u;
+      return {RecvTarget::kDirect, u.data.data(), 1};
     }
     case FrameType::kConsumed: break;  // the TCP channel's own; never reaches the engine
   }
@@ -1019,8 +1020,7 @@ void Engine::replay_unexpected(Op& op) {
       if (it->header.bytes > 0) std::memcpy(t.dst, it->data.data(), it->header.bytes);
       op.step_state[static_cast<std::size_t>(ctx.step)] |= Op::kStepReceived;
       unexpected_bytes_ -= it->header.bytes;
-      spare_buffers_.push_back(std::move(it->data));
-      it = unexpected_.erase(it);
+      it = recycle_unexpected(it);
       continue;
     }
     const int dir = 1 - it->link;
@@ -1037,9 +1037,15 @@ void Engine::replay_unexpected(Op& op) {
     }
     ++op.recv_next[static_cast<std::size_t>(dir)][static_cast<std::size_t>(it->channel)];
     unexpected_bytes_ -= it->header.bytes;
-    spare_buffers_.push_back(std::move(it->data));
-    it = unexpected_.erase(it);
+    it = recycle_unexpected(it);
   }
+}
+
+std::list<Engine::Unexpected>::iterator Engine::recycle_unexpected(
+    std::list<Unexpected>::iterator it) {
+  const auto next = std::next(it);
+  spare_unexpected_.splice(spare_unexpected_.end(), unexpected_, it);
+  return next;
 }
 
 void Engine::on_sent(int link, int channel, std::uint64_t token) {

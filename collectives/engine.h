@@ -164,6 +164,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   transport::RecvTarget target_for(Op& op, int dir, int channel, const transport::FrameHeader& h,
                                    RecvCtx& ctx);
   void replay_unexpected(Op& op);
+  // Moves a replayed message's node to spare_unexpected_; returns the node after it.
+  std::list<Unexpected>::iterator recycle_unexpected(std::list<Unexpected>::iterator it);
   // Log-step schedules (steps.h) on the mesh links.
   bool advance_log_steps();
   bool advance_log_steps(Op& op);
@@ -239,7 +241,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::map<std::uint64_t, transport::Window> peer_windows_;
   transport::Window window_in_{};
   std::size_t unexpected_bytes_ = 0;
-  std::vector<std::vector<char>> spare_buffers_;
+  // Nodes of unexpected_ that have been replayed, their buffers kept: a slice that runs
+  // ahead reuses one instead of allocating a node and a buffer.
+  std::list<Unexpected> spare_unexpected_;
   ScratchPool scratch_;
   std::vector<std::vector<char>> abort_text_;
   std::vector<pollfd> pollfds_;

@@ -26,19 +26,21 @@ std::optional<std::string> check_region(const SlotRegion& theirs, std::size_t sl
 std::optional<std::string> check_written(const Prefix& p, std::uint32_t seq, std::uint64_t tag,
                                          std::size_t slot_bytes,
                                          std::optional<std::size_t> written) {
-  const std::string what =
-      "protocol violation: the write announced as fragment " + std::to_string(seq) + " left ";
-  if (p.tag != tag) return what + "a prefix of another communicator in its slot";
+  // Built only on the failure paths: this runs for every fragment received.
+  const auto what = [seq] {
+    return "protocol violation: the write announced as fragment " + std::to_string(seq) + " left ";
+  };
+  if (p.tag != tag) return what() + "a prefix of another communicator in its slot";
   if (p.kind != Kind::kData) {
-    return what + "a prefix of kind " + std::to_string(static_cast<int>(p.kind)) + " in its slot";
+    return what() + "a prefix of kind " + std::to_string(static_cast<int>(p.kind)) + " in its slot";
   }
-  if (p.seq != seq) return what + "fragment " + std::to_string(p.seq) + " in its slot";
+  if (p.seq != seq) return what() + "fragment " + std::to_string(p.seq) + " in its slot";
   if (slot_bytes < kPrefix || p.bytes > slot_bytes - kPrefix) {
-    return what + "a fragment of " + std::to_string(p.bytes) + " bytes, more than its slot of " +
+    return what() + "a fragment of " + std::to_string(p.bytes) + " bytes, more than its slot of " +
            std::to_string(slot_bytes) + " holds after the prefix";
   }
   if (written && *written != kPrefix + p.bytes) {
-    return what + std::to_string(*written) + " bytes that say they hold " +
+    return what() + std::to_string(*written) + " bytes that say they hold " +
            std::to_string(p.bytes) + " after the prefix";
   }
   return std::nullopt;
