@@ -884,7 +884,9 @@ void VerbsChannel::on_control(const Prefix& p) {
 
 bool VerbsChannel::poll_cq() {
   bool moved = false;
-  std::array<ibv_wc, 16> wc{};
+  // Not cleared, as in the fabric channel: this runs every engine turn, and ibv_poll_cq
+  // fills the first n entries, the only ones read.
+  std::array<ibv_wc, 16> wc;
   for (int batch = 0; batch < 64; ++batch) {
     const int n = ibv_poll_cq(cq_, static_cast<int>(wc.size()), wc.data());
     if (n < 0) fail("ibv_poll_cq failed");
