@@ -1,7 +1,6 @@
 #include "collectives/cost_model.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -193,13 +192,8 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
                          const ModelGeometry& g, const CostModel* model,
                          std::size_t threshold_bytes, std::size_t medium_bytes) {
   const int n = std::max(g.nranks, 1);
-  // At most the ring, a two-way gather and three log-step schedules; a fixed array, as this
-  // runs for every operation without a model.
-  std::array<Schedule, 5> candidates{Schedule::kRing};
-  std::size_t ncandidates = 1;
-  const auto add = [&](Schedule s) { candidates.at(ncandidates++) = s; };
-  std::size_t total = bytes;  // what the threshold compares: the operation's whole buffer
-  Schedule small = Schedule::kRing;
+  std::size_t total = bytes;           // what the threshold compares: the operation's whole buffer
+  Schedule two_way = Schedule::kRing;  // the collective's two-way gather, where it has one
   // The small schedule without a model, with log steps (from 5 ranks on for all_reduce, 4 for
   // the others): the tree for all_reduce (it measured fastest on small operations, alone and
   // back to back, on an oversubscribed host), else the log-step schedule of the collective.
@@ -208,13 +202,11 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
                                                               : Schedule::kRecursiveDoubling;
   switch (kind) {
     case OpKind::kAllReduce:
-      small = Schedule::kGatherReduce;
+      two_way = Schedule::kGatherReduce;
       if (requested == Algorithm::kGatherReduce) return Schedule::kGatherReduce;
-      add(Schedule::kGatherReduce);
       break;
     case OpKind::kAllGather:
-      small = Schedule::kBiGather;
-      add(Schedule::kBiGather);
+      two_way = Schedule::kBiGather;
       total = bytes * static_cast<std::size_t>(n);
       break;
     case OpKind::kReduceScatter: total = bytes * static_cast<std::size_t>(n); break;
@@ -223,6 +215,7 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
                                   " has one schedule");
   }
   if (requested == Algorithm::kRing) return Schedule::kRing;
+  Schedule small = two_way;
   const auto forced = [&](Schedule s) {
     if (!g.log_steps || !log_step_supports(kind, s)) {
       throw std::invalid_argument(std::string("select_schedule: ") + to_string(kind) +
@@ -238,9 +231,6 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
   }
   if (requested == Algorithm::kTree) return forced(Schedule::kTree);
   if (g.log_steps && n > 1) {
-    for (Schedule s : {Schedule::kRecursiveDoubling, Schedule::kHalvingDoubling, Schedule::kTree}) {
-      if (log_step_supports(kind, s)) add(s);
-    }
     // all_gather and reduce_scatter from 4 ranks on: their log-step schedule's log2(N) steps
     // beat the ring's (and the two-way gather's) N - 1 on small operations; all_reduce's tree
     // beats gather_reduce's ceil((N - 1) / 2) two-way steps from 5 ranks on (see
@@ -266,11 +256,19 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
       default: return total <= medium_bytes / 4 ? Schedule::kHalvingDoubling : Schedule::kRing;
     }
   }
+  // With a model (the caller remembers its choice per size, so this runs once per size): the
+  // ring, the collective's two-way gather, and its log-step schedules where there are mesh links.
+  std::vector<Schedule> candidates{Schedule::kRing};
+  if (two_way != Schedule::kRing) candidates.push_back(two_way);
+  if (g.log_steps && n > 1) {
+    for (Schedule s : {Schedule::kRecursiveDoubling, Schedule::kHalvingDoubling, Schedule::kTree}) {
+      if (log_step_supports(kind, s)) candidates.push_back(s);
+    }
+  }
   Schedule best = Schedule::kRing;
   double best_us = 0;
   double ring_us = 0;
-  for (std::size_t i = 0; i < ncandidates; ++i) {
-    const Schedule s = candidates[i];
+  for (Schedule s : candidates) {
     const double t = predict_us(*model, kind, s, bytes, el, g);
     if (s == Schedule::kRing) ring_us = t;
     if (s == Schedule::kRing || t < best_us) {
