@@ -45,7 +45,8 @@ Runs dear-bench, mpi-bench and gloo-bench on the same sweep and prints merged ta
   --rounds N           run the whole sequence of libraries N times, alternating, and give each
                        cell the median of its N times (default 1); this machine's speed
                        drifts within minutes, and alternating rounds spread it over every
-                       library alike
+                       library alike; each target line then also gives its ratio in every
+                       round alone (dear's run against the peers' runs of that round)
   --plain-malloc       run every library with glibc's default malloc settings (by default
                        every run gets GLIBC_TUNABLES=glibc.malloc.hugetlb=1, see below)
   --bind MODE          where the ranks run: best (default: dear where dear-run puts them
@@ -589,6 +590,45 @@ def merge_unbound(doc, lib, coll):
     return doc
 
 
+def round_result(lib, coll, size, k):
+    """lib's result at size in round k alone (the faster of its bound and unbound runs where
+    --bind best ran both), or None."""
+    best = None
+    for variant in (coll, coll + ".unbound"):
+        doc = load_one(f"{lib}-{variant}" + (f".r{k}" if k > 1 else ""))
+        for row in (doc or {}).get("rows", []):
+            res, _ = pick(row) if row["size"] == size else (None, "")
+            if res is not None and (best is None or res["time_us"] < best["time_us"]):
+                best = res
+    return best
+
+
+def round_ratios(coll, size, lib, peers, kind):
+    """A target's ratio in each round on its own: dear's run against the peers' runs of the same
+    round, which ran minutes apart at most where the medians of the table may come from
+    different rounds. [] with a single round."""
+    ratios = []
+    for k in range(1, rounds + 1) if rounds > 1 else []:
+        mine = round_result(lib, coll, size, k)
+        theirs = [r for r in (round_result(p, coll, size, k) for p in peers) if r is not None]
+        if mine is None or not theirs:
+            continue
+        if kind == "time":
+            ratios.append(mine["time_us"] / min(r["time_us"] for r in theirs))
+        elif max(r["busbw"] for r in theirs) > 0:
+            ratios.append(mine["busbw"] / max(r["busbw"] for r in theirs))
+    return ratios
+
+
+def by_round(ratios, want, kind):
+    """'; by round: 1.42 1.18 1.51 (met in 2 of 3)' for the target line, or ''."""
+    if not ratios:
+        return ""
+    met = sum(1 for r in ratios if (r <= want if kind == "time" else r >= want))
+    return (f"; by round: {' '.join(f'{r:.2f}' for r in ratios)} "
+            f"(met in {met} of {len(ratios)})")
+
+
 def fmt_time(us):
     return f"{us:.0f}" if us >= 10000 else f"{us:.1f}" if us >= 100 else f"{us:.2f}"
 
@@ -631,7 +671,8 @@ def target_lines(by_coll, nranks):
             ok = ratio <= want
             lines.append(f"# target {name} time, {lib} <= {want:g} x {peer}: "
                          f"{fmt_time(mine['time_us'])} / {fmt_time(best['time_us'])} us = "
-                         f"{ratio:.2f}, {'met' if ok else 'not met'}")
+                         f"{ratio:.2f}, {'met' if ok else 'not met'}"
+                         + by_round(round_ratios(coll, size, lib, peers, kind), want, kind))
             continue
         peer, best = max(theirs, key=lambda t: t[1]["busbw"])
         if best["busbw"] <= 0:
@@ -668,7 +709,7 @@ def target_lines(by_coll, nranks):
             need_us = best["time_us"] / want
             line += (f"; it needs {fmt_time(need_us)} us, {need_us / streamed:.2f} x the "
                      f"{fmt_time(streamed)} us a plain-socket ring took to stream its bytes")
-        lines.append(line)
+        lines.append(line + by_round(round_ratios(coll, size, lib, peers, kind), want, kind))
     return lines
 
 

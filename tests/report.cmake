@@ -51,5 +51,14 @@ if(TARGET dear-bench AND TARGET dear-run)
                      ${fabric})
     set_tests_properties(dear_bench_transport_flags PROPERTIES LABELS multiproc TIMEOUT 120
       SKIP_REGULAR_EXPRESSION "is not available here")
+    # scripts/compare-peers.sh at its smallest: dear and Open MPI, 2 ranks, two rounds; the
+    # merged table, the 8 B target line and its per-round ratios, which are recomputed from
+    # each run's JSON (compare_peers_smoke.sh).
+    find_program(DEAR_MPIRUN NAMES mpirun)
+    if(TARGET mpi-bench AND TARGET dear-tcp-ring AND DEAR_MPIRUN)
+      add_test(NAME compare_peers_smoke
+               COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/compare_peers_smoke.sh ${PROJECT_BINARY_DIR})
+      set_tests_properties(compare_peers_smoke PROPERTIES LABELS multiproc TIMEOUT 300)
+    endif()
   endif()
 endif()
