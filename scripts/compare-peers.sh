@@ -463,7 +463,8 @@ for coll in "${coll_list[@]}"; do
     [[ $lib == dear* && $bind != best-all ]] || places=("${peer_places[@]}")
     ((round == 1)) && rm -f "$out/$lib-$coll".json "$out/$lib-$coll".*.json
     for place in "${places[@]}"; do
-      # The first placement writes the library's file; --bind best's unbound peer run its own.
+      # The first placement writes the library's file; an unbound run under --bind best or
+      # best-all its own (.unbound).
       suffix=""
       [[ $place != "${places[0]}" ]] && suffix=.unbound
       json=$out/$lib-$coll$suffix$rsuffix.json
