@@ -16,6 +16,7 @@
 #include "collectives/engine.h"
 #include "collectives/ops.h"
 #include "collectives/reduce.h"
+#include "collectives/resident.h"
 #include "collectives/steps.h"
 #include "common/env.h"
 #include "transport/delay_channel.h"
@@ -150,7 +151,7 @@ bool overlaps(const char* a, std::size_t an, const char* b, std::size_t bn) {
   return an > 0 && bn > 0 && a < b + bn && b < a + an;
 }
 
-class CommunicatorImpl final : public Communicator {
+class CommunicatorImpl final : public collectives::ResidentCommunicator {
  public:
   CommunicatorImpl(std::unique_ptr<Bootstrap> bootstrap, CommOptions options)
       : bootstrap_(std::move(bootstrap)), options_(std::move(options)) {
@@ -167,60 +168,28 @@ class CommunicatorImpl final : public Communicator {
 
   Work all_reduce(const void* in, void* out, std::size_t count, DataType dtype, ReduceOp op,
                   const OpOptions& opts) override {
-    auto o = make(OpKind::kAllReduce, in, out, count, dtype, op, -1, opts);
-    check_buffers(*o, "in", count, "out", count, true);
-    if (size_ > 1) {
-      const Algorithm a = opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
-      o->schedule = select(OpKind::kAllReduce, a, count, dtype, opts);
-    }
-    return launch(std::move(o), opts);
+    return issue({OpKind::kAllReduce, in, out, count, dtype, op, -1}, opts, nullptr);
   }
 
   Work reduce_scatter(const void* in, void* out, std::size_t recv_count, DataType dtype,
                       ReduceOp op, const OpOptions& opts) override {
-    auto o = make(OpKind::kReduceScatter, in, out, recv_count, dtype, op, -1, opts);
-    check_total(recv_count, dtype, "recv_count");
-    check_buffers(*o, "in", recv_count * static_cast<std::size_t>(size_), "out", recv_count, false);
-    check_in_place_block(o->in, recv_count * static_cast<std::size_t>(size_), o->out, recv_count,
-                         dtype, "out", "in");
-    if (size_ > 1) {
-      const Algorithm a = opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
-      o->schedule = select(OpKind::kReduceScatter, a, recv_count, dtype, opts);
-    }
-    return launch(std::move(o), opts);
+    return issue({OpKind::kReduceScatter, in, out, recv_count, dtype, op, -1}, opts, nullptr);
   }
 
   Work all_gather(const void* in, void* out, std::size_t send_count, DataType dtype,
                   const OpOptions& opts) override {
-    auto o = make(OpKind::kAllGather, in, out, send_count, dtype, ReduceOp::kSum, -1, opts);
-    check_total(send_count, dtype, "send_count");
-    check_buffers(*o, "in", send_count, "out", send_count * static_cast<std::size_t>(size_), false);
-    check_in_place_block(o->out, send_count * static_cast<std::size_t>(size_), o->in, send_count,
-                         dtype, "in", "out");
-    if (size_ > 1) {
-      // Latency-bound sizes gather both ways round the ring: half the steps.
-      const Algorithm a = opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
-      o->schedule = select(OpKind::kAllGather, a, send_count, dtype, opts);
-    }
-    return launch(std::move(o), opts);
+    return issue({OpKind::kAllGather, in, out, send_count, dtype, ReduceOp::kSum, -1}, opts,
+                 nullptr);
   }
 
   Work broadcast(const void* in, void* out, std::size_t count, DataType dtype, int root,
                  const OpOptions& opts) override {
-    if (root < 0 || root >= size_) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "root=" + std::to_string(root) + " is outside [0, " + std::to_string(size_) + ")",
-                  rank_, Error::kNone, "broadcast");
-    }
-    auto o = make(OpKind::kBroadcast, in, out, count, dtype, ReduceOp::kSum, root, opts);
-    o->schedule = Schedule::kChain;
-    if (count > 0 && out == nullptr) null_arg("out", count, "broadcast");
-    if (rank_ == root && count > 0 && in == nullptr) null_arg("in", count, "broadcast");
-    if (rank_ == root && in != out) {
-      const std::size_t b = count * dtype_size(dtype);
-      if (overlaps(o->in, b, o->out, b)) partial_overlap("broadcast");
-    }
-    return launch(std::move(o), opts);
+    return issue({OpKind::kBroadcast, in, out, count, dtype, ReduceOp::kSum, root}, opts, nullptr);
+  }
+
+  Work issue_on_device(const collectives::CollectiveCall& call, const OpOptions& opts,
+                       std::unique_ptr<collectives::OpFence> fence) override {
+    return issue(call, opts, std::move(fence));
   }
 
   Work barrier(const OpOptions& opts) override {
@@ -256,6 +225,62 @@ class CommunicatorImpl final : public Communicator {
   }
 
  private:
+  // Every collective but the barrier: checks, the schedule, and the launch. `fence`: the
+  // operation is on device memory (collectives/resident.h).
+  Work issue(const collectives::CollectiveCall& c, const OpOptions& opts,
+             std::unique_ptr<collectives::OpFence> fence) {
+    const std::size_t n = static_cast<std::size_t>(size_);
+    const Algorithm a = opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
+    std::unique_ptr<Op> o;
+    switch (c.kind) {
+      case OpKind::kAllReduce:
+        o = make(c.kind, c.in, c.out, c.count, c.dtype, c.op, -1, opts, fence != nullptr);
+        check_buffers(*o, "in", c.count, "out", c.count, true);
+        break;
+      case OpKind::kReduceScatter:
+        o = make(c.kind, c.in, c.out, c.count, c.dtype, c.op, -1, opts, fence != nullptr);
+        check_total(c.count, c.dtype, "recv_count");
+        check_buffers(*o, "in", c.count * n, "out", c.count, false);
+        check_in_place_block(o->in, c.count * n, o->out, c.count, c.dtype, "out", "in");
+        break;
+      case OpKind::kAllGather:
+        o = make(c.kind, c.in, c.out, c.count, c.dtype, ReduceOp::kSum, -1, opts,
+                 fence != nullptr);
+        check_total(c.count, c.dtype, "send_count");
+        check_buffers(*o, "in", c.count, "out", c.count * n, false);
+        check_in_place_block(o->out, c.count * n, o->in, c.count, c.dtype, "in", "out");
+        break;
+      case OpKind::kBroadcast: {
+        if (c.root < 0 || c.root >= size_) {
+          throw Error(ErrorCode::kInvalidArgument,
+                      "root=" + std::to_string(c.root) + " is outside [0, " +
+                          std::to_string(size_) + ")",
+                      rank_, Error::kNone, "broadcast");
+        }
+        o = make(c.kind, c.in, c.out, c.count, c.dtype, ReduceOp::kSum, c.root, opts,
+                 fence != nullptr);
+        o->schedule = Schedule::kChain;
+        if (c.count > 0 && c.out == nullptr) null_arg("out", c.count, "broadcast");
+        if (rank_ == c.root && c.count > 0 && c.in == nullptr) null_arg("in", c.count, "broadcast");
+        if (rank_ == c.root && c.in != c.out) {
+          const std::size_t b = c.count * dtype_size(c.dtype);
+          if (overlaps(o->in, b, o->out, b)) partial_overlap("broadcast");
+        }
+        break;
+      }
+      case OpKind::kBarrier:
+        throw Error(ErrorCode::kInternal, "issue() does not make barriers", rank_);
+    }
+    if (size_ > 1 && c.kind != OpKind::kBroadcast) {
+      o->schedule = select(c.kind, a, c.count, c.dtype, opts);
+      // Device memory runs the schedules of the ring links only (the log-step ones keep their
+      // work buffers in host memory): the ring in their place.
+      if (fence && is_log_step(o->schedule)) o->schedule = Schedule::kRing;
+    }
+    o->fence = std::move(fence);
+    return launch(std::move(o), opts);
+  }
+
   void validate_options() {
     // Read by every TCP channel; checked before any link is built, so that a bad value fails
     // every rank at once instead of the first channel's rank alone.
@@ -291,6 +316,13 @@ class CommunicatorImpl final : public Communicator {
       throw Error(ErrorCode::kInvalidArgument,
                   "CommOptions::fabric_data_path='" + options_.fabric_data_path +
                       "' is not one of auto, write, send (DEAR_FABRIC_DATA_PATH)",
+                  rank_);
+    }
+    (void)collectives::make_executor(options_.executor, 0, rank_);  // names a bad value
+    if (options_.landing_slots < 1) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "CommOptions::landing_slots=" + std::to_string(options_.landing_slots) +
+                      " must be at least 1",
                   rank_);
     }
     if (options_.eager_window < 1) {
@@ -387,6 +419,9 @@ class CommunicatorImpl final : public Communicator {
     cfg.eager_window = options_.eager_window;
     cfg.spin_us = options_.spin_us;
     cfg.wait_spin_us = options_.wait_spin_us;
+    cfg.executor = options_.executor;
+    cfg.landing_slots = options_.landing_slots;
+    cfg.make_device_executor = collectives::device_executor_factory(rank_);
     engine_ = std::make_shared<collectives::Engine>(cfg, std::move(to_next), std::move(from[0]),
                                                     std::move(mesh_peers), std::move(mesh));
   }
@@ -466,7 +501,8 @@ class CommunicatorImpl final : public Communicator {
   }
 
   std::unique_ptr<Op> make(OpKind kind, const void* in, void* out, std::size_t count,
-                           DataType dtype, ReduceOp op, int root, const OpOptions& opts) const {
+                           DataType dtype, ReduceOp op, int root, const OpOptions& opts,
+                           bool device = false) const {
     const char* name = collectives::to_string(kind);
     if (!is_valid(dtype)) {
       throw Error(ErrorCode::kInvalidArgument,
@@ -501,7 +537,7 @@ class CommunicatorImpl final : public Communicator {
                   Error::kNone, name);
     }
     check_algorithm(opts.algorithm, kind, "OpOptions::algorithm");
-    if (opts.cuda_stream != nullptr) {
+    if (opts.cuda_stream != nullptr && !device) {
       // With CUDA the device wrapper consumes the stream before this point.
       throw Error(ErrorCode::kInvalidArgument,
                   "OpOptions::cuda_stream is set but this build of dear has no CUDA support", rank_,
@@ -516,6 +552,7 @@ class CommunicatorImpl final : public Communicator {
     o->priority = opts.priority;
     o->in = static_cast<const char*>(in);
     o->out = static_cast<char*>(out);
+    o->device = device;
     return o;
   }
 
@@ -677,7 +714,13 @@ class CommunicatorImpl final : public Communicator {
     geo.channels = opts.channels > 0 ? opts.channels : options_.channels;
     geo.slice_bytes = opts.slice_bytes > 0 ? opts.slice_bytes : options_.slice_bytes;
     geo.eager_bytes = options_.eager_bytes;
+    if (o->device) {
+      // Device slices pass through landing slots of at most this size, and none runs ahead
+      // of its receiver (it would have to wait in host memory the device cannot read).
+      geo.slice_bytes = std::min(geo.slice_bytes, collectives::kDeviceSliceBytes);
+    }
     collectives::plan(*o, rank_, size_, geo);
+    if (o->device) o->eager = false;
     return engine_->submit(std::move(o));
   }
 
@@ -762,6 +805,11 @@ CommOptions apply_env(CommOptions options) {
     options.link_delay_us = static_cast<int>(*v);
   }
   if (auto v = env::get("DEAR_COST_MODEL")) options.cost_model_file = *v;
+  if (auto v = env::get("DEAR_EXECUTOR")) options.executor = *v;
+  if (auto v = env::get_int("DEAR_CUDA_STAGING", 0, 1)) options.cuda_staging = *v != 0;
+  if (auto v = env::get_int("DEAR_LANDING_SLOTS", 1, 1024)) {
+    options.landing_slots = static_cast<int>(*v);
+  }
   if (auto v = env::get("DEAR_ALGO")) {
     const auto a = parse_algorithm(*v);
     if (!a) {

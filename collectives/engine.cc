@@ -45,6 +45,8 @@ constexpr std::size_t kQueueBytesPerChannel = 1024 * 1024;
 constexpr std::size_t kQueueMessagesPerChannel = 32;
 constexpr std::size_t kMaxUnexpectedBytes = 256 * 1024 * 1024;
 constexpr std::size_t kMaxAbortText = 4096;
+// How often the engine looks whether a device operation's input is ready.
+constexpr std::chrono::microseconds kFencePoll{50};
 
 bool order_before(const Op& a, const Op& b) {
   if (a.priority != b.priority) return a.priority > b.priority;
@@ -54,25 +56,21 @@ bool order_before(const Op& a, const Op& b) {
 // One rank's view of an operation, as printed in mismatch and timeout errors; the same text
 // for a received header and for a local operation, so the two can be compared by eye.
 std::string view_of(OpKind kind, Schedule schedule, std::uint64_t count, DataType dtype,
-                    ReduceOp redop, int root) {
+                    ReduceOp redop, int root, bool device) {
   return std::string(to_string(kind)) + " count=" + std::to_string(count) +
          " dtype=" + std::string(dear::to_string(dtype)) +
          " op=" + std::string(dear::to_string(redop)) + " root=" + std::to_string(root) +
-         " schedule=" + to_string(schedule);
+         " schedule=" + to_string(schedule) + (device ? " memory=device" : " memory=host");
 }
 
 std::string view_of(const FrameHeader& h) {
-  return view_of(static_cast<OpKind>(h.kind & 0x0f), static_cast<Schedule>(h.kind >> 4), h.count,
-                 static_cast<DataType>(h.dtype), static_cast<ReduceOp>(h.redop), h.root);
+  return view_of(static_cast<OpKind>(h.kind & 0x0f), static_cast<Schedule>((h.kind >> 4) & 0x07),
+                 h.count, static_cast<DataType>(h.dtype), static_cast<ReduceOp>(h.redop), h.root,
+                 (h.kind & 0x80) != 0);
 }
 
 std::string view_of(const Op& op) {
-  return view_of(op.kind, op.schedule, op.user_count, op.dtype, op.redop, op.root);
-}
-
-std::uint8_t kind_byte(const Op& op) {
-  return static_cast<std::uint8_t>(static_cast<unsigned>(op.kind) |
-                                   (static_cast<unsigned>(op.schedule) << 4));
+  return view_of(op.kind, op.schedule, op.user_count, op.dtype, op.redop, op.root, op.device);
 }
 
 }  // namespace
@@ -106,6 +104,8 @@ Engine::Engine(EngineConfig config, std::vector<std::unique_ptr<transport::Chann
                std::vector<std::unique_ptr<transport::Channel>> from_prev,
                std::vector<int> mesh_peers, std::vector<std::unique_ptr<transport::Channel>> mesh)
     : cfg_(config),
+      host_exec_(make_executor(config.executor, static_cast<std::uint64_t>(config.rank) + 1,
+                               config.rank)),
       mesh_peers_(std::move(mesh_peers)),
       link_of_peer_(static_cast<std::size_t>(std::max(config.size, 1)), -1),
       wake_fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
@@ -126,10 +126,13 @@ Engine::Engine(EngineConfig config, std::vector<std::unique_ptr<transport::Chann
   sinks_.resize(links_.size());
   recv_ctx_.resize(links_.size());
   abort_text_.resize(links_.size());
+  slot_queues_.resize(2);
   for (std::size_t l = 0; l < links_.size(); ++l) {
     sinks_[l] = std::make_unique<LinkSink>(*this, static_cast<int>(l));
     recv_ctx_[l].resize(links_[l].size());
+    if (l < 2) slot_queues_[l].resize(links_[l].size());
   }
+  host_exec_.executor->set_waker([this] { wake(); });
   thread_ = std::thread([this] { run(); });
 }
 
@@ -137,6 +140,7 @@ Engine::~Engine() {
   stop_.store(true);
   wake();
   if (thread_.joinable()) thread_.join();
+  free_slots();
 }
 
 Work Engine::submit(std::unique_ptr<Op> op) {
@@ -277,7 +281,7 @@ void Engine::run() {
         sched_yield();
         continue;
       }
-      if (!active_.empty() || pending_submissions_.load() > 0) {
+      if (!active_.empty() || pending_submissions_.load() > 0 || fence_wait_) {
         idle_ticks_ = 0;
         wait_for_events(lock);
         continue;
@@ -328,6 +332,7 @@ bool Engine::turn() {
     apply_priorities();
     announce();
     moved |= progress_links();
+    moved |= poll_executors();
     // Hand newly queued slices to the sockets in the same turn; an idle turn skips it.
     if (schedule_sends()) {
       moved = true;
@@ -451,8 +456,9 @@ bool Engine::await(const Work::State& state, std::chrono::steady_clock::time_poi
 }
 
 bool Engine::drain_submissions() {
-  if (pending_submissions_.load() == 0) return false;
+  if (pending_submissions_.load() == 0 && !fence_wait_) return false;
   pending_submissions_.store(0);
+  fence_wait_ = false;
   // One operation at a time leaves the queue: every operation is always in exactly one of
   // submitted_, active_ or completed. Starting one can fail the communicator (a slice that
   // arrived early disagrees with it); fail() then completes those still queued, and none is
@@ -470,6 +476,13 @@ bool Engine::drain_submissions() {
       }
       if (forget.empty()) {
         if (submitted_.empty()) break;
+        // Operations start in issue order: one whose device input is not ready yet holds up
+        // the ones behind it (the peers number them in the same order).
+        const auto& front = submitted_.front();
+        if (front->fence && !front->fence->input_ready()) {
+          fence_wait_ = true;
+          break;
+        }
         op = std::move(submitted_.front());
         submitted_.pop_front();
       }
@@ -505,10 +518,15 @@ void Engine::start(std::unique_ptr<Op> op) {
     }
   }
   op->deadline = transport::deadline_after(op->timeout);
+  prepare_op(*op);
   const bool log_step = is_log_step(op->schedule);
   const bool needs_scratch = op->schedule == Schedule::kGatherReduce ||
                              (op->kind == OpKind::kReduceScatter && op->nranks > 2 && !log_step);
-  if (log_step) {
+  if (op->device && needs_scratch) {
+    // In the device executor's memory; handed back when the operation completes.
+    op->scratch = op->exec->allocate(ExecMemory::kScratch, op->total * op->el);
+    if (op->schedule == Schedule::kGatherReduce) op->work = op->scratch;
+  } else if (log_step) {
     // The work buffer (reduce_scatter: a copy of the input) and the staging area.
     const std::size_t work = op->log.work_is_scratch ? op->log.work_bytes : 0;
     op->scratch_owner = scratch_.acquire(work + op->log.stage_bytes, &op->scratch_capacity);
@@ -530,6 +548,7 @@ void Engine::start(std::unique_ptr<Op> op) {
       active_.begin(), active_.end(), raw,
       [](const Op* a, const std::unique_ptr<Op>& b) { return order_before(*a, *b); });
   active_.insert(pos, std::move(op));
+  issue_start_copies(*raw);
   replay_unexpected(*raw);
   // A neighbour that finished everything and left is fine as long as this operation has
   // nothing more to exchange with it (its slices may all have arrived before it closed).
@@ -649,6 +668,7 @@ bool Engine::schedule_sends() {
   for (int d = 0; d < 2; ++d) {
     moved |= schedule_sends(d);
   }
+  moved |= pump_slot_sends();
   if (links_.size() > 2) moved |= advance_log_steps();
   return moved;
 }
@@ -666,22 +686,18 @@ bool Engine::schedule_sends(int dir) {
       const std::uint32_t total = op.messages_sent_per_channel(dir);
       std::uint32_t& next = op.send_next[di][c];
       if (next >= total || !may_send(op)) continue;
+      if (op.start_pending > 0) continue;
+      if (op.bounced) {
+        moved |= pack_sends(op, dir, static_cast<int>(c));
+        continue;
+      }
       while (next < total && ch.queued() < kQueueMessagesPerChannel &&
              ch.queued_bytes() < kQueueBytesPerChannel) {
         // Forwarding: message `next` carries what receive `next - dep_lag` brought.
         const auto lag = static_cast<std::uint32_t>(op.dep_lag);
-        if (op.forwards && next >= lag && op.recv_next[di][c] <= next - lag) break;
+        if (op.forwards && next >= lag && op.recv_done[di][c] <= next - lag) break;
         const MessagePlan m = send_plan(op, dir, static_cast<int>(c), next);
-        FrameHeader h;
-        h.bytes = static_cast<std::uint32_t>(m.span.bytes);
-        h.type = FrameType::kData;
-        h.kind = kind_byte(op);
-        h.dtype = static_cast<std::uint8_t>(op.dtype);
-        h.redop = static_cast<std::uint8_t>(op.redop);
-        h.seq = op.seq;
-        h.index = next;
-        h.root = op.root;
-        h.count = op.user_count;
+        const FrameHeader h = data_frame(op, next, m.span.bytes);
         const std::int64_t at =
             dir == kForward && op.has_peer_window ? direct_offset(op, m) : std::int64_t{-1};
         const char* src = send_source(op, m);
@@ -703,7 +719,9 @@ bool Engine::schedule_sends(int dir) {
 bool Engine::advance_log_steps() {
   bool moved = false;
   for (auto& holder : active_) {
-    if (is_log_step(holder->schedule)) moved |= advance_log_steps(*holder);
+    if (is_log_step(holder->schedule) && holder->start_pending == 0) {
+      moved |= advance_log_steps(*holder);
+    }
   }
   return moved;
 }
@@ -721,16 +739,7 @@ bool Engine::advance_log_steps(Op& op) {
       if (!may_send(op)) break;
       transport::Channel& ch = *links_[static_cast<std::size_t>(mesh_link(s.send_peer))][0];
       if (ch.closed() || ch.queued() >= kQueueMessagesPerChannel) break;
-      FrameHeader h;
-      h.bytes = static_cast<std::uint32_t>(s.send_bytes);
-      h.type = FrameType::kData;
-      h.kind = kind_byte(op);
-      h.dtype = static_cast<std::uint8_t>(op.dtype);
-      h.redop = static_cast<std::uint8_t>(op.redop);
-      h.seq = op.seq;
-      h.index = static_cast<std::uint32_t>(s.tag);
-      h.root = op.root;
-      h.count = op.user_count;
+      const FrameHeader h = data_frame(op, static_cast<std::uint32_t>(s.tag), s.send_bytes);
       const char* src = work_source(op, s.send_offset, s.send_bytes);
       if (!ch.try_send(h, src, (op.seq << 8) | k)) break;
       st |= Op::kStepSent;
@@ -740,16 +749,22 @@ bool Engine::advance_log_steps(Op& op) {
     if (s.recv_peer >= 0) {
       if ((st & Op::kStepReceived) == 0) break;
       if (s.wait_send && (st & Op::kStepSendDone) == 0) break;
-      if (s.reduce) {
-        char* dst = op.work + s.recv_offset;
-        const char* mine = work_source(op, s.recv_offset, s.recv_bytes);
-        const char* operand = op.stage + s.stage_offset;
-        const std::size_t n = s.recv_bytes / op.el;
-        if (s.final) {
-          reduce_final(dst, mine, operand, n, op.dtype, op.redop, op.nranks);
-        } else {
-          reduce(dst, mine, operand, n, op.dtype, op.redop);
+      if (s.reduce && (st & Op::kStepApplied) == 0) {
+        // Through the executor; the step is complete once the reduction is.
+        if ((st & Op::kStepApplying) == 0) {
+          st |= Op::kStepApplying;
+          ExecStep e;
+          e.kind = s.final ? ExecStep::kReduceFinal : ExecStep::kReduce;
+          e.dst = op.work + s.recv_offset;
+          e.a = work_source(op, s.recv_offset, s.recv_bytes);
+          e.b = op.stage + s.stage_offset;
+          e.n = s.recv_bytes / op.el;
+          e.dtype = op.dtype;
+          e.op = op.redop;
+          e.nranks = op.nranks;
+          issue_step(*op.exec, e, log_step_token(op.seq, k));
         }
+        if ((st & Op::kStepApplied) == 0) break;
       }
       // A copied receive wrote its range when it arrived; no earlier step touches it.
       work_written(op, s.recv_offset, s.recv_bytes);
@@ -822,8 +837,12 @@ bool Engine::progress_links() {
   bool moved = false;
   std::size_t i = 0;
   for (std::size_t l = 0; l < links_.size(); ++l) {
-    for (auto& ch : links_[l]) {
-      const bool ready = ch->polled() || ready_fds_[i].revents != 0;
+    for (std::size_t c = 0; c < links_[l].size(); ++c) {
+      auto& ch = links_[l][c];
+      // A channel whose landing slots are all waiting for their steps is not read: its
+      // messages wait in the transport (back-pressure) until a slot is free again.
+      const bool ready = (ch->polled() || ready_fds_[i].revents != 0) &&
+                         !landing_full(static_cast<int>(l), static_cast<int>(c));
       ++i;
       if (!ch->closed() && (ready || ch->queued() > 0)) {
         moved |= ch->progress(*sinks_[l], ready);
@@ -944,6 +963,16 @@ RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h
   ctx.other = p.other;
   ctx.final = p.final;
   ctx.reduce = p.other != nullptr;
+  // A bounced operation's receives, and a reduction whose step completes later, land in a
+  // slot; the step is issued once the payload is in (arrive).
+  if (op.bounced || (ctx.reduce && !op.exec->immediate())) {
+    const int s = acquire_slot(op, 1 - dir, channel, h.bytes, false);
+    Slot& slot = slots_[static_cast<std::size_t>(s)];
+    slot.step = ctx.reduce ? reduce_step(op, ctx, p.dst, slot.data, p.other, h.bytes / op.el)
+                           : copy_step(p.dst, slot.data, h.bytes);
+    ctx.slot = s;
+    return {RecvTarget::kDirect, slot.data, 1};
+  }
   if (ctx.reduce) return {RecvTarget::kStream, nullptr, op.el};
   return {RecvTarget::kDirect, p.dst, 1};
 }
@@ -952,12 +981,8 @@ void Engine::on_payload(int link, int channel, const char* data, std::size_t off
                         std::size_t len) {
   RecvCtx& ctx = recv_ctx_[link][static_cast<std::size_t>(channel)];
   Op& op = *ctx.op;
-  const std::size_t n = len / op.el;
-  if (ctx.final) {
-    reduce_final(ctx.dst + offset, data, ctx.other + offset, n, op.dtype, op.redop, op.nranks);
-  } else {
-    reduce(ctx.dst + offset, data, ctx.other + offset, n, op.dtype, op.redop);
-  }
+  // Streamed only for an immediate executor: the piece is reduced before this returns.
+  op.exec->issue(reduce_step(op, ctx, ctx.dst + offset, data, ctx.other + offset, len / op.el), 0);
 }
 
 void Engine::on_message(int link, int channel, const FrameHeader& h) {
@@ -996,7 +1021,7 @@ void Engine::on_message(int link, int channel, const FrameHeader& h) {
   if (ctx.op != nullptr && ctx.step >= 0) {
     ctx.op->step_state[static_cast<std::size_t>(ctx.step)] |= Op::kStepReceived;
   } else if (ctx.op != nullptr) {
-    ++ctx.op->recv_next[static_cast<std::size_t>(ctx.dir)][static_cast<std::size_t>(channel)];
+    arrive(*ctx.op, link, channel, ctx);
   } else if (ctx.pending != nullptr) {
     // Stored whole now. Its operation may have been posted while the payload was arriving:
     // then it is placed at once (a partial one is never replayed).
@@ -1026,16 +1051,14 @@ void Engine::replay_unexpected(Op& op) {
     const int dir = 1 - it->link;
     const RecvTarget t = target_for(op, dir, it->channel, it->header, ctx);
     if (t.mode == RecvTarget::kDirect) {
+      // Into its destination, or the landing slot whose step arrive() issues.
       if (it->header.bytes > 0) std::memcpy(t.dst, it->data.data(), it->header.bytes);
     } else {
-      const std::size_t n = it->header.bytes / op.el;
-      if (ctx.final) {
-        reduce_final(ctx.dst, it->data.data(), ctx.other, n, op.dtype, op.redop, op.nranks);
-      } else {
-        reduce(ctx.dst, it->data.data(), ctx.other, n, op.dtype, op.redop);
-      }
+      op.exec->issue(reduce_step(op, ctx, ctx.dst, it->data.data(), ctx.other,
+                                 it->header.bytes / op.el),
+                     0);
     }
-    ++op.recv_next[static_cast<std::size_t>(dir)][static_cast<std::size_t>(it->channel)];
+    arrive(op, it->link, it->channel, ctx);
     unexpected_bytes_ -= it->header.bytes;
     it = recycle_unexpected(it);
   }
@@ -1053,6 +1076,10 @@ void Engine::on_sent(int link, int channel, std::uint64_t token) {
   if (token == kWindowToken) {
     // Frames of one channel are sent in the order queued.
     if (!window_wire_.empty()) window_wire_.pop_front();
+    return;
+  }
+  if (link < 2 && is_slot_token(token)) {
+    slot_sent(link, channel, token);
     return;
   }
   if (link >= 2) {
@@ -1080,7 +1107,7 @@ bool Engine::copy_while_waiting() {
   // In pieces, so that a turn stays short for the operations that arrive meanwhile.
   constexpr std::size_t kPiece = 256 * 1024;
   for (const auto& op : active_) {
-    if (copy_piece(*op, kPiece)) return true;
+    if (op->start_pending == 0 && copy_piece(*op, kPiece)) return true;
   }
   return false;
 }
@@ -1088,14 +1115,14 @@ bool Engine::copy_while_waiting() {
 void Engine::complete_finished() {
   for (auto it = active_.begin(); it != active_.end();) {
     Op& op = **it;
-    if (!op.finished()) {
+    if (!op.finished() || !advance_finish(op)) {
       ++it;
       continue;
     }
-    finish_local(op);
     close_window(op);
+    release_scratch(op);
+    if (op.fence) op.fence->done();
     op.state->complete(nullptr);
-    scratch_.release(std::move(op.scratch_owner), op.scratch_capacity);
     it = active_.erase(it);
   }
 }
@@ -1208,22 +1235,34 @@ void Engine::wait_for_events(std::unique_lock<std::mutex>& turn) {
       }
     }
   }
-  for (auto& link : links_) {
-    for (auto& ch : link) {
-      const pollfd p = ch->wait_spec();
+  for (std::size_t l = 0; l < links_.size(); ++l) {
+    for (std::size_t c = 0; c < links_[l].size(); ++c) {
+      // A channel left unread for want of landing slots would wake the engine at once.
+      if (landing_full(static_cast<int>(l), static_cast<int>(c))) continue;
+      const pollfd p = links_[l][c]->wait_spec();
       if (p.fd >= 0) pollfds_.push_back(p);
     }
   }
   auto deadline = transport::Deadline::max();
   for (const auto& op : active_) deadline = std::min(deadline, op->deadline);
   if (probe_deadline_ != transport::Clock::time_point{}) deadline = probe_deadline_;
+  // Executors that cannot wake the engine, and device input that nobody signals, are looked
+  // at again after a short sleep.
+  auto nap = executor_poll_interval();
+  if (fence_wait_) nap = nap.count() > 0 ? std::min(nap, kFencePoll) : kFencePoll;
   mode_.store(kActiveSleep);
   // Sleep without the turn lock, so a thread in drive() can run turns meanwhile.
   turn.unlock();
   int rc = 0;
   if (pending_submissions_.load() == 0 && !stop_.load() && !abort_requested_.load() &&
       drivers_.load() == 0) {
-    rc = ::poll(pollfds_.data(), pollfds_.size(), transport::poll_timeout_ms(deadline));
+    const int ms = transport::poll_timeout_ms(deadline);
+    if (nap.count() > 0 && (ms < 0 || std::chrono::milliseconds(ms) > nap)) {
+      const timespec ts{0, static_cast<long>(nap.count() * 1000)};
+      rc = ::ppoll(pollfds_.data(), pollfds_.size(), &ts, nullptr);
+    } else {
+      rc = ::poll(pollfds_.data(), pollfds_.size(), ms);
+    }
   }
   mode_.store(kRunning);
   if (rc < 0 && errno != EINTR) {
@@ -1302,9 +1341,17 @@ void Engine::fail_all(std::exception_ptr e) {
     batch.swap(submitted_);
     pending_submissions_.store(0);
   }
-  for (auto& op : batch) op->state->complete(e);
+  fence_wait_ = false;
+  // No step may still write into an operation's memory once its caller has it back.
+  drain_executors();
+  for (auto& op : batch) {
+    if (op->fence) op->fence->done();
+    op->state->complete(e);
+  }
   for (auto& op : active_) {
     close_window(*op);
+    release_scratch(*op);
+    if (op->fence) op->fence->done();
     op->state->complete(e);
   }
   active_.clear();

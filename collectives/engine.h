@@ -20,6 +20,7 @@
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -28,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "collectives/executor.h"
 #include "collectives/ops.h"
 #include "dear/communicator.h"
 #include "transport/link.h"
@@ -65,6 +67,12 @@ struct EngineConfig {
   int eager_window = 64;
   int spin_us = 0;       // CommOptions::spin_us
   int wait_spin_us = 0;  // CommOptions::wait_spin_us
+  std::string executor = "host";  // CommOptions::executor, for host operations
+  // Makes the executor of device operations when the first one starts; empty in a build
+  // without CUDA. Device operations go through landing slots (bounced).
+  std::function<std::unique_ptr<Executor>(int device)> make_device_executor;
+  // Landing slots per channel and direction for operations whose steps are asynchronous.
+  int landing_slots = 4;
 };
 
 class Engine : public std::enable_shared_from_this<Engine> {
@@ -103,6 +111,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void forget_memory(const void* addr, std::size_t bytes);
   bool drive(const Work::State& state, std::chrono::steady_clock::time_point until,
              std::chrono::microseconds idle);
+  // The most landing memory (bytes) this engine has held at once; thread-safe.
+  [[nodiscard]] std::size_t peak_landing_bytes() const {
+    return peak_landing_atomic_.load(std::memory_order_relaxed);
+  }
   // Yields until `state` completes, `until`, or `spin` has passed; meanwhile the engine
   // thread spins for wait_spin_us instead of spin_us before it sleeps. True when completed.
   bool await(const Work::State& state, std::chrono::steady_clock::time_point until,
@@ -114,6 +126,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   struct Unexpected;
   struct RecvCtx {
     Op* op = nullptr;             // null: unexpected or control message
+    int slot = -1;                // the landing slot the payload goes to
     int dir = 0;                  // direction the message travels (collectives::kForward, ...)
     char* dst = nullptr;          // reduce destination / direct destination
     const char* other = nullptr;  // reduce operand from local memory
@@ -174,6 +187,61 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void check_header(const Op& op, int peer, const transport::FrameHeader& h) const;
   [[nodiscard]] int mesh_link(int peer) const;  // link index of the mesh channel to `peer`
 
+  // Executor steps and landing slots (engine_exec.cc).
+  struct Slot {
+    char* data = nullptr;
+    std::size_t capacity = 0;
+    Executor* owner = nullptr;  // whose landing memory `data` is
+    std::uint64_t seq = 0;      // the operation it serves
+    int dir = 0;
+    int link = 0;
+    int channel = 0;
+    bool send = false;
+    bool done = false;  // its step has completed
+    bool busy = false;
+    transport::FrameHeader header;  // a send slot's frame
+    ExecStep step;                  // a receive slot's step, issued when the payload is in
+  };
+  // A receive whose step may still be in flight, in the order its channel delivered it:
+  // recv_done counts a channel's receives only as far as every one before them is done.
+  struct RecvEntry {
+    int slot = -1;  // -1: it needed no step
+    std::uint64_t seq = 0;
+    int dir = 0;
+  };
+  struct SlotQueues {
+    std::vector<int> free;
+    std::deque<RecvEntry> recv;
+    std::deque<int> send;  // send slots in the order their messages leave
+    int recv_busy = 0;
+    int send_busy = 0;
+  };
+  void prepare_op(Op& op);  // its executor, and whether it bounces
+  void issue_start_copies(Op& op);
+  void release_scratch(Op& op) noexcept;
+  void slot_sent(int link, int channel, std::uint64_t token);
+  [[nodiscard]] static ExecStep reduce_step(const Op& op, const RecvCtx& ctx, char* dst,
+                                            const char* received, const char* other,
+                                            std::size_t n);
+  [[nodiscard]] static ExecStep copy_step(char* dst, const char* src, std::size_t bytes);
+  [[nodiscard]] static std::uint64_t log_step_token(std::uint64_t seq, std::size_t step);
+  [[nodiscard]] static bool is_slot_token(std::uint64_t token);
+  void issue_step(Executor& exec, const ExecStep& step, std::uint64_t token);
+  bool poll_executors();
+  void step_done(std::uint64_t token);
+  int acquire_slot(Op& op, int link, int channel, std::size_t bytes, bool send);
+  void release_slot(int link, int channel, int s);
+  void pop_done_receives(int link, int channel);
+  bool pack_sends(Op& op, int dir, int channel);
+  bool pump_slot_sends();
+  void arrive(Op& op, int link, int channel, RecvCtx& ctx);
+  [[nodiscard]] bool landing_full(int link, int channel) const;
+  [[nodiscard]] bool steps_in_flight() const;
+  [[nodiscard]] std::chrono::microseconds executor_poll_interval() const;
+  void drain_executors() noexcept;
+  bool advance_finish(Op& op);  // false while the operation's final steps are in flight
+  void free_slots() noexcept;
+
   void fail(const Error& e);
   void fail_all(std::exception_ptr e);
   void send_control(int link, transport::FrameType type, std::uint64_t seq,
@@ -184,6 +252,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
   [[nodiscard]] std::string describe_progress(const Op& op) const;
 
   EngineConfig cfg_;
+  ExecutorChoice host_exec_;
+  std::unique_ptr<Executor> device_exec_;  // made with the first device operation
+  std::vector<Slot> slots_;
+  std::vector<std::vector<SlotQueues>> slot_queues_;  // [link][channel]
+  std::vector<std::uint64_t> exec_done_;
+  std::size_t landing_bytes_ = 0;       // landing memory allocated now
+  std::size_t peak_landing_bytes_ = 0;  // and at most
+  bool fence_wait_ = false;             // the next operation waits for its device input
   // Windows announced to the previous rank (kPosted payloads) until their frame is sent: the
   // channel reads them until then, so they outlive the links' closing.
   std::deque<transport::Window> window_wire_;
@@ -253,6 +329,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Set when an operation passed its deadline and the neighbour it waits on was asked why.
   transport::Clock::time_point probe_deadline_{};
   std::string probe_text_;  // the engine thread's last turn that moved
+  std::atomic<std::size_t> peak_landing_atomic_{0};
   std::thread thread_;
 };
 

@@ -97,7 +97,28 @@ void ScratchPool::release(std::unique_ptr<char[]> buf, std::size_t capacity) {
   free_.emplace_back(capacity, std::move(buf));
 }
 
+std::uint8_t kind_byte(const Op& op) {
+  return static_cast<std::uint8_t>(static_cast<unsigned>(op.kind) |
+                                   (static_cast<unsigned>(op.schedule) << 4) |
+                                   (op.device ? 0x80U : 0U));
+}
+
+transport::FrameHeader data_frame(const Op& op, std::uint32_t index, std::size_t bytes) {
+  transport::FrameHeader h;
+  h.bytes = static_cast<std::uint32_t>(bytes);
+  h.type = transport::FrameType::kData;
+  h.kind = kind_byte(op);
+  h.dtype = static_cast<std::uint8_t>(op.dtype);
+  h.redop = static_cast<std::uint8_t>(op.redop);
+  h.seq = op.seq;
+  h.index = index;
+  h.root = op.root;
+  h.count = op.user_count;
+  return h;
+}
+
 bool Op::finished() const {
+  if (start_pending > 0 || local_pending > 0) return false;
   if (is_log_step(schedule)) return step_next == log.steps.size() && sends_in_flight == 0;
   for (int d = 0; d < 2; ++d) {
     const auto di = static_cast<std::size_t>(d);
@@ -105,7 +126,7 @@ bool Op::finished() const {
     const std::uint32_t nr = messages_received_per_channel(d);
     for (int c = 0; c < channels; ++c) {
       const auto ci = static_cast<std::size_t>(c);
-      if (send_done[di][ci] != ns || recv_next[di][ci] != nr) return false;
+      if (send_done[di][ci] != ns || recv_done[di][ci] != nr) return false;
     }
   }
   return true;
@@ -266,7 +287,7 @@ namespace {
 // and chain schedules (an eager operation's slices may arrive before the receiver has posted
 // it, so it has no window to offer them).
 bool has_direct_messages(const Op& op) {
-  if (op.eager || op.out == nullptr) return false;
+  if (op.eager || op.out == nullptr || op.bounced) return false;
   switch (op.kind) {
     case OpKind::kAllReduce:
     case OpKind::kAllGather: return op.schedule == Schedule::kRing;
@@ -304,7 +325,9 @@ namespace {
 void copy_or_defer(Op& op, char* to, const char* from, std::size_t bytes) {
   const bool deferrable = op.kind != OpKind::kBarrier && !is_log_step(op.schedule);
   if (!deferrable) {
-    std::memcpy(to, from, bytes);
+    op.start_copy_to = to;
+    op.start_copy_from = from;
+    op.start_copy_bytes = bytes;
     return;
   }
   op.copy_to = to;
@@ -330,7 +353,9 @@ void start_local(Op& op) {
   switch (op.kind) {
     case OpKind::kAllReduce:
       if (op.schedule == Schedule::kGatherReduce && block > 0) {
-        std::memcpy(op.work + static_cast<std::size_t>(op.rank) * block, op.in, block);
+        op.start_copy_to = op.work + static_cast<std::size_t>(op.rank) * block;
+        op.start_copy_from = op.in;
+        op.start_copy_bytes = block;
       }
       break;
     case OpKind::kAllGather:
@@ -418,7 +443,7 @@ void work_written(Op& op, std::size_t offset, std::size_t bytes) {
   w.insert(first, {lo, hi});
 }
 
-void finish_local(Op& op) {
+void finish_local(Op& op, bool reductions) {
   copy_piece(op, op.copy_left);
   // Bytes no step wrote (none in dear's schedules) still hold the input's value.
   if (op.input_in_place) fill_from_input(op, 0, op.user_count * op.el);
@@ -429,22 +454,40 @@ void finish_local(Op& op) {
     }
     return;
   }
-  if (op.kind != OpKind::kAllReduce || op.schedule != Schedule::kGatherReduce) return;
+  if (reductions) {
+    for (const ExecStep& s : final_steps(op)) run_on_host(s);
+  }
+}
+
+std::vector<ExecStep> final_steps(const Op& op) {
+  if (op.kind != OpKind::kAllReduce || op.schedule != Schedule::kGatherReduce) return {};
   // Every rank reduces the same blocks in the same order, so all get identical bits.
   const std::size_t n = op.user_count;
   const std::size_t block = n * op.el;
   const int nr = op.nranks;
   const char* w = op.work;
+  const auto step = [&](const char* a, const char* b, bool last) {
+    ExecStep s;
+    s.kind = last ? ExecStep::kReduceFinal : ExecStep::kReduce;
+    s.dst = op.out;
+    s.a = a;
+    s.b = b;
+    s.n = n;
+    s.dtype = op.dtype;
+    s.op = op.redop;
+    s.nranks = nr;
+    return s;
+  };
+  std::vector<ExecStep> steps;
   if (nr == 2) {
-    reduce_final(op.out, w, w + block, n, op.dtype, op.redop, nr);
-    return;
+    steps.push_back(step(w, w + block, true));
+    return steps;
   }
-  reduce(op.out, w, w + block, n, op.dtype, op.redop);
-  for (int c = 2; c < nr - 1; ++c) {
-    reduce(op.out, op.out, w + static_cast<std::size_t>(c) * block, n, op.dtype, op.redop);
+  steps.push_back(step(w, w + block, false));
+  for (int c = 2; c < nr; ++c) {
+    steps.push_back(step(op.out, w + static_cast<std::size_t>(c) * block, c == nr - 1));
   }
-  reduce_final(op.out, op.out, w + static_cast<std::size_t>(nr - 1) * block, n, op.dtype, op.redop,
-               nr);
+  return steps;
 }
 
 }  // namespace dear::collectives

@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "collectives/executor.h"
 #include "dear/communicator.h"
 #include "dear/types.h"
 #include "transport/link.h"
@@ -57,6 +58,9 @@ enum class Schedule : std::uint8_t {
 [[nodiscard]] const char* to_string(Schedule s) noexcept;
 
 inline constexpr int kMaxChannels = 16;
+// Device operations' slices are at most this large: one fits a landing slot, which is made at
+// this size once and kept.
+inline constexpr std::size_t kDeviceSliceBytes = std::size_t{1} << 20;
 inline constexpr int kForward = 0;   // to the next rank, from the previous one
 inline constexpr int kBackward = 1;  // to the previous rank, from the next one
 
@@ -93,6 +97,18 @@ struct StepPlan {
   bool work_is_scratch = false;  // reduce_scatter: works on a copy of the input
 };
 
+// A device operation's edges, for the engine to poll and signal (collectives/cuda_executor.cc):
+// its input is ready once the work its caller queued before it is done, and its end releases
+// the caller's stream. Engine thread; neither blocks.
+class OpFence {
+ public:
+  virtual ~OpFence() = default;
+  [[nodiscard]] virtual bool input_ready() = 0;
+  [[nodiscard]] virtual int device() const noexcept = 0;  // the CUDA device of its memory
+  // Exactly once, before the operation's Work completes, whether it succeeded or not.
+  virtual void done() noexcept = 0;
+};
+
 struct Op {
   // What the caller asked for (identical on every rank).
   OpKind kind = OpKind::kAllReduce;
@@ -105,6 +121,16 @@ struct Op {
   std::chrono::milliseconds timeout{0};
   const char* in = nullptr;
   char* out = nullptr;
+  // Device memory (the ranks must agree: it travels in the frame's kind byte). Its steps go to
+  // the device executor, its slices through landing slots unless the links reach device memory.
+  bool device = false;
+  std::unique_ptr<OpFence> fence;
+
+  // Set by the engine when the operation starts.
+  Executor* exec = nullptr;
+  // The links never touch this operation's memory: every send is packed into a landing slot
+  // by the executor first, and every receive lands in one and is then reduced or copied out.
+  bool bounced = false;
 
   // Filled in by plan().
   std::uint64_t seq = 0;
@@ -132,11 +158,24 @@ struct Op {
   using Counters = std::array<std::array<std::uint32_t, kMaxChannels>, 2>;  // [direction][ch]
   Counters send_next{};
   Counters send_done{};
-  Counters recv_next{};
+  Counters recv_next{};  // receives that arrived
+  Counters recv_done{};  // receives whose step (reduce, copy out of a slot) has completed, in order
+  // Local steps in flight (executor steps of the operation's own: start copies, the deferred
+  // own-block copy, the final reductions): sends wait for start_pending, completion for both.
+  int start_pending = 0;
+  int local_pending = 0;
+  std::size_t finish_next = 0;  // asynchronous executors: final steps issued so far
+  // A copy the sends read from (kGatherReduce's own block into the work buffer), made by
+  // start_local's caller through the executor before any send leaves.
+  const char* start_copy_from = nullptr;
+  char* start_copy_to = nullptr;
+  std::size_t start_copy_bytes = 0;
   // Log-step progress: steps before step_next are complete; per step, kStep* flags.
   static constexpr std::uint8_t kStepSent = 1;      // its send is queued
   static constexpr std::uint8_t kStepSendDone = 2;  // the transport is done with it
   static constexpr std::uint8_t kStepReceived = 4;  // its receive arrived (and was copied)
+  static constexpr std::uint8_t kStepApplying = 8;  // its reduction is issued
+  static constexpr std::uint8_t kStepApplied = 16;  // its reduction is done
   std::vector<std::uint8_t> step_state;
   std::uint32_t step_next = 0;
   std::uint32_t sends_in_flight = 0;
@@ -184,6 +223,13 @@ struct SliceGeometryOptions {
   std::size_t eager_bytes = 64 * 1024;
 };
 
+// The frame kind byte: collective, schedule, and whether the memory is device memory, which
+// every rank must agree on (a header that differs is a mismatch).
+[[nodiscard]] std::uint8_t kind_byte(const Op& op);
+// The header of data message `index` of `op`, carrying `bytes` of payload.
+[[nodiscard]] transport::FrameHeader data_frame(const Op& op, std::uint32_t index,
+                                                std::size_t bytes);
+
 // Fills in the schedule fields of `op` for this rank.
 void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo);
 
@@ -220,10 +266,16 @@ struct DirectRegion {
 // direct region, or -1 when the receiver does not place it there (it reduces it).
 [[nodiscard]] std::int64_t direct_offset(const Op& op, const MessagePlan& m);
 
-// Work done locally when the operation starts (own-block copies, or their deferral) and ends
-// (deferred copies, the final local reduction of kGatherReduce, the single-rank result).
+// Work done locally when the operation starts and ends. start_local() sets up the log-step work
+// buffer and leaves the copies to its caller, who makes them through the executor: the one the
+// sends read (Op::start_copy_*) and the deferrable one (Op::copy_*). finish_local() makes what
+// is left of the deferred copy, the log-step work buffer's, and with `reductions` the final
+// local reduction of kGatherReduce (final_steps(); an asynchronous executor has made them).
 void start_local(Op& op);
-void finish_local(Op& op);
+void finish_local(Op& op, bool reductions);
+// kGatherReduce all_reduce: the final local reductions, one after another (each reads the
+// one before); empty for every other schedule.
+[[nodiscard]] std::vector<ExecStep> final_steps(const Op& op);
 // Makes up to `max_bytes` of the operation's deferred copy; false when none is left.
 bool copy_piece(Op& op, std::size_t max_bytes);
 

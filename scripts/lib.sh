@@ -3,10 +3,12 @@
 # Debian packages the build and tests need. The peers (Open MPI, Gloo) are built whenever they
 # are present, so they are installed too: compare-peers needs them and CI compiles them.
 # iproute2: the network-namespace test (`ip netns`); jq: the scripts that read dear-sim's and
-# dear-train's JSON (paper-table, sim-vs-replay) and their tests.
+# dear-train's JSON (paper-table, sim-vs-replay) and their tests. libibverbs-dev (rdma-core's
+# headers and library) builds the verbs back-end; the test build asks for it (-DDEAR_VERBS=ON)
+# so that a machine without it fails to configure instead of silently leaving verbs out.
 DEAR_BUILD_PACKAGES=(build-essential cmake ninja-build pkg-config libasio-dev libcli11-dev
   nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev libssl-dev iproute2 libfabric-dev
-  jq)
+  libibverbs-dev jq)
 DEAR_PEER_PACKAGES=(libopenmpi-dev openmpi-bin libgloo-dev)
 # The Python package and its tests (Debian's interpreter with its PyTorch).
 DEAR_PYTHON_PACKAGES=(pybind11-dev python3-dev python3-torch python3-numpy)

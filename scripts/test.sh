@@ -22,7 +22,7 @@ dear_log "building in $build (warnings are errors)"
 # Line tables only (-g1): failures and sanitizer reports still name file and line, and the
 # optimised build compiles in about two thirds of the time that full debug information takes.
 dear_build "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" -DDEAR_WERROR=ON
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" -DDEAR_WERROR=ON -DDEAR_VERBS=ON
 
 run_ctest() {
   local dir=$1
@@ -37,7 +37,7 @@ run_ctest "$build" "$@"
 if [ "${DEAR_TEST_SKIP_SANITIZE:-0}" != 1 ]; then
   asan=${DEAR_TEST_ASAN_BUILD:-$DEAR_ROOT/build/asan}
   dear_log "building in $asan with AddressSanitizer + UBSan"
-  dear_build "$asan" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-g1 -DDEAR_WERROR=ON \
+  dear_build "$asan" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-g1 -DDEAR_WERROR=ON -DDEAR_VERBS=ON \
     -DDEAR_SANITIZE=address,undefined \
     -DDEAR_CUDA=OFF -DDEAR_BUILD_PEERS=OFF -DDEAR_BUILD_BENCH=OFF -DDEAR_BUILD_PYTHON=OFF
   dear_log "running the tests under AddressSanitizer + UBSan"

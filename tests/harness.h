@@ -34,6 +34,7 @@ inline void use_suite_transport([[maybe_unused]] CommOptions& options) {
   if (!c.transport.empty()) options.transport = c.transport;
   if (!c.fabric_provider.empty()) options.fabric_provider = c.fabric_provider;
   if (!c.fabric_data_path.empty()) options.fabric_data_path = c.fabric_data_path;
+  if (!c.executor.empty()) options.executor = c.executor;
 #endif
 }
 

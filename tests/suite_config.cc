@@ -1,5 +1,5 @@
 // The conformance suite's transport for one binary, from the DEAR_TEST_* definitions its
-// target is compiled with (none: TCP on 1, 2, 3, 4, 5 and 8 ranks).
+// target is compiled with (none: TCP and the host executor on 1, 2, 3, 4, 5 and 8 ranks).
 #include "suite_config.h"
 
 namespace dear::testing {
@@ -14,6 +14,9 @@ SuiteConfig suite_config() {
 #endif
 #if defined(DEAR_TEST_FABRIC_DATA_PATH)
   c.fabric_data_path = DEAR_TEST_FABRIC_DATA_PATH;
+#endif
+#if defined(DEAR_TEST_EXECUTOR)
+  c.executor = DEAR_TEST_EXECUTOR;
 #endif
 #if defined(DEAR_TEST_RANKS)
   c.ranks = {DEAR_TEST_RANKS};

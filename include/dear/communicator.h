@@ -134,6 +134,20 @@ struct CommOptions {
   // (DEAR_LINK_DELAY_US), to emulate slower networks over any transport; 0 adds none. All ranks
   // should use the same value. See transport/delay_channel.h.
   int link_delay_us = 0;
+  // What carries out the steps that touch payload of host-memory operations (DEAR_EXECUTOR):
+  // "host", the CPU kernels as the engine goes; "deferred", for testing the asynchronous path
+  // device memory takes, each step done later on another thread in a shuffled order; and
+  // "deferred_bounce", the same with every slice packed into and landed in slots, as for
+  // device memory over TCP. Device memory always goes to the CUDA executor.
+  std::string executor = "host";
+  // Device memory: the whole operation copied to host memory and reduced there (the fallback
+  // before device-resident collectives) instead of reduced on the device slice by slice
+  // (DEAR_CUDA_STAGING=1). Every rank must choose alike.
+  bool cuda_staging = false;
+  // Landing slots per channel and direction for operations whose steps complete later
+  // (device memory, the deferred executors): bounds the pinned memory a device operation
+  // holds, whatever its size (DEAR_LANDING_SLOTS).
+  int landing_slots = 4;
 };
 
 // `options` with the DEAR_* environment overrides applied (DEAR_CHANNELS, DEAR_SLICE_BYTES,

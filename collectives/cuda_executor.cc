@@ -1,0 +1,197 @@
+// The CUDA executor: an operation's steps as kernels and copies on one stream of the
+// communicator's, completion seen through events the engine polls (executor.h).
+//
+// - One non-blocking stream per communicator's engine, on the device of its first device
+//   operation; steps are issued in the order the engine makes them and complete in that order.
+// - reduce / reduce_final: the kernels of cuda/reduce.h, reading a landing slot (mapped pinned
+//   memory, addressed by the device as it is by the host) and device memory. Copies:
+//   cudaMemcpyAsync, device to pinned (packing a send) or pinned to device (a received slice).
+// - Completion: an event recorded after each step; poll() queries them oldest first and stops
+//   at the first not yet done (cudaEventQuery, which never waits). A step that failed on the
+//   device fails the poll with the CUDA error named.
+// - Scratch in device memory comes from the stream-ordered allocator (cudaMallocAsync): freed on
+//   the stream after the steps that use it, with no device-wide synchronisation.
+// - The engine calls it from whichever thread runs a turn; every call makes the executor's
+//   device current for its duration and restores the caller's.
+#include "collectives/executor.h"
+
+#ifdef DEAR_HAVE_CUDA
+
+#include <cuda_runtime_api.h>
+
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "cuda/error.h"
+#include "cuda/memory.h"
+#include "cuda/reduce.h"
+
+namespace dear::collectives {
+namespace {
+
+class DeviceGuard {
+ public:
+  DeviceGuard(int device, int rank) {
+    cuda::check(cudaGetDevice(&previous_), "cudaGetDevice", rank);
+    if (previous_ != device) cuda::check(cudaSetDevice(device), "cudaSetDevice", rank);
+    device_ = device;
+  }
+  ~DeviceGuard() {
+    if (previous_ != device_) (void)cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  int device_ = 0;
+};
+
+class CudaExecutor final : public Executor {
+ public:
+  CudaExecutor(int device, int rank) : device_(device), rank_(rank) {
+    const DeviceGuard g(device_, rank_);
+    cuda::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                "creating the device executor's stream", rank_);
+  }
+  ~CudaExecutor() override {
+    drain();
+    int previous = device_;
+    (void)cudaGetDevice(&previous);
+    (void)cudaSetDevice(device_);
+    for (cudaEvent_t e : spare_) (void)cudaEventDestroy(e);
+    (void)cudaStreamDestroy(stream_);
+    (void)cudaSetDevice(previous);
+  }
+  CudaExecutor(const CudaExecutor&) = delete;
+  CudaExecutor& operator=(const CudaExecutor&) = delete;
+
+  const char* name() const noexcept override { return "cuda"; }
+  bool immediate() const noexcept override { return false; }
+
+  void issue(const ExecStep& s, std::uint64_t token) override {
+    const DeviceGuard g(device_, rank_);
+    switch (s.kind) {
+      case ExecStep::kReduce: cuda::reduce(s.dst, s.a, s.b, s.n, s.dtype, s.op, stream_); break;
+      case ExecStep::kReduceFinal:
+        cuda::reduce_final(s.dst, s.a, s.b, s.n, s.dtype, s.op, s.nranks, stream_);
+        break;
+      case ExecStep::kCopy:
+        if (s.n > 0 && s.dst != s.a) {
+          cuda::check(cudaMemcpyAsync(s.dst, s.a, s.n, cudaMemcpyDefault, stream_),
+                      "device executor: copying " + std::to_string(s.n) + " bytes", rank_);
+        }
+        break;
+    }
+    cudaEvent_t e = take_event();
+    cuda::check(cudaEventRecord(e, stream_), "device executor: cudaEventRecord", rank_);
+    pending_.push_back({e, token});
+  }
+
+  void poll(std::vector<std::uint64_t>& done) override {
+    while (!pending_.empty()) {
+      const cudaError_t rc = cudaEventQuery(pending_.front().event);
+      if (rc == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        return;
+      }
+      cuda::check(rc, "device executor: a step failed on the device", rank_);
+      spare_.push_back(pending_.front().event);
+      done.push_back(pending_.front().token);
+      pending_.pop_front();
+    }
+  }
+
+  std::size_t in_flight() const noexcept override { return pending_.size(); }
+
+  void drain() noexcept override {
+    if (pending_.empty()) return;
+    int previous = device_;
+    (void)cudaGetDevice(&previous);
+    (void)cudaSetDevice(device_);
+    (void)cudaStreamSynchronize(stream_);
+    (void)cudaGetLastError();
+    for (const auto& p : pending_) spare_.push_back(p.event);
+    pending_.clear();
+    (void)cudaSetDevice(previous);
+  }
+
+  void set_waker(std::function<void()>) override {}
+  std::chrono::microseconds poll_interval() const noexcept override {
+    return std::chrono::microseconds(20);
+  }
+
+  char* allocate(ExecMemory where, std::size_t bytes) override {
+    const DeviceGuard g(device_, rank_);
+    if (where == ExecMemory::kLanding) {
+      const cuda::MappedMemory m = cuda::alloc_mapped(bytes, "a landing slot", rank_);
+      if (m.host != m.device) {
+        (void)cudaFreeHost(m.host);
+        throw Error(ErrorCode::kSystem,
+                    "pinned memory has a device address other than its host address (no "
+                    "unified addressing); device-resident collectives need it: set "
+                    "DEAR_CUDA_STAGING=1",
+                    rank_);
+      }
+      return static_cast<char*>(m.host);
+    }
+    void* p = nullptr;
+    cuda::check(cudaMallocAsync(&p, std::max<std::size_t>(bytes, 1), stream_),
+                "device executor: cudaMallocAsync of " + std::to_string(bytes) + " bytes of scratch",
+                rank_);
+    return static_cast<char*>(p);
+  }
+
+  void release(ExecMemory where, char* p) noexcept override {
+    if (p == nullptr) return;
+    int previous = device_;
+    (void)cudaGetDevice(&previous);
+    (void)cudaSetDevice(device_);
+    if (where == ExecMemory::kLanding) {
+      // Only a slot whose steps are done is released (the engine's rule), and the memory is
+      // waited for by cudaFreeHost itself.
+      (void)cudaFreeHost(p);
+    } else {
+      (void)cudaFreeAsync(p, stream_);
+    }
+    (void)cudaGetLastError();
+    (void)cudaSetDevice(previous);
+  }
+
+ private:
+  struct Pending {
+    cudaEvent_t event;
+    std::uint64_t token;
+  };
+
+  cudaEvent_t take_event() {
+    if (!spare_.empty()) {
+      cudaEvent_t e = spare_.back();
+      spare_.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    cuda::check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
+                "device executor: cudaEventCreate", rank_);
+    return e;
+  }
+
+  int device_;
+  int rank_;
+  cudaStream_t stream_ = nullptr;
+  std::deque<Pending> pending_;
+  std::vector<cudaEvent_t> spare_;
+};
+
+}  // namespace
+
+std::function<std::unique_ptr<Executor>(int)> device_executor_factory(int rank) {
+  return [rank](int device) -> std::unique_ptr<Executor> {
+    return std::make_unique<CudaExecutor>(device, rank);
+  };
+}
+
+}  // namespace dear::collectives
+
+#endif  // DEAR_HAVE_CUDA

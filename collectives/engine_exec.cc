@@ -1,0 +1,365 @@
+// The engine's executor side: which executor an operation's steps go to, the landing slots
+// that its slices pass through when the links may not touch its memory or a step completes
+// later, and what each completed step unblocks. See collectives/executor.h for the contract
+// and docs/architecture.md ("Executors and landing slots") for the design.
+#include <algorithm>
+
+#include "collectives/engine.h"
+#include "collectives/steps.h"
+
+namespace dear::collectives {
+namespace {
+
+// Executor tokens: what kind of step in the top bits, then what it belongs to.
+constexpr int kTokenShift = 58;
+constexpr std::uint64_t kPayloadMask = (std::uint64_t{1} << kTokenShift) - 1;
+enum TokenKind : std::uint64_t {
+  kTokReceive = 1,  // a receive slot's reduction or copy out (payload: slot)
+  kTokPack = 2,     // a send slot's pack (payload: slot)
+  kTokStart = 3,    // a copy the sends wait for (payload: sequence)
+  kTokLocal = 4,    // another local step (payload: sequence)
+  kTokLogStep = 5,  // a log-step reduction (payload: sequence << 8 | step)
+};
+std::uint64_t token(TokenKind k, std::uint64_t payload) {
+  return (static_cast<std::uint64_t>(k) << kTokenShift) | (payload & kPayloadMask);
+}
+
+// Channel tokens of messages sent from a send slot (ring links only): bit 62 set, bit 63
+// clear, apart from operation sequences (below 2^62) and the control tokens (all ones).
+constexpr std::uint64_t kSlotSendBit = std::uint64_t{1} << 62;
+
+// Landing slots are allocated in multiples of this, so that one serves nearby sizes.
+constexpr std::size_t kSlotGrain = 64 * 1024;
+
+}  // namespace
+
+ExecStep Engine::reduce_step(const Op& op, const RecvCtx& ctx, char* dst, const char* received,
+                             const char* other, std::size_t n) {
+  ExecStep e;
+  e.kind = ctx.final ? ExecStep::kReduceFinal : ExecStep::kReduce;
+  e.dst = dst;
+  e.a = received;
+  e.b = other;
+  e.n = n;
+  e.dtype = op.dtype;
+  e.op = op.redop;
+  e.nranks = op.nranks;
+  return e;
+}
+
+ExecStep Engine::copy_step(char* dst, const char* src, std::size_t bytes) {
+  ExecStep e;
+  e.kind = ExecStep::kCopy;
+  e.dst = dst;
+  e.a = src;
+  e.n = bytes;
+  return e;
+}
+
+std::uint64_t Engine::log_step_token(std::uint64_t seq, std::size_t step) {
+  return token(kTokLogStep, (seq << 8) | step);
+}
+
+bool Engine::is_slot_token(std::uint64_t t) { return (t >> 62) == 1; }
+
+void Engine::prepare_op(Op& op) {
+  if (op.device) {
+    if (!device_exec_) {
+      if (!cfg_.make_device_executor) {
+        throw Error(ErrorCode::kInternal,
+                    "a device operation reached an engine that has no device executor", cfg_.rank,
+                    Error::kNone, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+      }
+      device_exec_ = cfg_.make_device_executor(op.fence ? op.fence->device() : 0);
+      device_exec_->set_waker([this] { wake(); });
+    }
+    op.exec = device_exec_.get();
+    op.bounced = true;
+    return;
+  }
+  op.exec = host_exec_.executor.get();
+  // The log-step schedules run on host memory only; a bouncing test executor leaves them be.
+  op.bounced = host_exec_.bounce && !is_log_step(op.schedule);
+}
+
+void Engine::issue_start_copies(Op& op) {
+  if (op.start_copy_bytes > 0) {
+    ++op.start_pending;
+    issue_step(*op.exec, copy_step(op.start_copy_to, op.start_copy_from, op.start_copy_bytes),
+               token(kTokStart, op.seq));
+  }
+  // The deferrable copy: an immediate executor makes it in pieces while the engine waits for
+  // the network (copy_piece); any other gets it now, and the operation completes after it.
+  if (op.copy_left > 0 && !op.exec->immediate()) {
+    ++op.local_pending;
+    issue_step(*op.exec, copy_step(op.copy_to, op.copy_from, op.copy_left),
+               token(kTokLocal, op.seq));
+    op.copy_left = 0;
+  }
+}
+
+void Engine::release_scratch(Op& op) noexcept {
+  if (op.device && op.scratch != nullptr) {
+    op.exec->release(ExecMemory::kScratch, op.scratch);
+    op.scratch = nullptr;
+    return;
+  }
+  scratch_.release(std::move(op.scratch_owner), op.scratch_capacity);
+}
+
+void Engine::issue_step(Executor& exec, const ExecStep& step, std::uint64_t t) {
+  exec.issue(step, t);
+  if (exec.immediate()) step_done(t);
+}
+
+bool Engine::poll_executors() {
+  bool moved = false;
+  for (Executor* exec : {host_exec_.executor.get(), device_exec_.get()}) {
+    if (exec == nullptr || exec->in_flight() == 0) continue;
+    exec_done_.clear();
+    exec->poll(exec_done_);
+    for (const std::uint64_t t : exec_done_) step_done(t);
+    moved = moved || !exec_done_.empty();
+  }
+  return moved;
+}
+
+void Engine::step_done(std::uint64_t t) {
+  const auto kind = static_cast<TokenKind>(t >> kTokenShift);
+  const std::uint64_t payload = t & kPayloadMask;
+  switch (kind) {
+    case kTokReceive: {
+      Slot& slot = slots_[static_cast<std::size_t>(payload)];
+      slot.done = true;
+      pop_done_receives(slot.link, slot.channel);
+      return;
+    }
+    case kTokPack: slots_[static_cast<std::size_t>(payload)].done = true; return;
+    case kTokStart:
+    case kTokLocal:
+      // An operation that failed meanwhile is gone; so is the need to count.
+      if (Op* op = find(payload)) --(kind == kTokStart ? op->start_pending : op->local_pending);
+      return;
+    case kTokLogStep:
+      if (Op* op = find(payload >> 8)) op->step_state.at(payload & 0xff) |= Op::kStepApplied;
+      return;
+  }
+  throw Error(ErrorCode::kInternal, "an executor returned a token it was never given", cfg_.rank);
+}
+
+int Engine::acquire_slot(Op& op, int link, int channel, std::size_t bytes, bool send) {
+  SlotQueues& q = slot_queues_[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
+  int pick = -1;
+  for (std::size_t i = 0; i < q.free.size(); ++i) {
+    const Slot& s = slots_[static_cast<std::size_t>(q.free[i])];
+    if (s.owner == op.exec && s.capacity >= bytes) {
+      pick = q.free[i];
+      q.free.erase(q.free.begin() + static_cast<std::ptrdiff_t>(i));
+      break;
+    }
+  }
+  if (pick < 0) {
+    // A free slot of another size or executor is made anew rather than kept beside a new one,
+    // so a channel holds no more slots than it ever had busy at once. Not a device
+    // executor's: freeing pinned memory can wait for the whole device, which may be waiting
+    // for this very engine (another rank's stream, in the same process).
+    const auto host_free = std::find_if(q.free.begin(), q.free.end(), [&](int i) {
+      return slots_[static_cast<std::size_t>(i)].owner != device_exec_.get();
+    });
+    if (host_free != q.free.end()) {
+      pick = *host_free;
+      q.free.erase(host_free);
+      Slot& s = slots_[static_cast<std::size_t>(pick)];
+      s.owner->release(ExecMemory::kLanding, s.data);
+      landing_bytes_ -= s.capacity;
+      s.data = nullptr;
+      s.capacity = 0;
+    } else {
+      pick = static_cast<int>(slots_.size());
+      slots_.emplace_back();
+    }
+    Slot& s = slots_[static_cast<std::size_t>(pick)];
+    // Device slots are made once, at the largest device slice (the communicator caps them).
+    const std::size_t capacity =
+        std::max<std::size_t>(op.device ? kDeviceSliceBytes : kSlotGrain,
+                              (bytes + kSlotGrain - 1) / kSlotGrain * kSlotGrain);
+    s.data = op.exec->allocate(ExecMemory::kLanding, capacity);
+    s.capacity = capacity;
+    s.owner = op.exec;
+    landing_bytes_ += capacity;
+    peak_landing_bytes_ = std::max(peak_landing_bytes_, landing_bytes_);
+    peak_landing_atomic_.store(peak_landing_bytes_, std::memory_order_relaxed);
+  }
+  Slot& s = slots_[static_cast<std::size_t>(pick)];
+  s.seq = op.seq;
+  s.link = link;
+  s.channel = channel;
+  s.dir = send ? link : 1 - link;
+  s.send = send;
+  s.done = false;
+  s.busy = true;
+  ++(send ? q.send_busy : q.recv_busy);
+  return pick;
+}
+
+void Engine::release_slot(int link, int channel, int id) {
+  SlotQueues& q = slot_queues_[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
+  Slot& s = slots_[static_cast<std::size_t>(id)];
+  --(s.send ? q.send_busy : q.recv_busy);
+  s.busy = false;
+  s.done = false;
+  q.free.push_back(id);
+}
+
+bool Engine::landing_full(int link, int channel) const {
+  if (link >= 2) return false;
+  const SlotQueues& q =
+      slot_queues_[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
+  return q.recv_busy >= cfg_.landing_slots;
+}
+
+void Engine::arrive(Op& op, int link, int channel, RecvCtx& ctx) {
+  const auto dir = static_cast<std::size_t>(ctx.dir);
+  const auto c = static_cast<std::size_t>(channel);
+  ++op.recv_next[dir][c];
+  SlotQueues& q = slot_queues_[static_cast<std::size_t>(link)][c];
+  if (ctx.slot < 0 && q.recv.empty()) {
+    ++op.recv_done[dir][c];  // nothing before it on this channel is still in flight
+    return;
+  }
+  q.recv.push_back({ctx.slot, op.seq, ctx.dir});
+  if (ctx.slot >= 0) {
+    const int s = ctx.slot;
+    ctx.slot = -1;
+    issue_step(*op.exec, slots_[static_cast<std::size_t>(s)].step, token(kTokReceive, s));
+  } else {
+    pop_done_receives(link, channel);
+  }
+}
+
+void Engine::pop_done_receives(int link, int channel) {
+  SlotQueues& q = slot_queues_[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
+  while (!q.recv.empty()) {
+    const RecvEntry e = q.recv.front();
+    if (e.slot >= 0 && !slots_[static_cast<std::size_t>(e.slot)].done) break;
+    q.recv.pop_front();
+    if (Op* op = find(e.seq)) {
+      ++op->recv_done[static_cast<std::size_t>(e.dir)][static_cast<std::size_t>(channel)];
+    }
+    if (e.slot >= 0) release_slot(link, channel, e.slot);
+  }
+}
+
+bool Engine::pack_sends(Op& op, int dir, int channel) {
+  // A bounced operation's messages leave from send slots: each is packed by the executor
+  // first, and pump_slot_sends() queues it once that is done, in the order packed.
+  bool moved = false;
+  const auto di = static_cast<std::size_t>(dir);
+  const auto c = static_cast<std::size_t>(channel);
+  SlotQueues& q = slot_queues_[di][c];
+  const std::uint32_t total = op.messages_sent_per_channel(dir);
+  std::uint32_t& next = op.send_next[di][c];
+  while (next < total && q.send_busy < cfg_.landing_slots) {
+    const auto lag = static_cast<std::uint32_t>(op.dep_lag);
+    if (op.forwards && next >= lag && op.recv_done[di][c] <= next - lag) break;
+    const MessagePlan m = send_plan(op, dir, channel, next);
+    const int s = acquire_slot(op, dir, channel, m.span.bytes, true);
+    Slot& slot = slots_[static_cast<std::size_t>(s)];
+    slot.header = data_frame(op, next, m.span.bytes);
+    q.send.push_back(s);
+    issue_step(*op.exec, copy_step(slot.data, send_source(op, m), m.span.bytes),
+               token(kTokPack, static_cast<std::uint64_t>(s)));
+    ++next;
+    moved = true;
+  }
+  return moved;
+}
+
+bool Engine::pump_slot_sends() {
+  bool moved = false;
+  for (std::size_t l = 0; l < slot_queues_.size(); ++l) {
+    for (std::size_t c = 0; c < slot_queues_[l].size(); ++c) {
+      SlotQueues& q = slot_queues_[l][c];
+      transport::Channel& ch = *links_[l][c];
+      while (!q.send.empty() && !ch.closed()) {
+        const int s = q.send.front();
+        const Slot& slot = slots_[static_cast<std::size_t>(s)];
+        if (!slot.done) break;
+        if (!ch.try_send(slot.header, slot.data, kSlotSendBit | static_cast<std::uint64_t>(s))) {
+          break;
+        }
+        q.send.pop_front();
+        moved = true;
+      }
+    }
+  }
+  return moved;
+}
+
+void Engine::slot_sent(int link, int channel, std::uint64_t t) {
+  const int s = static_cast<int>(t & ~kSlotSendBit);
+  if (Op* op = find(slots_[static_cast<std::size_t>(s)].seq)) {
+    ++op->send_done[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
+  }
+  release_slot(link, channel, s);
+}
+
+bool Engine::advance_finish(Op& op) {
+  if (!op.exec->immediate()) {
+    // The final local reductions, one at a time: each reads what the one before wrote.
+    const std::vector<ExecStep> steps = final_steps(op);
+    if (op.finish_next < steps.size()) {
+      ++op.local_pending;
+      issue_step(*op.exec, steps[op.finish_next++], token(kTokLocal, op.seq));
+      return false;
+    }
+  }
+  finish_local(op, op.exec->immediate());
+  return true;
+}
+
+bool Engine::steps_in_flight() const {
+  for (const Executor* exec : {host_exec_.executor.get(), device_exec_.get()}) {
+    if (exec != nullptr && exec->in_flight() > 0) return true;
+  }
+  return false;
+}
+
+std::chrono::microseconds Engine::executor_poll_interval() const {
+  std::chrono::microseconds nap{0};
+  for (const Executor* exec : {host_exec_.executor.get(), device_exec_.get()}) {
+    if (exec == nullptr || exec->in_flight() == 0) continue;
+    const auto i = exec->poll_interval();
+    if (i.count() > 0) nap = nap.count() > 0 ? std::min(nap, i) : i;
+  }
+  return nap;
+}
+
+void Engine::drain_executors() noexcept {
+  for (Executor* exec : {host_exec_.executor.get(), device_exec_.get()}) {
+    if (exec != nullptr) exec->drain();
+  }
+  // Every slot's step is over; what the slots held belongs to operations that are failing.
+  for (auto& link : slot_queues_) {
+    for (auto& q : link) {
+      q.recv.clear();
+      q.send.clear();
+    }
+  }
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    Slot& s = slots_[i];
+    if (!s.busy) continue;
+    release_slot(s.link, s.channel, static_cast<int>(i));
+  }
+}
+
+void Engine::free_slots() noexcept {
+  drain_executors();
+  for (Slot& s : slots_) {
+    if (s.data != nullptr) s.owner->release(ExecMemory::kLanding, s.data);
+    s.data = nullptr;
+  }
+  slots_.clear();
+}
+
+}  // namespace dear::collectives
