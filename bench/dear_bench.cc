@@ -414,8 +414,14 @@ int run(int argc, char** argv) {
 #endif
   }
   DearComm peer(*comm);
-  return run_sweep(peer, args, std::move(config),
-                   [&](const OpRequest& r) { return bind_dear(r, *comm, op_options); });
+  const int rc = run_sweep(peer, args, std::move(config),
+                           [&](const OpRequest& r) { return bind_dear(r, *comm, op_options); });
+  // What the engine thread spent on the sweep (scripts/gpu-check.sh compares host and device
+  // buffers by it), and the landing memory it held.
+  const Communicator::EngineStats stats = comm->engine_stats();
+  std::printf("# rank %d engine: cpu %.3f s, landing peak %zu bytes\n", comm->rank(),
+              stats.cpu_seconds, stats.peak_landing_bytes);
+  return rc;
 }
 
 }  // namespace

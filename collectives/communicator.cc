@@ -209,6 +209,11 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     if (engine_) engine_->abort(reason);
   }
 
+  EngineStats engine_stats() const override {
+    if (!engine_) return {};
+    return {engine_->cpu_seconds(), engine_->peak_landing_bytes()};
+  }
+
   void forget_memory(const void* addr, std::size_t bytes) override {
     if (addr == nullptr && bytes > 0) {
       throw Error(ErrorCode::kInvalidArgument,
@@ -244,18 +249,17 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
         check_in_place_block(o->in, c.count * n, o->out, c.count, c.dtype, "out", "in");
         break;
       case OpKind::kAllGather:
-        o = make(c.kind, c.in, c.out, c.count, c.dtype, ReduceOp::kSum, -1, opts,
-                 fence != nullptr);
+        o = make(c.kind, c.in, c.out, c.count, c.dtype, ReduceOp::kSum, -1, opts, fence != nullptr);
         check_total(c.count, c.dtype, "send_count");
         check_buffers(*o, "in", c.count, "out", c.count * n, false);
         check_in_place_block(o->out, c.count * n, o->in, c.count, c.dtype, "in", "out");
         break;
       case OpKind::kBroadcast: {
         if (c.root < 0 || c.root >= size_) {
-          throw Error(ErrorCode::kInvalidArgument,
-                      "root=" + std::to_string(c.root) + " is outside [0, " +
-                          std::to_string(size_) + ")",
-                      rank_, Error::kNone, "broadcast");
+          throw Error(
+              ErrorCode::kInvalidArgument,
+              "root=" + std::to_string(c.root) + " is outside [0, " + std::to_string(size_) + ")",
+              rank_, Error::kNone, "broadcast");
         }
         o = make(c.kind, c.in, c.out, c.count, c.dtype, ReduceOp::kSum, c.root, opts,
                  fence != nullptr);

@@ -20,12 +20,16 @@
 #include <cuda_runtime_api.h>
 
 #include <deque>
+#include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "collectives/device_fence.h"
 #include "cuda/error.h"
 #include "cuda/memory.h"
 #include "cuda/reduce.h"
+#include "cuda/stream.h"
 
 namespace dear::collectives {
 namespace {
@@ -137,9 +141,10 @@ class CudaExecutor final : public Executor {
       return static_cast<char*>(m.host);
     }
     void* p = nullptr;
-    cuda::check(cudaMallocAsync(&p, std::max<std::size_t>(bytes, 1), stream_),
-                "device executor: cudaMallocAsync of " + std::to_string(bytes) + " bytes of scratch",
-                rank_);
+    cuda::check(
+        cudaMallocAsync(&p, std::max<std::size_t>(bytes, 1), stream_),
+        "device executor: cudaMallocAsync of " + std::to_string(bytes) + " bytes of scratch",
+        rank_);
     return static_cast<char*>(p);
   }
 
@@ -185,6 +190,103 @@ class CudaExecutor final : public Executor {
 };
 
 }  // namespace
+
+class DeviceTickets {
+ public:
+  std::uint64_t next() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ++issued_;
+  }
+  void enqueue_wait(cudaStream_t stream, std::uint64_t ticket) {
+    signal_.enqueue_wait(stream, ticket);
+  }
+  void end(std::uint64_t ticket) noexcept {
+    std::lock_guard<std::mutex> lock(mu_);
+    ended_.insert(ticket);
+    std::uint64_t top = published_;
+    while (!ended_.empty() && *ended_.begin() == top + 1) {
+      ended_.erase(ended_.begin());
+      ++top;
+    }
+    if (top != published_) {
+      published_ = top;
+      signal_.publish(top);
+    }
+  }
+
+ private:
+  cuda::HostSignal signal_;
+  std::mutex mu_;
+  std::uint64_t issued_ = 0;
+  std::uint64_t published_ = 0;
+  std::set<std::uint64_t> ended_;
+};
+
+namespace {
+
+class DeviceFence final : public OpFence {
+ public:
+  DeviceFence(std::shared_ptr<DeviceTickets> tickets, cudaEvent_t input, std::uint64_t ticket,
+              int device, int rank)
+      : tickets_(std::move(tickets)),
+        input_(input),
+        ticket_(ticket),
+        device_(device),
+        rank_(rank) {}
+  ~DeviceFence() override {
+    done();
+    (void)cudaEventDestroy(input_);
+  }
+  DeviceFence(const DeviceFence&) = delete;
+  DeviceFence& operator=(const DeviceFence&) = delete;
+
+  bool input_ready() override {
+    const cudaError_t rc = cudaEventQuery(input_);
+    if (rc == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    cuda::check(rc, "the work queued before a device operation on its stream failed", rank_);
+    return true;
+  }
+  int device() const noexcept override { return device_; }
+  void done() noexcept override {
+    if (ended_) return;
+    ended_ = true;
+    tickets_->end(ticket_);
+  }
+
+ private:
+  std::shared_ptr<DeviceTickets> tickets_;
+  cudaEvent_t input_;
+  std::uint64_t ticket_;
+  int device_;
+  int rank_;
+  bool ended_ = false;
+};
+
+}  // namespace
+
+std::shared_ptr<DeviceTickets> make_device_tickets(int) {
+  return std::make_shared<DeviceTickets>();
+}
+
+std::unique_ptr<OpFence> make_device_fence(const std::shared_ptr<DeviceTickets>& tickets,
+                                           void* cuda_stream, int device, int rank) {
+  const auto stream = static_cast<cudaStream_t>(cuda_stream);
+  cudaEvent_t input = nullptr;
+  cuda::check(cudaEventCreateWithFlags(&input, cudaEventDisableTiming),
+              "creating a device operation's input event", rank);
+  const cudaError_t rc = cudaEventRecord(input, stream != nullptr ? stream : cudaStreamLegacy);
+  if (rc != cudaSuccess) {
+    (void)cudaEventDestroy(input);
+    cuda::check(rc, "recording a device operation's input event", rank);
+  }
+  const std::uint64_t ticket = tickets->next();
+  auto fence = std::make_unique<DeviceFence>(tickets, input, ticket, device, rank);
+  if (stream != nullptr) tickets->enqueue_wait(stream, ticket);
+  return fence;
+}
 
 std::function<std::unique_ptr<Executor>(int)> device_executor_factory(int rank) {
   return [rank](int device) -> std::unique_ptr<Executor> {

@@ -20,7 +20,9 @@
 #include <utility>
 #include <vector>
 
+#include "collectives/device_fence.h"
 #include "collectives/engine.h"  // Work::State
+#include "collectives/resident.h"
 #include "collectives/staging_pieces.h"
 #include "cuda/device.h"
 #include "cuda/error.h"
@@ -163,7 +165,10 @@ std::size_t flags_bytes(std::size_t pieces) {
 class DeviceCommunicator final : public Communicator {
  public:
   DeviceCommunicator(std::unique_ptr<Communicator> inner, const PieceOptions& pieces)
-      : inner_(std::move(inner)), pieces_(pieces), have_device_(cuda::device_count() > 0) {}
+      : inner_(std::move(inner)),
+        resident_(dynamic_cast<ResidentCommunicator*>(inner_.get())),
+        pieces_(pieces),
+        have_device_(cuda::device_count() > 0) {}
 
   ~DeviceCommunicator() override {
     {
@@ -179,6 +184,7 @@ class DeviceCommunicator final : public Communicator {
     (void)cudaGetDevice(&previous);
     (void)cudaSetDevice(device_);
     signal_.reset();
+    tickets_.reset();
     (void)cudaStreamDestroy(own_stream_);
     (void)cudaEventDestroy(order_event_);
     (void)cudaSetDevice(previous);
@@ -191,7 +197,8 @@ class DeviceCommunicator final : public Communicator {
   Work all_reduce(const void* in, void* out, std::size_t count, DataType dtype, ReduceOp op,
                   const OpOptions& opts) override {
     const std::size_t b = count * dtype_size(dtype);
-    return route("all_reduce", StagedKind::kAllReduce, count, in, b, out, b, dtype, opts,
+    return route({OpKind::kAllReduce, in, out, count, dtype, op, -1}, "all_reduce",
+                 StagedKind::kAllReduce, count, in, b, out, b, dtype, opts,
                  [=](Communicator& c, const void* i, void* o, std::size_t n, const OpOptions& x) {
                    return c.all_reduce(i, o, n, dtype, op, x);
                  });
@@ -200,8 +207,9 @@ class DeviceCommunicator final : public Communicator {
   Work reduce_scatter(const void* in, void* out, std::size_t recv_count, DataType dtype,
                       ReduceOp op, const OpOptions& opts) override {
     const std::size_t b = recv_count * dtype_size(dtype);
-    return route("reduce_scatter", StagedKind::kReduceScatter, recv_count, in,
-                 b * static_cast<std::size_t>(size()), out, b, dtype, opts,
+    return route({OpKind::kReduceScatter, in, out, recv_count, dtype, op, -1}, "reduce_scatter",
+                 StagedKind::kReduceScatter, recv_count, in, b * static_cast<std::size_t>(size()),
+                 out, b, dtype, opts,
                  [=](Communicator& c, const void* i, void* o, std::size_t n, const OpOptions& x) {
                    return c.reduce_scatter(i, o, n, dtype, op, x);
                  });
@@ -210,7 +218,8 @@ class DeviceCommunicator final : public Communicator {
   Work all_gather(const void* in, void* out, std::size_t send_count, DataType dtype,
                   const OpOptions& opts) override {
     const std::size_t b = send_count * dtype_size(dtype);
-    return route("all_gather", StagedKind::kAllGather, send_count, in, b, out,
+    return route({OpKind::kAllGather, in, out, send_count, dtype, ReduceOp::kSum, -1}, "all_gather",
+                 StagedKind::kAllGather, send_count, in, b, out,
                  b * static_cast<std::size_t>(size()), dtype, opts,
                  [=](Communicator& c, const void* i, void* o, std::size_t n, const OpOptions& x) {
                    return c.all_gather(i, o, n, dtype, x);
@@ -221,15 +230,16 @@ class DeviceCommunicator final : public Communicator {
                  const OpOptions& opts) override {
     const std::size_t b = count * dtype_size(dtype);
     // Only the root reads `in`; elsewhere it may be anything and is passed on untouched.
-    return route("broadcast", StagedKind::kBroadcast, count, in, rank() == root ? b : 0, out, b,
-                 dtype, opts,
+    return route({OpKind::kBroadcast, in, out, count, dtype, ReduceOp::kSum, root}, "broadcast",
+                 StagedKind::kBroadcast, count, in, rank() == root ? b : 0, out, b, dtype, opts,
                  [=](Communicator& c, const void* i, void* o, std::size_t n, const OpOptions& x) {
                    return c.broadcast(i, o, n, dtype, root, x);
                  });
   }
 
   Work barrier(const OpOptions& opts) override {
-    return route("barrier", StagedKind::kOther, 0, nullptr, 0, nullptr, 0, DataType::kUint8, opts,
+    return route({OpKind::kBarrier}, "barrier", StagedKind::kOther, 0, nullptr, 0, nullptr, 0,
+                 DataType::kUint8, opts,
                  [](Communicator& c, const void*, void*, std::size_t, const OpOptions& x) {
                    return c.barrier(x);
                  });
@@ -249,13 +259,14 @@ class DeviceCommunicator final : public Communicator {
   bool set_priority(const Work& work, int priority) override {
     return inner_->set_priority(work, priority);
   }
+  EngineStats engine_stats() const override { return inner_->engine_stats(); }
 
  private:
   using Call =
       std::function<Work(Communicator&, const void*, void*, std::size_t, const OpOptions&)>;
 
-  Work route(const char* name, StagedKind kind, std::size_t count, const void* in,
-             std::size_t in_bytes, void* out, std::size_t out_bytes, DataType dtype,
+  Work route(const CollectiveCall& cc, const char* name, StagedKind kind, std::size_t count,
+             const void* in, std::size_t in_bytes, void* out, std::size_t out_bytes, DataType dtype,
              const OpOptions& opts, const Call& call) {
     OpOptions inner_opts = opts;
     inner_opts.cuda_stream = nullptr;
@@ -298,6 +309,29 @@ class DeviceCommunicator final : public Communicator {
       if (queued_ == 0) return call(*inner_, in, out, count, inner_opts);
       check_not_aborted(name);
       Job job = make_job();
+      Work work(job.state);
+      push(std::move(job));
+      return work;
+    }
+
+    // Device-resident: every buffer that is read or written is device memory, more than one
+    // rank, and staging not asked for. The engine runs it slice by slice, its steps on the
+    // device (resident.h); it keeps its place in the order behind staged operations.
+    const bool all_dev = (in_bytes == 0 || in_dev) && (out_bytes == 0 || out_dev);
+    if (resident_ != nullptr && kind != StagedKind::kOther && (in_dev || out_dev) && all_dev &&
+        size() > 1 && !options().cuda_staging) {
+      const int device = in_dev ? in_loc.device : out_loc.device;
+      const CurrentDevice current(device, rank());
+      use_device(device, name);
+      auto fence = std::make_shared<std::unique_ptr<OpFence>>(
+          make_device_fence(tickets_, opts.cuda_stream, device, rank()));
+      std::lock_guard<std::mutex> lock(mu_);
+      if (queued_ == 0) return resident_->issue_on_device(cc, inner_opts, std::move(*fence));
+      check_not_aborted(name);
+      Job job = make_job();
+      job.issue = [this, cc, inner_opts, fence](Communicator&, const void*, void*, std::size_t) {
+        return resident_->issue_on_device(cc, inner_opts, std::move(*fence));
+      };
       Work work(job.state);
       push(std::move(job));
       return work;
@@ -382,6 +416,7 @@ class DeviceCommunicator final : public Communicator {
       }
       (void)cudaGetLastError();
       signal_ = std::make_unique<cuda::HostSignal>();
+      tickets_ = make_device_tickets(rank());
       device_ = device;
     } else if (device_ != device) {
       throw Error(ErrorCode::kInvalidArgument,
@@ -644,6 +679,7 @@ class DeviceCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Communicator> inner_;
+  ResidentCommunicator* const resident_;  // inner_, when it takes device-resident operations
   const PieceOptions pieces_;
   const bool have_device_;
   std::atomic<bool> aborted_{false};
@@ -660,6 +696,7 @@ class DeviceCommunicator final : public Communicator {
   cudaEvent_t order_event_ = nullptr;  // orders them after the legacy default stream
   std::size_t max_pitch_ = 0;          // cudaMemcpy2D's limit; larger strides copy row by row
   std::unique_ptr<cuda::HostSignal> signal_;  // published by the staging thread only
+  std::shared_ptr<DeviceTickets> tickets_;    // device-resident operations' ends
   PinnedPool pool_;
   std::thread worker_;  // last: joined before the rest is destroyed
 };

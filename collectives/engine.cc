@@ -1,6 +1,7 @@
 #include "collectives/engine.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <ctime>
 #include <limits>
 
 #include "collectives/reduce.h"
@@ -104,8 +106,8 @@ Engine::Engine(EngineConfig config, std::vector<std::unique_ptr<transport::Chann
                std::vector<std::unique_ptr<transport::Channel>> from_prev,
                std::vector<int> mesh_peers, std::vector<std::unique_ptr<transport::Channel>> mesh)
     : cfg_(config),
-      host_exec_(make_executor(config.executor, static_cast<std::uint64_t>(config.rank) + 1,
-                               config.rank)),
+      host_exec_(
+          make_executor(config.executor, static_cast<std::uint64_t>(config.rank) + 1, config.rank)),
       mesh_peers_(std::move(mesh_peers)),
       link_of_peer_(static_cast<std::size_t>(std::max(config.size, 1)), -1),
       wake_fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
@@ -134,6 +136,7 @@ Engine::Engine(EngineConfig config, std::vector<std::unique_ptr<transport::Chann
   }
   host_exec_.executor->set_waker([this] { wake(); });
   thread_ = std::thread([this] { run(); });
+  thread_handle_ = thread_.native_handle();
 }
 
 Engine::~Engine() {
@@ -178,6 +181,15 @@ Work Engine::submit(std::unique_ptr<Op> op) {
   }
   if (!wake_if(kActiveSleep) && !wake_if(kDeepSleep) && !started) wake_if(kIdleSleep);
   return Work(state);
+}
+
+double Engine::cpu_seconds() const {
+  clockid_t id{};
+  timespec ts{};
+  if (::pthread_getcpuclockid(thread_handle_, &id) != 0 || ::clock_gettime(id, &ts) != 0) {
+    return 0;
+  }
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
 bool Engine::set_priority(std::uint64_t seq, int priority) {
@@ -1054,9 +1066,8 @@ void Engine::replay_unexpected(Op& op) {
       // Into its destination, or the landing slot whose step arrive() issues.
       if (it->header.bytes > 0) std::memcpy(t.dst, it->data.data(), it->header.bytes);
     } else {
-      op.exec->issue(reduce_step(op, ctx, ctx.dst, it->data.data(), ctx.other,
-                                 it->header.bytes / op.el),
-                     0);
+      op.exec->issue(
+          reduce_step(op, ctx, ctx.dst, it->data.data(), ctx.other, it->header.bytes / op.el), 0);
     }
     arrive(op, it->link, it->channel, ctx);
     unexpected_bytes_ -= it->header.bytes;

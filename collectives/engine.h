@@ -15,6 +15,8 @@
 // frame carrying the reason and the rank to blame, and later calls fail at once.
 #pragma once
 
+#include <pthread.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -65,8 +67,8 @@ struct EngineConfig {
   int channels = 1;
   std::size_t eager_bytes = 64 * 1024;
   int eager_window = 64;
-  int spin_us = 0;       // CommOptions::spin_us
-  int wait_spin_us = 0;  // CommOptions::wait_spin_us
+  int spin_us = 0;                // CommOptions::spin_us
+  int wait_spin_us = 0;           // CommOptions::wait_spin_us
   std::string executor = "host";  // CommOptions::executor, for host operations
   // Makes the executor of device operations when the first one starts; empty in a build
   // without CUDA. Device operations go through landing slots (bounced).
@@ -111,6 +113,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void forget_memory(const void* addr, std::size_t bytes);
   bool drive(const Work::State& state, std::chrono::steady_clock::time_point until,
              std::chrono::microseconds idle);
+  // CPU seconds the engine thread has used; thread-safe.
+  [[nodiscard]] double cpu_seconds() const;
   // The most landing memory (bytes) this engine has held at once; thread-safe.
   [[nodiscard]] std::size_t peak_landing_bytes() const {
     return peak_landing_atomic_.load(std::memory_order_relaxed);
@@ -221,8 +225,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void release_scratch(Op& op) noexcept;
   void slot_sent(int link, int channel, std::uint64_t token);
   [[nodiscard]] static ExecStep reduce_step(const Op& op, const RecvCtx& ctx, char* dst,
-                                            const char* received, const char* other,
-                                            std::size_t n);
+                                            const char* received, const char* other, std::size_t n);
   [[nodiscard]] static ExecStep copy_step(char* dst, const char* src, std::size_t bytes);
   [[nodiscard]] static std::uint64_t log_step_token(std::uint64_t seq, std::size_t step);
   [[nodiscard]] static bool is_slot_token(std::uint64_t token);
@@ -331,6 +334,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::string probe_text_;  // the engine thread's last turn that moved
   std::atomic<std::size_t> peak_landing_atomic_{0};
   std::thread thread_;
+  pthread_t thread_handle_{};  // thread_'s, for cpu_seconds() (joined only in the destructor)
 };
 
 }  // namespace collectives

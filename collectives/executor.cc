@@ -35,7 +35,8 @@ bool overlaps(const char* x, std::size_t xn, const char* y, std::size_t yn) {
 
 char* allocate_host(std::size_t bytes) {
   // 64-byte alignment, as the CPU kernels' vector loads like it.
-  return static_cast<char*>(::operator new[](std::max<std::size_t>(bytes, 1), std::align_val_t{64}));
+  return static_cast<char*>(
+      ::operator new[](std::max<std::size_t>(bytes, 1), std::align_val_t{64}));
 }
 
 void release_host(char* p) noexcept { ::operator delete[](p, std::align_val_t{64}); }
@@ -75,7 +76,8 @@ class DeferredExecutor final : public Executor {
     // destination that is also an operand is left alone (the step reads it).
     const std::size_t bytes = step_bytes(step);
     const std::size_t operand = bytes;  // operands span as many bytes as the destination
-    if (!overlaps(step.dst, bytes, step.a, operand) && !overlaps(step.dst, bytes, step.b, operand)) {
+    if (!overlaps(step.dst, bytes, step.a, operand) &&
+        !overlaps(step.dst, bytes, step.b, operand)) {
       std::memset(step.dst, 0xa5, bytes);
     }
     {

@@ -12,7 +12,7 @@ struct SuiteConfig {
   std::string transport;  // "" (TCP, the default), "fabric" or "verbs"
   std::string fabric_provider;
   std::string fabric_data_path;
-  std::string executor;  // "" (host, the default), "deferred" or "deferred_bounce"
+  std::string executor;    // "" (host, the default), "deferred" or "deferred_bounce"
   std::vector<int> ranks;  // the rank counts every test runs on
 };
 

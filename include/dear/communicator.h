@@ -211,6 +211,16 @@ class Communicator {
                          const OpOptions& opts = {}) = 0;
   virtual Work barrier(const OpOptions& opts = {}) = 0;
 
+  // What this communicator's progress engine has used so far, for benchmarks: the CPU time of
+  // its thread (turns that waiting threads ran themselves are theirs), and the most landing-slot
+  // memory it has held at once (pinned host memory for device operations). Zero where a
+  // communicator has no engine of dear's.
+  struct EngineStats {
+    double cpu_seconds = 0;
+    std::size_t peak_landing_bytes = 0;
+  };
+  [[nodiscard]] virtual EngineStats engine_stats() const { return {}; }
+
   // Fails every pending Work (here and, through the links, on the peers) with kAborted and
   // `reason`; later calls fail at once. Safe from any thread; returns without waiting.
   virtual void abort(const std::string& reason) = 0;
