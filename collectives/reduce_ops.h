@@ -175,8 +175,27 @@ template <>
 struct Element<DataType::kFloat16> {
   using Storage = std::uint16_t;
   using Compute = float;
-  DEAR_HOST_DEVICE static Compute load(Storage v) { return half_to_float(v); }
-  DEAR_HOST_DEVICE static Storage store(Compute v) { return float_to_half(v); }
+  // On the device, the hardware's conversions (PTX cvt: exact, and round to nearest even with
+  // subnormals kept), which give the same bits as the ones above for every non-NaN value; the
+  // bit arithmetic above costs the kernels about a third of their bandwidth.
+  DEAR_HOST_DEVICE static Compute load(Storage v) {
+#ifdef __CUDA_ARCH__
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+#else
+    return half_to_float(v);
+#endif
+  }
+  DEAR_HOST_DEVICE static Storage store(Compute v) {
+#ifdef __CUDA_ARCH__
+    Storage h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return h;
+#else
+    return float_to_half(v);
+#endif
+  }
 };
 
 template <>

@@ -14,10 +14,12 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "channel_exchange.h"
 #include "collectives/device_staging.h"
+#include "collectives/ops.h"
 #include "collectives/reduce.h"
 #include "collectives/staging_pieces.h"
 #include "cuda/device.h"
@@ -197,82 +199,99 @@ struct LateInput {
   }
 };
 
-class GpuRanks : public Gpu, public ::testing::WithParamInterface<int> {};
+// Every device test runs twice: device-resident (the default: the engine reduces on the device
+// slice by slice) and staged (CommOptions::cuda_staging: whole operations through host memory).
+class GpuRanks : public Gpu, public ::testing::WithParamInterface<std::tuple<int, bool>> {
+ protected:
+  [[nodiscard]] int ranks() const { return std::get<0>(GetParam()); }
+  [[nodiscard]] CommOptions comm_options() const {
+    CommOptions o;
+    o.cuda_staging = std::get<1>(GetParam());
+    return o;
+  }
+};
 
 TEST_P(GpuRanks, AllReduceOnDeviceBuffers) {
-  const int n = GetParam();
+  const int n = ranks();
   std::barrier<> sync(n);
-  dear::testing::run_ranks(n, [&](Communicator& comm) {
-    ck(cudaSetDevice(0), "cudaSetDevice");
-    constexpr std::size_t kMaxCount = 300000;
-    DeviceBuffer in(kMaxCount * 8), out(kMaxCount * 8);
-    const RankFence fence(sync);
-    for (const DataType t : kTypes) {
-      for (const ReduceOp op : kOps) {
-        for (const std::size_t count : {std::size_t{1}, std::size_t{1000}, kMaxCount}) {
-          const std::size_t bytes = count * dtype_size(t);
-          fill_device(in.get(), count, comm.rank(), t, op, 1);
-          comm.all_reduce(in.get(), out.get(), count, t, op).wait();
-          const auto got = to_host(out.get(), bytes);
-          for (std::size_t i = 0; i < count; ++i) {
-            const double want = expected_reduce(i, n, t, op, 1);
-            const double g = dear::testing::load(got.data(), i, t);
-            ASSERT_TRUE(dear::testing::close_enough(g, want, t))
-                << to_string(t) << " " << to_string(op) << " count " << count << " element " << i
-                << ": got " << g << " want " << want;
+  dear::testing::run_ranks(
+      n,
+      [&](Communicator& comm) {
+        ck(cudaSetDevice(0), "cudaSetDevice");
+        constexpr std::size_t kMaxCount = 300000;
+        DeviceBuffer in(kMaxCount * 8), out(kMaxCount * 8);
+        const RankFence fence(sync);
+        for (const DataType t : kTypes) {
+          for (const ReduceOp op : kOps) {
+            for (const std::size_t count : {std::size_t{1}, std::size_t{1000}, kMaxCount}) {
+              const std::size_t bytes = count * dtype_size(t);
+              fill_device(in.get(), count, comm.rank(), t, op, 1);
+              comm.all_reduce(in.get(), out.get(), count, t, op).wait();
+              const auto got = to_host(out.get(), bytes);
+              for (std::size_t i = 0; i < count; ++i) {
+                const double want = expected_reduce(i, n, t, op, 1);
+                const double g = dear::testing::load(got.data(), i, t);
+                ASSERT_TRUE(dear::testing::close_enough(g, want, t))
+                    << to_string(t) << " " << to_string(op) << " count " << count << " element "
+                    << i << ": got " << g << " want " << want;
+              }
+              // In place.
+              comm.all_reduce(in.get(), in.get(), count, t, op).wait();
+              const auto again = to_host(in.get(), bytes);
+              ASSERT_EQ(std::memcmp(again.data(), got.data(), bytes), 0) << "in place differs";
+            }
           }
-          // In place.
-          comm.all_reduce(in.get(), in.get(), count, t, op).wait();
-          const auto again = to_host(in.get(), bytes);
-          ASSERT_EQ(std::memcmp(again.data(), got.data(), bytes), 0) << "in place differs";
         }
-      }
-    }
-  });
+      },
+      comm_options());
 }
 
 TEST_P(GpuRanks, ReduceScatterAllGatherBroadcastOnDeviceBuffers) {
-  const int n = GetParam();
+  const int n = ranks();
   std::barrier<> sync(n);
-  dear::testing::run_ranks(n, [&](Communicator& comm) {
-    ck(cudaSetDevice(0), "cudaSetDevice");
-    const DataType t = DataType::kFloat32;
-    const std::size_t block = 50001;
-    const auto nn = static_cast<std::size_t>(n);
-    const auto r = static_cast<std::size_t>(comm.rank());
-    DeviceBuffer big(block * nn * 4), small(block * 4);
-    const RankFence fence(sync);
-    // reduce_scatter, out of place then in place.
-    fill_device(big.get(), block * nn, comm.rank(), t, ReduceOp::kSum, 2);
-    comm.reduce_scatter(big.get(), small.get(), block, t, ReduceOp::kSum).wait();
-    auto got = to_host(small.get(), block * 4);
-    for (std::size_t i = 0; i < block; ++i) {
-      ASSERT_EQ(dear::testing::load(got.data(), i, t),
-                expected_reduce(r * block + i, n, t, ReduceOp::kSum, 2))
-          << "reduce_scatter element " << i;
-    }
-    comm.reduce_scatter(big.get(), big.get() + r * block * 4, block, t, ReduceOp::kSum).wait();
-    const auto in_place = to_host(big.get() + r * block * 4, block * 4);
-    ASSERT_EQ(std::memcmp(in_place.data(), got.data(), block * 4), 0);
-    // all_gather: rank q contributes input_value(q, i).
-    fill_device(small.get(), block, comm.rank(), t, ReduceOp::kSum, 3);
-    comm.all_gather(small.get(), big.get(), block, t).wait();
-    got = to_host(big.get(), block * nn * 4);
-    for (int q = 0; q < n; ++q) {
-      for (std::size_t i = 0; i < block; ++i) {
-        ASSERT_EQ(dear::testing::load(got.data(), static_cast<std::size_t>(q) * block + i, t),
-                  input_value(q, i, t, ReduceOp::kSum, 3))
-            << "all_gather block " << q << " element " << i;
-      }
-    }
-    // broadcast from the last rank, device in and out.
-    fill_device(small.get(), block, comm.rank(), t, ReduceOp::kSum, 4);
-    comm.broadcast(small.get(), big.get(), block, t, n - 1).wait();
-    got = to_host(big.get(), block * 4);
-    for (std::size_t i = 0; i < block; ++i) {
-      ASSERT_EQ(dear::testing::load(got.data(), i, t), input_value(n - 1, i, t, ReduceOp::kSum, 4));
-    }
-  });
+  dear::testing::run_ranks(
+      n,
+      [&](Communicator& comm) {
+        ck(cudaSetDevice(0), "cudaSetDevice");
+        const DataType t = DataType::kFloat32;
+        const std::size_t block = 50001;
+        const auto nn = static_cast<std::size_t>(n);
+        const auto r = static_cast<std::size_t>(comm.rank());
+        DeviceBuffer big(block * nn * 4), small(block * 4);
+        const RankFence fence(sync);
+        // reduce_scatter, out of place then in place.
+        fill_device(big.get(), block * nn, comm.rank(), t, ReduceOp::kSum, 2);
+        comm.reduce_scatter(big.get(), small.get(), block, t, ReduceOp::kSum).wait();
+        auto got = to_host(small.get(), block * 4);
+        for (std::size_t i = 0; i < block; ++i) {
+          ASSERT_EQ(dear::testing::load(got.data(), i, t),
+                    expected_reduce(r * block + i, n, t, ReduceOp::kSum, 2))
+              << "reduce_scatter element " << i;
+        }
+        comm.reduce_scatter(big.get(), big.get() + r * block * 4, block, t, ReduceOp::kSum).wait();
+        const auto in_place = to_host(big.get() + r * block * 4, block * 4);
+        ASSERT_EQ(std::memcmp(in_place.data(), got.data(), block * 4), 0);
+        // all_gather: rank q contributes input_value(q, i).
+        fill_device(small.get(), block, comm.rank(), t, ReduceOp::kSum, 3);
+        comm.all_gather(small.get(), big.get(), block, t).wait();
+        got = to_host(big.get(), block * nn * 4);
+        for (int q = 0; q < n; ++q) {
+          for (std::size_t i = 0; i < block; ++i) {
+            ASSERT_EQ(dear::testing::load(got.data(), static_cast<std::size_t>(q) * block + i, t),
+                      input_value(q, i, t, ReduceOp::kSum, 3))
+                << "all_gather block " << q << " element " << i;
+          }
+        }
+        // broadcast from the last rank, device in and out.
+        fill_device(small.get(), block, comm.rank(), t, ReduceOp::kSum, 4);
+        comm.broadcast(small.get(), big.get(), block, t, n - 1).wait();
+        got = to_host(big.get(), block * 4);
+        for (std::size_t i = 0; i < block; ++i) {
+          ASSERT_EQ(dear::testing::load(got.data(), i, t),
+                    input_value(n - 1, i, t, ReduceOp::kSum, 4));
+        }
+      },
+      comm_options());
 }
 
 // Large operations are split into pieces pipelined through pinned memory (staging_pieces.h):
@@ -282,165 +301,375 @@ TEST_P(GpuRanks, ReduceScatterAllGatherBroadcastOnDeviceBuffers) {
 TEST_F(Gpu, LargeOperationsArePipelinedInPieces) {
   const int n = 2;
   std::barrier<> sync(n);
-  dear::testing::run_ranks(n, [&](Communicator& comm) {
-    ck(cudaSetDevice(0), "cudaSetDevice");
-    const DataType t = DataType::kFloat32;
-    const std::size_t count = (9u << 20) / 4 + 5;  // per rank: not a multiple of the pieces
-    ASSERT_EQ(collectives::piece_count(collectives::StagedKind::kAllReduce, count, 4, {}), 3u);
-    const auto nn = static_cast<std::size_t>(n);
-    const auto r = static_cast<std::size_t>(comm.rank());
-    const std::size_t bytes = count * 4;
-    DeviceBuffer big(bytes * nn), small(bytes);
-    cudaStream_t stream = nullptr;
-    ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    // Pinned, so that the read on the stream below does not block this thread inside CUDA
-    // (a copy to pageable memory does, and the other rank's next CUDA call would wait for it).
-    std::byte* read_back = nullptr;
-    ck(cudaMallocHost(reinterpret_cast<void**>(&read_back), bytes), "cudaMallocHost");
-    std::optional<RankFence> fence(std::in_place, sync);
-    const auto check_reduced = [&](const std::vector<std::byte>& got, std::size_t first, int salt,
-                                   const char* what) {
-      for (std::size_t i = 0; i < count; ++i) {
-        ASSERT_EQ(dear::testing::load(got.data(), i, t),
-                  expected_reduce(first + i, n, t, ReduceOp::kSum, salt))
-            << what << " element " << i;
-      }
-    };
-    // all_reduce, out of place and in place.
-    fill_device(small.get(), count, comm.rank(), t, ReduceOp::kSum, 5);
-    comm.all_reduce(small.get(), big.get(), count, t, ReduceOp::kSum).wait();
-    check_reduced(to_host(big.get(), bytes), 0, 5, "all_reduce");
-    comm.all_reduce(small.get(), small.get(), count, t, ReduceOp::kSum).wait();
-    check_reduced(to_host(small.get(), bytes), 0, 5, "in-place all_reduce");
-    // reduce_scatter, out of place and in place.
-    fill_device(big.get(), count * nn, comm.rank(), t, ReduceOp::kSum, 6);
-    comm.reduce_scatter(big.get(), small.get(), count, t, ReduceOp::kSum).wait();
-    check_reduced(to_host(small.get(), bytes), r * count, 6, "reduce_scatter");
-    comm.reduce_scatter(big.get(), big.get() + r * bytes, count, t, ReduceOp::kSum).wait();
-    check_reduced(to_host(big.get() + r * bytes, bytes), r * count, 6, "in-place reduce_scatter");
-    // all_gather, out of place and in place: rank q contributes input_value(q, i).
-    const auto check_gathered = [&](const std::vector<std::byte>& got, const char* what) {
-      for (int q = 0; q < n; ++q) {
+  CommOptions staged;
+  staged.cuda_staging = true;  // the pieces are the staging path's
+  dear::testing::run_ranks(
+      n,
+      [&](Communicator& comm) {
+        ck(cudaSetDevice(0), "cudaSetDevice");
+        const DataType t = DataType::kFloat32;
+        const std::size_t count = (9u << 20) / 4 + 5;  // per rank: not a multiple of the pieces
+        ASSERT_EQ(collectives::piece_count(collectives::StagedKind::kAllReduce, count, 4, {}), 3u);
+        const auto nn = static_cast<std::size_t>(n);
+        const auto r = static_cast<std::size_t>(comm.rank());
+        const std::size_t bytes = count * 4;
+        DeviceBuffer big(bytes * nn), small(bytes);
+        cudaStream_t stream = nullptr;
+        ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+        // Pinned, so that the read on the stream below does not block this thread inside CUDA
+        // (a copy to pageable memory does, and the other rank's next CUDA call would wait for it).
+        std::byte* read_back = nullptr;
+        ck(cudaMallocHost(reinterpret_cast<void**>(&read_back), bytes), "cudaMallocHost");
+        std::optional<RankFence> fence(std::in_place, sync);
+        const auto check_reduced = [&](const std::vector<std::byte>& got, std::size_t first,
+                                       int salt, const char* what) {
+          for (std::size_t i = 0; i < count; ++i) {
+            ASSERT_EQ(dear::testing::load(got.data(), i, t),
+                      expected_reduce(first + i, n, t, ReduceOp::kSum, salt))
+                << what << " element " << i;
+          }
+        };
+        // all_reduce, out of place and in place.
+        fill_device(small.get(), count, comm.rank(), t, ReduceOp::kSum, 5);
+        comm.all_reduce(small.get(), big.get(), count, t, ReduceOp::kSum).wait();
+        check_reduced(to_host(big.get(), bytes), 0, 5, "all_reduce");
+        comm.all_reduce(small.get(), small.get(), count, t, ReduceOp::kSum).wait();
+        check_reduced(to_host(small.get(), bytes), 0, 5, "in-place all_reduce");
+        // reduce_scatter, out of place and in place.
+        fill_device(big.get(), count * nn, comm.rank(), t, ReduceOp::kSum, 6);
+        comm.reduce_scatter(big.get(), small.get(), count, t, ReduceOp::kSum).wait();
+        check_reduced(to_host(small.get(), bytes), r * count, 6, "reduce_scatter");
+        comm.reduce_scatter(big.get(), big.get() + r * bytes, count, t, ReduceOp::kSum).wait();
+        check_reduced(to_host(big.get() + r * bytes, bytes), r * count, 6,
+                      "in-place reduce_scatter");
+        // all_gather, out of place and in place: rank q contributes input_value(q, i).
+        const auto check_gathered = [&](const std::vector<std::byte>& got, const char* what) {
+          for (int q = 0; q < n; ++q) {
+            for (std::size_t i = 0; i < count; ++i) {
+              ASSERT_EQ(dear::testing::load(got.data(), static_cast<std::size_t>(q) * count + i, t),
+                        input_value(q, i, t, ReduceOp::kSum, 7))
+                  << what << " block " << q << " element " << i;
+            }
+          }
+        };
+        fill_device(small.get(), count, comm.rank(), t, ReduceOp::kSum, 7);
+        ck(cudaMemset(big.get(), 0xff, bytes * nn), "poison out");
+        comm.all_gather(small.get(), big.get(), count, t).wait();
+        check_gathered(to_host(big.get(), bytes * nn), "all_gather");
+        ck(cudaMemset(big.get(), 0xff, bytes * nn), "poison out");
+        fill_device(big.get() + r * bytes, count, comm.rank(), t, ReduceOp::kSum, 7);
+        comm.all_gather(big.get() + r * bytes, big.get(), count, t).wait();
+        check_gathered(to_host(big.get(), bytes * nn), "in-place all_gather");
+        // broadcast from rank 1, then an all_reduce ordered on a stream.
+        fill_device(small.get(), count, comm.rank(), t, ReduceOp::kSum, 8);
+        comm.broadcast(small.get(), small.get(), count, t, 1).wait();
+        const auto b = to_host(small.get(), bytes);
         for (std::size_t i = 0; i < count; ++i) {
-          ASSERT_EQ(dear::testing::load(got.data(), static_cast<std::size_t>(q) * count + i, t),
-                    input_value(q, i, t, ReduceOp::kSum, 7))
-              << what << " block " << q << " element " << i;
+          ASSERT_EQ(dear::testing::load(b.data(), i, t), input_value(1, i, t, ReduceOp::kSum, 8))
+              << "broadcast element " << i;
         }
-      }
-    };
-    fill_device(small.get(), count, comm.rank(), t, ReduceOp::kSum, 7);
-    ck(cudaMemset(big.get(), 0xff, bytes * nn), "poison out");
-    comm.all_gather(small.get(), big.get(), count, t).wait();
-    check_gathered(to_host(big.get(), bytes * nn), "all_gather");
-    ck(cudaMemset(big.get(), 0xff, bytes * nn), "poison out");
-    fill_device(big.get() + r * bytes, count, comm.rank(), t, ReduceOp::kSum, 7);
-    comm.all_gather(big.get() + r * bytes, big.get(), count, t).wait();
-    check_gathered(to_host(big.get(), bytes * nn), "in-place all_gather");
-    // broadcast from rank 1, then an all_reduce ordered on a stream.
-    fill_device(small.get(), count, comm.rank(), t, ReduceOp::kSum, 8);
-    comm.broadcast(small.get(), small.get(), count, t, 1).wait();
-    const auto b = to_host(small.get(), bytes);
-    for (std::size_t i = 0; i < count; ++i) {
-      ASSERT_EQ(dear::testing::load(b.data(), i, t), input_value(1, i, t, ReduceOp::kSum, 8))
-          << "broadcast element " << i;
-    }
-    fill_device(small.get(), count, comm.rank(), t, ReduceOp::kSum, 9);
-    ck(cudaMemsetAsync(big.get(), 0xff, bytes, stream), "poison out on the stream");
-    OpOptions o;
-    o.cuda_stream = stream;
-    Work w = comm.all_reduce(small.get(), big.get(), count, t, ReduceOp::kSum, o);
-    ck(cudaMemcpyAsync(read_back, big.get(), bytes, cudaMemcpyDeviceToHost, stream),
-       "read the result on the stream");
-    ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-    check_reduced(std::vector<std::byte>(read_back, read_back + bytes), 0, 9,
-                  "all_reduce on a stream");
-    EXPECT_TRUE(w.wait(std::chrono::seconds(30)));
-    fence.reset();
-    (void)cudaFreeHost(read_back);
-    (void)cudaStreamDestroy(stream);
-  });
+        fill_device(small.get(), count, comm.rank(), t, ReduceOp::kSum, 9);
+        ck(cudaMemsetAsync(big.get(), 0xff, bytes, stream), "poison out on the stream");
+        OpOptions o;
+        o.cuda_stream = stream;
+        Work w = comm.all_reduce(small.get(), big.get(), count, t, ReduceOp::kSum, o);
+        ck(cudaMemcpyAsync(read_back, big.get(), bytes, cudaMemcpyDeviceToHost, stream),
+           "read the result on the stream");
+        ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+        check_reduced(std::vector<std::byte>(read_back, read_back + bytes), 0, 9,
+                      "all_reduce on a stream");
+        EXPECT_TRUE(w.wait(std::chrono::seconds(30)));
+        fence.reset();
+        (void)cudaFreeHost(read_back);
+        (void)cudaStreamDestroy(stream);
+      },
+      staged);
 }
 
 // The operation must read its input only after the work before it on the stream, and work
 // after it on the stream must see its result, with no host synchronisation in between. The
 // input is written by a host function that sleeps first, then copied in on the stream.
 TEST_P(GpuRanks, StreamOrdering) {
-  const int n = GetParam();
+  const int n = ranks();
   std::barrier<> sync(n);
-  dear::testing::run_ranks(n, [&](Communicator& comm) {
-    ck(cudaSetDevice(0), "cudaSetDevice");
-    const std::size_t count = 1 << 20;
-    const std::size_t bytes = count * 4;
-    cudaStream_t stream = nullptr;
-    ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    float* staged_in = nullptr;
-    float* result = nullptr;
-    ck(cudaMallocHost(reinterpret_cast<void**>(&staged_in), bytes), "cudaMallocHost");
-    ck(cudaMallocHost(reinterpret_cast<void**>(&result), bytes), "cudaMallocHost");
-    DeviceBuffer in(bytes), out(bytes);
-    ck(cudaMemset(in.get(), 0xff, bytes), "poison in");  // NaNs if read too early
-    ck(cudaMemset(out.get(), 0xff, bytes), "poison out");
-    std::memset(result, 0, bytes);
-    std::optional<RankFence> fence(std::in_place, sync);
-    LateInput late{staged_in, count, comm.rank(), 7, 200};
-    late.enqueue(stream, in.get());
-    OpOptions o;
-    o.cuda_stream = stream;
-    Work w = comm.all_reduce(in.get(), out.get(), count, DataType::kFloat32, ReduceOp::kSum, o);
-    ck(cudaMemcpyAsync(result, out.get(), bytes, cudaMemcpyDeviceToHost, stream), "copy out");
-    ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-    const float ranks_sum = static_cast<float>(n * (n - 1) / 2);
-    for (std::size_t i = 0; i < count; ++i) {
-      ASSERT_EQ(result[i], ranks_sum + static_cast<float>(n) * static_cast<float>(i % 7))
-          << "element " << i;
-    }
-    EXPECT_TRUE(w.wait(std::chrono::seconds(30)));  // the host handle completes too
-    // A host operation issued after a stream one keeps the order on every rank.
-    float h = 1;
-    Work w2 = comm.all_reduce(in.get(), out.get(), count, DataType::kFloat32, ReduceOp::kMax, o);
-    comm.all_reduce(&h, &h, 1, DataType::kFloat32, ReduceOp::kSum).wait();
-    EXPECT_EQ(h, static_cast<float>(n));
-    w2.wait();
-    ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-    fence.reset();
-    (void)cudaFreeHost(staged_in);
-    (void)cudaFreeHost(result);
-    (void)cudaStreamDestroy(stream);
-  });
+  dear::testing::run_ranks(
+      n,
+      [&](Communicator& comm) {
+        ck(cudaSetDevice(0), "cudaSetDevice");
+        const std::size_t count = 1 << 20;
+        const std::size_t bytes = count * 4;
+        cudaStream_t stream = nullptr;
+        ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+        float* staged_in = nullptr;
+        float* result = nullptr;
+        ck(cudaMallocHost(reinterpret_cast<void**>(&staged_in), bytes), "cudaMallocHost");
+        ck(cudaMallocHost(reinterpret_cast<void**>(&result), bytes), "cudaMallocHost");
+        DeviceBuffer in(bytes), out(bytes);
+        ck(cudaMemset(in.get(), 0xff, bytes), "poison in");  // NaNs if read too early
+        ck(cudaMemset(out.get(), 0xff, bytes), "poison out");
+        std::memset(result, 0, bytes);
+        std::optional<RankFence> fence(std::in_place, sync);
+        LateInput late{staged_in, count, comm.rank(), 7, 200};
+        late.enqueue(stream, in.get());
+        OpOptions o;
+        o.cuda_stream = stream;
+        Work w = comm.all_reduce(in.get(), out.get(), count, DataType::kFloat32, ReduceOp::kSum, o);
+        ck(cudaMemcpyAsync(result, out.get(), bytes, cudaMemcpyDeviceToHost, stream), "copy out");
+        ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+        const float ranks_sum = static_cast<float>(n * (n - 1) / 2);
+        for (std::size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(result[i], ranks_sum + static_cast<float>(n) * static_cast<float>(i % 7))
+              << "element " << i;
+        }
+        EXPECT_TRUE(w.wait(std::chrono::seconds(30)));  // the host handle completes too
+        // A host operation issued after a stream one keeps the order on every rank.
+        float h = 1;
+        Work w2 =
+            comm.all_reduce(in.get(), out.get(), count, DataType::kFloat32, ReduceOp::kMax, o);
+        comm.all_reduce(&h, &h, 1, DataType::kFloat32, ReduceOp::kSum).wait();
+        EXPECT_EQ(h, static_cast<float>(n));
+        w2.wait();
+        ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+        fence.reset();
+        (void)cudaFreeHost(staged_in);
+        (void)cudaFreeHost(result);
+        (void)cudaStreamDestroy(stream);
+      },
+      comm_options());
 }
 
 // Without a stream, an operation comes after the work already on the legacy default stream:
 // here the input is copied in there only after a host function that sleeps, so an operation
 // that read it any earlier would reduce the poison (NaNs) instead.
 TEST_P(GpuRanks, WithoutAStreamTheDefaultStreamComesFirst) {
-  const int n = GetParam();
+  const int n = ranks();
+  std::barrier<> sync(n);
+  dear::testing::run_ranks(
+      n,
+      [&](Communicator& comm) {
+        ck(cudaSetDevice(0), "cudaSetDevice");
+        const std::size_t count = 4096;  // small: one piece
+        const std::size_t bytes = count * 4;
+        float* staged_in = nullptr;
+        ck(cudaMallocHost(reinterpret_cast<void**>(&staged_in), bytes), "cudaMallocHost");
+        DeviceBuffer in(bytes), out(bytes);
+        ck(cudaMemset(in.get(), 0xff, bytes), "poison in");
+        std::optional<RankFence> fence(std::in_place, sync);
+        LateInput late{staged_in, count, comm.rank(), 5, 100};
+        late.enqueue(nullptr, in.get());  // the legacy default stream
+        comm.all_reduce(in.get(), out.get(), count, DataType::kFloat32, ReduceOp::kSum).wait();
+        const auto got = to_host(out.get(), bytes);
+        const float ranks_sum = static_cast<float>(n * (n - 1) / 2);
+        for (std::size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(dear::testing::load(got.data(), i, DataType::kFloat32),
+                    ranks_sum + static_cast<float>(n) * static_cast<float>(i % 5))
+              << "element " << i;
+        }
+        fence.reset();
+        (void)cudaFreeHost(staged_in);
+      },
+      comm_options());
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, GpuRanks,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Bool()),
+                         [](const auto& p) {
+                           return std::to_string(std::get<0>(p.param)) + "ranks" +
+                                  (std::get<1>(p.param) ? "_staged" : "_resident");
+                         });
+
+// ---- device-resident collectives ----------------------------------------------------------------
+
+// Every collective, dtype and op on device buffers, many slices each (small slices), in place
+// and out of place: the engine lands each slice in pinned memory and the device reduces it.
+TEST_F(Gpu, ResidentEveryCollectiveTypeAndOp) {
+  for (const int n : {2, 3}) {
+    std::barrier<> sync(n);
+    dear::testing::run_ranks(n, [&](Communicator& comm) {
+      ck(cudaSetDevice(0), "cudaSetDevice");
+      const auto nn = static_cast<std::size_t>(n);
+      const auto r = static_cast<std::size_t>(comm.rank());
+      constexpr std::size_t kCount = 4099;  // per rank: uneven chunks and slices
+      DeviceBuffer big(kCount * nn * 8), big_out(kCount * nn * 8), small(kCount * 8);
+      const RankFence fence(sync);
+      OpOptions o;
+      o.slice_bytes = 1024;
+      for (const DataType t : kTypes) {
+        const std::size_t el = dtype_size(t);
+        for (const ReduceOp op : kOps) {
+          for (const bool in_place : {false, true}) {
+            const std::string what = std::string(to_string(t)) + " " + std::string(to_string(op)) +
+                                     (in_place ? " in place" : " out of place");
+            // all_reduce of kCount * n elements.
+            fill_device(big.get(), kCount * nn, comm.rank(), t, op, 5);
+            std::byte* ar_out = in_place ? big.get() : big_out.get();
+            comm.all_reduce(big.get(), ar_out, kCount * nn, t, op, o).wait();
+            auto got = to_host(ar_out, kCount * nn * el);
+            for (std::size_t i = 0; i < kCount * nn; ++i) {
+              const double want = expected_reduce(i, n, t, op, 5);
+              ASSERT_TRUE(
+                  dear::testing::close_enough(dear::testing::load(got.data(), i, t), want, t))
+                  << "all_reduce " << what << " element " << i;
+            }
+            // reduce_scatter.
+            fill_device(big.get(), kCount * nn, comm.rank(), t, op, 6);
+            std::byte* rs_out = in_place ? big.get() + r * kCount * el : small.get();
+            comm.reduce_scatter(big.get(), rs_out, kCount, t, op, o).wait();
+            got = to_host(rs_out, kCount * el);
+            for (std::size_t i = 0; i < kCount; ++i) {
+              const double want = expected_reduce(r * kCount + i, n, t, op, 6);
+              ASSERT_TRUE(
+                  dear::testing::close_enough(dear::testing::load(got.data(), i, t), want, t))
+                  << "reduce_scatter " << what << " element " << i;
+            }
+          }
+        }
+        for (const bool in_place : {false, true}) {
+          // all_gather: rank q's block is input_value(q, i).
+          std::byte* ag_in = in_place ? big.get() + r * kCount * el : small.get();
+          fill_device(ag_in, kCount, comm.rank(), t, ReduceOp::kSum, 7);
+          comm.all_gather(ag_in, big.get(), kCount, t, o).wait();
+          auto got = to_host(big.get(), kCount * nn * el);
+          for (int q = 0; q < n; ++q) {
+            for (std::size_t i = 0; i < kCount; ++i) {
+              ASSERT_EQ(
+                  dear::testing::load(got.data(), static_cast<std::size_t>(q) * kCount + i, t),
+                  input_value(q, i, t, ReduceOp::kSum, 7))
+                  << "all_gather " << to_string(t) << " block " << q << " element " << i;
+            }
+          }
+          // broadcast from every root.
+          for (int root = 0; root < n; ++root) {
+            fill_device(small.get(), kCount, comm.rank(), t, ReduceOp::kSum, 8);
+            std::byte* bc_out = in_place ? small.get() : big.get();
+            comm.broadcast(small.get(), bc_out, kCount, t, root, o).wait();
+            got = to_host(bc_out, kCount * el);
+            for (std::size_t i = 0; i < kCount; ++i) {
+              ASSERT_EQ(dear::testing::load(got.data(), i, t),
+                        input_value(root, i, t, ReduceOp::kSum, 8))
+                  << "broadcast " << to_string(t) << " root " << root << " element " << i;
+            }
+          }
+        }
+      }
+    });
+  }
+}
+
+// Device operations in flight together with different priorities, and host ones among them:
+// each completes with its own result.
+TEST_F(Gpu, ResidentConcurrentOperationsWithPriorities) {
+  const int n = 3;
   std::barrier<> sync(n);
   dear::testing::run_ranks(n, [&](Communicator& comm) {
     ck(cudaSetDevice(0), "cudaSetDevice");
-    const std::size_t count = 4096;  // small: one piece
-    const std::size_t bytes = count * 4;
-    float* staged_in = nullptr;
-    ck(cudaMallocHost(reinterpret_cast<void**>(&staged_in), bytes), "cudaMallocHost");
-    DeviceBuffer in(bytes), out(bytes);
-    ck(cudaMemset(in.get(), 0xff, bytes), "poison in");
-    std::optional<RankFence> fence(std::in_place, sync);
-    LateInput late{staged_in, count, comm.rank(), 5, 100};
-    late.enqueue(nullptr, in.get());  // the legacy default stream
-    comm.all_reduce(in.get(), out.get(), count, DataType::kFloat32, ReduceOp::kSum).wait();
-    const auto got = to_host(out.get(), bytes);
-    const float ranks_sum = static_cast<float>(n * (n - 1) / 2);
-    for (std::size_t i = 0; i < count; ++i) {
-      ASSERT_EQ(dear::testing::load(got.data(), i, DataType::kFloat32),
-                ranks_sum + static_cast<float>(n) * static_cast<float>(i % 5))
-          << "element " << i;
+    constexpr int kOpsInFlight = 8;
+    constexpr std::size_t kCount = 200003;
+    const DataType t = DataType::kFloat32;
+    std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+    for (int k = 0; k < kOpsInFlight; ++k) {
+      bufs.push_back(std::make_unique<DeviceBuffer>(kCount * 4));
+      fill_device(bufs.back()->get(), kCount, comm.rank(), t, ReduceOp::kSum, 10 + k);
     }
-    fence.reset();
-    (void)cudaFreeHost(staged_in);
+    std::vector<std::byte> host_in(kCount * 4), host_out(kCount * 4);
+    for (std::size_t i = 0; i < kCount; ++i) {
+      dear::testing::store(host_in.data(), i, t, input_value(comm.rank(), i, t, ReduceOp::kSum, 9));
+    }
+    const RankFence fence(sync);
+    std::vector<Work> works;
+    for (int k = 0; k < kOpsInFlight; ++k) {
+      OpOptions o;
+      o.priority = k % 3;
+      o.slice_bytes = 64 * 1024;
+      works.push_back(comm.all_reduce(bufs[static_cast<std::size_t>(k)]->get(),
+                                      bufs[static_cast<std::size_t>(k)]->get(), kCount, t,
+                                      ReduceOp::kSum, o));
+      if (k == kOpsInFlight / 2) {
+        works.push_back(
+            comm.all_reduce(host_in.data(), host_out.data(), kCount, t, ReduceOp::kSum));
+      }
+    }
+    for (const Work& w : works) w.wait();
+    for (int k = 0; k < kOpsInFlight; ++k) {
+      const auto got = to_host(bufs[static_cast<std::size_t>(k)]->get(), kCount * 4);
+      for (std::size_t i = 0; i < kCount; i += 7) {
+        ASSERT_EQ(dear::testing::load(got.data(), i, t),
+                  expected_reduce(i, n, t, ReduceOp::kSum, 10 + k))
+            << "operation " << k << " element " << i;
+      }
+    }
+    for (std::size_t i = 0; i < kCount; i += 7) {
+      ASSERT_EQ(dear::testing::load(host_out.data(), i, t),
+                expected_reduce(i, n, t, ReduceOp::kSum, 9))
+          << "host operation element " << i;
+    }
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, GpuRanks, ::testing::Values(1, 2, 3, 4),
-                         [](const auto& p) { return std::to_string(p.param) + "ranks"; });
+// The pinned memory a device operation holds is its landing slots, whatever its size: a
+// 256 MiB all_reduce on 2 ranks stays within links x channels x (send + receive slots) x the
+// largest device slice, with a slot per channel to spare for what a transport had buffered.
+TEST_F(Gpu, ResidentPinnedMemoryIsBoundedBySlots) {
+  const int n = 2;
+  std::barrier<> sync(n);
+  CommOptions options;
+  options.channels = 2;
+  dear::testing::run_ranks(
+      n,
+      [&](Communicator& comm) {
+        ck(cudaSetDevice(0), "cudaSetDevice");
+        constexpr std::size_t kCount = std::size_t{64} << 20;  // floats: 256 MiB
+        DeviceBuffer buf(kCount * 4);
+        fill_device(buf.get(), kCount, comm.rank(), DataType::kFloat32, ReduceOp::kSum, 11);
+        const RankFence fence(sync);
+        comm.all_reduce(buf.get(), buf.get(), kCount, DataType::kFloat32, ReduceOp::kSum).wait();
+        const std::size_t slots = 2 * static_cast<std::size_t>(options.channels) *
+                                  (2 * static_cast<std::size_t>(options.landing_slots) + 1);
+        const std::size_t bound = slots * collectives::kDeviceSliceBytes;
+        const std::size_t peak = comm.engine_stats().peak_landing_bytes;
+        std::printf(
+            "rank %d: 256 MiB device all_reduce held %zu bytes of landing slots (bound %zu)\n",
+            comm.rank(), peak, bound);
+        EXPECT_GT(peak, 0U) << "the operation did not go through landing slots";
+        EXPECT_LE(peak, bound);
+        const auto got = to_host(buf.get(), 4096 * 4);
+        for (std::size_t i = 0; i < 4096; ++i) {
+          ASSERT_EQ(dear::testing::load(got.data(), i, DataType::kFloat32),
+                    expected_reduce(i, n, DataType::kFloat32, ReduceOp::kSum, 11));
+        }
+      },
+      options);
+}
+
+// One rank on device memory, the other on host memory for the same operation: both fail, and
+// the error says which memory each rank used.
+TEST_F(Gpu, ResidentAndHostRanksDisagreeWithAClearError) {
+  const int n = 2;
+  std::barrier<> sync(n);
+  CommOptions options;
+  options.timeout = std::chrono::seconds(20);
+  const auto errors = dear::testing::run_ranks_collect(
+      n,
+      [&](Communicator& comm) {
+        ck(cudaSetDevice(0), "cudaSetDevice");
+        constexpr std::size_t kCount = 1 << 20;
+        DeviceBuffer dev(kCount * 4);
+        std::vector<std::byte> host(kCount * 4);
+        const RankFence fence(sync);
+        void* p = comm.rank() == 0 ? static_cast<void*>(dev.get()) : host.data();
+        comm.all_reduce(p, p, kCount, DataType::kFloat32, ReduceOp::kSum).wait();
+      },
+      options);
+  bool named = false;
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(errors[static_cast<std::size_t>(r)]) << "rank " << r << " did not fail";
+    named = named ||
+            dear::testing::what_of(errors[static_cast<std::size_t>(r)]).find("memory=device") !=
+                std::string::npos;
+  }
+  EXPECT_TRUE(named) << dear::testing::what_of(errors[0]) << " / "
+                     << dear::testing::what_of(errors[1]);
+}
 
 TEST_F(Gpu, DevicePointersAreDetected) {
   DeviceBuffer d(64);
