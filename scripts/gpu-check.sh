@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# GPU check for a machine with one NVIDIA GPU, in about five minutes:
-#   1. build the CUDA parts (kernels for sm_80, sm_90 and PTX),
-#   2. run the GPU tests (kernels vs the CPU kernels for every dtype x op, collectives on
-#      device buffers with 1-4 ranks as threads sharing the GPU, stream ordering),
-#   3. the kernel benchmark next to cudaMemcpy device-to-device,
-#   4. dear-bench on device buffers with 2 and 4 ranks (processes) sharing the GPU, checked.
-#   5. with --sanitize, the GPU tests again under compute-sanitizer (memcheck, then racecheck).
+# GPU check for a machine with one NVIDIA GPU, in about eight minutes:
+#   1. build the CUDA parts (kernels for sm_80, sm_90 and PTX) and the verbs back-end,
+#   2. report the RDMA devices (ibv_devinfo); where there is one, scripts/verbs-check.sh (two
+#      processes on one HCA over RC loopback) and the GPUDirect tests,
+#   3. run the GPU tests (kernels vs the CPU kernels for every dtype x op, collectives on
+#      device buffers with 1-4 ranks as threads sharing the GPU, device-resident and staged,
+#      stream ordering),
+#   4. the kernel benchmark, every dtype x op, next to cudaMemcpy device-to-device,
+#   5. dear-bench all_reduce with 2 and 4 ranks (processes) sharing the GPU, checked: host and
+#      device buffers side by side (busbw), and the engine thread's CPU seconds for each; a
+#      1 GiB device all_reduce's landing memory (pinned), and the same sweep staged,
+#   6. compute-sanitizer memcheck on the 2-rank device-resident collectives,
+#   7. with --sanitize, all GPU tests again under compute-sanitizer (memcheck, then racecheck).
 # Exits non-zero at the first failure, and at once when no GPU is usable.
 # Usage: scripts/gpu-check.sh [--no-build] [--sanitize] [build-dir]   (default: build-gpu)
 #   --no-build  use the programs already in build-dir (built elsewhere with -DDEAR_CUDA=ON), for
@@ -39,7 +45,7 @@ if [ "$do_build" = 1 ]; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDEAR_CUDA=ON \
     -DDEAR_BUILD_PYTHON=OFF -DDEAR_BUILD_PEERS=OFF -DCMAKE_CUDA_COMPILER="$nvcc" >/dev/null \
     || fail "configure (is the CUDA toolkit complete?)"
-  timeout 180 cmake --build "$build" -j"$(nproc)" --target test_cuda test_staging \
+  timeout 240 cmake --build "$build" -j"$(nproc)" --target test_cuda test_staging \
     cuda-reduce-bench dear-bench dear-run || fail "build"
   timeout 120 cmake --build "$build" -j"$(nproc)" --target test_nccl_comm >/dev/null 2>&1 || true
 else
@@ -49,10 +55,29 @@ else
   done
 fi
 
+step "RDMA devices (ibv_devinfo)"
+if command -v ibv_devinfo >/dev/null 2>&1 && ibv_devinfo -l 2>/dev/null | grep -qv "^0 HCAs"; then
+  ibv_devinfo 2>&1 | grep -E "hca_id|state|link_layer|active_mtu" || true
+  if ibv_devinfo 2>/dev/null | grep -q "PORT_ACTIVE"; then
+    step "verbs on this host (scripts/verbs-check.sh, RC loopback) and GPUDirect RDMA"
+    timeout 300 "$root/scripts/verbs-check.sh" --local-only -b 8 -e 64M || fail "verbs-check"
+    timeout 60 "$build/tests/test_cuda" --gtest_brief=1 \
+      --gtest_filter='*DmaBuf*:*GpuDirect*' || fail "GPUDirect tests"
+  else
+    echo "no active RDMA port: verbs and GPUDirect not run"
+  fi
+else
+  echo "no RDMA device (or no ibv_devinfo): verbs and GPUDirect not run"
+fi
+
 step "GPU tests (must run, not skip)"
-out="$(timeout 120 "$build/tests/test_cuda" --gtest_brief=1 2>&1)" || { echo "$out"; fail "test_cuda"; }
+out="$(timeout 300 "$build/tests/test_cuda" --gtest_brief=1 2>&1)" || { echo "$out"; fail "test_cuda"; }
 echo "$out" | tail -n 5
-if echo "$out" | grep -q "SKIPPED"; then echo "$out" | grep -m1 -i "no CUDA device"; fail "GPU tests skipped"; fi
+echo "$out" | grep -E "landing slots" || true
+# The dma-buf and GPUDirect tests skip, with their reason, on a host without an RDMA path.
+if echo "$out" | grep "SKIPPED" | grep -qvE "DmaBuf|GpuDirect"; then
+  echo "$out" | grep -m1 -i "no CUDA device"; fail "GPU tests skipped"
+fi
 timeout 60 "$build/tests/test_staging" --gtest_brief=1 || fail "test_staging"
 
 step "scheduler on NCCL (one rank per GPU; skipped where NCCL was not found)"
@@ -64,14 +89,48 @@ fi
 
 step "kernel throughput vs cudaMemcpy D2D (GB/s = memory traffic; compare the columns)"
 timeout 90 "$build/bench/cuda-reduce-bench" --benchmark_min_time=0.05 \
-  --benchmark_filter='(memcpy_d2d|reduce/(float|half|bfloat16|int8)/(sum|avg))/268435456' \
-  || fail "cuda-reduce-bench"
+  --benchmark_filter='(memcpy_d2d|reduce/.*)/268435456' || fail "cuda-reduce-bench"
 
+# One sweep, three ways: host buffers, device buffers (resident), device buffers staged.
+# Prints busbw (out of place) per size side by side, and each run's engine CPU seconds.
+sweep() {  # sweep N OUT [dear-bench args...]
+  local n=$1 out=$2
+  shift 2
+  timeout 150 "$build/tools/dear-run" -n "$n" --no-prefix -- "$build/bench/dear-bench" all_reduce \
+    -b 8 -e 64M -f 8 -n 5 -w 2 -c 1 "$@" >"$out" 2>&1 || { cat "$out"; return 1; }
+}
+rows() { awk '$1 ~ /^[0-9]+$/ && NF >= 9 { print $1, $8, $9 }' "$1"; }
+cpu() { awk '/engine: cpu/ { s += $6 } END { printf "%.3f", s }' "$1"; }
+tmp="$(mktemp -d)"
 for n in 2 4; do
-  step "dear-bench all_reduce on device buffers, $n ranks sharing the GPU (-c 1: checked)"
-  timeout 120 "$build/tools/dear-run" -n "$n" -- "$build/bench/dear-bench" all_reduce \
-    -b 8 -e 64M -f 4 -n 5 -w 2 -c 1 --device cuda || fail "dear-bench with $n ranks"
+  step "all_reduce, $n ranks sharing the GPU, every result checked: host vs device buffers"
+  sweep "$n" "$tmp/host$n" || fail "dear-bench host buffers, $n ranks"
+  sweep "$n" "$tmp/dev$n" --device cuda || fail "dear-bench device buffers, $n ranks"
+  DEAR_CUDA_STAGING=1 sweep "$n" "$tmp/staged$n" --device cuda \
+    || fail "dear-bench device buffers staged, $n ranks"
+  printf '%12s %12s %12s %12s %8s\n' size host_busbw dev_busbw staged_busbw dev/host
+  join <(rows "$tmp/host$n" | sort -k1,1) <(rows "$tmp/dev$n" | sort -k1,1) \
+    | join - <(rows "$tmp/staged$n" | sort -k1,1) | sort -n \
+    | awk '{ if ($3 != 0 || $5 != 0 || $7 != 0) { print "wrong elements at " $1; bad = 1 }
+             printf "%12s %12s %12s %12s %8.2f\n", $1, $2, $4, $6, ($2 > 0 ? $4 / $2 : 0) }
+           END { exit bad }' || fail "wrong elements"
+  printf 'engine thread CPU seconds, all ranks, whole sweep: host %s, device %s, staged %s\n' \
+    "$(cpu "$tmp/host$n")" "$(cpu "$tmp/dev$n")" "$(cpu "$tmp/staged$n")"
 done
+
+step "1 GiB device all_reduce, 2 ranks: pinned landing memory held (bounded by the slots)"
+timeout 120 "$build/tools/dear-run" -n 2 --no-prefix -- "$build/bench/dear-bench" all_reduce \
+  -b 1G -e 1G -n 1 -w 0 -c 1 --device cuda >"$tmp/gib" 2>&1 || { cat "$tmp/gib"; fail "1 GiB"; }
+grep -E "^ +[0-9]|engine:" "$tmp/gib"
+
+if command -v compute-sanitizer >/dev/null 2>&1; then
+  step "compute-sanitizer memcheck, 2-rank device-resident collectives"
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 "$build/tests/test_cuda" \
+    --gtest_brief=1 --gtest_filter='*2ranks_resident*:*ResidentConcurrent*' \
+    || fail "compute-sanitizer memcheck (resident)"
+else
+  echo "compute-sanitizer not found: memcheck not run"
+fi
 
 if [ "$sanitize" = 1 ]; then
   command -v compute-sanitizer >/dev/null 2>&1 || fail "--sanitize: compute-sanitizer not found"
