@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "collectives/device_fence.h"
+#include "cuda/device.h"
 #include "cuda/error.h"
 #include "cuda/memory.h"
 #include "cuda/reduce.h"
@@ -34,23 +35,7 @@
 namespace dear::collectives {
 namespace {
 
-class DeviceGuard {
- public:
-  DeviceGuard(int device, int rank) {
-    cuda::check(cudaGetDevice(&previous_), "cudaGetDevice", rank);
-    if (previous_ != device) cuda::check(cudaSetDevice(device), "cudaSetDevice", rank);
-    device_ = device;
-  }
-  ~DeviceGuard() {
-    if (previous_ != device_) (void)cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  int device_ = 0;
-};
+using DeviceGuard = cuda::CurrentDevice;
 
 class CudaExecutor final : public Executor {
  public:

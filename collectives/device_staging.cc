@@ -139,24 +139,7 @@ struct Job {
   std::shared_ptr<Work::State> state;
 };
 
-// Makes `device` current for the caller's thread and restores the previous one.
-class CurrentDevice {
- public:
-  CurrentDevice(int device, int rank) {
-    cuda::check(cudaGetDevice(&previous_), "cudaGetDevice", rank);
-    if (device != previous_) cuda::check(cudaSetDevice(device), "cudaSetDevice", rank);
-    device_ = device;
-  }
-  ~CurrentDevice() {
-    if (device_ != previous_) (void)cudaSetDevice(previous_);
-  }
-  CurrentDevice(const CurrentDevice&) = delete;
-  CurrentDevice& operator=(const CurrentDevice&) = delete;
-
- private:
-  int previous_ = 0;
-  int device_ = 0;
-};
+using cuda::CurrentDevice;
 
 std::size_t flags_bytes(std::size_t pieces) {
   return ((pieces + 1) * sizeof(std::uint64_t) + 255) / 256 * 256;

@@ -10,4 +10,18 @@ namespace dear::cuda {
 // Why no device is usable ("no CUDA driver", ...), or empty when one is.
 [[nodiscard]] std::string unavailable_reason();
 
+// Makes `device` current for the calling thread for its lifetime and restores the previous one
+// (defined in error.cc). Throws dear::Error naming the CUDA error, with `rank`.
+class CurrentDevice {
+ public:
+  CurrentDevice(int device, int rank);
+  ~CurrentDevice();
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+  int device_ = 0;
+};
+
 }  // namespace dear::cuda
