@@ -322,7 +322,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
                       "' is not one of auto, write, send (DEAR_FABRIC_DATA_PATH)",
                   rank_);
     }
-    (void)collectives::make_executor(options_.executor, 0, rank_);  // names a bad value
+    collectives::check_executor_name(options_.executor, rank_);
     if (options_.landing_slots < 1) {
       throw Error(ErrorCode::kInvalidArgument,
                   "CommOptions::landing_slots=" + std::to_string(options_.landing_slots) +

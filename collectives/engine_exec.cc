@@ -307,10 +307,9 @@ void Engine::slot_sent(int link, int channel, std::uint64_t t) {
 bool Engine::advance_finish(Op& op) {
   if (!op.exec->immediate()) {
     // The final local reductions, one at a time: each reads what the one before wrote.
-    const std::vector<ExecStep> steps = final_steps(op);
-    if (op.finish_next < steps.size()) {
+    if (op.finish_next < final_step_count(op)) {
       ++op.local_pending;
-      issue_step(*op.exec, steps[op.finish_next++], token(kTokLocal, op.seq));
+      issue_step(*op.exec, final_step(op, op.finish_next++), token(kTokLocal, op.seq));
       return false;
     }
   }

@@ -171,14 +171,19 @@ std::unique_ptr<Executor> make_deferred_executor(std::uint64_t seed) {
   return std::make_unique<DeferredExecutor>(seed);
 }
 
-ExecutorChoice make_executor(const std::string& name, std::uint64_t seed, int rank) {
-  if (name.empty() || name == "host") return {make_host_executor(), false};
-  if (name == "deferred") return {make_deferred_executor(seed), false};
-  if (name == "deferred_bounce") return {make_deferred_executor(seed), true};
+void check_executor_name(const std::string& name, int rank) {
+  if (name.empty() || name == "host" || name == "deferred" || name == "deferred_bounce") return;
   throw Error(ErrorCode::kInvalidArgument,
               "CommOptions::executor='" + name +
                   "' is not one of host, deferred, deferred_bounce (DEAR_EXECUTOR)",
               rank);
+}
+
+ExecutorChoice make_executor(const std::string& name, std::uint64_t seed, int rank) {
+  check_executor_name(name, rank);
+  if (name == "deferred") return {make_deferred_executor(seed), false};
+  if (name == "deferred_bounce") return {make_deferred_executor(seed), true};
+  return {make_host_executor(), false};
 }
 
 #ifndef DEAR_HAVE_CUDA

@@ -99,6 +99,8 @@ struct ExecutorChoice {
   bool bounce = false;  // host operations go through landing slots as device ones would
 };
 [[nodiscard]] ExecutorChoice make_executor(const std::string& name, std::uint64_t seed, int rank);
+// make_executor()'s check of the name alone (it starts no thread).
+void check_executor_name(const std::string& name, int rank);
 
 // What makes the executor of a communicator's device operations (collectives/cuda_executor.cc):
 // empty in a build without CUDA.

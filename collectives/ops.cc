@@ -455,39 +455,30 @@ void finish_local(Op& op, bool reductions) {
     return;
   }
   if (reductions) {
-    for (const ExecStep& s : final_steps(op)) run_on_host(s);
+    for (std::size_t i = 0; i < final_step_count(op); ++i) run_on_host(final_step(op, i));
   }
 }
 
-std::vector<ExecStep> final_steps(const Op& op) {
-  if (op.kind != OpKind::kAllReduce || op.schedule != Schedule::kGatherReduce) return {};
-  // Every rank reduces the same blocks in the same order, so all get identical bits.
-  const std::size_t n = op.user_count;
-  const std::size_t block = n * op.el;
-  const int nr = op.nranks;
+std::size_t final_step_count(const Op& op) {
+  if (op.kind != OpKind::kAllReduce || op.schedule != Schedule::kGatherReduce) return 0;
+  return op.nranks == 2 ? 1 : static_cast<std::size_t>(op.nranks - 1);
+}
+
+ExecStep final_step(const Op& op, std::size_t i) {
+  // Every rank reduces the same blocks in the same order, so all get identical bits: step 0
+  // reduces blocks 0 and 1 into the output, step i > 0 block i + 1 into it.
+  const std::size_t block = op.user_count * op.el;
   const char* w = op.work;
-  const auto step = [&](const char* a, const char* b, bool last) {
-    ExecStep s;
-    s.kind = last ? ExecStep::kReduceFinal : ExecStep::kReduce;
-    s.dst = op.out;
-    s.a = a;
-    s.b = b;
-    s.n = n;
-    s.dtype = op.dtype;
-    s.op = op.redop;
-    s.nranks = nr;
-    return s;
-  };
-  std::vector<ExecStep> steps;
-  if (nr == 2) {
-    steps.push_back(step(w, w + block, true));
-    return steps;
-  }
-  steps.push_back(step(w, w + block, false));
-  for (int c = 2; c < nr; ++c) {
-    steps.push_back(step(op.out, w + static_cast<std::size_t>(c) * block, c == nr - 1));
-  }
-  return steps;
+  ExecStep s;
+  s.kind = i + 1 == final_step_count(op) ? ExecStep::kReduceFinal : ExecStep::kReduce;
+  s.dst = op.out;
+  s.a = i == 0 ? w : op.out;
+  s.b = w + (i + 1) * block;
+  s.n = op.user_count;
+  s.dtype = op.dtype;
+  s.op = op.redop;
+  s.nranks = op.nranks;
+  return s;
 }
 
 }  // namespace dear::collectives

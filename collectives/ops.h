@@ -270,12 +270,14 @@ struct DirectRegion {
 // buffer and leaves the copies to its caller, who makes them through the executor: the one the
 // sends read (Op::start_copy_*) and the deferrable one (Op::copy_*). finish_local() makes what
 // is left of the deferred copy, the log-step work buffer's, and with `reductions` the final
-// local reduction of kGatherReduce (final_steps(); an asynchronous executor has made them).
+// local reduction of kGatherReduce (final_step(); an asynchronous executor has made them).
 void start_local(Op& op);
 void finish_local(Op& op, bool reductions);
 // kGatherReduce all_reduce: the final local reductions, one after another (each reads the
-// one before); empty for every other schedule.
-[[nodiscard]] std::vector<ExecStep> final_steps(const Op& op);
+// one before); none for every other schedule.
+// Step i < final_step_count(op); built on demand, so that no small operation allocates.
+[[nodiscard]] std::size_t final_step_count(const Op& op);
+[[nodiscard]] ExecStep final_step(const Op& op, std::size_t i);
 // Makes up to `max_bytes` of the operation's deferred copy; false when none is left.
 bool copy_piece(Op& op, std::size_t max_bytes);
 
