@@ -1,7 +1,6 @@
 #include "dear/communicator.h"
 
 #include <sched.h>
-#include <sys/random.h>
 
 #include <algorithm>
 #include <cmath>
@@ -20,11 +19,8 @@
 #include "collectives/steps.h"
 #include "common/env.h"
 #include "transport/delay_channel.h"
-#include "transport/fabric/fabric_link.h"
 #include "transport/signals.h"
-#include "transport/socket_util.h"
-#include "transport/tcp/tcp_channel.h"
-#include "transport/verbs/verbs_link.h"
+#include "transport/transport.h"
 
 namespace dear {
 
@@ -114,38 +110,7 @@ using collectives::Op;
 using collectives::OpKind;
 using collectives::Schedule;
 
-constexpr std::uint32_t kAddressVersion = 2;
-// transport "fabric": ring slots hold a slice of up to this many bytes, plus room for the
-// fragment prefix and the frame header (measured over tcp;ofi_rxm, 4 ranks, 64 MiB
-// all_reduce: 128 KiB slots 0.48 GB/s busbw, 512 KiB 0.69, 1 and 2 MiB no better).
-constexpr std::size_t kMaxRingSlotPayload = std::size_t{1} << 20;
-constexpr std::size_t kSlotHeadroom = 4096;
-// CommOptions::halving_max_bytes by transport. Over fabric (shm, tcp;ofi_rxm; 4 ranks) the
-// log-step schedules fell behind the ring from 512 KiB on (all_reduce at 1 MiB 1.3-1.6x the
-// ring's time), their messages cut into the mesh links' 128 KiB fragments; over TCP they led
-// up to 1 MiB, and on 4 ranks up to 4 MiB (2 and 4 MiB: all_reduce 0.76 and 0.92 of the
-// ring's time, all_gather 0.84 at 4 MiB; on 5 and 8 ranks the ring led from 2 MiB on).
-constexpr std::int64_t kTcpMediumBytes = std::int64_t{1} << 20;
-constexpr std::int64_t kTcpMediumBytesFourRanks = std::int64_t{4} << 20;
-constexpr std::int64_t kFragmentedMediumBytes = std::int64_t{256} << 10;
 constexpr std::uint64_t kMaxMedium = std::uint64_t{1} << 62;
-
-struct AddressRecord {
-  char host[64];
-  std::uint16_t port;
-  std::uint16_t mesh_port;
-  std::int32_t channels;
-  std::uint32_t version;
-  std::uint64_t tag;
-};
-
-std::uint64_t random_u64() {
-  std::uint64_t v = 0;
-  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
-    v = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-  }
-  return v;
-}
 
 bool overlaps(const char* a, std::size_t an, const char* b, std::size_t bn) {
   return an > 0 && bn > 0 && a < b + bn && b < a + an;
@@ -286,14 +251,6 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
   }
 
   void validate_options() {
-    // Read by every TCP channel; checked before any link is built, so that a bad value fails
-    // every rank at once instead of the first channel's rank alone.
-    try {
-      (void)transport::tcp::socket_buffer_from_env();
-      transport::check_congestion_control_env();
-    } catch (const Error& e) {
-      throw Error(e.code(), e.cause(), rank_, Error::kNone, "create");
-    }
     if (options_.channels < 1 || options_.channels > collectives::kMaxChannels) {
       throw Error(ErrorCode::kInvalidArgument,
                   "CommOptions::channels=" + std::to_string(options_.channels) +
@@ -306,21 +263,16 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
                       " is outside [64, 1 GiB]",
                   rank_);
     }
-    const bool fabric = options_.transport == "fabric" && transport::fabric::built();
-    const bool verbs = options_.transport == "verbs" && transport::verbs::built();
-    if (options_.transport != "tcp" && !fabric && !verbs) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "CommOptions::transport='" + options_.transport +
-                      "' is not available in this build (available: tcp" +
-                      (transport::fabric::built() ? ", fabric" : "") +
-                      (transport::verbs::built() ? ", verbs" : "") + ")",
-                  rank_);
-    }
-    if (!transport::fabric::parse_data_path(options_.fabric_data_path)) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "CommOptions::fabric_data_path='" + options_.fabric_data_path +
-                      "' is not one of auto, write, send (DEAR_FABRIC_DATA_PATH)",
-                  rank_);
+    transport_ = &transport::find_transport(options_.transport, rank_, "CommOptions::transport");
+    // Every back-end checks its own options, whichever is selected: a bad value fails now
+    // rather than on the day that back-end is chosen.
+    const transport::TransportOptions to = transport_options(transport::Deadline::max());
+    for (const transport::Transport* t : transport::transports()) {
+      try {
+        t->check(to);
+      } catch (const Error& e) {
+        throw Error(e.code(), e.cause(), rank_, Error::kNone, "create");
+      }
     }
     collectives::check_executor_name(options_.executor, rank_);
     if (options_.landing_slots < 1) {
@@ -347,9 +299,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
                   rank_);
     }
     if (options_.halving_max_bytes == -1) {
-      options_.halving_max_bytes = options_.transport != "tcp" ? kFragmentedMediumBytes
-                                   : size_ <= 4                ? kTcpMediumBytesFourRanks
-                                                               : kTcpMediumBytes;
+      options_.halving_max_bytes = transport_->log_step_max_bytes(size_);
     }
   }
 
@@ -362,48 +312,12 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
           rank_);
     }
     const auto deadline = tr::deadline_after(options_.timeout);
-    std::vector<std::unique_ptr<tr::Channel>> to_next;
-    std::vector<std::vector<std::unique_ptr<tr::Channel>>> from(1);
     // Direct links to the ranks the log-step schedules exchange with (steps.h).
     std::vector<int> mesh_peers = collectives::step_peers(rank_, size_);
-    std::vector<std::unique_ptr<tr::Channel>> mesh;
-    // The RDMA back-ends share one shape: ring links, then the mesh.
-    const auto connect_rdma = [&](auto connect_ring, auto connect_peers, const auto& ring_opts,
-                                  const auto& mesh_opts) {
-      auto ring = connect_ring(*bootstrap_, options_.channels, ring_opts);
-      to_next = std::move(ring.to_next);
-      from[0] = std::move(ring.from_prev);
-      mesh = connect_peers(*bootstrap_, mesh_peers, mesh_opts);
-    };
-    if (options_.transport == "fabric") {
-      tr::fabric::FabricOptions fo;
-      fo.provider = options_.fabric_provider;
-      fo.data_path = *tr::fabric::parse_data_path(options_.fabric_data_path);
-      fo.deadline = deadline;
-      // Ring links carry the large operations: a slot holds a whole slice (and its header),
-      // so a slice is one fragment. The mesh links carry the log-step schedules of small
-      // operations; there are N-1 of them, so they keep the transport's smaller slots.
-      if (options_.fabric_slot_bytes > 0) fo.slot_bytes = options_.fabric_slot_bytes;
-      if (options_.fabric_direct_bytes >= 0) {
-        fo.direct_bytes = static_cast<std::size_t>(options_.fabric_direct_bytes);
-      }
-      tr::fabric::FabricOptions ring = fo;
-      if (options_.fabric_slot_bytes == 0) {
-        ring.slot_bytes = std::min(options_.slice_bytes, kMaxRingSlotPayload) + kSlotHeadroom;
-      }
-      connect_rdma(tr::fabric::connect_ring, tr::fabric::connect_peers, ring, fo);
-    } else if (options_.transport == "verbs") {
-      tr::verbs::VerbsOptions vo;
-      vo.device = options_.ib_device;
-      vo.gid_index = options_.ib_gid_index;
-      vo.deadline = deadline;
-      if (options_.fabric_direct_bytes >= 0) {
-        vo.direct_bytes = static_cast<std::size_t>(options_.fabric_direct_bytes);
-      }
-      connect_rdma(tr::verbs::connect_ring, tr::verbs::connect_peers, vo, vo);
-    } else {
-      connect_tcp(deadline, to_next, from, mesh_peers, mesh);
-    }
+    tr::Links links = transport_->connect(*bootstrap_, mesh_peers, transport_options(deadline));
+    std::vector<std::unique_ptr<tr::Channel>> to_next = std::move(links.to_next);
+    std::vector<std::unique_ptr<tr::Channel>> from_prev = std::move(links.from_prev);
+    std::vector<std::unique_ptr<tr::Channel>> mesh = std::move(links.mesh);
     if (mesh.size() != mesh_peers.size()) {
       mesh.clear();
       mesh_peers.clear();
@@ -413,7 +327,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     // held once, whichever direction it travels.
     const std::chrono::microseconds delay(options_.link_delay_us);
     to_next = tr::with_delay(std::move(to_next), delay);
-    from[0] = tr::with_delay(std::move(from[0]), delay);
+    from_prev = tr::with_delay(std::move(from_prev), delay);
     mesh = tr::with_delay(std::move(mesh), delay);
     collectives::EngineConfig cfg;
     cfg.rank = rank_;
@@ -426,82 +340,22 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     cfg.executor = options_.executor;
     cfg.landing_slots = options_.landing_slots;
     cfg.make_device_executor = collectives::device_executor_factory(rank_);
-    engine_ = std::make_shared<collectives::Engine>(cfg, std::move(to_next), std::move(from[0]),
+    engine_ = std::make_shared<collectives::Engine>(cfg, std::move(to_next), std::move(from_prev),
                                                     std::move(mesh_peers), std::move(mesh));
   }
 
-  void connect_tcp(transport::Deadline deadline,
-                   std::vector<std::unique_ptr<transport::Channel>>& to_next,
-                   std::vector<std::vector<std::unique_ptr<transport::Channel>>>& from,
-                   const std::vector<int>& mesh_peers,
-                   std::vector<std::unique_ptr<transport::Channel>>& mesh) {
-    namespace tr = transport;
-    const std::string host = bootstrap_->advertise_host();
-    // The listeners listen once the peers' addresses are known (their congestion control
-    // depends on them); a peer that connects sooner is refused and tries again.
-    tr::Fd listener = tr::bind_unlistened(tr::resolve(host, 0));
-    // The mesh has a listener of its own: a rank still accepting its ring links must not be
-    // offered a mesh connection it would take for a stranger.
-    tr::Fd mesh_listener = tr::bind_unlistened(tr::resolve(host, 0));
-    AddressRecord mine{};
-    std::snprintf(mine.host, sizeof(mine.host), "%s", host.c_str());
-    mine.port = tr::local_address(listener.get()).port();
-    mine.mesh_port = tr::local_address(mesh_listener.get()).port();
-    mine.channels = options_.channels;
-    mine.version = kAddressVersion;
-    mine.tag = random_u64();
-    std::vector<AddressRecord> all(static_cast<std::size_t>(size_));
-    bootstrap_->all_gather(&mine, sizeof(mine), all.data());
-    for (int r = 0; r < size_; ++r) {
-      const auto& rec = all[static_cast<std::size_t>(r)];
-      if (rec.channels != options_.channels || rec.version != kAddressVersion) {
-        throw Error(ErrorCode::kMismatch,
-                    "rank " + std::to_string(r) + " uses channels=" + std::to_string(rec.channels) +
-                        ", rank " + std::to_string(rank_) +
-                        " uses channels=" + std::to_string(options_.channels) +
-                        " (DEAR_CHANNELS / CommOptions::channels must agree)",
-                    rank_, r, "create");
-      }
-    }
-    const std::uint64_t tag = all[0].tag;
-    const int next = (rank_ + 1) % size_;
-    const int prev = (rank_ - 1 + size_) % size_;
-    const auto address_of = [&](int r) {
-      const auto& rec = all[static_cast<std::size_t>(r)];
-      return tr::resolve(rec.host, 0);
-    };
-    tr::listen_for(listener.get(), {address_of(prev)});
-    std::vector<tr::SockAddr> lower_addresses;
-    for (int p : mesh_peers) {
-      if (p < rank_) lower_addresses.push_back(address_of(p));
-    }
-    tr::listen_for(mesh_listener.get(), lower_addresses);
-    const auto& n = all[static_cast<std::size_t>(next)];
-    to_next = tr::tcp::connect_link(tr::resolve(n.host, n.port), rank_, next, options_.channels,
-                                    bootstrap_->id().secret.data(), tag, deadline);
-    from = tr::tcp::accept_links(listener.get(), rank_, {prev}, options_.channels,
-                                 bootstrap_->id().secret.data(), tag, deadline);
-    // Mesh: connect to the higher peers, accept from the lower ones (one channel each).
-    const std::uint64_t mesh_tag = tag ^ 0x6d657368ULL;  // "mesh": apart from the ring's
-    std::vector<int> lower;
-    std::vector<std::unique_ptr<tr::Channel>> higher;
-    for (int p : mesh_peers) {
-      if (p < rank_) {
-        lower.push_back(p);
-        continue;
-      }
-      const auto& rec = all[static_cast<std::size_t>(p)];
-      auto ch = tr::tcp::connect_link(tr::resolve(rec.host, rec.mesh_port), rank_, p, 1,
-                                      bootstrap_->id().secret.data(), mesh_tag, deadline);
-      higher.push_back(std::move(ch.at(0)));
-    }
-    auto accepted = tr::tcp::accept_links(mesh_listener.get(), rank_, lower, 1,
-                                          bootstrap_->id().secret.data(), mesh_tag, deadline);
-    std::size_t li = 0;
-    std::size_t hi = 0;
-    for (int p : mesh_peers) {
-      mesh.push_back(p < rank_ ? std::move(accepted.at(li++).at(0)) : std::move(higher.at(hi++)));
-    }
+  transport::TransportOptions transport_options(transport::Deadline deadline) const {
+    transport::TransportOptions o;
+    o.channels = options_.channels;
+    o.slice_bytes = options_.slice_bytes;
+    o.deadline = deadline;
+    o.fabric_provider = options_.fabric_provider;
+    o.fabric_slot_bytes = options_.fabric_slot_bytes;
+    o.fabric_data_path = options_.fabric_data_path;
+    o.direct_bytes = options_.fabric_direct_bytes;
+    o.ib_device = options_.ib_device;
+    o.ib_gid_index = options_.ib_gid_index;
+    return o;
   }
 
   std::unique_ptr<Op> make(OpKind kind, const void* in, void* out, std::size_t count,
@@ -761,6 +615,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
   mutable std::mutex select_mu_;
   mutable std::map<SelectKey, Schedule> select_cache_;
   std::shared_ptr<collectives::Engine> engine_;
+  const transport::Transport* transport_ = nullptr;  // the registry's, for options_.transport
   bool mesh_ = false;  // the engine has the log-step schedules' direct links
 };
 

@@ -19,8 +19,7 @@
 #include <optional>
 
 #include "suite_config.h"
-#include "transport/fabric/fabric_link.h"
-#include "transport/verbs/verbs_link.h"
+#include "transport/transport.h"
 #endif
 
 namespace dear::testing {
@@ -42,11 +41,16 @@ inline void use_suite_transport([[maybe_unused]] CommOptions& options) {
 // Why the suite's transport cannot run on this host (its tests then skip), or nullopt.
 inline std::optional<std::string> suite_transport_unavailable() {
   const SuiteConfig c = suite_config();
-  if (c.transport == "verbs") return transport::verbs::unavailable_reason();
-  if (c.transport != "fabric") return std::nullopt;
-  if (c.fabric_data_path == "write")
-    return transport::fabric::write_unavailable_reason(c.fabric_provider);
-  return transport::fabric::unavailable_reason(c.fabric_provider);
+  if (c.transport.empty()) return std::nullopt;
+  for (const transport::Transport* t : transport::transports()) {
+    if (t->name() != c.transport) continue;
+    if (auto why = t->missing()) return why;
+    transport::TransportOptions o;
+    o.fabric_provider = c.fabric_provider;
+    if (!c.fabric_data_path.empty()) o.fabric_data_path = c.fabric_data_path;
+    return t->unavailable(o);
+  }
+  return "transport '" + c.transport + "' is not registered";
 }
 #define DEAR_SKIP_UNLESS_SUITE_TRANSPORT()                           \
   do {                                                               \

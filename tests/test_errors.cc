@@ -11,6 +11,7 @@
 #include "dear/bootstrap.h"
 #include "harness.h"
 #include "reference.h"
+#include "transport/transport.h"
 
 namespace dear::testing {
 namespace {
@@ -89,6 +90,40 @@ TEST(InvalidArguments, BadCommunicatorOptions) {
       1, [](Communicator&) {}, o);
   ASSERT_TRUE(errors[0]);
   EXPECT_NE(what_of(errors[0]).find("CommOptions::channels=0"), std::string::npos);
+}
+
+// The transport registry: every back-end registered once by name; TCP always built; a name
+// this build lacks is refused listing every built back-end and why each other one is missing.
+TEST(InvalidArguments, TransportRegistryListsWhatThisBuildHasAndWhy) {
+  const auto& all = transport::transports();
+  ASSERT_GE(all.size(), 3u);
+  std::vector<std::string> names;
+  for (const transport::Transport* t : all) {
+    for (const auto& n : names) EXPECT_NE(n, t->name()) << "registered twice";
+    names.emplace_back(t->name());
+    if (auto why = t->missing()) {
+      EXPECT_FALSE(why->empty()) << t->name();
+    }
+  }
+  EXPECT_EQ(names.front(), "tcp");
+  EXPECT_FALSE(all.front()->missing().has_value());
+  const Error e = expect_error(
+      [] { (void)transport::find_transport("carrier-pigeon", 3, "CommOptions::transport"); });
+  EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(e.rank(), 3);
+  const std::string what = e.what();
+  EXPECT_NE(what.find("CommOptions::transport='carrier-pigeon'"), std::string::npos) << what;
+  for (const transport::Transport* t : all) {
+    const std::string name(t->name());
+    if (auto why = t->missing()) {
+      EXPECT_NE(what.find(name + ": " + *why), std::string::npos) << what;
+      const Error m = expect_error([&] { (void)transport::find_transport(name, 0, "x"); });
+      EXPECT_NE(std::string(m.what()).find("not available in this build"), std::string::npos);
+    } else {
+      EXPECT_EQ(&transport::find_transport(name, 0, "x"), t);
+      EXPECT_NE(what.find(name), std::string::npos) << what;
+    }
+  }
 }
 
 // CommOptions::halving_max_bytes: -1 becomes the transport's default (over TCP 4 MiB up to 4

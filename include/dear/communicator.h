@@ -101,9 +101,9 @@ struct CommOptions {
   // runs all_reduce above gather_reduce_max_bytes and up to this many bytes as recursive
   // halving + doubling, all_gather as recursive doubling, and reduce_scatter up to a quarter
   // of it as halving; the ring above. 0 = the ring from gather_reduce_max_bytes on; -1 = the
-  // transport's default: over tcp 4 MiB up to 4 ranks and 1 MiB above (measured on 4 to 8 ranks
-  // sharing 2 CPUs), 256 KiB over fabric and verbs, whose mesh links carry
-  // fragments of at most 128 KiB (DEAR_MEDIUM_BYTES). create() replaces -1 with the value.
+  // transport's default: over tcp 4 MiB up to 4 ranks and 1 MiB above, 256 KiB over fabric
+  // and verbs, whose mesh links carry fragments of at most 128 KiB (chosen by measurement:
+  // docs/results.md) (DEAR_MEDIUM_BYTES). create() replaces -1 with the value.
   std::int64_t halving_max_bytes = -1;
   // A calibrated alpha-beta cost model (`dear-bench --calibrate --json FILE`) replaces that
   // threshold: kAuto then runs the schedule with the lowest predicted time (all_reduce: ring or

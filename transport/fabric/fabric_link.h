@@ -117,9 +117,8 @@ struct FabricOptions {
   // path that providers needing FI_MR_LOCAL take, on providers that run here).
   bool register_in_place = false;
   // The data path; every rank must end up on the same one (kAuto does, given one provider).
-  // kAuto, i.e. writes where offered, by measurement (4 ranks, fp32 all_reduce, write / send
-  // busbw, median of same-run ratios): tcp;ofi_rxm 1.14 at 1 MiB and 1.04 at 64 MiB; shm 0.99
-  // and 1.01 (noise of +-30% either way).
+  // kAuto, i.e. writes where offered: never slower than sends in the measurements
+  // (docs/results.md).
   DataPath data_path = DataPath::kAuto;
   // Tests: XORed into the key the peer published for its data slots, so that this rank's
   // writes are refused (the error path of RMA completions). 0 in real use.

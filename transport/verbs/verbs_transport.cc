@@ -1,0 +1,54 @@
+// transport "verbs": RC queue pairs over ibverbs (verbs_link.h). Registered in
+// transport/registry.cc; compiled with or without rdma-core (verbs_stub.cc then answers).
+#include "transport/transport.h"
+#include "transport/verbs/verbs_link.h"
+
+namespace dear::transport::verbs {
+namespace {
+
+// The log-step schedules' reach (CommOptions::halving_max_bytes' default): their messages are
+// cut into fragments of the mesh links' slots, as over fabric.
+constexpr std::int64_t kMediumBytes = std::int64_t{256} << 10;
+
+VerbsOptions verbs_options(const TransportOptions& o) {
+  VerbsOptions vo;
+  vo.device = o.ib_device;
+  vo.gid_index = o.ib_gid_index;
+  vo.deadline = o.deadline;
+  if (o.direct_bytes >= 0) vo.direct_bytes = static_cast<std::size_t>(o.direct_bytes);
+  return vo;
+}
+
+class VerbsTransport final : public Transport {
+ public:
+  std::string_view name() const override { return "verbs"; }
+  std::optional<std::string> missing() const override {
+    if (built()) return std::nullopt;
+    return unavailable_reason();
+  }
+  std::optional<std::string> unavailable(const TransportOptions& o) const override {
+    return unavailable_reason(verbs_options(o));
+  }
+  void check(const TransportOptions&) const override {}
+  std::int64_t log_step_max_bytes(int) const override { return kMediumBytes; }
+
+  Links connect(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
+                const TransportOptions& o) const override {
+    const VerbsOptions vo = verbs_options(o);
+    auto r = connect_ring(bootstrap, o.channels, vo);
+    Links links;
+    links.to_next = std::move(r.to_next);
+    links.from_prev = std::move(r.from_prev);
+    links.mesh = connect_peers(bootstrap, mesh_peers, vo);
+    return links;
+  }
+};
+
+}  // namespace
+
+const Transport& transport() {
+  static const VerbsTransport t;
+  return t;
+}
+
+}  // namespace dear::transport::verbs
