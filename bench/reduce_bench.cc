@@ -16,7 +16,7 @@
 #include <random>
 
 #include "collectives/reduce.h"
-#include "collectives/reduce_ops.h"
+#include "common/reduce_ops.h"
 #include "dear/types.h"
 
 namespace dear::collectives {

@@ -13,7 +13,7 @@
 #include <string>
 #include <type_traits>
 
-#include "collectives/reduce_ops.h"
+#include "common/reduce_ops.h"
 #include "dear/error.h"
 
 // Force the per-type loops into the cloned dispatcher: a loop compiled outside it would be

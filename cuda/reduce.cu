@@ -9,19 +9,12 @@
 #include <cstdint>
 #include <string>
 
-#include "collectives/reduce_ops.h"
+#include "common/reduce_ops.h"
 #include "cuda/error.h"
 #include "cuda/reduce.h"
 
 namespace dear::cuda {
 namespace {
-
-using collectives::AvgFinalOp;
-using collectives::Element;
-using collectives::MaxOp;
-using collectives::MinOp;
-using collectives::ProdOp;
-using collectives::SumOp;
 
 constexpr int kThreads = 256;
 constexpr std::size_t kVectorBytes = 16;

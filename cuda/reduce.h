@@ -1,7 +1,7 @@
 // Reduction kernels on device memory: the GPU counterparts of collectives/reduce.h.
 //
 // Contract
-// - Element-wise, with the functors of collectives/reduce_ops.h, so that every element is
+// - Element-wise, with the functors of common/reduce_ops.h, so that every element is
 //   bit-identical to the CPU kernels' result for the same inputs (fp16/bf16 computed in fp32
 //   and rounded once, integer sums and products wrapping, IEEE minimum/maximum).
 // - dst may alias a or b exactly, never partially. Pointers are device pointers aligned to the

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "collectives/reduce.h"
-#include "collectives/reduce_ops.h"
+#include "common/reduce_ops.h"
 #include "dear/error.h"
 #include "dear/types.h"
 

@@ -14,9 +14,9 @@
 
 #include "collectives/device_staging.h"
 #include "collectives/reduce.h"
-#include "collectives/reduce_ops.h"
 #include "collectives/staging_pieces.h"
 #include "collectives/staging_plan.h"
+#include "common/reduce_ops.h"
 #include "harness.h"
 #include "reference.h"
 

@@ -29,7 +29,7 @@
 #endif
 #endif
 
-namespace dear::collectives {
+namespace dear {
 
 // ---- bit views -------------------------------------------------------------------------------
 
@@ -291,4 +291,4 @@ struct AvgFinalOp {
   DEAR_HOST_DEVICE T operator()(T a, T b) const { return divide_by(SumOp{}(a, b), divisor); }
 };
 
-}  // namespace dear::collectives
+}  // namespace dear
