@@ -157,17 +157,18 @@ void Engine::start(std::unique_ptr<Op> op) {
                              (op->kind == OpKind::kReduceScatter && op->nranks > 2 && !log_step);
   if (op->device && needs_scratch) {
     // In the device executor's memory; handed back when the operation completes.
-    op->scratch = op->exec->allocate(ExecMemory::kScratch, op->total * op->el);
+    op->scratch = op->exec->allocate(ExecMemory::kScratch, op->ring.total * op->el);
     if (op->schedule == Schedule::kGatherReduce) op->work = op->scratch;
   } else if (log_step) {
     // The work buffer (reduce_scatter: a copy of the input) and the staging area.
-    const std::size_t work = op->log.work_is_scratch ? op->log.work_bytes : 0;
-    op->scratch_owner = scratch_.acquire(work + op->log.stage_bytes, &op->scratch_capacity);
+    const std::size_t work = op->log_step.plan.work_is_scratch ? op->log_step.plan.work_bytes : 0;
+    op->scratch_owner =
+        scratch_.acquire(work + op->log_step.plan.stage_bytes, &op->scratch_capacity);
     op->scratch = op->scratch_owner.get();
-    if (op->log.work_is_scratch) op->work = op->scratch;
-    op->stage = op->scratch + work;
+    if (op->log_step.plan.work_is_scratch) op->work = op->scratch;
+    op->log_step.stage = op->scratch + work;
   } else if (needs_scratch) {
-    const std::size_t bytes = op->total * op->el;
+    const std::size_t bytes = op->ring.total * op->el;
     op->scratch_owner = scratch_.acquire(bytes, &op->scratch_capacity);
     op->scratch = op->scratch_owner.get();
     if (op->schedule == Schedule::kGatherReduce) op->work = op->scratch;

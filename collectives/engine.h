@@ -159,7 +159,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void announce();
   void start(std::unique_ptr<Op> op);
   void complete_finished();
-  // A piece of the first deferred local copy (Op::copy_left) among the active operations;
+  // A piece of the first deferred local copy (RingState::copy_left) among the active operations;
   // false when there is none.
   bool copy_while_waiting();
   Op* find(std::uint64_t seq);

@@ -51,15 +51,15 @@ void Engine::open_window(Op& op) {
   const DirectRegion r = direct_region(op);
   if (r.bytes > 0) {
     if (auto w = links_[kPrev][0]->open_window(r.base, r.bytes, r.message_bytes)) {
-      op.window = *w;
-      op.window_open = true;
+      op.ring.window = *w;
+      op.ring.window_open = true;
       windows_to_announce_.emplace_back(op.seq, *w);
     }
   }
   // The next rank may have announced its window before this rank posted the operation.
   if (const auto it = peer_windows_.find(op.seq); it != peer_windows_.end()) {
-    op.peer_window = it->second;
-    op.has_peer_window = true;
+    op.ring.peer_window = it->second;
+    op.ring.has_peer_window = true;
     peer_windows_.erase(it);
   }
 }
@@ -68,10 +68,10 @@ void Engine::close_window(Op& op) noexcept {
   // Before the operation completes: once the caller has its memory back, no peer may write
   // there (the peer writes only into windows of operations in flight; a back-end may keep the
   // registration cached for the next operation on that memory).
-  if (!op.window_open) return;
-  op.window_open = false;
+  if (!op.ring.window_open) return;
+  op.ring.window_open = false;
   try {
-    links_[kPrev][0]->close_window(op.window);
+    links_[kPrev][0]->close_window(op.ring.window);
   } catch (...) {
     // Closing a registration does not fail in a way that could be acted on here.
   }
@@ -212,12 +212,12 @@ RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h
   }
   check_header(op, peer, h);
   const auto c = static_cast<std::size_t>(channel);
-  if (channel >= op.channels || h.index != op.recv_next[di][c] ||
-      h.index >= op.messages_received_per_channel(dir)) {
+  if (channel >= op.ring.channels || h.index != op.ring.recv_next[di][c] ||
+      h.index >= op.ring.messages_received_per_channel(dir)) {
     throw Error(ErrorCode::kMismatch,
                 "slice " + std::to_string(h.index) + " of " + view_of(op) + " arrived on channel " +
                     std::to_string(channel) + " from rank " + std::to_string(peer) +
-                    " where slice " + std::to_string(op.recv_next[di][c]) +
+                    " where slice " + std::to_string(op.ring.recv_next[di][c]) +
                     " was expected: the ranks use different channel or slice settings",
                 cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
   }
@@ -265,8 +265,8 @@ void Engine::on_message(int link, int channel, const FrameHeader& h) {
     peer_posted_ = std::max(peer_posted_, static_cast<std::int64_t>(h.seq));
     if (h.bytes == sizeof(transport::Window)) {
       if (Op* op = find(h.seq)) {
-        op->peer_window = window_in_;
-        op->has_peer_window = true;
+        op->ring.peer_window = window_in_;
+        op->ring.has_peer_window = true;
       } else if (static_cast<std::int64_t>(h.seq) > posted_) {
         peer_windows_[h.seq] = window_in_;
       }
@@ -293,7 +293,7 @@ void Engine::on_message(int link, int channel, const FrameHeader& h) {
                 blame);
   }
   if (ctx.op != nullptr && ctx.step >= 0) {
-    ctx.op->step_state[static_cast<std::size_t>(ctx.step)] |= Op::kStepReceived;
+    ctx.op->log_step.step_state[static_cast<std::size_t>(ctx.step)] |= LogStepState::kStepReceived;
   } else if (ctx.op != nullptr) {
     arrive(*ctx.op, link, channel, ctx);
   } else if (ctx.pending != nullptr) {
@@ -317,7 +317,7 @@ void Engine::replay_unexpected(Op& op) {
     if (it->link >= 2) {
       const RecvTarget t = log_step_target(op, it->link, it->header, ctx);
       if (it->header.bytes > 0) std::memcpy(t.dst, it->data.data(), it->header.bytes);
-      op.step_state[static_cast<std::size_t>(ctx.step)] |= Op::kStepReceived;
+      op.log_step.step_state[static_cast<std::size_t>(ctx.step)] |= LogStepState::kStepReceived;
       unexpected_bytes_ -= it->header.bytes;
       it = recycle_unexpected(it);
       continue;
@@ -359,15 +359,16 @@ void Engine::on_sent(int link, int channel, std::uint64_t token) {
     // Mesh sends carry (sequence, step).
     Op* op = find(token >> 8);
     if (op != nullptr) {
-      op->step_state[static_cast<std::size_t>(token & 0xff)] |= Op::kStepSendDone;
-      --op->sends_in_flight;
+      op->log_step.step_state[static_cast<std::size_t>(token & 0xff)] |=
+          LogStepState::kStepSendDone;
+      --op->log_step.sends_in_flight;
     }
     return;
   }
   Op* op = find(token);
   // Link l carries the sends of direction l.
   if (op != nullptr)
-    ++op->send_done[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
+    ++op->ring.send_done[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
 }
 
 void Engine::on_closed(int link, int channel) {
@@ -381,20 +382,20 @@ void Engine::check_link_needed(const Op& op, int link, int channel) {
   if (is_log_step(op.schedule)) {
     if (link < 2) return;
     const int peer = peer_of(link);
-    for (std::size_t k = 0; k < op.log.steps.size(); ++k) {
-      const Step& s = op.log.steps[k];
-      const std::uint8_t st = op.step_state[k];
-      needs = needs || (s.send_peer == peer && (st & Op::kStepSendDone) == 0) ||
-              (s.recv_peer == peer && (st & Op::kStepReceived) == 0);
+    for (std::size_t k = 0; k < op.log_step.plan.steps.size(); ++k) {
+      const Step& s = op.log_step.plan.steps[k];
+      const std::uint8_t st = op.log_step.step_state[k];
+      needs = needs || (s.send_peer == peer && (st & LogStepState::kStepSendDone) == 0) ||
+              (s.recv_peer == peer && (st & LogStepState::kStepReceived) == 0);
     }
   } else {
-    if (link >= 2 || channel >= op.channels) return;
+    if (link >= 2 || channel >= op.ring.channels) return;
     // A link carries the sends of direction `link` and the receives of the other direction.
     const auto i = static_cast<std::size_t>(channel);
     const auto send_dir = static_cast<std::size_t>(link);
     const auto recv_dir = static_cast<std::size_t>(1 - link);
-    needs = op.send_done[send_dir][i] < op.messages_sent_per_channel(link) ||
-            op.recv_next[recv_dir][i] < op.messages_received_per_channel(1 - link);
+    needs = op.ring.send_done[send_dir][i] < op.ring.messages_sent_per_channel(link) ||
+            op.ring.recv_next[recv_dir][i] < op.ring.messages_received_per_channel(1 - link);
   }
   if (!needs) return;
   const int peer = peer_of(link);

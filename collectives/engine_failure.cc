@@ -58,13 +58,13 @@ void Engine::abort(const std::string& reason) {
 std::string Engine::describe_progress(const Op& op) const {
   std::string text;
   if (is_log_step(op.schedule)) {
-    const auto k = static_cast<std::size_t>(op.step_next);
-    text = "completed " + std::to_string(op.step_next) + "/" + std::to_string(op.log.steps.size()) +
-           " steps of " + to_string(op.schedule);
-    if (k < op.log.steps.size()) {
-      const Step& s = op.log.steps[k];
-      const std::uint8_t st = op.step_state[k];
-      if (s.recv_peer >= 0 && (st & Op::kStepReceived) == 0) {
+    const auto k = static_cast<std::size_t>(op.log_step.step_next);
+    text = "completed " + std::to_string(op.log_step.step_next) + "/" +
+           std::to_string(op.log_step.plan.steps.size()) + " steps of " + to_string(op.schedule);
+    if (k < op.log_step.plan.steps.size()) {
+      const Step& s = op.log_step.plan.steps[k];
+      const std::uint8_t st = op.log_step.step_state[k];
+      if (s.recv_peer >= 0 && (st & LogStepState::kStepReceived) == 0) {
         text += ", waiting for " + std::to_string(s.recv_bytes) + " bytes from rank " +
                 std::to_string(s.recv_peer);
       } else if (s.send_peer >= 0) {
@@ -76,19 +76,20 @@ std::string Engine::describe_progress(const Op& op) const {
   }
   for (int d = 0; d < 2; ++d) {
     const auto di = static_cast<std::size_t>(d);
-    if (op.send_steps[di] == 0 && op.recv_steps[di] == 0) continue;
+    if (op.ring.send_steps[di] == 0 && op.ring.recv_steps[di] == 0) continue;
     std::uint32_t got = 0;
     std::uint32_t sent = 0;
-    for (int c = 0; c < op.channels; ++c) {
-      got += op.recv_next[di][static_cast<std::size_t>(c)];
-      sent += op.send_done[di][static_cast<std::size_t>(c)];
+    for (int c = 0; c < op.ring.channels; ++c) {
+      got += op.ring.recv_next[di][static_cast<std::size_t>(c)];
+      sent += op.ring.send_done[di][static_cast<std::size_t>(c)];
     }
-    const auto chans = static_cast<std::uint32_t>(op.channels);
+    const auto chans = static_cast<std::uint32_t>(op.ring.channels);
     if (!text.empty()) text += "; ";
     text += "received " + std::to_string(got) + "/" +
-            std::to_string(op.messages_received_per_channel(d) * chans) + " slices from rank " +
-            std::to_string(peer_of(1 - d)) + ", sent " + std::to_string(sent) + "/" +
-            std::to_string(op.messages_sent_per_channel(d) * chans) + " to rank " +
+            std::to_string(op.ring.messages_received_per_channel(d) * chans) +
+            " slices from rank " + std::to_string(peer_of(1 - d)) + ", sent " +
+            std::to_string(sent) + "/" +
+            std::to_string(op.ring.messages_sent_per_channel(d) * chans) + " to rank " +
             std::to_string(peer_of(d));
   }
   return text;
@@ -96,19 +97,21 @@ std::string Engine::describe_progress(const Op& op) const {
 
 int Engine::blame_link(const Op& op) const {
   if (is_log_step(op.schedule)) {
-    const auto k = static_cast<std::size_t>(op.step_next);
-    if (k >= op.log.steps.size()) return 2;
-    const Step& s = op.log.steps[k];
-    const bool waiting = s.recv_peer >= 0 && (op.step_state[k] & Op::kStepReceived) == 0;
+    const auto k = static_cast<std::size_t>(op.log_step.step_next);
+    if (k >= op.log_step.plan.steps.size()) return 2;
+    const Step& s = op.log_step.plan.steps[k];
+    const bool waiting =
+        s.recv_peer >= 0 && (op.log_step.step_state[k] & LogStepState::kStepReceived) == 0;
     const int peer = waiting || s.send_peer < 0 ? s.recv_peer : s.send_peer;
     return peer >= 0 ? mesh_link(peer) : 2;
   }
   // The side we are waiting on: a receive outstanding points at the previous rank.
+  const RingState& r = op.ring;
   int link = kNext;
-  for (int c = 0; c < op.channels; ++c) {
+  for (int c = 0; c < r.channels; ++c) {
     const auto ci = static_cast<std::size_t>(c);
-    if (op.recv_next[kForward][ci] < op.messages_received_per_channel(kForward)) return kPrev;
-    if (op.recv_next[kBackward][ci] < op.messages_received_per_channel(kBackward)) link = kNext;
+    if (r.recv_next[kForward][ci] < r.messages_received_per_channel(kForward)) return kPrev;
+    if (r.recv_next[kBackward][ci] < r.messages_received_per_channel(kBackward)) link = kNext;
   }
   return link;
 }

@@ -37,46 +37,46 @@ bool Engine::advance_log_steps(Op& op) {
   // Steps run one after another (steps.h): a step's send leaves once the steps before it are
   // complete, and the step completes when its receive has arrived and is applied.
   bool moved = false;
-  auto& steps = op.log.steps;
-  while (op.step_next < steps.size()) {
-    const std::size_t k = op.step_next;
+  auto& steps = op.log_step.plan.steps;
+  while (op.log_step.step_next < steps.size()) {
+    const std::size_t k = op.log_step.step_next;
     const Step& s = steps[k];
-    std::uint8_t& st = op.step_state[k];
-    if (s.send_peer >= 0 && (st & Op::kStepSent) == 0) {
+    std::uint8_t& st = op.log_step.step_state[k];
+    if (s.send_peer >= 0 && (st & LogStepState::kStepSent) == 0) {
       if (!may_send(op)) break;
       transport::Channel& ch = *links_[static_cast<std::size_t>(mesh_link(s.send_peer))][0];
       if (ch.closed() || ch.queued() >= kQueueMessagesPerChannel) break;
       const FrameHeader h = data_frame(op, static_cast<std::uint32_t>(s.tag), s.send_bytes);
       const char* src = work_source(op, s.send_offset, s.send_bytes);
       if (!ch.try_send(h, src, (op.seq << 8) | k)) break;
-      st |= Op::kStepSent;
-      ++op.sends_in_flight;
+      st |= LogStepState::kStepSent;
+      ++op.log_step.sends_in_flight;
       moved = true;
     }
     if (s.recv_peer >= 0) {
-      if ((st & Op::kStepReceived) == 0) break;
-      if (s.wait_send && (st & Op::kStepSendDone) == 0) break;
-      if (s.reduce && (st & Op::kStepApplied) == 0) {
+      if ((st & LogStepState::kStepReceived) == 0) break;
+      if (s.wait_send && (st & LogStepState::kStepSendDone) == 0) break;
+      if (s.reduce && (st & LogStepState::kStepApplied) == 0) {
         // Through the executor; the step is complete once the reduction is.
-        if ((st & Op::kStepApplying) == 0) {
-          st |= Op::kStepApplying;
+        if ((st & LogStepState::kStepApplying) == 0) {
+          st |= LogStepState::kStepApplying;
           ExecStep e;
           e.kind = s.final ? ExecStep::kReduceFinal : ExecStep::kReduce;
           e.dst = op.work + s.recv_offset;
           e.a = work_source(op, s.recv_offset, s.recv_bytes);
-          e.b = op.stage + s.stage_offset;
+          e.b = op.log_step.stage + s.stage_offset;
           e.n = s.recv_bytes / op.el;
           e.dtype = op.dtype;
           e.op = op.redop;
           e.nranks = op.nranks;
           issue_step(*op.exec, e, log_step_token(op.seq, k));
         }
-        if ((st & Op::kStepApplied) == 0) break;
+        if ((st & LogStepState::kStepApplied) == 0) break;
       }
       // A copied receive wrote its range when it arrived; no earlier step touches it.
       work_written(op, s.recv_offset, s.recv_bytes);
     }
-    ++op.step_next;
+    ++op.log_step.step_next;
     moved = true;
   }
   return moved;
@@ -92,14 +92,15 @@ RecvTarget Engine::log_step_target(Op& op, int link, const FrameHeader& h, RecvC
                 cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
   }
   check_header(op, peer, h);
-  const auto& steps = op.log.steps;
+  const auto& steps = op.log_step.plan.steps;
   for (std::size_t k = 0; k < steps.size(); ++k) {
     const Step& s = steps[k];
     if (s.recv_peer != peer || s.tag != static_cast<int>(h.index)) continue;
-    if ((op.step_state[k] & Op::kStepReceived) != 0 || s.recv_bytes != h.bytes) break;
+    const bool received = (op.log_step.step_state[k] & LogStepState::kStepReceived) != 0;
+    if (received || s.recv_bytes != h.bytes) break;
     ctx.op = &op;
     ctx.step = static_cast<int>(k);
-    char* dst = s.reduce ? op.stage + s.stage_offset : op.work + s.recv_offset;
+    char* dst = s.reduce ? op.log_step.stage + s.stage_offset : op.work + s.recv_offset;
     return {RecvTarget::kDirect, dst, 1};
   }
   throw Error(ErrorCode::kMismatch,

@@ -33,9 +33,9 @@ bool Engine::schedule_sends(int dir) {
     if (ch.closed()) continue;
     for (auto& holder : active_) {
       Op& op = *holder;
-      if (static_cast<int>(c) >= op.channels) continue;
-      const std::uint32_t total = op.messages_sent_per_channel(dir);
-      std::uint32_t& next = op.send_next[di][c];
+      if (static_cast<int>(c) >= op.ring.channels) continue;
+      const std::uint32_t total = op.ring.messages_sent_per_channel(dir);
+      std::uint32_t& next = op.ring.send_next[di][c];
       if (next >= total || !may_send(op)) continue;
       if (op.start_pending > 0) continue;
       if (op.bounced) {
@@ -45,16 +45,16 @@ bool Engine::schedule_sends(int dir) {
       while (next < total && ch.queued() < kQueueMessagesPerChannel &&
              ch.queued_bytes() < kQueueBytesPerChannel) {
         // Forwarding: message `next` carries what receive `next - dep_lag` brought.
-        const auto lag = static_cast<std::uint32_t>(op.dep_lag);
-        if (op.forwards && next >= lag && op.recv_done[di][c] <= next - lag) break;
+        const auto lag = static_cast<std::uint32_t>(op.ring.dep_lag);
+        if (op.ring.forwards && next >= lag && op.ring.recv_done[di][c] <= next - lag) break;
         const MessagePlan m = send_plan(op, dir, static_cast<int>(c), next);
         const FrameHeader h = data_frame(op, next, m.span.bytes);
         const std::int64_t at =
-            dir == kForward && op.has_peer_window ? direct_offset(op, m) : std::int64_t{-1};
+            dir == kForward && op.ring.has_peer_window ? direct_offset(op, m) : std::int64_t{-1};
         const char* src = send_source(op, m);
-        const bool queued =
-            at >= 0 ? ch.try_send_to(h, src, op.seq, op.peer_window, static_cast<std::size_t>(at))
-                    : ch.try_send(h, src, op.seq);
+        const bool queued = at >= 0 ? ch.try_send_to(h, src, op.seq, op.ring.peer_window,
+                                                     static_cast<std::size_t>(at))
+                                    : ch.try_send(h, src, op.seq);
         if (!queued) break;
         ++next;
         moved = true;
