@@ -146,10 +146,12 @@ void Engine::start(std::unique_ptr<Op> op) {
   {
     std::lock_guard<std::mutex> lock(submit_mu_);
     if (failed_) {
+      op->transition(OpState::kFailed);
       op->state->complete(failed_);
       return;
     }
   }
+  op->transition(OpState::kStarting);
   op->deadline = transport::deadline_after(op->timeout);
   prepare_op(*op);
   const bool log_step = is_log_step(op->schedule);
@@ -183,6 +185,11 @@ void Engine::start(std::unique_ptr<Op> op) {
       [](const Op* a, const std::unique_ptr<Op>& b) { return order_before(*a, *b); });
   active_.insert(pos, std::move(op));
   issue_start_copies(*raw);
+  // With no start copy in flight (none, or an immediate executor's, already made) it runs now;
+  // otherwise once the last of them completes (step_done).
+  if (raw->life() == OpState::kStarting && raw->start_pending == 0) {
+    raw->transition(OpState::kRunning);
+  }
   replay_unexpected(*raw);
   // A neighbour that finished everything and left is fine as long as this operation has
   // nothing more to exchange with it (its slices may all have arrived before it closed).
@@ -237,7 +244,7 @@ bool Engine::copy_while_waiting() {
   // In pieces, so that a turn stays short for the operations that arrive meanwhile.
   constexpr std::size_t kPiece = 256 * 1024;
   for (const auto& op : active_) {
-    if (op->start_pending == 0 && copy_piece(*op, kPiece)) return true;
+    if (op->life() == OpState::kRunning && copy_piece(*op, kPiece)) return true;
   }
   return false;
 }
@@ -245,13 +252,16 @@ bool Engine::copy_while_waiting() {
 void Engine::complete_finished() {
   for (auto it = active_.begin(); it != active_.end();) {
     Op& op = **it;
-    if (!op.finished() || !advance_finish(op)) {
+    if (op.life() == OpState::kRunning && op.finished()) op.transition(OpState::kFinishing);
+    // A finishing operation completes once its final local steps are done (advance_finish).
+    if (op.life() != OpState::kFinishing || !op.finished() || !advance_finish(op)) {
       ++it;
       continue;
     }
     close_window(op);
     release_scratch(op);
     if (op.fence) op.fence->done();
+    op.transition(OpState::kDone);
     op.state->complete(nullptr);
     it = active_.erase(it);
   }

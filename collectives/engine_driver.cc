@@ -39,6 +39,7 @@ Work Engine::submit(std::unique_ptr<Op> op) {
     }
   }
   if (failed) {
+    op->transition(OpState::kFailed);
     state->complete(failed);
     return Work(state);
   }

@@ -136,9 +136,14 @@ void Engine::step_done(std::uint64_t t) {
     }
     case kTokPack: slots_[static_cast<std::size_t>(payload)].done = true; return;
     case kTokStart:
+      // An operation that failed meanwhile is gone; so is the need to count. The last of its
+      // start copies lets a starting operation send.
+      if (Op* op = find(payload); op != nullptr && --op->start_pending == 0) {
+        op->transition(OpState::kRunning);
+      }
+      return;
     case kTokLocal:
-      // An operation that failed meanwhile is gone; so is the need to count.
-      if (Op* op = find(payload)) --(kind == kTokStart ? op->start_pending : op->local_pending);
+      if (Op* op = find(payload)) --op->local_pending;
       return;
     case kTokLogStep:
       if (Op* op = find(payload >> 8)) {

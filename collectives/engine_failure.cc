@@ -222,12 +222,14 @@ void Engine::fail_all(std::exception_ptr e) {
   drain_executors();
   for (auto& op : batch) {
     if (op->fence) op->fence->done();
+    op->transition(OpState::kFailed);
     op->state->complete(e);
   }
   for (auto& op : active_) {
     close_window(*op);
     release_scratch(*op);
     if (op->fence) op->fence->done();
+    op->transition(OpState::kFailed);
     op->state->complete(e);
   }
   active_.clear();

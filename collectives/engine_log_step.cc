@@ -26,7 +26,7 @@ int Engine::mesh_link(int peer) const {
 bool Engine::advance_log_steps() {
   bool moved = false;
   for (auto& holder : active_) {
-    if (is_log_step(holder->schedule) && holder->start_pending == 0) {
+    if (is_log_step(holder->schedule) && holder->life() == OpState::kRunning) {
       moved |= advance_log_steps(*holder);
     }
   }

@@ -37,7 +37,8 @@ bool Engine::schedule_sends(int dir) {
       const std::uint32_t total = op.ring.messages_sent_per_channel(dir);
       std::uint32_t& next = op.ring.send_next[di][c];
       if (next >= total || !may_send(op)) continue;
-      if (op.start_pending > 0) continue;
+      // Only a running operation sends: a starting one waits for its start copies.
+      if (op.life() != OpState::kRunning) continue;
       if (op.bounced) {
         moved |= pack_sends(op, dir, static_cast<int>(c));
         continue;

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 #include "collectives/reduce.h"
 #include "collectives/steps.h"
+#include "dear/error.h"
 
 namespace dear::collectives {
 namespace {
@@ -67,6 +69,42 @@ const char* to_string(Schedule s) noexcept {
     case Schedule::kTree: return "tree";
   }
   return "unknown";
+}
+
+const char* to_string(OpState s) noexcept {
+  switch (s) {
+    case OpState::kQueued: return "queued";
+    case OpState::kStarting: return "starting";
+    case OpState::kRunning: return "running";
+    case OpState::kFinishing: return "finishing";
+    case OpState::kDone: return "done";
+    case OpState::kFailed: return "failed";
+  }
+  return "unknown";
+}
+
+bool transition_allowed(OpState from, OpState to) noexcept {
+  switch (from) {
+    case OpState::kQueued: return to == OpState::kStarting || to == OpState::kFailed;
+    case OpState::kStarting: return to == OpState::kRunning || to == OpState::kFailed;
+    case OpState::kRunning: return to == OpState::kFinishing || to == OpState::kFailed;
+    case OpState::kFinishing: return to == OpState::kDone || to == OpState::kFailed;
+    case OpState::kDone:
+    case OpState::kFailed: break;
+  }
+  return false;
+}
+
+void Op::transition(OpState to) {
+  if (!transition_allowed(life_, to)) {
+    throw Error(ErrorCode::kInternal,
+                std::string("operation #") + std::to_string(seq) + " (" +
+                    collectives::to_string(kind) + ") on rank " + std::to_string(rank) +
+                    " cannot go from " + collectives::to_string(life_) + " to " +
+                    collectives::to_string(to),
+                rank, Error::kNone, collectives::to_string(kind), static_cast<std::int64_t>(seq));
+  }
+  life_ = to;
 }
 
 std::unique_ptr<char[]> ScratchPool::acquire(std::size_t bytes, std::size_t* capacity) {

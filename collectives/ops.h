@@ -109,6 +109,23 @@ class OpFence {
   virtual void done() noexcept = 0;
 };
 
+// Where an operation is in its life. The engine moves it forward only through
+// Op::transition(), which refuses any move not listed here:
+//   kQueued    submitted, not started yet (it may wait for its device input, or behind one
+//              that does)                                  -> kStarting, kFailed
+//   kStarting  started and among the engine's active operations; the local copies its sends
+//              read are in flight, so nothing leaves yet    -> kRunning, kFailed
+//   kRunning   exchanging its messages                      -> kFinishing, kFailed
+//   kFinishing every message is through and every local step done; its final local steps
+//              run (an asynchronous executor's final reductions, one at a time)
+//                                                           -> kDone, kFailed
+//   kDone      its Work has succeeded; kFailed: its Work has failed. Both are final.
+// Receives do not wait for the state: a message that arrives for a starting operation is
+// placed at once.
+enum class OpState : std::uint8_t { kQueued, kStarting, kRunning, kFinishing, kDone, kFailed };
+[[nodiscard]] const char* to_string(OpState s) noexcept;
+[[nodiscard]] bool transition_allowed(OpState from, OpState to) noexcept;
+
 // The part of an operation that only the schedules on the ring links use (kRing,
 // kGatherReduce, kChain, kBiGather): its messages are streamed in slices over the channels of
 // the two ring links. A log-step operation leaves it as made: no messages, one channel.
@@ -211,7 +228,8 @@ struct Op {
 
   // Progress (engine thread).
   // Local steps in flight (executor steps of the operation's own: start copies, the deferred
-  // own-block copy, the final reductions): sends wait for start_pending, completion for both.
+  // own-block copy, the final reductions): the operation runs (sends) once start_pending is
+  // 0, and completes once both are.
   int start_pending = 0;
   int local_pending = 0;
   std::size_t finish_next = 0;  // asynchronous executors: final steps issued so far
@@ -226,7 +244,17 @@ struct Op {
   RingState ring;
   LogStepState log_step;
 
+  [[nodiscard]] OpState life() const noexcept { return life_; }
+  // Moves the operation to `to`. A move that transition_allowed() refuses throws
+  // Error(kInternal) naming the rank, the operation and both states: the engine's record of
+  // the operation has gone wrong, and the communicator fails rather than guess.
+  void transition(OpState to);
+  // Every message is through and no local step is in flight: a running operation may finish,
+  // a finishing one may issue its next final step or complete.
   [[nodiscard]] bool finished() const;
+
+ private:
+  OpState life_ = OpState::kQueued;
 };
 
 // Where a message's bytes live.
