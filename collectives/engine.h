@@ -13,6 +13,13 @@
 // Failure: any error (a peer closed or reset a link, a mismatch, a deadline) is fatal to the
 // communicator, as in NCCL: every pending Work fails with it, peers are told with a kAbort
 // frame carrying the reason and the rank to blame, and later calls fail at once.
+//
+// The implementation is a file per responsibility (docs/architecture.md, "Progress engine"):
+// engine.cc (construction, starting, announcing, priorities, completion), engine_driver.cc
+// (turns, sleeping, waking, threads that drive), engine_dispatch.cc (received frames,
+// unexpected messages, windows), engine_ring.cc and engine_log_step.cc (the step machines of
+// the ring-link and log-step schedules), engine_failure.cc (failure and deadlines) and
+// engine_exec.cc (executors and landing slots); engine_internal.h holds what they share.
 #pragma once
 
 #include <pthread.h>
@@ -147,49 +154,65 @@ class Engine : public std::enable_shared_from_this<Engine> {
     bool complete = false;  // all of its payload has arrived
   };
 
+  // Construction, starting, announcing, priorities and completion (engine.cc).
+  void apply_priorities();
+  void announce();
+  void start(std::unique_ptr<Op> op);
+  void complete_finished();
+  // A piece of the first deferred local copy (RingState::copy_left) among the active operations;
+  // false when there is none.
+  bool copy_while_waiting();
+  Op* find(std::uint64_t seq);
+  [[nodiscard]] bool may_send(const Op& op) const;
+  [[nodiscard]] int peer_of(int link) const;
+
+  // The driver: turns, sleeping and waking (engine_driver.cc).
   void run();
   bool turn();  // one turn of the engine; the caller holds turn_mu_
   void sleep_idle();
   bool drain_submissions();
-  void apply_priorities();
-  void announce();
-  void start(std::unique_ptr<Op> op);
-  bool schedule_sends();
-  bool schedule_sends(int dir);
-  bool progress_links();
-  void flush_links();
-  void complete_finished();
-  // A piece of the first deferred local copy (Op::copy_left) among the active operations;
-  // false when there is none.
-  bool copy_while_waiting();
-  void check_deadlines();
-  [[nodiscard]] Error timeout_error(const Op& op, const std::string& prefix) const;
-  [[nodiscard]] int blame_link(const Op& op) const;  // the link this operation waits on
   void wait_for_events(std::unique_lock<std::mutex>& turn);
   bool wake_if(int mode);  // wakes the engine thread if it is in `mode`
   void wake();
 
-  // Receive path (called by LinkSink).
+  // The receive dispatcher (engine_dispatch.cc), called by LinkSink, and the links' progress.
   transport::RecvTarget on_header(int link, int channel, const transport::FrameHeader& h);
   void on_payload(int link, int channel, const char* data, std::size_t offset, std::size_t len);
   void on_message(int link, int channel, const transport::FrameHeader& h);
   void on_sent(int link, int channel, std::uint64_t token);
   void on_closed(int link, int channel);
   void check_link_needed(const Op& op, int link, int channel);
-  void open_window(Op& op);
-  void close_window(Op& op) noexcept;
+  void check_header(const Op& op, int peer, const transport::FrameHeader& h) const;
   transport::RecvTarget target_for(Op& op, int dir, int channel, const transport::FrameHeader& h,
                                    RecvCtx& ctx);
   void replay_unexpected(Op& op);
   // Moves a replayed message's node to spare_unexpected_; returns the node after it.
   std::list<Unexpected>::iterator recycle_unexpected(std::list<Unexpected>::iterator it);
-  // Log-step schedules (steps.h) on the mesh links.
+  void open_window(Op& op);
+  void close_window(Op& op) noexcept;
+  bool progress_links();
+  void flush_links();
+
+  // The ring links' step machine (engine_ring.cc).
+  bool schedule_sends();
+  bool schedule_sends(int dir);
+
+  // The log-step schedules' step machine (steps.h) on the mesh links (engine_log_step.cc).
   bool advance_log_steps();
   bool advance_log_steps(Op& op);
   transport::RecvTarget log_step_target(Op& op, int link, const transport::FrameHeader& h,
                                         RecvCtx& ctx);
-  void check_header(const Op& op, int peer, const transport::FrameHeader& h) const;
   [[nodiscard]] int mesh_link(int peer) const;  // link index of the mesh channel to `peer`
+
+  // Failure and deadlines (engine_failure.cc).
+  void fail(const Error& e);
+  void fail_all(std::exception_ptr e);
+  void send_control(int link, transport::FrameType type, std::uint64_t seq,
+                    const std::string& text = {}, int blame = -1, int code = 0);
+  void check_deadlines();
+  [[nodiscard]] Error timeout_error(const Op& op, const std::string& prefix) const;
+  [[nodiscard]] int blame_link(const Op& op) const;  // the link this operation waits on
+  [[nodiscard]] std::string describe_progress(const Op& op) const;
 
   // Executor steps and landing slots (engine_exec.cc).
   struct Slot {
@@ -244,15 +267,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void drain_executors() noexcept;
   bool advance_finish(Op& op);  // false while the operation's final steps are in flight
   void free_slots() noexcept;
-
-  void fail(const Error& e);
-  void fail_all(std::exception_ptr e);
-  void send_control(int link, transport::FrameType type, std::uint64_t seq,
-                    const std::string& text = {}, int blame = -1, int code = 0);
-  Op* find(std::uint64_t seq);
-  [[nodiscard]] bool may_send(const Op& op) const;
-  [[nodiscard]] int peer_of(int link) const;
-  [[nodiscard]] std::string describe_progress(const Op& op) const;
 
   EngineConfig cfg_;
   ExecutorChoice host_exec_;

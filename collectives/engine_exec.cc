@@ -90,11 +90,11 @@ void Engine::issue_start_copies(Op& op) {
   }
   // The deferrable copy: an immediate executor makes it in pieces while the engine waits for
   // the network (copy_piece); any other gets it now, and the operation completes after it.
-  if (op.copy_left > 0 && !op.exec->immediate()) {
+  if (op.ring.copy_left > 0 && !op.exec->immediate()) {
     ++op.local_pending;
-    issue_step(*op.exec, copy_step(op.copy_to, op.copy_from, op.copy_left),
+    issue_step(*op.exec, copy_step(op.ring.copy_to, op.ring.copy_from, op.ring.copy_left),
                token(kTokLocal, op.seq));
-    op.copy_left = 0;
+    op.ring.copy_left = 0;
   }
 }
 
@@ -136,12 +136,19 @@ void Engine::step_done(std::uint64_t t) {
     }
     case kTokPack: slots_[static_cast<std::size_t>(payload)].done = true; return;
     case kTokStart:
+      // An operation that failed meanwhile is gone; so is the need to count. The last of its
+      // start copies lets a starting operation send.
+      if (Op* op = find(payload); op != nullptr && --op->start_pending == 0) {
+        op->transition(OpState::kRunning);
+      }
+      return;
     case kTokLocal:
-      // An operation that failed meanwhile is gone; so is the need to count.
-      if (Op* op = find(payload)) --(kind == kTokStart ? op->start_pending : op->local_pending);
+      if (Op* op = find(payload)) --op->local_pending;
       return;
     case kTokLogStep:
-      if (Op* op = find(payload >> 8)) op->step_state.at(payload & 0xff) |= Op::kStepApplied;
+      if (Op* op = find(payload >> 8)) {
+        op->log_step.step_state.at(payload & 0xff) |= LogStepState::kStepApplied;
+      }
       return;
   }
   throw Error(ErrorCode::kInternal, "an executor returned a token it was never given", cfg_.rank);
@@ -221,10 +228,10 @@ bool Engine::landing_full(int link, int channel) const {
 void Engine::arrive(Op& op, int link, int channel, RecvCtx& ctx) {
   const auto dir = static_cast<std::size_t>(ctx.dir);
   const auto c = static_cast<std::size_t>(channel);
-  ++op.recv_next[dir][c];
+  ++op.ring.recv_next[dir][c];
   SlotQueues& q = slot_queues_[static_cast<std::size_t>(link)][c];
   if (ctx.slot < 0 && q.recv.empty()) {
-    ++op.recv_done[dir][c];  // nothing before it on this channel is still in flight
+    ++op.ring.recv_done[dir][c];  // nothing before it on this channel is still in flight
     return;
   }
   q.recv.push_back({ctx.slot, op.seq, ctx.dir});
@@ -244,7 +251,7 @@ void Engine::pop_done_receives(int link, int channel) {
     if (e.slot >= 0 && !slots_[static_cast<std::size_t>(e.slot)].done) break;
     q.recv.pop_front();
     if (Op* op = find(e.seq)) {
-      ++op->recv_done[static_cast<std::size_t>(e.dir)][static_cast<std::size_t>(channel)];
+      ++op->ring.recv_done[static_cast<std::size_t>(e.dir)][static_cast<std::size_t>(channel)];
     }
     if (e.slot >= 0) release_slot(link, channel, e.slot);
   }
@@ -257,11 +264,11 @@ bool Engine::pack_sends(Op& op, int dir, int channel) {
   const auto di = static_cast<std::size_t>(dir);
   const auto c = static_cast<std::size_t>(channel);
   SlotQueues& q = slot_queues_[di][c];
-  const std::uint32_t total = op.messages_sent_per_channel(dir);
-  std::uint32_t& next = op.send_next[di][c];
+  const std::uint32_t total = op.ring.messages_sent_per_channel(dir);
+  std::uint32_t& next = op.ring.send_next[di][c];
   while (next < total && q.send_busy < cfg_.landing_slots) {
-    const auto lag = static_cast<std::uint32_t>(op.dep_lag);
-    if (op.forwards && next >= lag && op.recv_done[di][c] <= next - lag) break;
+    const auto lag = static_cast<std::uint32_t>(op.ring.dep_lag);
+    if (op.ring.forwards && next >= lag && op.ring.recv_done[di][c] <= next - lag) break;
     const MessagePlan m = send_plan(op, dir, channel, next);
     const int s = acquire_slot(op, dir, channel, m.span.bytes, true);
     Slot& slot = slots_[static_cast<std::size_t>(s)];
@@ -299,7 +306,7 @@ bool Engine::pump_slot_sends() {
 void Engine::slot_sent(int link, int channel, std::uint64_t t) {
   const int s = static_cast<int>(t & ~kSlotSendBit);
   if (Op* op = find(slots_[static_cast<std::size_t>(s)].seq)) {
-    ++op->send_done[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
+    ++op->ring.send_done[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
   }
   release_slot(link, channel, s);
 }

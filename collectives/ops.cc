@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 #include "collectives/reduce.h"
 #include "collectives/steps.h"
+#include "dear/error.h"
 
 namespace dear::collectives {
 namespace {
@@ -26,18 +28,19 @@ int ring_mod(int x, int n) { return ((x % n) + n) % n; }
 std::size_t ceil_div(std::size_t a, std::size_t b) { return (a + b - 1) / b; }
 
 Span span_of(const Op& op, int chunk, int channel, int slice) {
-  const Range c =
-      split(op.total, static_cast<std::size_t>(op.nchunks), static_cast<std::size_t>(chunk));
+  const Range c = split(op.ring.total, static_cast<std::size_t>(op.ring.nchunks),
+                        static_cast<std::size_t>(chunk));
   const Range p =
-      split(c.len, static_cast<std::size_t>(op.channels), static_cast<std::size_t>(channel));
+      split(c.len, static_cast<std::size_t>(op.ring.channels), static_cast<std::size_t>(channel));
   const Range s =
-      split(p.len, static_cast<std::size_t>(op.slices), static_cast<std::size_t>(slice));
+      split(p.len, static_cast<std::size_t>(op.ring.slices), static_cast<std::size_t>(slice));
   return {(c.begin + p.begin + s.begin) * op.el, s.len * op.el};
 }
 
 // Byte offset of chunk `chunk` in the element space.
 std::size_t chunk_offset(const Op& op, int chunk) {
-  return split(op.total, static_cast<std::size_t>(op.nchunks), static_cast<std::size_t>(chunk))
+  return split(op.ring.total, static_cast<std::size_t>(op.ring.nchunks),
+               static_cast<std::size_t>(chunk))
              .begin *
          op.el;
 }
@@ -66,6 +69,42 @@ const char* to_string(Schedule s) noexcept {
     case Schedule::kTree: return "tree";
   }
   return "unknown";
+}
+
+const char* to_string(OpState s) noexcept {
+  switch (s) {
+    case OpState::kQueued: return "queued";
+    case OpState::kStarting: return "starting";
+    case OpState::kRunning: return "running";
+    case OpState::kFinishing: return "finishing";
+    case OpState::kDone: return "done";
+    case OpState::kFailed: return "failed";
+  }
+  return "unknown";
+}
+
+bool transition_allowed(OpState from, OpState to) noexcept {
+  switch (from) {
+    case OpState::kQueued: return to == OpState::kStarting || to == OpState::kFailed;
+    case OpState::kStarting: return to == OpState::kRunning || to == OpState::kFailed;
+    case OpState::kRunning: return to == OpState::kFinishing || to == OpState::kFailed;
+    case OpState::kFinishing: return to == OpState::kDone || to == OpState::kFailed;
+    case OpState::kDone:
+    case OpState::kFailed: break;
+  }
+  return false;
+}
+
+void Op::transition(OpState to) {
+  if (!transition_allowed(life_, to)) {
+    throw Error(ErrorCode::kInternal,
+                std::string("operation #") + std::to_string(seq) + " (" +
+                    collectives::to_string(kind) + ") on rank " + std::to_string(rank) +
+                    " cannot go from " + collectives::to_string(life_) + " to " +
+                    collectives::to_string(to),
+                rank, Error::kNone, collectives::to_string(kind), static_cast<std::int64_t>(seq));
+  }
+  life_ = to;
 }
 
 std::unique_ptr<char[]> ScratchPool::acquire(std::size_t bytes, std::size_t* capacity) {
@@ -119,14 +158,16 @@ transport::FrameHeader data_frame(const Op& op, std::uint32_t index, std::size_t
 
 bool Op::finished() const {
   if (start_pending > 0 || local_pending > 0) return false;
-  if (is_log_step(schedule)) return step_next == log.steps.size() && sends_in_flight == 0;
+  if (is_log_step(schedule)) {
+    return log_step.step_next == log_step.plan.steps.size() && log_step.sends_in_flight == 0;
+  }
   for (int d = 0; d < 2; ++d) {
     const auto di = static_cast<std::size_t>(d);
-    const std::uint32_t ns = messages_sent_per_channel(d);
-    const std::uint32_t nr = messages_received_per_channel(d);
-    for (int c = 0; c < channels; ++c) {
+    const std::uint32_t ns = ring.messages_sent_per_channel(d);
+    const std::uint32_t nr = ring.messages_received_per_channel(d);
+    for (int c = 0; c < ring.channels; ++c) {
       const auto ci = static_cast<std::size_t>(c);
-      if (send_done[di][ci] != ns || recv_done[di][ci] != nr) return false;
+      if (ring.send_done[di][ci] != ns || ring.recv_done[di][ci] != nr) return false;
     }
   }
   return true;
@@ -137,67 +178,64 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
   op.nranks = nranks;
   op.el = op.kind == OpKind::kBarrier ? 1 : dtype_size(op.dtype);
   const int n = nranks;
-  op.forwards = true;
   if (is_log_step(op.schedule)) {
-    // Whole messages over the mesh links; the ring counters stay at zero.
-    op.log = plan_steps(op.kind, op.schedule, rank, nranks, op.user_count, op.el);
-    op.step_state.assign(op.log.steps.size(), 0);
-    op.total = op.log.work_bytes / op.el;
-    op.nchunks = 1;
-    op.channels = 1;
-    op.slices = 1;
-    op.eager = op.log.work_bytes <= geo.eager_bytes;
+    // Whole messages over the mesh links; the ring part stays as made (no messages).
+    op.log_step.plan = plan_steps(op.kind, op.schedule, rank, nranks, op.user_count, op.el);
+    op.log_step.step_state.assign(op.log_step.plan.steps.size(), 0);
+    op.eager = op.log_step.plan.work_bytes <= geo.eager_bytes;
     op.work = op.out;
     return;
   }
+  op.ring.forwards = true;
   switch (op.kind) {
     case OpKind::kAllReduce:
       if (op.schedule == Schedule::kGatherReduce) {
         // Half the blocks travel forward, the rest backward: ceil((N-1)/2) steps, not N-1.
-        op.total = op.user_count * static_cast<std::size_t>(n);
-        op.send_steps[kForward] = op.recv_steps[kForward] = n / 2;
-        op.send_steps[kBackward] = op.recv_steps[kBackward] = (n - 1) / 2;
+        op.ring.total = op.user_count * static_cast<std::size_t>(n);
+        op.ring.send_steps[kForward] = op.ring.recv_steps[kForward] = n / 2;
+        op.ring.send_steps[kBackward] = op.ring.recv_steps[kBackward] = (n - 1) / 2;
       } else {
-        op.total = op.user_count;
-        op.send_steps[kForward] = op.recv_steps[kForward] = 2 * (n - 1);
+        op.ring.total = op.user_count;
+        op.ring.send_steps[kForward] = op.ring.recv_steps[kForward] = 2 * (n - 1);
       }
-      op.nchunks = n;
+      op.ring.nchunks = n;
       break;
     case OpKind::kReduceScatter:
     case OpKind::kAllGather:
     case OpKind::kBarrier:
-      op.total = op.user_count * static_cast<std::size_t>(n);
-      op.nchunks = n;
+      op.ring.total = op.user_count * static_cast<std::size_t>(n);
+      op.ring.nchunks = n;
       if (op.schedule == Schedule::kBiGather) {
-        op.send_steps[kForward] = op.recv_steps[kForward] = n / 2;
-        op.send_steps[kBackward] = op.recv_steps[kBackward] = (n - 1) / 2;
+        op.ring.send_steps[kForward] = op.ring.recv_steps[kForward] = n / 2;
+        op.ring.send_steps[kBackward] = op.ring.recv_steps[kBackward] = (n - 1) / 2;
       } else {
-        op.send_steps[kForward] = op.recv_steps[kForward] = n - 1;
+        op.ring.send_steps[kForward] = op.ring.recv_steps[kForward] = n - 1;
       }
       break;
     case OpKind::kBroadcast: {
-      op.total = op.user_count;
-      op.nchunks = 1;
+      op.ring.total = op.user_count;
+      op.ring.nchunks = 1;
       const int pos = ring_mod(rank - op.root, n);
-      op.send_steps[kForward] = pos < n - 1 ? 1 : 0;
-      op.recv_steps[kForward] = pos > 0 ? 1 : 0;
-      op.forwards = pos > 0;
+      op.ring.send_steps[kForward] = pos < n - 1 ? 1 : 0;
+      op.ring.recv_steps[kForward] = pos > 0 ? 1 : 0;
+      op.ring.forwards = pos > 0;
       break;
     }
   }
-  const std::size_t chunk_elems = ceil_div(op.total, static_cast<std::size_t>(op.nchunks));
+  const std::size_t chunk_elems =
+      ceil_div(op.ring.total, static_cast<std::size_t>(op.ring.nchunks));
   const std::size_t chunk_bytes = chunk_elems * op.el;
   const std::size_t wanted =
       std::max<std::size_t>(1, chunk_bytes / std::max<std::size_t>(1, geo.min_channel_bytes));
-  op.channels = static_cast<int>(
+  op.ring.channels = static_cast<int>(
       std::clamp<std::size_t>(wanted, 1, static_cast<std::size_t>(std::max(1, geo.channels))));
   const std::size_t part_bytes =
-      ceil_div(chunk_elems, static_cast<std::size_t>(op.channels)) * op.el;
-  op.slices = static_cast<int>(
+      ceil_div(chunk_elems, static_cast<std::size_t>(op.ring.channels)) * op.el;
+  op.ring.slices = static_cast<int>(
       std::max<std::size_t>(1, ceil_div(part_bytes, std::max<std::size_t>(1, geo.slice_bytes))));
-  op.dep_lag = op.kind == OpKind::kBroadcast ? 0 : op.slices;
-  op.eager = chunk_bytes * static_cast<std::size_t>(
-                               std::max(op.send_steps[kForward], op.recv_steps[kForward])) <=
+  op.ring.dep_lag = op.kind == OpKind::kBroadcast ? 0 : op.ring.slices;
+  op.eager = chunk_bytes * static_cast<std::size_t>(std::max(op.ring.send_steps[kForward],
+                                                             op.ring.recv_steps[kForward])) <=
              geo.eager_bytes;
   op.work = op.out;
 }
@@ -226,8 +264,8 @@ int chunk_sent(const Op& op, int dir, int r, int step) {
 
 MessagePlan message_plan(const Op& op, int dir, int channel, std::uint32_t index, int sender) {
   MessagePlan m;
-  m.step = static_cast<int>(index / static_cast<std::uint32_t>(op.slices));
-  const int slice = static_cast<int>(index % static_cast<std::uint32_t>(op.slices));
+  m.step = static_cast<int>(index / static_cast<std::uint32_t>(op.ring.slices));
+  const int slice = static_cast<int>(index % static_cast<std::uint32_t>(op.ring.slices));
   m.chunk = chunk_sent(op, dir, sender, m.step);
   m.span = span_of(op, m.chunk, channel, slice);
   return m;
@@ -301,10 +339,10 @@ bool has_direct_messages(const Op& op) {
 }  // namespace
 
 DirectRegion direct_region(const Op& op) {
-  if (!has_direct_messages(op) || op.recv_steps[kForward] == 0) return {};
+  if (!has_direct_messages(op) || op.ring.recv_steps[kForward] == 0) return {};
   // No message is larger than the first slice of chunk 0 on channel 0 (the last chunk, and
   // a part's last slice, may be shorter).
-  return {op.out, op.total * op.el, span_of(op, 0, 0, 0).bytes};
+  return {op.out, op.ring.total * op.el, span_of(op, 0, 0, 0).bytes};
 }
 
 std::int64_t direct_offset(const Op& op, const MessagePlan& m) {
@@ -330,9 +368,9 @@ void copy_or_defer(Op& op, char* to, const char* from, std::size_t bytes) {
     op.start_copy_bytes = bytes;
     return;
   }
-  op.copy_to = to;
-  op.copy_from = from;
-  op.copy_left = bytes;
+  op.ring.copy_to = to;
+  op.ring.copy_from = from;
+  op.ring.copy_left = bytes;
 }
 
 }  // namespace
@@ -342,12 +380,12 @@ void start_local(Op& op) {
   if (is_log_step(op.schedule)) {
     // Steps read and reduce in the work buffer: it starts as the input, which the steps read
     // from where they have not written yet (work_source), so the first ones need no copy.
-    op.input_in_place = op.kind == OpKind::kAllReduce && op.out != op.in && block > 0 &&
-                        !op.log.work_is_scratch && op.work == op.out;
-    op.written.clear();
-    if (op.input_in_place) op.written.reserve(op.log.steps.size() + 1);
-    if (op.log.work_is_scratch && op.log.work_bytes > 0) {
-      std::memcpy(op.work, op.in, op.log.work_bytes);
+    op.log_step.input_in_place = op.kind == OpKind::kAllReduce && op.out != op.in && block > 0 &&
+                                 !op.log_step.plan.work_is_scratch && op.work == op.out;
+    op.log_step.written.clear();
+    if (op.log_step.input_in_place) op.log_step.written.reserve(op.log_step.plan.steps.size() + 1);
+    if (op.log_step.plan.work_is_scratch && op.log_step.plan.work_bytes > 0) {
+      std::memcpy(op.work, op.in, op.log_step.plan.work_bytes);
     }
   }
   switch (op.kind) {
@@ -374,25 +412,25 @@ void start_local(Op& op) {
 }
 
 bool copy_piece(Op& op, std::size_t max_bytes) {
-  const std::size_t n = std::min(op.copy_left, max_bytes);
+  const std::size_t n = std::min(op.ring.copy_left, max_bytes);
   if (n == 0) return false;
-  std::memcpy(op.copy_to, op.copy_from, n);
-  op.copy_to += n;
-  op.copy_from += n;
-  op.copy_left -= n;
+  std::memcpy(op.ring.copy_to, op.ring.copy_from, n);
+  op.ring.copy_to += n;
+  op.ring.copy_from += n;
+  op.ring.copy_left -= n;
   return true;
 }
 
 namespace {
 
-// Whether any / every byte of [lo, hi) is in op.written.
+// Whether any / every byte of [lo, hi) is in op.log_step.written.
 struct Coverage {
   bool any = false;
   bool all = false;
 };
 Coverage coverage(const Op& op, std::size_t lo, std::size_t hi) {
   std::size_t covered = 0;
-  for (const auto& [b, e] : op.written) {
+  for (const auto& [b, e] : op.log_step.written) {
     const std::size_t from = std::max(b, lo);
     const std::size_t to = std::min(e, hi);
     if (from < to) covered += to - from;
@@ -405,7 +443,7 @@ Coverage coverage(const Op& op, std::size_t lo, std::size_t hi) {
 void fill_from_input(Op& op, std::size_t offset, std::size_t bytes) {
   const std::size_t hi = offset + bytes;
   std::size_t at = offset;
-  for (const auto& [b, e] : op.written) {
+  for (const auto& [b, e] : op.log_step.written) {
     if (e <= at) continue;
     if (b >= hi) break;
     if (b > at) std::memcpy(op.work + at, op.in + at, b - at);
@@ -418,7 +456,7 @@ void fill_from_input(Op& op, std::size_t offset, std::size_t bytes) {
 }  // namespace
 
 const char* work_source(Op& op, std::size_t offset, std::size_t bytes) {
-  if (!op.input_in_place || bytes == 0) return op.work + offset;
+  if (!op.log_step.input_in_place || bytes == 0) return op.work + offset;
   const Coverage c = coverage(op, offset, offset + bytes);
   if (!c.any) return op.in + offset;
   if (!c.all) fill_from_input(op, offset, bytes);
@@ -426,10 +464,10 @@ const char* work_source(Op& op, std::size_t offset, std::size_t bytes) {
 }
 
 void work_written(Op& op, std::size_t offset, std::size_t bytes) {
-  if (!op.input_in_place || bytes == 0) return;
+  if (!op.log_step.input_in_place || bytes == 0) return;
   std::size_t lo = offset;
   std::size_t hi = offset + bytes;
-  auto& w = op.written;
+  auto& w = op.log_step.written;
   // Merge with every range that overlaps or touches [lo, hi).
   auto first = std::lower_bound(w.begin(), w.end(), lo,
                                 [](const auto& r, std::size_t v) { return r.second < v; });
@@ -444,10 +482,10 @@ void work_written(Op& op, std::size_t offset, std::size_t bytes) {
 }
 
 void finish_local(Op& op, bool reductions) {
-  copy_piece(op, op.copy_left);
+  copy_piece(op, op.ring.copy_left);
   // Bytes no step wrote (none in dear's schedules) still hold the input's value.
-  if (op.input_in_place) fill_from_input(op, 0, op.user_count * op.el);
-  if (op.log.work_is_scratch) {
+  if (op.log_step.input_in_place) fill_from_input(op, 0, op.user_count * op.el);
+  if (op.log_step.plan.work_is_scratch) {
     const std::size_t block = op.user_count * op.el;
     if (block > 0) {
       std::memcpy(op.out, op.work + static_cast<std::size_t>(op.rank) * block, block);

@@ -109,6 +109,88 @@ class OpFence {
   virtual void done() noexcept = 0;
 };
 
+// Where an operation is in its life. The engine moves it forward only through
+// Op::transition(), which refuses any move not listed here:
+//   kQueued    submitted, not started yet (it may wait for its device input, or behind one
+//              that does)                                  -> kStarting, kFailed
+//   kStarting  started and among the engine's active operations; the local copies its sends
+//              read are in flight, so nothing leaves yet    -> kRunning, kFailed
+//   kRunning   exchanging its messages                      -> kFinishing, kFailed
+//   kFinishing every message is through and every local step done; its final local steps
+//              run (an asynchronous executor's final reductions, one at a time)
+//                                                           -> kDone, kFailed
+//   kDone      its Work has succeeded; kFailed: its Work has failed. Both are final.
+// Receives do not wait for the state: a message that arrives for a starting operation is
+// placed at once.
+enum class OpState : std::uint8_t { kQueued, kStarting, kRunning, kFinishing, kDone, kFailed };
+[[nodiscard]] const char* to_string(OpState s) noexcept;
+[[nodiscard]] bool transition_allowed(OpState from, OpState to) noexcept;
+
+// The part of an operation that only the schedules on the ring links use (kRing,
+// kGatherReduce, kChain, kBiGather): its messages are streamed in slices over the channels of
+// the two ring links. A log-step operation leaves it as made: no messages, one channel.
+struct RingState {
+  // Filled in by plan().
+  std::size_t total = 0;  // elements in the chunked space
+  int nchunks = 1;
+  int channels = 1;
+  int slices = 1;
+  std::array<int, 2> send_steps{};  // per direction
+  std::array<int, 2> recv_steps{};
+  int dep_lag = 0;        // send i waits for receive i - dep_lag (ring: slices)
+  bool forwards = false;  // whether sends after the first step depend on receives
+
+  // Progress (engine thread).
+  using Counters = std::array<std::array<std::uint32_t, kMaxChannels>, 2>;  // [direction][ch]
+  Counters send_next{};
+  Counters send_done{};
+  Counters recv_next{};  // receives that arrived
+  Counters recv_done{};  // receives whose step (reduce, copy out of a slot) has completed, in order
+  // Direct placement (direct_region): the window this rank opened for its previous rank, and
+  // the one its next rank opened for this rank's kForward messages.
+  transport::Window window{};
+  bool window_open = false;
+  transport::Window peer_window{};
+  bool has_peer_window = false;
+  // A copy that start_local() left for later (a ring all_gather's own block, a chain
+  // broadcast root's data): no message reads its destination, so the engine makes it in
+  // pieces while it waits for the network (copy_piece) and finish_local() makes the rest.
+  const char* copy_from = nullptr;
+  char* copy_to = nullptr;
+  std::size_t copy_left = 0;
+
+  [[nodiscard]] std::uint32_t messages_sent_per_channel(int dir) const {
+    return static_cast<std::uint32_t>(send_steps[static_cast<std::size_t>(dir)] * slices);
+  }
+  [[nodiscard]] std::uint32_t messages_received_per_channel(int dir) const {
+    return static_cast<std::uint32_t>(recv_steps[static_cast<std::size_t>(dir)] * slices);
+  }
+};
+
+// The part of an operation that only the log-step schedules use (steps.h).
+struct LogStepState {
+  StepPlan plan;          // filled in by plan()
+  char* stage = nullptr;  // where early operands wait (in the operation's scratch)
+  // Progress (engine thread): steps before step_next are complete; per step, kStep* flags.
+  static constexpr std::uint8_t kStepSent = 1;      // its send is queued
+  static constexpr std::uint8_t kStepSendDone = 2;  // the transport is done with it
+  static constexpr std::uint8_t kStepReceived = 4;  // its receive arrived (and was copied)
+  static constexpr std::uint8_t kStepApplying = 8;  // its reduction is issued
+  static constexpr std::uint8_t kStepApplied = 16;  // its reduction is done
+  std::vector<std::uint8_t> step_state;
+  std::uint32_t step_next = 0;
+  std::uint32_t sends_in_flight = 0;
+  // An out-of-place all_reduce's work buffer (its output) starts as the input without a copy
+  // of its own: a step sends from the input where the work buffer does not yet hold the bytes
+  // it sends, and reduces input and operand into it (work_source, work_written). `written`
+  // lists the byte ranges of the work buffer that hold their value, as [begin, end) pairs,
+  // sorted and disjoint.
+  bool input_in_place = false;
+  std::vector<std::pair<std::size_t, std::size_t>> written;
+};
+
+// One collective operation. The top level holds what every schedule uses; `ring` and
+// `log_step` what only one family of schedules does.
 struct Op {
   // What the caller asked for (identical on every rank).
   OpKind kind = OpKind::kAllReduce;
@@ -136,32 +218,18 @@ struct Op {
   std::uint64_t seq = 0;
   int rank = 0;
   int nranks = 1;
-  std::size_t el = 1;     // element size
-  std::size_t total = 0;  // elements in the chunked space
-  int nchunks = 1;
-  int channels = 1;
-  int slices = 1;
-  std::array<int, 2> send_steps{};  // per direction
-  std::array<int, 2> recv_steps{};
-  int dep_lag = 0;        // send i waits for receive i - dep_lag (ring: slices)
-  bool forwards = false;  // whether sends after the first step depend on receives
+  std::size_t el = 1;  // element size
   bool eager = false;
-  char* work = nullptr;  // the buffer chunks live in (out, or scratch)
+  char* work = nullptr;  // the buffer the schedule works in (out, or scratch)
   char* scratch = nullptr;
   std::unique_ptr<char[]> scratch_owner;
   std::size_t scratch_capacity = 0;
   std::vector<char> tiny;  // barrier payloads
-  StepPlan log;            // log-step schedules only
-  char* stage = nullptr;   // log-step: where early operands wait (in scratch)
 
   // Progress (engine thread).
-  using Counters = std::array<std::array<std::uint32_t, kMaxChannels>, 2>;  // [direction][ch]
-  Counters send_next{};
-  Counters send_done{};
-  Counters recv_next{};  // receives that arrived
-  Counters recv_done{};  // receives whose step (reduce, copy out of a slot) has completed, in order
   // Local steps in flight (executor steps of the operation's own: start copies, the deferred
-  // own-block copy, the final reductions): sends wait for start_pending, completion for both.
+  // own-block copy, the final reductions): the operation runs (sends) once start_pending is
+  // 0, and completes once both are.
   int start_pending = 0;
   int local_pending = 0;
   std::size_t finish_next = 0;  // asynchronous executors: final steps issued so far
@@ -170,44 +238,23 @@ struct Op {
   const char* start_copy_from = nullptr;
   char* start_copy_to = nullptr;
   std::size_t start_copy_bytes = 0;
-  // Log-step progress: steps before step_next are complete; per step, kStep* flags.
-  static constexpr std::uint8_t kStepSent = 1;      // its send is queued
-  static constexpr std::uint8_t kStepSendDone = 2;  // the transport is done with it
-  static constexpr std::uint8_t kStepReceived = 4;  // its receive arrived (and was copied)
-  static constexpr std::uint8_t kStepApplying = 8;  // its reduction is issued
-  static constexpr std::uint8_t kStepApplied = 16;  // its reduction is done
-  std::vector<std::uint8_t> step_state;
-  std::uint32_t step_next = 0;
-  std::uint32_t sends_in_flight = 0;
   std::chrono::steady_clock::time_point deadline{};
   std::shared_ptr<dear::Work::State> state;
-  // Direct placement (direct_region): the window this rank opened for its previous rank, and
-  // the one its next rank opened for this rank's kForward messages.
-  transport::Window window{};
-  bool window_open = false;
-  transport::Window peer_window{};
-  bool has_peer_window = false;
-  // A copy that start_local() left for later (a ring all_gather's own block, a chain
-  // broadcast root's data): no message reads its destination, so the engine makes it in
-  // pieces while it waits for the network (copy_piece) and finish_local() makes the rest.
-  const char* copy_from = nullptr;
-  char* copy_to = nullptr;
-  std::size_t copy_left = 0;
-  // An out-of-place log-step all_reduce's work buffer (its output) starts as the input without
-  // a copy of its own: a step sends from the input where the work buffer does not yet hold
-  // the bytes it sends, and reduces input and operand into it (work_source, work_written).
-  // `written` lists the byte ranges of the work buffer that hold their value, as
-  // [begin, end) pairs, sorted and disjoint.
-  bool input_in_place = false;
-  std::vector<std::pair<std::size_t, std::size_t>> written;
 
-  [[nodiscard]] std::uint32_t messages_sent_per_channel(int dir) const {
-    return static_cast<std::uint32_t>(send_steps[static_cast<std::size_t>(dir)] * slices);
-  }
-  [[nodiscard]] std::uint32_t messages_received_per_channel(int dir) const {
-    return static_cast<std::uint32_t>(recv_steps[static_cast<std::size_t>(dir)] * slices);
-  }
+  RingState ring;
+  LogStepState log_step;
+
+  [[nodiscard]] OpState life() const noexcept { return life_; }
+  // Moves the operation to `to`. A move that transition_allowed() refuses throws
+  // Error(kInternal) naming the rank, the operation and both states: the engine's record of
+  // the operation has gone wrong, and the communicator fails rather than guess.
+  void transition(OpState to);
+  // Every message is through and no local step is in flight: a running operation may finish,
+  // a finishing one may issue its next final step or complete.
   [[nodiscard]] bool finished() const;
+
+ private:
+  OpState life_ = OpState::kQueued;
 };
 
 // Where a message's bytes live.
@@ -268,8 +315,8 @@ struct DirectRegion {
 
 // Work done locally when the operation starts and ends. start_local() sets up the log-step work
 // buffer and leaves the copies to its caller, who makes them through the executor: the one the
-// sends read (Op::start_copy_*) and the deferrable one (Op::copy_*). finish_local() makes what
-// is left of the deferred copy, the log-step work buffer's, and with `reductions` the final
+// sends read (Op::start_copy_*) and the deferrable one (RingState::copy_*). finish_local() makes
+// what is left of the deferred copy, the log-step work buffer's, and with `reductions` the final
 // local reduction of kGatherReduce (final_step(); an asynchronous executor has made them).
 void start_local(Op& op);
 void finish_local(Op& op, bool reductions);
@@ -281,8 +328,8 @@ void finish_local(Op& op, bool reductions);
 // Makes up to `max_bytes` of the operation's deferred copy; false when none is left.
 bool copy_piece(Op& op, std::size_t max_bytes);
 
-// Log-step work buffer (Op::input_in_place): where bytes [offset, offset + bytes) of the work
-// buffer are to be read from: the input where none of them is written yet, else the work
+// Log-step work buffer (LogStepState::input_in_place): where bytes [offset, offset + bytes) of the
+// work buffer are to be read from: the input where none of them is written yet, else the work
 // buffer, after copying in from the input whatever part of them is not. Without
 // input_in_place, the work buffer.
 [[nodiscard]] const char* work_source(Op& op, std::size_t offset, std::size_t bytes);

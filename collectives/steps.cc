@@ -304,7 +304,7 @@ StepCost step_cost(OpKind kind, Schedule s, int nranks, std::size_t count, std::
   }
   // Local copies: reduce_scatter's input into its work buffer and the result out of it;
   // all_gather's own block. all_reduce reads its input where the output is not yet written
-  // (Op::input_in_place): no copy.
+  // (LogStepState::input_in_place): no copy.
   if (plan.work_is_scratch) {
     c.copied_bytes += plan.work_bytes + count * el;
   } else if (kind != OpKind::kAllReduce) {

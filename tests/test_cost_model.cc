@@ -173,9 +173,9 @@ TEST(CostModelSteps, AgreeWithPlan) {
           plan(op, 0, n, geo);
           const auto p =
               schedule_plan(k.kind, k.schedule, count * 4, 4, geometry(n, channels, 256 * 1024));
-          EXPECT_EQ(p.forward_steps, op.send_steps[kForward]);
-          EXPECT_EQ(p.backward_steps, op.send_steps[kBackward]);
-          EXPECT_EQ(p.slices, op.slices);
+          EXPECT_EQ(p.forward_steps, op.ring.send_steps[kForward]);
+          EXPECT_EQ(p.backward_steps, op.ring.send_steps[kBackward]);
+          EXPECT_EQ(p.slices, op.ring.slices);
         }
       }
     }

@@ -247,11 +247,11 @@ TEST(LogStepWorkBuffer, StartsAsTheInputWithoutACopy) {
   op.in = in.data();
   op.out = out.data();
   op.work = out.data();
-  op.input_in_place = true;
+  op.log_step.input_in_place = true;
 
   EXPECT_EQ(work_source(op, 0, 16), in.data()) << "nothing written: read the input";
   EXPECT_EQ(work_source(op, 16, 0), out.data() + 16) << "an empty range";
-  EXPECT_TRUE(op.written.empty());
+  EXPECT_TRUE(op.log_step.written.empty());
   EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](char c) { return c == 0; }));
 
   std::fill(out.begin() + 8, out.begin() + 16, static_cast<char>(-1));  // a step wrote these
@@ -264,21 +264,21 @@ TEST(LogStepWorkBuffer, StartsAsTheInputWithoutACopy) {
   }
   EXPECT_EQ(out[32], 0) << "beyond the range: untouched";
   using Ranges = std::vector<std::pair<std::size_t, std::size_t>>;
-  EXPECT_EQ(op.written, (Ranges{{0, 32}}));
+  EXPECT_EQ(op.log_step.written, (Ranges{{0, 32}}));
 
   work_written(op, 48, 8);
   work_written(op, 40, 8);  // touches [48, 56): merged
-  EXPECT_EQ(op.written, (Ranges{{0, 32}, {40, 56}}));
+  EXPECT_EQ(op.log_step.written, (Ranges{{0, 32}, {40, 56}}));
   work_written(op, 60, 2);
   work_written(op, 30, 12);  // overlaps two ranges: one
-  EXPECT_EQ(op.written, (Ranges{{0, 56}, {60, 62}}));
+  EXPECT_EQ(op.log_step.written, (Ranges{{0, 56}, {60, 62}}));
 
   Op plain;
   plain.in = in.data();
   plain.work = out.data();
   EXPECT_EQ(work_source(plain, 4, 4), out.data() + 4) << "without input_in_place";
   work_written(plain, 0, 8);
-  EXPECT_TRUE(plain.written.empty());
+  EXPECT_TRUE(plain.log_step.written.empty());
 }
 
 TEST(LogStepSchedules, StepCountsAreLogarithmic) {
