@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "dear/bootstrap.h"
@@ -42,6 +43,16 @@ struct Links {
   std::vector<std::unique_ptr<Channel>> from_prev;
   std::vector<std::unique_ptr<Channel>> mesh;
 };
+
+// Links from a back-end's ring links and its mesh channels (made after the ring, in that
+// order on every rank).
+[[nodiscard]] inline Links links_of(RingLinks ring, std::vector<std::unique_ptr<Channel>> mesh) {
+  Links links;
+  links.to_next = std::move(ring.to_next);
+  links.from_prev = std::move(ring.from_prev);
+  links.mesh = std::move(mesh);
+  return links;
+}
 
 class Transport {
  public:

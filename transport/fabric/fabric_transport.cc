@@ -55,11 +55,7 @@ class FabricTransport final : public Transport {
       ring.slot_bytes = std::min(o.slice_bytes, kMaxRingSlotPayload) + kSlotHeadroom;
     }
     auto r = connect_ring(bootstrap, o.channels, ring);
-    Links links;
-    links.to_next = std::move(r.to_next);
-    links.from_prev = std::move(r.from_prev);
-    links.mesh = connect_peers(bootstrap, mesh_peers, mesh);
-    return links;
+    return links_of(std::move(r), connect_peers(bootstrap, mesh_peers, mesh));
   }
 };
 

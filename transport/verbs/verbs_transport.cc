@@ -36,11 +36,7 @@ class VerbsTransport final : public Transport {
                 const TransportOptions& o) const override {
     const VerbsOptions vo = verbs_options(o);
     auto r = connect_ring(bootstrap, o.channels, vo);
-    Links links;
-    links.to_next = std::move(r.to_next);
-    links.from_prev = std::move(r.from_prev);
-    links.mesh = connect_peers(bootstrap, mesh_peers, vo);
-    return links;
+    return links_of(std::move(r), connect_peers(bootstrap, mesh_peers, vo));
   }
 };
 
