@@ -27,11 +27,11 @@
 #include "transport/fabric/fi_handles.h"
 #include "transport/peer_exchange.h"
 #include "transport/rma/fragments.h"
+#include "transport/rma/reg_cache.h"
 #include "transport/rma/slot_region.h"
 #include "transport/rma/slot_window.h"
 #include "transport/rma/window_registrations.h"
 #include "transport/socket_util.h"
-#include "transport/verbs/reg_cache.h"
 
 namespace dear::transport::fabric {
 namespace {
@@ -155,61 +155,40 @@ struct Domain {
   void close_window(const Window& w) { windows.close(w.key); }
 
   // In-place sends (FabricOptions::in_place_bytes) on a provider that needs local
-  // registrations: the callers' memory, registered once per range and looked up after. A
-  // registration the cache gives up may still be read by a send in flight, so it is closed
-  // only once no in-place send of this domain is.
+  // registrations: the callers' memory, registered once per range and looked up after, each
+  // registration kept until no in-place send of this domain may read it (rma/reg_cache.h).
   bool register_sends = false;
-  bool registration_failed = false;  // once failed, in-place sends copy instead
-  verbs::RegistrationCache registrations;
-  std::vector<std::uint64_t> displaced;
-  std::uint64_t in_place_in_flight = 0;
-  std::uint64_t registered = 0;  // ranges registered by descriptor(), for tests
+  rma::SendRegistrations sends{
+      [](std::uint64_t h) { fi_close(&reinterpret_cast<fid_mr*>(h)->fid); }};
 
   // The descriptor for sending from [p, p + n), registering the range when it is not yet;
   // nullopt when it cannot be registered (the caller copies instead).
   std::optional<void*> descriptor(const char* p, std::size_t n) {
     if (!register_sends) return nullptr;
-    if (const auto e = registrations.lookup(p, n)) {
-      return fi_mr_desc(reinterpret_cast<fid_mr*>(e->handle));
-    }
-    if (registration_failed) return std::nullopt;
-    const auto span = verbs::RegistrationCache::page_span(p, n);
-    fid_mr* mr = nullptr;
-    // Shared by the domain's endpoints, so not possible where registrations belong to one
-    // (FI_MR_ENDPOINT): those providers copy.
-    if (register_memory(reinterpret_cast<const void*>(span.begin), span.end - span.begin,
-                        write ? FI_WRITE : FI_SEND, nullptr, &mr) != 0) {
-      registration_failed = true;
-      return std::nullopt;
-    }
-    ++registered;
-    for (const std::uint64_t h :
-         registrations.insert(reinterpret_cast<const void*>(span.begin), span.end - span.begin,
-                              reinterpret_cast<std::uint64_t>(mr))) {
-      displaced.push_back(h);
-    }
-    release_displaced();
-    return fi_mr_desc(mr);
+    const auto h =
+        sends.find(p, n, [&](const void* b, std::size_t len) -> std::optional<std::uint64_t> {
+          fid_mr* mr = nullptr;
+          // Shared by the domain's endpoints, so not possible where registrations belong to one
+          // (FI_MR_ENDPOINT): those providers copy.
+          if (register_memory(b, len, write ? FI_WRITE : FI_SEND, nullptr, &mr) != 0) {
+            return std::nullopt;
+          }
+          return reinterpret_cast<std::uint64_t>(mr);
+        });
+    if (!h) return std::nullopt;
+    return fi_mr_desc(reinterpret_cast<fid_mr*>(*h));
   }
-  // Communicator::forget_memory: the registrations overlapping [p, p + n) leave the cache (and
-  // are closed once no in-place send is in flight).
+  // Communicator::forget_memory: the registrations overlapping [p, p + n) leave the caches
+  // (and are closed once nothing in flight may read them).
   void forget(const void* p, std::size_t n) {
     if (n == 0) return;
-    for (const std::uint64_t h : registrations.invalidate(p, n)) displaced.push_back(h);
-    release_displaced();
+    sends.forget(p, n);
     windows.forget(p, n);
-  }
-  void release_displaced() {
-    if (in_place_in_flight > 0) return;
-    for (const std::uint64_t h : displaced) fi_close(&reinterpret_cast<fid_mr*>(h)->fid);
-    displaced.clear();
   }
 
   ~Domain() {
     windows.clear();
-    in_place_in_flight = 0;
-    for (const std::uint64_t h : registrations.clear()) displaced.push_back(h);
-    release_displaced();
+    sends.clear();
     av.reset();
     domain.reset();
     fabric.reset();
@@ -378,7 +357,7 @@ class FabricChannel final : public Channel {
   bool polled() const override { return true; }
   void forget_memory(const void* addr, std::size_t bytes) override { dom_->forget(addr, bytes); }
   // Callers' memory ranges the domain has registered for in-place sends so far.
-  [[nodiscard]] std::uint64_t registrations_made() const { return dom_->registered; }
+  [[nodiscard]] std::uint64_t registrations_made() const { return dom_->sends.made(); }
   [[nodiscard]] std::uint64_t window_registrations_made() const { return dom_->windows.made(); }
   void begin_close() override;
   void close() override;
@@ -790,7 +769,7 @@ bool FabricChannel::poll_cq(RecvSink& sink) {
         if (b->held != kNotHeld) {
           const std::uint32_t id = b->held;
           b->held = kNotHeld;
-          if (--dom_->in_place_in_flight == 0) dom_->release_displaced();
+          dom_->sends.done();
           if (const auto sent = in_place_.completed(id)) sink.on_sent(index_, *sent);
         }
         if (is_control(*b)) {
@@ -980,7 +959,7 @@ bool FabricChannel::pump(RecvSink& sink) {
     moved = true;
     if (in_place) {
       b.held = in_place_.posted();
-      ++dom_->in_place_in_flight;
+      dom_->sends.hold();
     }
     if (const auto token = sendq_.commit(f)) {
       // A message with fragments in place is sent once the provider is done reading them.
@@ -1035,7 +1014,7 @@ bool FabricChannel::pump_direct(RecvSink& sink, Buf& b, const DirectTarget& d) {
     recvw_.take_owed();
   } else {
     b.held = in_place_.posted();
-    ++dom_->in_place_in_flight;
+    dom_->sends.hold();
   }
   if (const auto token = sendq_.commit_direct(bytes)) {
     if (const auto sent = in_place_.finished(*token)) sink.on_sent(index_, *sent);

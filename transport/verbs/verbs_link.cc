@@ -16,12 +16,12 @@
 #include "dear/error.h"
 #include "transport/peer_exchange.h"
 #include "transport/rma/fragments.h"
+#include "transport/rma/reg_cache.h"
 #include "transport/rma/slot_region.h"
 #include "transport/rma/slot_window.h"
 #include "transport/rma/window_registrations.h"
 #include "transport/socket_util.h"
 #include "transport/verbs/qp_plan.h"
-#include "transport/verbs/reg_cache.h"
 
 namespace dear::transport::verbs {
 namespace {
@@ -276,12 +276,10 @@ struct Context {
       kWindowCacheEntries, [](std::uint64_t h) { ibv_dereg_mr(reinterpret_cast<ibv_mr*>(h)); }};
 
   // The callers' memory that direct messages are written from, registered once per range and
-  // looked up after. A registration the cache gives up may still be read by a write in flight,
-  // so it is released only once no direct write of these channels is.
-  RegistrationCache sources;
-  std::vector<std::uint64_t> displaced;
-  std::uint64_t direct_in_flight = 0;
-  bool source_failed = false;  // once failed, direct messages go through slots
+  // looked up after, each registration kept until no direct write of these channels may read
+  // it (rma/reg_cache.h); once a registration failed, direct messages go through slots.
+  rma::SendRegistrations sources{
+      [](std::uint64_t h) { ibv_dereg_mr(reinterpret_cast<ibv_mr*>(h)); }};
 
   // GPUDirect RDMA (compiled, not run): device memory registered as a source of direct
   // messages, never evicted (a message from it cannot fall back to staging); the device
@@ -298,13 +296,9 @@ struct Context {
   ~Context() {
     flusher.reset();
     windows.clear();
-    direct_in_flight = 0;
-    for (const std::uint64_t h : sources.clear()) displaced.push_back(h);
-    for (const DeviceSource& d : device_sources) {
-      displaced.push_back(reinterpret_cast<std::uint64_t>(d.mr));
-    }
+    sources.clear();
+    for (const DeviceSource& d : device_sources) ibv_dereg_mr(d.mr);
     device_sources.clear();
-    release_displaced();
     if (pd != nullptr) ibv_dealloc_pd(pd);
     if (ctx != nullptr) ibv_close_device(ctx);
   }
@@ -313,34 +307,26 @@ struct Context {
   // nullopt when it cannot be registered.
   std::optional<std::uint32_t> source_key(const char* p, std::size_t n) {
     if (const DeviceSource* d = device_source(p, n)) return d->mr->lkey;
-    if (const auto e = sources.lookup(p, n)) return reinterpret_cast<ibv_mr*>(e->handle)->lkey;
-    if (source_failed) return std::nullopt;
-    const auto span = RegistrationCache::page_span(p, n);
-    // Read by the local adapter only; the page span may reach read-only pages.
-    ibv_mr* mr = ibv_reg_mr(pd, reinterpret_cast<void*>(span.begin), span.end - span.begin, 0);
-    if (mr == nullptr) {
-      source_failed = true;
-      return std::nullopt;
-    }
-    for (const std::uint64_t h :
-         sources.insert(reinterpret_cast<const void*>(span.begin), span.end - span.begin,
-                        reinterpret_cast<std::uint64_t>(mr))) {
-      displaced.push_back(h);
-    }
-    release_displaced();
-    return mr->lkey;
+    const auto h =
+        sources.find(p, n, [&](const void* b, std::size_t len) -> std::optional<std::uint64_t> {
+          // Read by the local adapter only; the page span may reach read-only pages.
+          ibv_mr* mr = ibv_reg_mr(pd, const_cast<void*>(b), len, 0);
+          if (mr == nullptr) return std::nullopt;
+          return reinterpret_cast<std::uint64_t>(mr);
+        });
+    if (!h) return std::nullopt;
+    return reinterpret_cast<ibv_mr*>(*h)->lkey;
   }
   // Communicator::forget_memory: registrations overlapping [p, p + n) leave both caches.
   void forget(const void* p, std::size_t n) {
     if (n == 0) return;
-    for (const std::uint64_t h : sources.invalidate(p, n)) displaced.push_back(h);
+    sources.forget(p, n);
     const auto lo = reinterpret_cast<std::uintptr_t>(p);
     std::erase_if(device_sources, [&](const DeviceSource& d) {
       if (d.end <= lo || d.begin >= lo + n) return false;
-      displaced.push_back(reinterpret_cast<std::uint64_t>(d.mr));
+      sources.release_later(reinterpret_cast<std::uint64_t>(d.mr));
       return true;
     });
-    release_displaced();
     windows.forget(p, n);
   }
   // The registered device source holding [p, p + n), if any.
@@ -404,11 +390,6 @@ struct Context {
       flusher_failed = true;
     }
     return flusher.get();
-  }
-  void release_displaced() {
-    if (direct_in_flight > 0) return;
-    for (const std::uint64_t h : displaced) ibv_dereg_mr(reinterpret_cast<ibv_mr*>(h));
-    displaced.clear();
   }
 };
 
@@ -863,7 +844,7 @@ void VerbsChannel::retire(std::uint64_t id) {
     (p.control ? free_ctrl_ : free_data_).push_back(p.buf);
     if (p.direct) {
       // The caller's memory is read no more.
-      if (--ctx_->direct_in_flight == 0) ctx_->release_displaced();
+      ctx_->sources.done();
       if (p.token) sent_.push_back(*p.token);
     }
     ++sq_head_;
@@ -1185,7 +1166,7 @@ bool VerbsChannel::pump_direct(RecvSink& sink, std::uint32_t b, const DirectTarg
   sge.lkey = *lkey;
   // d is gone once this was the last write.
   const std::optional<std::uint64_t> token = sendq_.commit_direct(piece.bytes);
-  ++ctx_->direct_in_flight;
+  ctx_->sources.hold();
   add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, seq, raddr, rkey, Posted::direct_write(b, token));
   return true;
 }
