@@ -26,6 +26,7 @@
 #include "dear/error.h"
 #include "transport/fabric/fi_handles.h"
 #include "transport/peer_exchange.h"
+#include "transport/rma/channel_core.h"
 #include "transport/rma/fragments.h"
 #include "transport/rma/reg_cache.h"
 #include "transport/rma/slot_region.h"
@@ -36,24 +37,16 @@
 namespace dear::transport::fabric {
 namespace {
 
-using rma::DirectInfo;
-using rma::DirectTarget;
 using rma::kControlSlots;
 using rma::Kind;
 using rma::kPrefix;
 using rma::Prefix;
-using rma::Reassembler;
-using rma::RecvWindow;
 using rma::SendQueue;
-using rma::SendWindow;
 
 constexpr int kMaxChannels = 16;
 constexpr std::size_t kMaxName = 240;  // endpoint names: sockaddrs, shm paths
 // The write data path's control buffers (a Prefix fits; data goes to the slots).
 constexpr std::size_t kControlBytes = 64;
-// close() waits at most this long for the provider to take what is queued and
-// the closing message.
-constexpr auto kCloseLinger = std::chrono::milliseconds(200);
 // A destroyed channel's endpoint and memory are kept (see Graveyard) until the
 // peer has said goodbye too, or for this long.
 constexpr auto kRetireFor = std::chrono::seconds(10);
@@ -156,7 +149,8 @@ struct Domain {
 
   // In-place sends (FabricOptions::in_place_bytes) on a provider that needs local
   // registrations: the callers' memory, registered once per range and looked up after, each
-  // registration kept until no in-place send of this domain may read it (rma/reg_cache.h).
+  // registration kept until no in-place send of this domain may read it
+  // (rma/reg_cache.h).
   bool register_sends = false;
   rma::SendRegistrations sends{
       [](std::uint64_t h) { fi_close(&reinterpret_cast<fid_mr*>(h)->fid); }};
@@ -324,7 +318,7 @@ class Graveyard {
   std::list<Entry> entries_;
 };
 
-class FabricChannel final : public Channel {
+class FabricChannel final : public rma::RmaChannel<FabricChannel> {
  public:
   FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, int index, std::uint64_t tag,
                 const FabricOptions& o);
@@ -339,18 +333,12 @@ class FabricChannel final : public Channel {
   // The peer's endpoint name and (write data path) data slots.
   void set_peer(const char* name, std::size_t len, const rma::SlotRegion& region);
 
-  bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
-  bool try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
-                   const Window& window, std::size_t offset) override;
   std::optional<Window> open_window(char* base, std::size_t bytes,
                                     std::size_t message_bytes) override {
     if (direct_min_ == 0 || message_bytes < direct_min_) return std::nullopt;
     return dom_->open_window(base, bytes);
   }
   void close_window(const Window& window) override { dom_->close_window(window); }
-  std::size_t queued() const override { return sendq_.size(); }
-  std::size_t queued_bytes() const override { return sendq_.bytes(); }
-  bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
   // The providers here progress only inside fi_cq_read() (manual progress), and their wait
   // descriptors do not signal everything that needs it (rxm's rendezvous steps).
@@ -360,14 +348,55 @@ class FabricChannel final : public Channel {
   [[nodiscard]] std::uint64_t registrations_made() const { return dom_->sends.made(); }
   [[nodiscard]] std::uint64_t window_registrations_made() const { return dom_->windows.made(); }
   void begin_close() override;
-  void close() override;
-  bool closed() const override { return closed_ || peer_closed_; }
   std::string describe() const override;
 
  private:
-  [[noreturn]] void fail(const std::string& why) const {
-    throw Error(ErrorCode::kPeerFailed, why + " on " + describe(), self_, peer_);
+  // What the channel core asks of its back-end (rma/channel_core.h).
+  friend class rma::RmaChannel<FabricChannel>;
+  using Source = void*;  // a registration's descriptor (null where the provider needs none)
+  // The peer may release its endpoint once it has heard this end's goodbye (see Graveyard).
+  static constexpr bool kAnswersBye = true;
+  void check_staged(const FrameHeader&, const void*) const {}
+  bool opened() const { return ep_ != nullptr; }
+  bool connected() const { return peer_addr_ != FI_ADDR_UNSPEC; }
+  bool can_post() const { return !free_data_.empty(); }
+  char* staging() { return bufs_[free_data_.back()].data; }
+  std::optional<void*> source(const char* p, std::size_t n) { return dom_->descriptor(p, n); }
+  // A fragment into the peer's slot for `seq` (write data path) or a send.
+  bool post_fragment(std::uint32_t seq, std::size_t staged, const rma::Gather<void*>* gather);
+  bool post_write(std::uint32_t seq, const SendQueue::Piece& piece, void* source,
+                  std::uint64_t addr, std::uint64_t key);
+  void hold_posted(std::uint32_t id) {
+    bufs_[last_posted_].held = id;
+    dom_->sends.hold();
   }
+  bool post_control(const Prefix& p);
+  void flush() {}
+  const char* slot_base(std::uint32_t buffer) const {
+    // Write path: the slot the fragment was written into; send path: the receive it landed in.
+    return write_ ? slot_mem_ + static_cast<std::size_t>(buffer) * slot_bytes_ : bufs_[buffer].data;
+  }
+  std::optional<std::size_t> written(std::uint32_t) const { return std::nullopt; }
+  void slot_consumed(std::uint32_t buffer) {
+    if (!write_) post_recv(bufs_[buffer]);
+  }
+  void direct_started(const char*) { g_direct_received.fetch_add(1, std::memory_order_relaxed); }
+  bool writes_visible() { return true; }
+  void begin_progress() {}
+  bool poll(RecvSink& sink) {
+    bool m = repost_pending();
+    m |= poll_cq(sink);
+    return m;
+  }
+  void end_progress() {
+    if (timer_fd_.valid()) tend_timer();
+  }
+  void drain() {
+    NullSink null_sink;
+    poll_cq(null_sink);
+  }
+  bool in_flight() const { return in_flight_ > 0; }
+
   void check(const char* call, int rc) const {
     if (rc != 0) {
       throw Error(ErrorCode::kSystem,
@@ -382,52 +411,22 @@ class FabricChannel final : public Channel {
   [[noreturn]] void fail_completion();
   void on_arrival(Buf& b, std::size_t len);
   void on_written(const fi_cq_data_entry& e);
-  // Hands one fragment (prefix and body, gathered from `iov`) to the provider: a write into
-  // the peer's slot for `seq` announced by `seq`, or a send. The provider's return code.
-  ssize_t post_fragment(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
-                        std::size_t count, std::size_t bytes);
-  // The prefix of the next data fragment, whose body `f` describes (credits owed piggybacked).
-  [[nodiscard]] Prefix data_prefix(const SendQueue::Fragment& f) const {
-    Prefix p;
-    p.tag = tag_;
-    p.seq = sendw_.next_seq();
-    p.credits = recvw_.owed();
-    p.bytes = f.bytes;
-    p.kind = Kind::kData;
-    p.first = f.first ? 1 : 0;
-    return p;
-  }
+  // A post of buffer `b` the provider answered `rc` to: true once taken, false when it said try
+  // again; a failure is thrown naming `call`.
+  bool posted(Buf& b, ssize_t rc, const char* call);
   // An RMA write of `bytes` gathered from `iov` to the peer's [addr, addr + bytes) under `key`,
   // announced by `seq` as remote CQ data. The provider's return code.
-  ssize_t post_write(Buf& b, std::uint32_t seq, const iovec* iov, void** descs, std::size_t count,
-                     std::uint64_t addr, std::size_t bytes, std::uint64_t key);
-  // The next step of a direct head message (its first fragment, or one payload write); false
-  // when it cannot be taken now (the provider said try again).
-  bool pump_direct(RecvSink& sink, Buf& b, const DirectTarget& d);
-  // Fragment `seq` in the slot at `base`, its turn come (write data path): its prefix checked.
-  Prefix slot_prefix(const char* base, std::uint32_t seq);
+  ssize_t write_msg(Buf& b, std::uint32_t seq, const iovec* iov, void** descs, std::size_t count,
+                    std::uint64_t addr, std::size_t bytes, std::uint64_t key);
   bool is_control(const Buf& b) const { return b.index >= bufs_.size() - kControlSlots; }
-  bool deliver(RecvSink& sink);
-  bool pump(RecvSink& sink);
-  bool send_control(Kind kind, std::uint32_t seq, std::uint32_t credits);
   // The poll timer (providers without a wait descriptor): wait_spec() arms it, this drains it.
   void tend_timer();
 
   std::shared_ptr<Domain> dom_;  // first: outlives the endpoint resources below
-  int self_;
-  int peer_;
-  int index_;
-  std::uint64_t tag_;
-  std::size_t slot_bytes_;
-  std::uint32_t slots_;
-  std::size_t in_place_min_;   // FabricOptions::in_place_bytes
-  std::size_t direct_min_;     // FabricOptions::direct_bytes
-  std::size_t write_max_;      // payload bytes per direct write
-  std::size_t iov_limit_;      // gather entries the provider takes per send
-  bool write_;                 // the write data path (else send)
-  std::uint64_t corrupt_key_;  // FabricOptions::corrupt_write_key
-  std::uint32_t recv_bufs_;    // receive buffers kept posted
-  std::size_t recv_bytes_;     // bytes of each
+  bool write_;                   // the write data path (else send)
+  std::uint64_t corrupt_key_;    // FabricOptions::corrupt_write_key
+  std::uint32_t recv_bufs_;      // receive buffers kept posted
+  std::size_t recv_bytes_;       // bytes of each
 
   FidPtr<fid_cq> cq_;
   FidPtr<fid_ep> ep_;
@@ -454,45 +453,35 @@ class FabricChannel final : public Channel {
   std::vector<std::uint32_t> free_ctrl_;
   std::vector<std::uint32_t> repost_;  // receive buffers the provider refused for now
   std::uint32_t in_flight_ = 0;        // sends handed to the provider, not yet completed
-
-  SendWindow sendw_;
-  RecvWindow recvw_;
-
-  SendQueue sendq_;
-  rma::InPlaceSends in_place_;
-  Reassembler reasm_;
-  // Receiving a direct message: payload bytes per write (its writes are the next fragments).
-  std::size_t direct_write_ = 0;
-
-  bool peer_bye_ = false;
-  std::uint32_t bye_seq_ = 0;
-  bool peer_closed_ = false;
-  bool bye_sent_ = false;
-  bool closed_ = false;
+  std::uint32_t last_posted_ = 0;      // the buffer of the last data fragment or write posted
 };
+
+rma::ChannelCore::Params core_params(const Domain& dom, int self, int peer, int index,
+                                     std::uint64_t tag, const FabricOptions& o) {
+  rma::ChannelCore::Params p;
+  p.self = self;
+  p.peer = peer;
+  p.index = index;
+  p.tag = tag;
+  p.slot_bytes = o.slot_bytes;
+  p.slots = o.slots;
+  p.direct_min = dom.write ? o.direct_bytes : 0;
+  p.write_max = std::min<std::size_t>(dom.info->ep_attr->max_msg_size,
+                                      std::max<std::size_t>(1, o.direct_write_bytes));
+  p.in_place_min = o.in_place_bytes;
+  p.iov_limit = dom.info->tx_attr->iov_limit;
+  p.written = dom.write;
+  return p;
+}
 
 FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, int index,
                              std::uint64_t tag, const FabricOptions& o)
-    : dom_(std::move(dom)),
-      self_(self),
-      peer_(peer),
-      index_(index),
-      tag_(tag),
-      slot_bytes_(o.slot_bytes),
-      slots_(o.slots),
-      in_place_min_(o.in_place_bytes),
-      direct_min_(dom_->write ? o.direct_bytes : 0),
-      write_max_(std::min<std::size_t>(dom_->info->ep_attr->max_msg_size,
-                                       std::max<std::size_t>(1, o.direct_write_bytes))),
-      iov_limit_(dom_->info->tx_attr->iov_limit),
+    : RmaChannel(core_params(*dom, self, peer, index, tag, o)),
+      dom_(std::move(dom)),
       write_(dom_->write),
       corrupt_key_(o.corrupt_write_key),
       recv_bufs_(o.slots + kControlSlots),
-      recv_bytes_(write_ ? kControlBytes : o.slot_bytes),
-      sendw_(o.slots),
-      recvw_(o.slots, std::max<std::uint32_t>(1, o.slots / 2)),
-      in_place_(o.slots + 1),
-      reasm_(o.slot_bytes) {
+      recv_bytes_(write_ ? kControlBytes : o.slot_bytes) {
   const fi_info* info = dom_->info.get();
   const std::uint32_t pool = slots_ + kControlSlots;
 
@@ -672,23 +661,6 @@ bool FabricChannel::repost_pending() {
   return repost_.size() < again.size();
 }
 
-bool FabricChannel::try_send(const FrameHeader& h, const void* payload, std::uint64_t token) {
-  if (sendq_.full()) return false;
-  if (closed()) fail("send on a closed channel");
-  sendq_.push(h, payload, token);
-  return true;
-}
-
-bool FabricChannel::try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
-                                const Window& window, std::size_t offset) {
-  const auto d = rma::direct_target(h.bytes, window, offset, direct_min_);
-  if (!d) return try_send(h, payload, token);
-  if (sendq_.full()) return false;
-  if (closed()) fail("send on a closed channel");
-  sendq_.push(h, payload, token, *d);
-  return true;
-}
-
 pollfd FabricChannel::wait_spec() const {
   if (closed()) return {-1, 0, 0};
   // Sends in the provider's hands may need this side's progress to leave
@@ -707,28 +679,6 @@ pollfd FabricChannel::wait_spec() const {
   fid* f = &cq_->fid;
   if (fi_trywait(dom_->fabric.get(), &f, 1) != FI_SUCCESS) return {ready_fd_.get(), POLLIN, 0};
   return {wait_fd_, POLLIN, 0};
-}
-
-bool FabricChannel::progress(RecvSink& sink, bool may_read) {
-  (void)may_read;  // reading the completion queue is cheap and also completes
-                   // sends
-  if (closed()) return false;
-  bool moved = false;
-  for (int round = 0; round < 8 && !closed(); ++round) {
-    bool m = repost_pending();
-    m |= poll_cq(sink);
-    m |= deliver(sink);
-    if (closed()) return true;
-    m |= pump(sink);
-    if (recvw_.should_return() && send_control(Kind::kCredit, 0, recvw_.owed())) {
-      recvw_.take_owed();
-      m = true;
-    }
-    if (!m) break;
-    moved = true;
-  }
-  if (timer_fd_.valid()) tend_timer();
-  return moved;
 }
 
 void FabricChannel::tend_timer() {
@@ -818,19 +768,10 @@ void FabricChannel::on_written(const fi_cq_data_entry& e) {
   if ((dom_->info->mode & FI_RX_CQ_DATA) != 0) {
     if (Buf* b = own(bufs_, e.op_context); b != nullptr && b->recv) post_recv(*b);
   }
-  // Only recorded here: what the write left in its slot is read when its turn comes
-  // (slot_prefix), as the write may be one of a direct message's, which leave their slot
-  // untouched, and that is known only once the message's first fragment has been read.
-  const auto seq = static_cast<std::uint32_t>(e.data);
-  if (auto bad = rma::accept_fragment(recvw_, seq, seq % slots_)) fail(*bad);
-}
-
-Prefix FabricChannel::slot_prefix(const char* base, std::uint32_t seq) {
-  Prefix p;
-  std::memcpy(&p, base, kPrefix);
-  if (auto bad = rma::check_written(p, seq, tag_, slot_bytes_, std::nullopt)) fail(*bad);
-  if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
-  return p;
+  // Only recorded here: what the write left in its slot is read when its turn comes, as the
+  // write may be one of a direct message's, which leave their slot untouched, and that is
+  // known only once the message's first fragment has been read.
+  (void)on_slot_written(static_cast<std::uint32_t>(e.data));
 }
 
 void FabricChannel::on_arrival(Buf& b, std::size_t len) {
@@ -850,192 +791,66 @@ void FabricChannel::on_arrival(Buf& b, std::size_t len) {
     fail("protocol violation: a message of " + std::to_string(len) + " bytes says it holds " +
          std::to_string(p.bytes) + " after its prefix");
   }
-  if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
-  switch (p.kind) {
-    case Kind::kCredit: post_recv(b); return;
-    case Kind::kBye:
-      peer_bye_ = true;
-      bye_seq_ = p.seq;
-      post_recv(b);
-      return;
-    case Kind::kData:
-      if (write_) fail("protocol violation: a data fragment sent on the write data path");
-      if (auto bad = rma::accept_fragment(recvw_, p.seq, b.index)) fail(*bad);
-      return;
+  if (on_control(p)) {
+    post_recv(b);
+    return;
   }
-  fail("protocol violation: unknown message kind " + std::to_string(static_cast<int>(p.kind)));
+  if (p.kind != Kind::kData) {
+    fail("protocol violation: unknown message kind " + std::to_string(static_cast<int>(p.kind)));
+  }
+  if (write_) fail("protocol violation: a data fragment sent on the write data path");
+  if (auto bad = rma::accept_fragment(recvw_, p.seq, b.index)) fail(*bad);
 }
 
-bool FabricChannel::deliver(RecvSink& sink) {
-  bool moved = false;
-  while (auto bi = recvw_.next_ready()) {
-    if (reasm_.in_direct()) {
-      // One of a direct message's writes: its payload is in place already.
-      const std::size_t n = std::min(direct_write_, reasm_.remaining());
-      if (auto bad = reasm_.on_placed(sink, index_, n)) fail(*bad);
-      recvw_.consume();
-      moved = true;
-      continue;
-    }
-    // Write path: the slot the fragment was written into; send path: the receive it landed in.
-    const char* base =
-        write_ ? slot_mem_ + static_cast<std::size_t>(*bi) * slot_bytes_ : bufs_[*bi].data;
-    Prefix p;
-    if (write_) {
-      p = slot_prefix(base, recvw_.expected());
-    } else {
-      std::memcpy(&p, base, kPrefix);
-    }
-    if (p.direct != 0) {
-      if (!write_ || p.first == 0)
-        fail("protocol violation: a direct message on the send data path");
-      if (auto bad =
-              reasm_.on_direct_header(sink, index_, base + kPrefix, p.bytes, &direct_write_)) {
-        fail(*bad);
-      }
-      g_direct_received.fetch_add(1, std::memory_order_relaxed);
-    } else if (auto bad = reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
-      fail(*bad);
-    }
-    recvw_.consume();  // write path: the slot is free for the fragment `slots` later
-    if (!write_) post_recv(bufs_[*bi]);
-    moved = true;
+bool FabricChannel::post_fragment(std::uint32_t seq, std::size_t staged,
+                                  const rma::Gather<void*>* gather) {
+  Buf& b = bufs_[free_data_.back()];
+  std::array<iovec, 2> iov{};
+  std::array<void*, 2> descs{desc(), nullptr};
+  iov[0] = {b.data, staged};
+  std::size_t count = 1;
+  std::size_t bytes = staged;
+  if (gather != nullptr) {
+    iov[1] = {const_cast<char*>(gather->data), gather->bytes};
+    descs[1] = gather->source;
+    count = 2;
+    bytes += gather->bytes;
   }
-  if (peer_bye_ && !peer_closed_ && recvw_.expected() == bye_seq_) {
-    if (reasm_.in_message()) {
-      fail("rank " + std::to_string(peer_) + " closed in the middle of a message");
-    }
-    peer_closed_ = true;
-    // Answer, so the peer may release its endpoint now instead of after
-    // kRetireFor. Nothing is sent here after this.
-    if (!bye_sent_) bye_sent_ = send_control(Kind::kBye, sendw_.next_seq(), 0);
-    sink.on_closed(index_);
-    moved = true;
-  }
-  return moved;
-}
-
-bool FabricChannel::pump(RecvSink& sink) {
-  bool moved = false;
-  const std::size_t room = slot_bytes_ - kPrefix;
-  while (!sendq_.empty() && sendw_.can_send() && !free_data_.empty()) {
-    Buf& b = bufs_[free_data_.back()];
-    if (const DirectTarget* d = sendq_.direct()) {
-      if (!pump_direct(sink, b, *d)) break;
-      moved = true;
-      continue;
-    }
-    const SendQueue::Piece piece = sendq_.peek(room);
-    std::optional<void*> piece_desc;
-    if (rma::send_in_place(piece.bytes, in_place_min_, iov_limit_)) {
-      const SendQueue::Piece whole = sendq_.message();
-      piece_desc = dom_->descriptor(whole.data, whole.bytes);
-    }
-    const bool in_place = piece_desc.has_value();
-    const SendQueue::Fragment f =
-        in_place ? sendq_.fill_header(b.data + kPrefix, room) : sendq_.fill(b.data + kPrefix, room);
-    const Prefix p = data_prefix(f);
-    std::memcpy(b.data, &p, kPrefix);
-    // In place: the prefix (and header) from the staging buffer, the payload from where it
-    // lies; else all of it from the staging buffer.
-    std::array<iovec, 2> iov{};
-    std::array<void*, 2> descs{desc(), nullptr};
-    iov[0] = {b.data, kPrefix + (in_place ? (f.first ? kHeader : 0) : p.bytes)};
-    if (in_place) {
-      iov[1] = {const_cast<char*>(piece.data), piece.bytes};
-      descs[1] = *piece_desc;
-    }
-    const ssize_t rc =
-        post_fragment(b, p.seq, iov.data(), descs.data(), in_place ? 2 : 1, kPrefix + p.bytes);
-    if (rc == -FI_EAGAIN) break;
-    if (rc != 0) {
-      fail(std::string(write_ ? "fi_writemsg" : "fi_send") + " to rank " + std::to_string(peer_) +
-           " failed: " + fi_text(static_cast<int>(rc)));
-    }
-    free_data_.pop_back();
-    ++in_flight_;
-    sendw_.take();
-    recvw_.take_owed();
-    moved = true;
-    if (in_place) {
-      b.held = in_place_.posted();
-      dom_->sends.hold();
-    }
-    if (const auto token = sendq_.commit(f)) {
-      // A message with fragments in place is sent once the provider is done reading them.
-      if (const auto sent = in_place_.finished(*token)) sink.on_sent(index_, *sent);
-    }
-  }
-  return moved;
-}
-
-bool FabricChannel::pump_direct(RecvSink& sink, Buf& b, const DirectTarget& d) {
-  // The payload is read where it lies, so it needs a descriptor where the provider wants local
-  // registrations; without one the message goes through slots after all (if still possible).
-  const SendQueue::Piece whole = sendq_.message();
-  const std::optional<void*> payload_desc = dom_->descriptor(whole.data, whole.bytes);
-  if (!payload_desc) {
-    if (!sendq_.started()) {
-      sendq_.drop_direct();
-      return true;
-    }
-    fail("the memory of a message being written directly can no longer be registered");
-  }
-  const std::uint32_t seq = sendw_.next_seq();
   ssize_t rc = 0;
-  std::size_t bytes = 0;
-  const bool header = !sendq_.started();
-  if (header) {
-    // First fragment: the header and where the payload goes, in a slot.
-    const SendQueue::Fragment f = sendq_.fill_direct_header(b.data + kPrefix, write_max_);
-    Prefix p = data_prefix(f);
-    p.direct = 1;
-    std::memcpy(b.data, &p, kPrefix);
-    iovec iov{b.data, kPrefix + f.bytes};
-    void* descs[1] = {desc()};
-    rc = post_fragment(b, seq, &iov, descs, 1, kPrefix + f.bytes);
+  if (write_) {
+    rc = write_msg(b, seq, iov.data(), descs.data(), count, rma::slot_address(remote_, seq), bytes,
+                   remote_.key);
+  } else if (count == 1) {
+    rc = fi_send(ep_.get(), iov[0].iov_base, iov[0].iov_len, descs[0], peer_addr_, &b.ctx);
   } else {
-    // A payload write, straight from the caller's memory into the peer's window.
-    const SendQueue::Piece piece = sendq_.piece(write_max_);
-    bytes = piece.bytes;
-    iovec iov{const_cast<char*>(piece.data), piece.bytes};
-    void* descs[1] = {*payload_desc};
-    rc = post_write(b, seq, &iov, descs, 1, d.addr + sendq_.offset(), piece.bytes, d.key);
+    rc = fi_sendv(ep_.get(), iov.data(), descs.data(), count, peer_addr_, &b.ctx);
   }
+  return posted(b, rc, write_ ? "fi_writemsg" : "fi_send");
+}
+
+bool FabricChannel::post_write(std::uint32_t seq, const SendQueue::Piece& piece, void* source,
+                               std::uint64_t addr, std::uint64_t key) {
+  Buf& b = bufs_[free_data_.back()];
+  iovec iov{const_cast<char*>(piece.data), piece.bytes};
+  void* descs[1] = {source};
+  return posted(b, write_msg(b, seq, &iov, descs, 1, addr, piece.bytes, key), "fi_writemsg");
+}
+
+bool FabricChannel::posted(Buf& b, ssize_t rc, const char* call) {
   if (rc == -FI_EAGAIN) return false;
   if (rc != 0) {
-    fail("fi_writemsg to rank " + std::to_string(peer_) +
+    fail(std::string(call) + " to rank " + std::to_string(peer_) +
          " failed: " + fi_text(static_cast<int>(rc)));
   }
   free_data_.pop_back();
   ++in_flight_;
-  sendw_.take();
-  if (header) {
-    recvw_.take_owed();
-  } else {
-    b.held = in_place_.posted();
-    dom_->sends.hold();
-  }
-  if (const auto token = sendq_.commit_direct(bytes)) {
-    if (const auto sent = in_place_.finished(*token)) sink.on_sent(index_, *sent);
-  }
+  last_posted_ = b.index;
   return true;
 }
 
-ssize_t FabricChannel::post_fragment(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
-                                     std::size_t count, std::size_t bytes) {
-  if (!write_) {
-    if (count == 1) {
-      return fi_send(ep_.get(), iov[0].iov_base, iov[0].iov_len, descs[0], peer_addr_, &b.ctx);
-    }
-    return fi_sendv(ep_.get(), iov, descs, count, peer_addr_, &b.ctx);
-  }
-  return post_write(b, seq, iov, descs, count, rma::slot_address(remote_, seq), bytes, remote_.key);
-}
-
-ssize_t FabricChannel::post_write(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
-                                  std::size_t count, std::uint64_t addr, std::size_t bytes,
-                                  std::uint64_t key) {
+ssize_t FabricChannel::write_msg(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
+                                 std::size_t count, std::uint64_t addr, std::size_t bytes,
+                                 std::uint64_t key) {
   fi_rma_iov target{};
   target.addr = addr;
   target.len = bytes;
@@ -1052,14 +867,9 @@ ssize_t FabricChannel::post_write(Buf& b, std::uint32_t seq, const iovec* iov, v
   return fi_writemsg(ep_.get(), &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION);
 }
 
-bool FabricChannel::send_control(Kind kind, std::uint32_t seq, std::uint32_t credits) {
+bool FabricChannel::post_control(const Prefix& p) {
   if (free_ctrl_.empty()) return false;
   Buf& b = bufs_[free_ctrl_.back()];
-  Prefix p;
-  p.tag = tag_;
-  p.seq = seq;
-  p.credits = credits;
-  p.kind = kind;
   std::memcpy(b.data, &p, kPrefix);
   const auto rc = fi_send(ep_.get(), b.data, kPrefix, desc(), peer_addr_, &b.ctx);
   if (rc == -FI_EAGAIN) return false;
@@ -1084,39 +894,6 @@ void FabricChannel::begin_close() {
   } catch (const Error&) {
     // close() closes it anyway.
   }
-}
-
-void FabricChannel::close() {
-  if (closed_ || !ep_) return;
-  if (peer_addr_ == FI_ADDR_UNSPEC) {
-    // Setup failed before the peer's address was known: there is no one to say goodbye to.
-    closed_ = true;
-    sendq_.clear();
-    in_place_.clear();
-    return;
-  }
-  NullSink null_sink;
-  const auto deadline = Clock::now() + kCloseLinger;
-  try {
-    // Hand over what is queued while the peer takes it, then say goodbye once
-    // it is out; what arrives meanwhile is not delivered (its operations are
-    // gone) but credits are honoured.
-    while (!peer_bye_ && !sendq_.empty() && Clock::now() < deadline) {
-      poll_cq(null_sink);
-      pump(null_sink);
-    }
-    while (!bye_sent_ && Clock::now() < deadline) {
-      bye_sent_ = send_control(Kind::kBye, sendw_.next_seq(), 0);
-      if (!bye_sent_) poll_cq(null_sink);
-    }
-    while (in_flight_ > 0 && Clock::now() < deadline) poll_cq(null_sink);
-  } catch (const Error&) {
-    // Closing anyway.
-  }
-  // The endpoint stays open until the destructor hands it to the Graveyard.
-  closed_ = true;
-  sendq_.clear();
-  in_place_.clear();
 }
 
 std::uint64_t random_u64() {
