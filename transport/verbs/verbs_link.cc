@@ -15,6 +15,7 @@
 
 #include "dear/error.h"
 #include "transport/peer_exchange.h"
+#include "transport/rma/channel_core.h"
 #include "transport/rma/fragments.h"
 #include "transport/rma/reg_cache.h"
 #include "transport/rma/slot_region.h"
@@ -26,21 +27,15 @@
 namespace dear::transport::verbs {
 namespace {
 
-using rma::DirectTarget;
 using rma::kControlSlots;
-using rma::Kind;
 using rma::kPrefix;
 using rma::Prefix;
-using rma::Reassembler;
-using rma::RecvWindow;
 using rma::SendQueue;
-using rma::SendWindow;
 
 constexpr int kMaxChannels = 16;
 constexpr std::uint32_t kSignalEvery = 16;  // at most this many unsignalled WRs in a row
 constexpr std::size_t kControlBytes = 64;   // control message buffers (a Prefix fits)
 constexpr int kMaxGids = 256;               // GID table entries looked at
-constexpr auto kCloseLinger = std::chrono::milliseconds(200);
 // Receive work requests carry this bit in their id (send ids count up from 0), because an
 // error completion reports no opcode, only the id.
 constexpr std::uint64_t kRecvId = 1ULL << 63;
@@ -512,7 +507,7 @@ struct QpRecord {
 };
 static_assert(sizeof(QpRecord) == 72, "exchanged as plain bytes, with no padding");
 
-class VerbsChannel final : public Channel {
+class VerbsChannel final : public rma::RmaChannel<VerbsChannel> {
  public:
   VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int index, const VerbsOptions& o);
   ~VerbsChannel() override;
@@ -523,9 +518,6 @@ class VerbsChannel final : public Channel {
   // Moves the queue pair to RTR and RTS towards `remote`.
   void connect(const QpRecord& remote, const VerbsOptions& o);
 
-  bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
-  bool try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
-                   const Window& window, std::size_t offset) override;
   std::optional<Window> open_window(char* base, std::size_t bytes,
                                     std::size_t message_bytes) override;
   std::optional<Window> open_device_window(char* base, std::size_t bytes, std::size_t message_bytes,
@@ -534,34 +526,70 @@ class VerbsChannel final : public Channel {
                               const DeviceMemory& memory) override;
   void close_window(const Window& window) override { ctx_->close_window(window); }
   void forget_memory(const void* addr, std::size_t bytes) override { ctx_->forget(addr, bytes); }
-  std::size_t queued() const override { return sendq_.size(); }
-  std::size_t queued_bytes() const override { return sendq_.bytes(); }
-  bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
   bool polled() const override { return true; }
-  void close() override;
-  bool closed() const override { return closed_ || peer_closed_; }
   std::string describe() const override;
 
  private:
+  static constexpr std::uint32_t kNotHeld = 0xffffffffU;
   // A posted send work request, until a signalled completion at or after it retires it.
   struct Posted {
     std::uint32_t buf = 0;  // staging buffer it holds (a direct write holds one unused, which
                             // bounds the requests in flight as staged fragments are)
     bool control = false;
-    bool direct = false;                 // a direct message's payload write
-    std::optional<std::uint64_t> token;  // its message's token, on its last write
+    std::uint32_t held = kNotHeld;  // a direct message's payload write: its id for sent_after()
 
-    static Posted staged(std::uint32_t b) { return {b, false, false, std::nullopt}; }
-    static Posted control_message(std::uint32_t b) { return {b, true, false, std::nullopt}; }
-    static Posted direct_write(std::uint32_t b, std::optional<std::uint64_t> t) {
-      return {b, false, true, t};
-    }
+    static Posted staged(std::uint32_t b) { return {b, false, kNotHeld}; }
+    static Posted control_message(std::uint32_t b) { return {b, true, kNotHeld}; }
   };
 
-  [[noreturn]] void fail(const std::string& why) const {
-    throw Error(ErrorCode::kPeerFailed, why + " on " + describe(), self_, peer_);
+  // What the channel core asks of its back-end (rma/channel_core.h).
+  friend class rma::RmaChannel<VerbsChannel>;
+  using Source = std::uint32_t;  // a registration's local key
+  // A peer that said goodbye first has nothing left to hear (its queue pair may be gone).
+  static constexpr bool kAnswersBye = false;
+  // Refuses a staged message from registered device memory, which the CPU cannot read.
+  void check_staged(const FrameHeader& h, const void* payload) const;
+  bool opened() const { return qp_ != nullptr; }
+  bool connected() const { return connected_; }
+  bool can_post() const { return !free_data_.empty() && chain_n_ + 1 < chain_.size(); }
+  char* staging() { return data_staging(free_data_.back()); }
+  std::optional<std::uint32_t> source(const char* p, std::size_t n) {
+    return ctx_->source_key(p, n);
   }
+  bool post_fragment(std::uint32_t seq, std::size_t staged,
+                     const rma::Gather<std::uint32_t>* gather);
+  bool post_write(std::uint32_t seq, const SendQueue::Piece& piece, std::uint32_t lkey,
+                  std::uint64_t addr, std::uint64_t key);
+  void hold_posted(std::uint32_t id) {
+    sq_[(sq_next_ - 1) % sq_.size()].held = id;
+    ctx_->sources.hold();
+  }
+  bool post_control(const Prefix& p);
+  void flush() { flush_chain(); }
+  const char* slot_base(std::uint32_t buffer) const { return slot(buffer); }
+  std::optional<std::size_t> written(std::uint32_t buffer) const { return written_[buffer]; }
+  void slot_consumed(std::uint32_t) {}
+  void direct_started(const char* destination) {
+    if (!ctx_->device_windows.empty()) {
+      flush_window_ = ctx_->device_window_at(reinterpret_cast<std::uint64_t>(destination));
+    }
+  }
+  // Before the last write of a direct message into a device window is placed: true once the
+  // GPU flush behind it completed (posting it first, then polling for it), false while it has
+  // not.
+  bool writes_visible();
+  void begin_progress() { arm(); }
+  bool poll(RecvSink& sink) {
+    const bool m = poll_cq();
+    for (const std::uint64_t t : sent_) sink.on_sent(index_, t);
+    sent_.clear();
+    return m;
+  }
+  void end_progress() { flush_chain(); }
+  void drain() { poll_cq(); }
+  bool in_flight() const { return sq_head_ < sq_next_; }
+
   char* data_staging(std::uint32_t i) const { return send_mem_.get() + i * slot_bytes_; }
   char* ctrl_staging(std::uint32_t i) const {
     return send_mem_.get() + slots_ * slot_bytes_ + i * kControlBytes;
@@ -577,17 +605,6 @@ class VerbsChannel final : public Channel {
   void arm();
   bool poll_cq();
   void retire(std::uint64_t id);
-  void on_control(const Prefix& p);
-  bool deliver(RecvSink& sink);
-  // Before the last write of a direct message into a device window is placed: true once the
-  // GPU flush behind it completed (posting it first, then polling for it), false while it has
-  // not.
-  bool flushed();
-  bool pump(RecvSink& sink);
-  // The next step of a direct head message (its first fragment, or one payload write) into
-  // staging buffer `b`; false when it cannot be taken now.
-  bool pump_direct(RecvSink& sink, std::uint32_t b, const DirectTarget& d);
-  bool send_control(Kind kind, std::uint32_t seq, std::uint32_t credits);
   // A window on [base, base + bytes) for messages of `message_bytes`, registered through
   // `make` unless a cached registration holds it; nullopt where such messages do not go direct
   // or the memory cannot be registered.
@@ -595,11 +612,6 @@ class VerbsChannel final : public Channel {
                                         const rma::WindowRegistrations::Register& make);
 
   std::shared_ptr<Context> ctx_;  // first: outlives the resources below
-  int self_;
-  int peer_;
-  int index_;
-  std::size_t slot_bytes_;
-  std::uint32_t slots_;
   std::uint32_t psn_;
 
   ibv_comp_channel* cc_ = nullptr;
@@ -611,13 +623,9 @@ class VerbsChannel final : public Channel {
   std::unique_ptr<char, FreeDeleter> send_mem_;  // data staging, control staging, control recv
   rma::SlotRegion remote_{};                     // the peer's receive slots
   std::uint32_t max_inline_ = 0;
-  std::size_t direct_min_;  // VerbsOptions::direct_bytes
-  std::size_t write_max_;   // payload bytes per direct write
   // Bytes each data slot's last write placed (from its completion), checked when its turn
   // comes; a direct message's payload writes leave their slot untouched.
   std::vector<std::uint32_t> written_;
-  // Receiving a direct message: payload bytes per write (its writes are the next fragments).
-  std::size_t direct_write_ = 0;
   // Direct messages whose last write completed, reported sent by the next progress().
   std::vector<std::uint64_t> sent_;
   // Receiving a direct message into a device window: the window, and the ticket of the GPU
@@ -638,37 +646,34 @@ class VerbsChannel final : public Channel {
   std::vector<ibv_send_wr> chain_;
   std::vector<ibv_sge> chain_sge_;
   std::size_t chain_n_ = 0;
-
-  SendWindow sendw_;
-  RecvWindow recvw_;
-
-  SendQueue sendq_;
-  Reassembler reasm_;
-
-  bool peer_bye_ = false;
-  std::uint32_t bye_seq_ = 0;
-  bool peer_closed_ = false;
-  bool bye_sent_ = false;
-  bool closed_ = false;
 };
+
+rma::ChannelCore::Params core_params(const Context& ctx, int self, int peer, int index,
+                                     const VerbsOptions& o) {
+  rma::ChannelCore::Params p;
+  p.self = self;
+  p.peer = peer;
+  p.index = index;
+  p.tag = 0;  // a queue pair has one peer
+  p.slot_bytes = o.slot_bytes;
+  p.slots = o.slots;
+  p.direct_min = o.direct_bytes;
+  p.write_max = std::max<std::size_t>(
+      1, std::min<std::size_t>(o.direct_write_bytes,
+                               ctx.max_msg > 0 ? ctx.max_msg : o.direct_write_bytes));
+  // Staged fragments only: the queue pairs take one gather entry per request.
+  p.in_place_min = 0;
+  p.iov_limit = 1;
+  p.written = true;
+  return p;
+}
 
 VerbsChannel::VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int index,
                            const VerbsOptions& o)
-    : ctx_(std::move(ctx)),
-      self_(self),
-      peer_(peer),
-      index_(index),
-      slot_bytes_(o.slot_bytes),
-      slots_(o.slots),
+    : RmaChannel(core_params(*ctx, self, peer, index, o)),
+      ctx_(std::move(ctx)),
       psn_(random_psn()),
-      direct_min_(o.direct_bytes),
-      write_max_(std::max<std::size_t>(
-          1, std::min<std::size_t>(o.direct_write_bytes,
-                                   ctx_->max_msg > 0 ? ctx_->max_msg : o.direct_write_bytes))),
-      written_(o.slots, 0),
-      sendw_(o.slots),
-      recvw_(o.slots, std::max<std::uint32_t>(1, o.slots / 2)),
-      reasm_(o.slot_bytes) {
+      written_(o.slots, 0) {
   const std::uint32_t sq_depth = slots_ + kControlSlots;
   const std::uint32_t rq_depth = slots_ + kControlSlots;
   const auto sys = [&](const std::string& call) { throw_sys(call, errno, self_, peer_); };
@@ -842,25 +847,13 @@ void VerbsChannel::retire(std::uint64_t id) {
   while (sq_head_ <= id && sq_head_ < sq_next_) {
     const Posted& p = sq_[sq_head_ % sq_.size()];
     (p.control ? free_ctrl_ : free_data_).push_back(p.buf);
-    if (p.direct) {
+    if (p.held != kNotHeld) {
       // The caller's memory is read no more.
       ctx_->sources.done();
-      if (p.token) sent_.push_back(*p.token);
+      if (const auto sent = sent_after(p.held)) sent_.push_back(*sent);
     }
     ++sq_head_;
   }
-}
-
-void VerbsChannel::on_control(const Prefix& p) {
-  switch (p.kind) {
-    case Kind::kCredit: return;
-    case Kind::kBye:
-      peer_bye_ = true;
-      bye_seq_ = p.seq;
-      return;
-    case Kind::kData: break;
-  }
-  fail("protocol violation: control message of kind " + std::to_string(static_cast<int>(p.kind)));
 }
 
 bool VerbsChannel::poll_cq() {
@@ -889,18 +882,18 @@ bool VerbsChannel::poll_cq() {
         // Only recorded here: what the write left in its slot is read when its turn comes,
         // as the write may be one of a direct message's, which leave their slot untouched, and
         // that is known only once the message's first fragment has been read.
-        const std::uint32_t seq = ntohl(c.imm_data);
-        const std::uint32_t s = seq % slots_;
-        if (auto bad = rma::accept_fragment(recvw_, seq, s)) fail(*bad);
-        written_[s] = c.byte_len;
+        written_[on_slot_written(ntohl(c.imm_data))] = c.byte_len;
         post_recv(recv_index);
       } else if (c.opcode == IBV_WC_RECV) {
         Prefix p;
         std::memcpy(&p, ctrl_recv(recv_index), kPrefix);
         if (c.byte_len < kPrefix) fail("protocol violation: a short control message");
-        if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
+        const bool control = on_control(p);
         post_recv(recv_index);
-        on_control(p);
+        if (!control) {
+          fail("protocol violation: control message of kind " +
+               std::to_string(static_cast<int>(p.kind)));
+        }
       } else {
         retire(c.wr_id);
       }
@@ -921,7 +914,7 @@ bool VerbsChannel::poll_cq() {
   return moved;
 }
 
-bool VerbsChannel::try_send(const FrameHeader& h, const void* payload, std::uint64_t token) {
+void VerbsChannel::check_staged(const FrameHeader& h, const void* payload) const {
   if (ctx_->in_device_memory(payload, h.bytes)) {
     throw Error(ErrorCode::kInvalidArgument,
                 "a message of " + std::to_string(h.bytes) +
@@ -930,20 +923,6 @@ bool VerbsChannel::try_send(const FrameHeader& h, const void* payload, std::uint
                     std::to_string(direct_min_) + " bytes (VerbsOptions::direct_bytes)",
                 self_, peer_);
   }
-  if (sendq_.full()) return false;
-  if (closed()) fail("send on a closed channel");
-  sendq_.push(h, payload, token);
-  return true;
-}
-
-bool VerbsChannel::try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
-                               const Window& window, std::size_t offset) {
-  const auto d = rma::direct_target(h.bytes, window, offset, direct_min_);
-  if (!d) return try_send(h, payload, token);
-  if (sendq_.full()) return false;
-  if (closed()) fail("send on a closed channel");
-  sendq_.push(h, payload, token, *d);
-  return true;
 }
 
 std::optional<Window> VerbsChannel::open_registered(
@@ -999,85 +978,8 @@ pollfd VerbsChannel::wait_spec() const {
   return {cc_->fd, POLLIN, 0};
 }
 
-bool VerbsChannel::progress(RecvSink& sink, bool may_read) {
-  (void)may_read;  // polling the completion queue is cheap and also completes sends
-  if (closed()) return false;
-  bool moved = false;
-  arm();
-  for (int round = 0; round < 8 && !closed(); ++round) {
-    bool m = poll_cq();
-    for (const std::uint64_t t : sent_) sink.on_sent(index_, t);
-    sent_.clear();
-    m |= deliver(sink);
-    if (closed()) break;
-    m |= pump(sink);
-    if (recvw_.should_return() && send_control(Kind::kCredit, 0, recvw_.owed())) {
-      recvw_.take_owed();
-      m = true;
-    }
-    flush_chain();
-    if (!m) break;
-    moved = true;
-  }
-  flush_chain();
-  return moved;
-}
-
-bool VerbsChannel::deliver(RecvSink& sink) {
-  bool moved = false;
-  while (auto si = recvw_.next_ready()) {
-    if (reasm_.in_direct()) {
-      // One of a direct message's writes: its payload is in place already.
-      const std::size_t n = std::min(direct_write_, reasm_.remaining());
-      if (written_[*si] != n) {
-        fail("protocol violation: a direct write of " + std::to_string(written_[*si]) +
-             " bytes where " + std::to_string(n) + " were due");
-      }
-      if (n == reasm_.remaining() && flush_window_) {
-        if (!flushed()) break;  // placed by a later progress(), in order
-        flush_window_.reset();
-      }
-      if (auto bad = reasm_.on_placed(sink, index_, n)) fail(*bad);
-      recvw_.consume();
-      moved = true;
-      continue;
-    }
-    const char* base = slot(*si);
-    Prefix p;
-    std::memcpy(&p, base, kPrefix);
-    // Tag 0: a queue pair has one peer.
-    if (auto bad = rma::check_written(p, recvw_.expected(), 0, slot_bytes_, written_[*si])) {
-      fail(*bad);
-    }
-    if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
-    if (p.direct != 0) {
-      if (p.first == 0) fail("protocol violation: a direct record in a message's later fragment");
-      if (auto bad =
-              reasm_.on_direct_header(sink, index_, base + kPrefix, p.bytes, &direct_write_)) {
-        fail(*bad);
-      }
-      if (!ctx_->device_windows.empty()) {
-        flush_window_ =
-            ctx_->device_window_at(reinterpret_cast<std::uint64_t>(reasm_.direct_destination()));
-      }
-    } else if (auto bad = reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
-      fail(*bad);
-    }
-    recvw_.consume();  // the slot is free again: one more credit owed
-    moved = true;
-  }
-  if (peer_bye_ && !peer_closed_ && recvw_.expected() == bye_seq_) {
-    if (reasm_.in_message()) {
-      fail("rank " + std::to_string(peer_) + " closed in the middle of a message");
-    }
-    peer_closed_ = true;
-    sink.on_closed(index_);
-    moved = true;
-  }
-  return moved;
-}
-
-bool VerbsChannel::flushed() {
+bool VerbsChannel::writes_visible() {
+  if (!flush_window_) return true;
   if (!flush_ticket_) {
     // The window is this rank's own: the loopback queue pair reads it with its remote key.
     flush_ticket_ =
@@ -1087,98 +989,43 @@ bool VerbsChannel::flushed() {
   if (auto bad = ctx_->flusher->poll()) fail(*bad);
   if (!ctx_->flusher->done(*flush_ticket_)) return false;
   flush_ticket_.reset();
+  flush_window_.reset();
   return true;
 }
 
-bool VerbsChannel::pump(RecvSink& sink) {
-  bool moved = false;
-  while (!sendq_.empty() && sendw_.can_send() && !free_data_.empty() &&
-         chain_n_ + 1 < chain_.size()) {
-    const std::uint32_t b = free_data_.back();
-    if (const DirectTarget* d = sendq_.direct()) {
-      if (!pump_direct(sink, b, *d)) break;
-      moved = true;
-      continue;
-    }
-    free_data_.pop_back();
-    char* buf = data_staging(b);
-    const SendQueue::Fragment f = sendq_.fill(buf + kPrefix, slot_bytes_ - kPrefix);
-    Prefix p;
-    p.seq = sendw_.take();
-    p.credits = recvw_.take_owed();
-    p.bytes = f.bytes;
-    p.kind = Kind::kData;
-    p.first = f.first ? 1 : 0;
-    std::memcpy(buf, &p, kPrefix);
-    ibv_sge sge{};
-    sge.addr = reinterpret_cast<std::uintptr_t>(buf);
-    sge.length = static_cast<std::uint32_t>(kPrefix + p.bytes);
-    sge.lkey = send_mr_->lkey;
-    add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, p.seq, rma::slot_address(remote_, p.seq), remote_.key,
-           Posted::staged(b));
-    moved = true;
-    if (const auto token = sendq_.commit(f)) sink.on_sent(index_, *token);
+bool VerbsChannel::post_fragment(std::uint32_t seq, std::size_t staged,
+                                 const rma::Gather<std::uint32_t>* gather) {
+  if (gather != nullptr) {
+    throw Error(ErrorCode::kInternal, "verbs: a fragment to gather from two places on " +
+                                          describe() + " (its queue pair takes one entry)");
   }
-  return moved;
-}
-
-bool VerbsChannel::pump_direct(RecvSink& sink, std::uint32_t b, const DirectTarget& d) {
-  // The payload is read where it lies, so it needs a registration; without one the message
-  // goes through slots after all (if still possible).
-  const SendQueue::Piece whole = sendq_.message();
-  const std::optional<std::uint32_t> lkey = ctx_->source_key(whole.data, whole.bytes);
-  if (!lkey) {
-    if (!sendq_.started()) {
-      sendq_.drop_direct();
-      return true;
-    }
-    fail("the memory of a message being written directly can no longer be registered");
-  }
+  const std::uint32_t b = free_data_.back();
   free_data_.pop_back();
   ibv_sge sge{};
-  if (!sendq_.started()) {
-    // First fragment: the header and where the payload goes, in a slot.
-    char* buf = data_staging(b);
-    const SendQueue::Fragment f = sendq_.fill_direct_header(buf + kPrefix, write_max_);
-    Prefix p;
-    p.seq = sendw_.take();
-    p.credits = recvw_.take_owed();
-    p.bytes = f.bytes;
-    p.kind = Kind::kData;
-    p.first = 1;
-    p.direct = 1;
-    std::memcpy(buf, &p, kPrefix);
-    sge.addr = reinterpret_cast<std::uintptr_t>(buf);
-    sge.length = static_cast<std::uint32_t>(kPrefix + p.bytes);
-    sge.lkey = send_mr_->lkey;
-    add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, p.seq, rma::slot_address(remote_, p.seq), remote_.key,
-           Posted::staged(b));
-    if (const auto token = sendq_.commit_direct(0)) sink.on_sent(index_, *token);
-    return true;
-  }
-  // A payload write, straight from the caller's memory into the peer's window.
-  const SendQueue::Piece piece = sendq_.piece(write_max_);
-  const std::uint64_t raddr = d.addr + sendq_.offset();
-  const std::uint64_t rkey = d.key;
-  const std::uint32_t seq = sendw_.take();
-  sge.addr = reinterpret_cast<std::uintptr_t>(piece.data);
-  sge.length = static_cast<std::uint32_t>(piece.bytes);
-  sge.lkey = *lkey;
-  // d is gone once this was the last write.
-  const std::optional<std::uint64_t> token = sendq_.commit_direct(piece.bytes);
-  ctx_->sources.hold();
-  add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, seq, raddr, rkey, Posted::direct_write(b, token));
+  sge.addr = reinterpret_cast<std::uintptr_t>(data_staging(b));
+  sge.length = static_cast<std::uint32_t>(staged);
+  sge.lkey = send_mr_->lkey;
+  add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, seq, rma::slot_address(remote_, seq), remote_.key,
+         Posted::staged(b));
   return true;
 }
 
-bool VerbsChannel::send_control(Kind kind, std::uint32_t seq, std::uint32_t credits) {
+bool VerbsChannel::post_write(std::uint32_t seq, const SendQueue::Piece& piece, std::uint32_t lkey,
+                              std::uint64_t addr, std::uint64_t key) {
+  const std::uint32_t b = free_data_.back();
+  free_data_.pop_back();
+  ibv_sge sge{};
+  sge.addr = reinterpret_cast<std::uintptr_t>(piece.data);
+  sge.length = static_cast<std::uint32_t>(piece.bytes);
+  sge.lkey = lkey;
+  add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, seq, addr, key, Posted::staged(b));
+  return true;
+}
+
+bool VerbsChannel::post_control(const Prefix& p) {
   if (free_ctrl_.empty() || chain_n_ >= chain_.size()) return false;
   const std::uint32_t b = free_ctrl_.back();
   free_ctrl_.pop_back();
-  Prefix p;
-  p.seq = seq;
-  p.credits = credits;
-  p.kind = kind;
   std::memcpy(ctrl_staging(b), &p, kPrefix);
   ibv_sge sge{};
   sge.addr = reinterpret_cast<std::uintptr_t>(ctrl_staging(b));
@@ -1186,36 +1033,6 @@ bool VerbsChannel::send_control(Kind kind, std::uint32_t seq, std::uint32_t cred
   sge.lkey = send_mr_->lkey;
   add_wr(sge, IBV_WR_SEND, 0, 0, 0, Posted::control_message(b));
   return true;
-}
-
-void VerbsChannel::close() {
-  if (closed_ || qp_ == nullptr) return;
-  if (!connected_) {
-    closed_ = true;
-    sendq_.clear();
-    return;
-  }
-  NullSink null_sink;
-  const auto deadline = Clock::now() + kCloseLinger;
-  try {
-    while (!peer_bye_ && !sendq_.empty() && Clock::now() < deadline) {
-      poll_cq();
-      pump(null_sink);
-      flush_chain();
-    }
-    // A peer that said goodbye first has nothing left to hear (its queue pair may be gone).
-    while (!peer_bye_ && !bye_sent_ && Clock::now() < deadline) {
-      bye_sent_ = send_control(Kind::kBye, sendw_.next_seq(), 0);
-      flush_chain();
-      if (!bye_sent_) poll_cq();
-    }
-    // The goodbye must have reached the peer before the queue pair is destroyed.
-    while (sq_head_ < sq_next_ && Clock::now() < deadline) poll_cq();
-  } catch (const Error&) {
-    // Closing anyway.
-  }
-  closed_ = true;
-  sendq_.clear();
 }
 
 void check_options(const VerbsOptions& o, int rank) {
