@@ -18,20 +18,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <list>
-#include <mutex>
-#include <type_traits>
-#include <unordered_map>
 
 #include "dear/error.h"
+#include "transport/fabric/fabric_domain.h"
 #include "transport/fabric/fi_handles.h"
 #include "transport/peer_exchange.h"
 #include "transport/rma/channel_core.h"
 #include "transport/rma/fragments.h"
-#include "transport/rma/reg_cache.h"
 #include "transport/rma/slot_region.h"
 #include "transport/rma/slot_window.h"
-#include "transport/rma/window_registrations.h"
 #include "transport/socket_util.h"
 
 namespace dear::transport::fabric {
@@ -50,9 +45,6 @@ constexpr std::size_t kControlBytes = 64;
 // A destroyed channel's endpoint and memory are kept (see Graveyard) until the
 // peer has said goodbye too, or for this long.
 constexpr auto kRetireFor = std::chrono::seconds(10);
-// Registrations of windows for direct writes kept for reuse per domain (least recently used
-// dropped first); a training step's buffers for one communicator are far fewer.
-constexpr std::size_t kWindowCacheEntries = 64;
 // Without a wait descriptor (shm) an engine asleep with nothing in flight
 // wakes on a timer to progress the provider. An engine with work in flight
 // never sleeps on such a channel (it keeps polling, see polled()), so the timer
@@ -62,160 +54,8 @@ constexpr std::size_t kWindowCacheEntries = 64;
 // shm (2 ranks) took 20-40 us instead of 2.
 constexpr auto kTimerPeriod = std::chrono::milliseconds(2);
 
-constexpr std::size_t kHeader = sizeof(FrameHeader);
 // Messages received written directly, by every channel of this process (for tests).
 std::atomic<std::uint64_t> g_direct_received{0};
-
-[[noreturn]] void throw_fi(const std::string& call, int rc, int rank, int peer = Error::kNone) {
-  throw Error(ErrorCode::kSystem, call + " failed: " + fi_text(rc), rank, peer, "fabric setup");
-}
-
-InfoPtr make_hints(const std::string& provider, bool writes) {
-  return rdm_hints(provider, FI_THREAD_SAFE, writes);
-}
-
-// Providers that only reach ranks of this host, skipped by the default choice.
-bool single_host(const std::string& prov) { return prov == "shm" || prov.rfind("shm;", 0) == 0; }
-
-InfoPtr query(const std::string& provider, int* rc_out, bool writes = false) {
-  InfoPtr hints = make_hints(provider, writes);
-  fi_info* info = nullptr;
-  const int rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints.get(), &info);
-  if (rc_out != nullptr) *rc_out = rc;
-  return InfoPtr(rc == 0 ? info : nullptr);
-}
-
-std::string join(const std::vector<std::string>& v) {
-  std::string s;
-  for (const auto& x : v) s += (s.empty() ? "" : ", ") + ("'" + x + "'");
-  return s.empty() ? "none" : s;
-}
-
-// The fabric and domain shared by the channels of one communicator (used by its engine's
-// thread only).
-struct Domain {
-  InfoPtr info;
-  FidPtr<fid_fabric> fabric;
-  FidPtr<fid_domain> domain;
-  // One address vector for all channels (some providers, shm among them, expect
-  // one per domain); each channel inserts its peer's endpoint.
-  FidPtr<fid_av> av;
-  std::string provider;
-  // The data path (FabricOptions::data_path as resolved for this provider): RMA writes into
-  // the peers' slots, or sends.
-  bool write = false;
-  // Requested registration keys, unique in this domain (providers without FI_MR_PROV_KEY).
-  std::uint64_t next_key = 1;
-
-  // Registers [p, p + n) for `access` (see register_region; `ep` is required where
-  // registrations belong to endpoints). Returns the fi_* code, 0 on success.
-  int register_memory(const void* p, std::size_t n, std::uint64_t access, fid_ep* ep,
-                      fid_mr** out) {
-    return register_region(domain.get(), info->domain_attr->mr_mode, p, n, access, next_key++, ep,
-                           out);
-  }
-
-  // Windows opened for the peers' direct writes (Channel::open_window), their registrations
-  // kept for reuse (rma/window_registrations.h): on providers that pin memory (verbs;ofi_rxm,
-  // efa) that saves a registration per operation on a buffer used before.
-  rma::WindowRegistrations windows{
-      kWindowCacheEntries, [](std::uint64_t h) { fi_close(&reinterpret_cast<fid_mr*>(h)->fid); }};
-
-  std::optional<Window> open_window(char* base, std::size_t bytes) {
-    // A registration shared by the domain's endpoints: not where registrations belong to one.
-    if (!write || (info->domain_attr->mr_mode & FI_MR_ENDPOINT) != 0) return std::nullopt;
-    const auto o = windows.open(
-        base, bytes, [&](char* b, std::size_t n) -> std::optional<rma::WindowRegistrations::Made> {
-          fid_mr* mr = nullptr;
-          if (register_memory(b, n, FI_REMOTE_WRITE, nullptr, &mr) != 0) return std::nullopt;
-          const std::uint64_t key = fi_mr_key(mr);
-          if (key == FI_KEY_NOTAVAIL) {
-            fi_close(&mr->fid);
-            return std::nullopt;
-          }
-          return rma::WindowRegistrations::Made{reinterpret_cast<std::uint64_t>(mr), key};
-        });
-    if (!o) return std::nullopt;
-    Window w;
-    w.addr = rma::region_base(reinterpret_cast<const void*>(o->begin),
-                              reinterpret_cast<std::uintptr_t>(base) - o->begin,
-                              (info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0);
-    w.key = o->key;
-    w.local = reinterpret_cast<std::uint64_t>(base);
-    w.bytes = bytes;
-    return w;
-  }
-  void close_window(const Window& w) { windows.close(w.key); }
-
-  // In-place sends (FabricOptions::in_place_bytes) on a provider that needs local
-  // registrations: the callers' memory, registered once per range and looked up after, each
-  // registration kept until no in-place send of this domain may read it
-  // (rma/reg_cache.h).
-  bool register_sends = false;
-  rma::SendRegistrations sends{
-      [](std::uint64_t h) { fi_close(&reinterpret_cast<fid_mr*>(h)->fid); }};
-
-  // The descriptor for sending from [p, p + n), registering the range when it is not yet;
-  // nullopt when it cannot be registered (the caller copies instead).
-  std::optional<void*> descriptor(const char* p, std::size_t n) {
-    if (!register_sends) return nullptr;
-    const auto h =
-        sends.find(p, n, [&](const void* b, std::size_t len) -> std::optional<std::uint64_t> {
-          fid_mr* mr = nullptr;
-          // Shared by the domain's endpoints, so not possible where registrations belong to one
-          // (FI_MR_ENDPOINT): those providers copy.
-          if (register_memory(b, len, write ? FI_WRITE : FI_SEND, nullptr, &mr) != 0) {
-            return std::nullopt;
-          }
-          return reinterpret_cast<std::uint64_t>(mr);
-        });
-    if (!h) return std::nullopt;
-    return fi_mr_desc(reinterpret_cast<fid_mr*>(*h));
-  }
-  // Communicator::forget_memory: the registrations overlapping [p, p + n) leave the caches
-  // (and are closed once nothing in flight may read them).
-  void forget(const void* p, std::size_t n) {
-    if (n == 0) return;
-    sends.forget(p, n);
-    windows.forget(p, n);
-  }
-
-  ~Domain() {
-    windows.clear();
-    sends.clear();
-    av.reset();
-    domain.reset();
-    fabric.reset();
-  }
-};
-
-struct FreeDeleter {
-  void operator()(char* p) const { std::free(p); }
-};
-
-constexpr std::uint32_t kNotHeld = 0xffffffffU;
-
-struct Buf {
-  fi_context2 ctx;  // first: a completion's op_context points here
-  char* data;
-  std::uint32_t index;
-  bool recv;
-  std::uint32_t held = kNotHeld;  // an in-place send: its id in InPlaceSends
-};
-static_assert(std::is_standard_layout_v<Buf>, "completions map back to Buf by address");
-
-// The buffer of `bufs` whose context `ctx` is, or null when it is none of them. Completions are
-// checked this way rather than trusted: some providers hand back a context that is not one
-// given to them (shm reports 0x1 for some writes of its peers).
-Buf* own(std::vector<Buf>& bufs, void* ctx) {
-  const auto at = reinterpret_cast<std::uintptr_t>(ctx);
-  const auto first = reinterpret_cast<std::uintptr_t>(bufs.data());
-  if (bufs.empty() || at < first || (at - first) % sizeof(Buf) != 0 ||
-      (at - first) / sizeof(Buf) >= bufs.size()) {
-    return nullptr;
-  }
-  return &bufs[(at - first) / sizeof(Buf)];
-}
 
 // An endpoint name that is a socket address (providers over TCP: tcp;ofi_rxm, sockets), as one;
 // nullopt for any other format.
@@ -229,94 +69,6 @@ std::optional<SockAddr> socket_address(const fi_info* info, const char* name, st
   if (a.family() != AF_INET && a.family() != AF_INET6) return std::nullopt;
   return a;
 }
-
-// A completion announcing a peer's write into this end's data slots, as opposed to the
-// completion of one of this end's own operations (which sockets also flags with
-// FI_REMOTE_CQ_DATA when the write carried data).
-bool peer_write(std::uint64_t flags) {
-  return (flags & FI_REMOTE_CQ_DATA) != 0 &&
-         ((flags & FI_REMOTE_WRITE) != 0 || (flags & (FI_WRITE | FI_SEND)) == 0);
-}
-
-// Endpoints of destroyed channels, kept until their peer has closed too. Why: a
-// peer may still send before it learns of the close (its engine may be busy
-// closing its other channels), and with some providers (shm, ranks in one
-// process) such a send writes into this endpoint's memory directly, so
-// releasing it at once could crash the peer. Entries are freed once their
-// completion queue shows the peer's goodbye, or after kRetireFor, or at exit.
-class Graveyard {
- public:
-  struct Entry {
-    std::shared_ptr<Domain> dom;  // first: released last
-    std::unique_ptr<char, FreeDeleter> memory;
-    std::vector<Buf> bufs;
-    FidPtr<fid_mr> slot_mr;
-    FidPtr<fid_mr> mr;
-    FidPtr<fid_cq> cq;
-    FidPtr<fid_ep> ep;
-    std::uint64_t tag = 0;
-    bool peer_bye = false;
-    // shm: kept, untouched, until exit. Its peers (other endpoints of this host, possibly in
-    // this process) may still be progressing sends into this endpoint's memory after they saw
-    // its goodbye; freeing it then crashed them inside the provider.
-    bool keep = false;
-    Clock::time_point until{};
-  };
-  static Graveyard& get() {
-    // Never destroyed: channels may retire during static destruction. What is left at exit is
-    // released by an exit handler, which runs before libfabric's own finalisation.
-    static auto* g = [] {
-      auto* y = new Graveyard;
-      std::atexit([] { get().release_all(); });
-      return y;
-    }();
-    return *g;
-  }
-  void release_all() {
-    std::lock_guard<std::mutex> lock(mu_);
-    entries_.clear();
-  }
-  void retire(Entry e) {
-    std::lock_guard<std::mutex> lock(mu_);
-    reap_locked();
-    if (!e.peer_bye || e.keep) entries_.push_back(std::move(e));
-  }
-  void reap() {
-    std::lock_guard<std::mutex> lock(mu_);
-    reap_locked();
-  }
-
- private:
-  void reap_locked() {
-    const auto now = Clock::now();
-    std::erase_if(entries_, [&](Entry& e) {
-      if (e.keep) return false;
-      std::array<fi_cq_data_entry, 16> c{};
-      for (int i = 0; i < 16 && !e.peer_bye; ++i) {
-        const ssize_t n = fi_cq_read(e.cq.get(), c.data(), c.size());
-        if (n == -FI_EAVAIL) {
-          fi_cq_err_entry err{};
-          (void)fi_cq_readerr(e.cq.get(), &err, 0);
-          continue;
-        }
-        if (n <= 0) break;
-        for (ssize_t k = 0; k < n; ++k) {
-          // Writes of the peer carry no context of ours (or a receive with no message in it).
-          const fi_cq_data_entry& ck = c[static_cast<std::size_t>(k)];
-          const Buf* b = peer_write(ck.flags) ? nullptr : own(e.bufs, ck.op_context);
-          if (b != nullptr && b->recv && ck.len >= kPrefix) {
-            Prefix p;
-            std::memcpy(&p, b->data, kPrefix);
-            if (p.tag == e.tag && p.kind == Kind::kBye) e.peer_bye = true;
-          }
-        }
-      }
-      return e.peer_bye || now >= e.until;
-    });
-  }
-  std::mutex mu_;
-  std::list<Entry> entries_;
-};
 
 class FabricChannel final : public rma::RmaChannel<FabricChannel> {
  public:
@@ -926,49 +678,6 @@ struct NameRecord {
   std::array<Name, kMaxChannels> from_prev{};
 };
 
-// The provider `provider` names ("" = the first that reaches other hosts) in `list`.
-const fi_info* choose(const fi_info* list, const std::string& provider) {
-  for (const fi_info* i = list; i != nullptr; i = i->next) {
-    if (provider.empty() && single_host(i->fabric_attr->prov_name)) continue;
-    return i;
-  }
-  return nullptr;
-}
-
-// The write data path's description of `chosen`'s provider and domain: RMA writes with remote
-// CQ data that holds a sequence number. Null, with `why` saying what is missing, when there is
-// none.
-InfoPtr write_info(const fi_info* chosen, std::string* why) {
-  const std::string prov = chosen->fabric_attr->prov_name;
-  const char* domain = chosen->domain_attr->name;
-  int rc = 0;
-  InfoPtr list = query(prov, &rc, true);
-  if (!list) {
-    *why = "it offers no RMA writes with " + std::to_string(kWriteDataBytes) +
-           " bytes of remote CQ data: " + fi_text(rc);
-    return nullptr;
-  }
-  for (const fi_info* i = list.get(); i != nullptr; i = i->next) {
-    if (prov != i->fabric_attr->prov_name) continue;
-    if (domain != nullptr && i->domain_attr->name != nullptr &&
-        std::strcmp(domain, i->domain_attr->name) != 0) {
-      continue;
-    }
-    if ((i->caps & FI_RMA) == 0 || i->domain_attr->cq_data_size < kWriteDataBytes) {
-      *why = "its remote CQ data holds " + std::to_string(i->domain_attr->cq_data_size) +
-             " bytes, fewer than a sequence number's " + std::to_string(kWriteDataBytes);
-      continue;
-    }
-    if (i->tx_attr->iov_limit < 1 || i->tx_attr->rma_iov_limit < 1) {
-      *why = "its RMA writes take no gather entries";
-      continue;
-    }
-    return InfoPtr(fi_dupinfo(i));
-  }
-  if (why->empty()) *why = "it offers RMA writes on other domains only";
-  return nullptr;
-}
-
 }  // namespace
 
 bool built() { return true; }
@@ -985,114 +694,10 @@ std::uint64_t window_registrations_made(const Channel& channel) {
   return f != nullptr ? f->window_registrations_made() : 0;
 }
 
-std::vector<std::string> available_providers() {
-  std::vector<std::string> out;
-  InfoPtr info = query("", nullptr);
-  for (const fi_info* i = info.get(); i != nullptr; i = i->next) {
-    const std::string name = i->fabric_attr->prov_name;
-    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
-  }
-  return out;
-}
-
-std::optional<std::string> unavailable_reason(const std::string& provider) {
-  const auto all = available_providers();
-  if (provider.empty()) {
-    for (const auto& p : all) {
-      if (!single_host(p)) return std::nullopt;
-    }
-    return "no libfabric provider offering reliable-datagram endpoints across "
-           "hosts (available: " +
-           join(all) + ")";
-  }
-  int rc = 0;
-  InfoPtr info = query(provider, &rc);
-  if (info) return std::nullopt;
-  return "libfabric provider '" + provider + "' is not available here (" + fi_text(rc) +
-         "; available: " + join(all) + ")";
-}
-
-std::optional<std::string> write_unavailable_reason(const std::string& provider) {
-  if (auto why = unavailable_reason(provider)) return why;
-  InfoPtr list = query(provider, nullptr);
-  const fi_info* chosen = choose(list.get(), provider);
-  if (chosen == nullptr) return "libfabric provider '" + provider + "' is not available here";
-  std::string why;
-  if (write_info(chosen, &why)) return std::nullopt;
-  return "libfabric provider '" + std::string(chosen->fabric_attr->prov_name) +
-         "' cannot take the write data path: " + why;
-}
-
 namespace {
 
 void check_options(const FabricOptions& options, int rank) {
   rma::check_slot_options("fabric", options.slot_bytes, options.slots, rank);
-}
-
-// Chooses the provider (the one asked for, or the first that reaches other hosts) and opens
-// its fabric, domain and an address vector for `endpoints` peers. `o` gets the slot size the
-// provider allows.
-std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank, std::size_t endpoints,
-                                    FabricOptions& o) {
-  auto dom = std::make_shared<Domain>();
-  int rc = 0;
-  InfoPtr list = query(options.provider, &rc);
-  const fi_info* chosen = choose(list.get(), options.provider);
-  if (chosen == nullptr) {
-    const std::string asked =
-        options.provider.empty() ? "the default" : "'" + options.provider + "'";
-    throw Error(ErrorCode::kInvalidArgument,
-                "fabric: libfabric provider " + asked + " is not available (" +
-                    (rc != 0 ? fi_text(rc) : "only single-host ones") +
-                    "); available: " + join(available_providers()) +
-                    " (set CommOptions::fabric_provider or DEAR_FABRIC_PROVIDER)",
-                rank);
-  }
-  // The provider is chosen by its messages, so that the data path does not change which one
-  // the default is; then its RMA writes, where asked for or (auto) offered.
-  dom->provider = chosen->fabric_attr->prov_name;
-  InfoPtr writes;
-  if (options.data_path != DataPath::kSend) {
-    std::string why;
-    writes = write_info(chosen, &why);
-    if (!writes && options.data_path == DataPath::kWrite) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "fabric: libfabric provider '" + dom->provider +
-                      "' cannot take the write data path (" + why +
-                      "); ask for 'send' or 'auto' (CommOptions::fabric_data_path or "
-                      "DEAR_FABRIC_DATA_PATH)",
-                  rank);
-    }
-  }
-  dom->write = writes != nullptr;
-  const fi_info* use = writes ? writes.get() : chosen;
-  dom->info.reset(fi_dupinfo(use));
-  dom->register_sends = options.register_in_place || (use->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
-  o = options;
-  const std::size_t max_msg = use->ep_attr->max_msg_size;
-  if (max_msg < o.slot_bytes) o.slot_bytes = max_msg - max_msg % 64;
-  if (o.slot_bytes < kPrefix + kHeader + 64) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "fabric: provider '" + dom->provider + "' limits messages to " +
-                    std::to_string(max_msg) + " bytes, too small for a fragment",
-                rank);
-  }
-  fid_fabric* fabric = nullptr;
-  rc = fi_fabric(dom->info->fabric_attr, &fabric, nullptr);
-  if (rc != 0) throw_fi("fi_fabric(" + dom->provider + ")", rc, rank);
-  dom->fabric.reset(fabric);
-  fid_domain* domain = nullptr;
-  rc = fi_domain(fabric, dom->info.get(), &domain, nullptr);
-  if (rc != 0) throw_fi("fi_domain(" + dom->provider + ")", rc, rank);
-  dom->domain.reset(domain);
-  fi_av_attr av_attr{};
-  av_attr.type = FI_AV_TABLE;
-  av_attr.count = std::max<std::size_t>(1, endpoints);
-  fid_av* av = nullptr;
-  rc = fi_av_open(domain, &av_attr, &av, nullptr);
-  if (rc != 0) throw_fi("fi_av_open(" + dom->provider + ")", rc, rank);
-  dom->av.reset(av);
-  return dom;
 }
 
 std::string data_path_disagreement(int peer, bool peer_writes, int self, bool self_writes) {
