@@ -38,7 +38,6 @@ using rma::kPrefix;
 using rma::Prefix;
 using rma::SendQueue;
 
-constexpr int kMaxChannels = 16;
 constexpr std::size_t kMaxName = 240;  // endpoint names: sockaddrs, shm paths
 // The write data path's control buffers (a Prefix fits; data goes to the slots).
 constexpr std::size_t kControlBytes = 64;
@@ -674,8 +673,8 @@ struct NameRecord {
   std::uint32_t write = 0;  // the write data path
   std::uint32_t reserved = 0;
   using Name = EndpointRecord;
-  std::array<Name, kMaxChannels> to_next{};
-  std::array<Name, kMaxChannels> from_prev{};
+  std::array<Name, rma::kMaxChannels> to_next{};
+  std::array<Name, rma::kMaxChannels> from_prev{};
 };
 
 }  // namespace
@@ -721,12 +720,7 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
   const int rank = bootstrap.rank();
   const int size = bootstrap.size();
   Graveyard::get().reap();
-  if (channels < 1 || channels > kMaxChannels) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "fabric: channels=" + std::to_string(channels) + " is outside [1, " +
-                    std::to_string(kMaxChannels) + "]",
-                rank);
-  }
+  rma::check_channel_count("fabric", channels, rank);
   check_options(options, rank);
   FabricOptions o;
   auto dom = open_domain(options, rank, 2 * static_cast<std::size_t>(channels), o);
@@ -755,9 +749,7 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
     put(mine.to_next[static_cast<std::size_t>(c)], *to_next.back());
     put(mine.from_prev[static_cast<std::size_t>(c)], *from_prev.back());
   }
-  if (Clock::now() >= options.deadline) {
-    throw Error(ErrorCode::kTimeout, "fabric: setup ran past its deadline", rank);
-  }
+  rma::check_setup_deadline("fabric", options.deadline, rank);
   bootstrap.all_gather(&mine, sizeof(mine), all.data());
   for (int r = 0; r < size; ++r) {
     const NameRecord& rec = all[static_cast<std::size_t>(r)];
@@ -783,16 +775,13 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
                   rank, r, "create");
     }
   }
-  RingLinks out;
   for (int c = 0; c < channels; ++c) {
     const auto& n = all[static_cast<std::size_t>(next)].from_prev[static_cast<std::size_t>(c)];
     const auto& p = all[static_cast<std::size_t>(prev)].to_next[static_cast<std::size_t>(c)];
     to_next[static_cast<std::size_t>(c)]->set_peer(n.bytes, n.len, n.region);
     from_prev[static_cast<std::size_t>(c)]->set_peer(p.bytes, p.len, p.region);
   }
-  for (auto& ch : to_next) out.to_next.push_back(std::move(ch));
-  for (auto& ch : from_prev) out.from_prev.push_back(std::move(ch));
-  return out;
+  return rma::ring_links(to_next, from_prev);
 }
 
 std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
@@ -828,9 +817,7 @@ std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
     const char* raw = reinterpret_cast<const char*>(&rec);
     mine.emplace_back(raw, raw + sizeof(rec));
   }
-  if (Clock::now() >= options.deadline) {
-    throw Error(ErrorCode::kTimeout, "fabric: setup ran past its deadline", rank);
-  }
+  rma::check_setup_deadline("fabric", options.deadline, rank);
   const auto theirs =
       exchange_with_peers(bootstrap, peers, mine, sizeof(PeerName), "fabric connect_peers");
   std::vector<std::unique_ptr<Channel>> out;

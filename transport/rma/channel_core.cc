@@ -4,6 +4,22 @@
 
 namespace dear::transport::rma {
 
+void check_channel_count(std::string_view transport, int channels, int rank) {
+  if (channels < 1 || channels > kMaxChannels) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(transport) + ": channels=" + std::to_string(channels) +
+                    " is outside [1, " + std::to_string(kMaxChannels) + "]",
+                rank);
+  }
+}
+
+void check_setup_deadline(std::string_view transport, Clock::time_point deadline, int rank) {
+  if (Clock::now() >= deadline) {
+    throw Error(ErrorCode::kTimeout, std::string(transport) + ": setup ran past its deadline",
+                rank);
+  }
+}
+
 ChannelCore::ChannelCore(const Params& p)
     : self_(p.self),
       peer_(p.peer),

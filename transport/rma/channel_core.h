@@ -54,8 +54,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "dear/error.h"
 #include "transport/link.h"
@@ -64,6 +67,24 @@
 #include "transport/socket_util.h"
 
 namespace dear::transport::rma {
+
+// Setup that every back-end's connect calls share.
+// The most channels one connect_ring() makes to each neighbour (the setup records hold that many).
+inline constexpr int kMaxChannels = 16;
+// Throws dear::Error(kInvalidArgument), naming `transport`, unless `channels` is in
+// [1, kMaxChannels].
+void check_channel_count(std::string_view transport, int channels, int rank);
+// Throws dear::Error(kTimeout), naming `transport`, once `deadline` has passed.
+void check_setup_deadline(std::string_view transport, Clock::time_point deadline, int rank);
+// A connect_ring()'s answer made of a back-end's own channels.
+template <class C>
+[[nodiscard]] RingLinks ring_links(std::vector<std::unique_ptr<C>>& to_next,
+                                   std::vector<std::unique_ptr<C>>& from_prev) {
+  RingLinks out;
+  for (auto& ch : to_next) out.to_next.push_back(std::move(ch));
+  for (auto& ch : from_prev) out.from_prev.push_back(std::move(ch));
+  return out;
+}
 
 // A fragment's payload piece sent from where it lies, behind the prefix in the staging buffer.
 template <class Source>

@@ -32,7 +32,6 @@ using rma::kPrefix;
 using rma::Prefix;
 using rma::SendQueue;
 
-constexpr int kMaxChannels = 16;
 constexpr std::uint32_t kSignalEvery = 16;  // at most this many unsignalled WRs in a row
 constexpr std::size_t kControlBytes = 64;   // control message buffers (a Prefix fits)
 // Receive work requests carry this bit in their id (send ids count up from 0), because an
@@ -590,8 +589,8 @@ struct RingRecord {
   static constexpr std::uint32_t kMagic = 0x64657672;  // "devr"
   std::uint32_t magic = kMagic;
   std::int32_t channels = 0;
-  std::array<QpRecord, kMaxChannels> to_next{};
-  std::array<QpRecord, kMaxChannels> from_prev{};
+  std::array<QpRecord, rma::kMaxChannels> to_next{};
+  std::array<QpRecord, rma::kMaxChannels> from_prev{};
 };
 
 }  // namespace
@@ -601,12 +600,7 @@ bool built() { return true; }
 RingLinks connect_ring(Bootstrap& bootstrap, int channels, const VerbsOptions& options) {
   const int rank = bootstrap.rank();
   const int size = bootstrap.size();
-  if (channels < 1 || channels > kMaxChannels) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "verbs: channels=" + std::to_string(channels) + " is outside [1, " +
-                    std::to_string(kMaxChannels) + "]",
-                rank);
-  }
+  rma::check_channel_count("verbs", channels, rank);
   check_options(options, rank);
   auto ctx = open_context(options, rank);
   const int next = (rank + 1) % size;
@@ -620,9 +614,7 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const VerbsOptions& o
     mine.to_next[static_cast<std::size_t>(c)] = to_next.back()->record();
     mine.from_prev[static_cast<std::size_t>(c)] = from_prev.back()->record();
   }
-  if (Clock::now() >= options.deadline) {
-    throw Error(ErrorCode::kTimeout, "verbs: setup ran past its deadline", rank);
-  }
+  rma::check_setup_deadline("verbs", options.deadline, rank);
   std::vector<RingRecord> all(static_cast<std::size_t>(size));
   bootstrap.all_gather(&mine, sizeof(mine), all.data());
   for (int r = 0; r < size; ++r) {
@@ -642,10 +634,7 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const VerbsOptions& o
   }
   // No rank writes before every queue pair it writes to is ready to receive.
   bootstrap.barrier();
-  RingLinks out;
-  for (auto& ch : to_next) out.to_next.push_back(std::move(ch));
-  for (auto& ch : from_prev) out.from_prev.push_back(std::move(ch));
-  return out;
+  return rma::ring_links(to_next, from_prev);
 }
 
 std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
@@ -664,9 +653,7 @@ std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
     const char* raw = reinterpret_cast<const char*>(&r);
     mine.emplace_back(raw, raw + sizeof(r));
   }
-  if (Clock::now() >= options.deadline) {
-    throw Error(ErrorCode::kTimeout, "verbs: setup ran past its deadline", rank);
-  }
+  rma::check_setup_deadline("verbs", options.deadline, rank);
   const auto theirs =
       exchange_with_peers(bootstrap, peers, mine, sizeof(QpRecord), "verbs connect_peers");
   for (std::size_t i = 0; i < peers.size(); ++i) {
