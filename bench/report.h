@@ -2,7 +2,7 @@
 //
 // Every benchmark parses the same nccl-tests flags, sweeps the same sizes, times the same way
 // and prints the same rows, so that numbers from different libraries can be put side by side
-// without translation. Conventions (see DESIGN.md, "Conventions that make results comparable"):
+// without translation. Conventions (see docs/architecture.md, "Rules the code keeps"):
 //   - size is the total bytes of the operation; for reduce_scatter and all_gather that is the
 //     per-rank count x ranks x element size, for all_reduce and broadcast the buffer size;
 //   - GB = 1e9 bytes; algbw = size / time; busbw = algbw x bus_factor(collective, ranks);
