@@ -13,14 +13,15 @@
 #include "dear/bootstrap.h"
 #include "dear/error.h"
 #include "harness.h"
+#include "transport/rma/reg_cache.h"
 #include "transport/verbs/qp_plan.h"
-#include "transport/verbs/reg_cache.h"
 #include "transport/verbs/verbs_link.h"
 
 namespace dear::testing {
 namespace {
 
 using namespace std::chrono_literals;
+using transport::rma::RegistrationCache;
 using transport::verbs::choose_gid_index;
 using transport::verbs::ConnectionPlan;
 using transport::verbs::Gid;
@@ -29,7 +30,6 @@ using transport::verbs::GidType;
 using transport::verbs::LinkLayer;
 using transport::verbs::plan_connection;
 using transport::verbs::QpEndpoint;
-using transport::verbs::RegistrationCache;
 using transport::verbs::VerbsOptions;
 
 QpEndpoint ib_end(std::uint16_t lid, std::uint32_t mtu, std::uint32_t qpn, std::uint32_t psn) {

@@ -18,48 +18,32 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <list>
-#include <mutex>
-#include <type_traits>
-#include <unordered_map>
 
 #include "dear/error.h"
+#include "transport/fabric/fabric_domain.h"
 #include "transport/fabric/fi_handles.h"
 #include "transport/peer_exchange.h"
+#include "transport/rma/channel_core.h"
 #include "transport/rma/fragments.h"
 #include "transport/rma/slot_region.h"
 #include "transport/rma/slot_window.h"
-#include "transport/rma/window_registrations.h"
 #include "transport/socket_util.h"
-#include "transport/verbs/reg_cache.h"
 
 namespace dear::transport::fabric {
 namespace {
 
-using rma::DirectInfo;
-using rma::DirectTarget;
 using rma::kControlSlots;
 using rma::Kind;
 using rma::kPrefix;
 using rma::Prefix;
-using rma::Reassembler;
-using rma::RecvWindow;
 using rma::SendQueue;
-using rma::SendWindow;
 
-constexpr int kMaxChannels = 16;
 constexpr std::size_t kMaxName = 240;  // endpoint names: sockaddrs, shm paths
 // The write data path's control buffers (a Prefix fits; data goes to the slots).
 constexpr std::size_t kControlBytes = 64;
-// close() waits at most this long for the provider to take what is queued and
-// the closing message.
-constexpr auto kCloseLinger = std::chrono::milliseconds(200);
 // A destroyed channel's endpoint and memory are kept (see Graveyard) until the
 // peer has said goodbye too, or for this long.
 constexpr auto kRetireFor = std::chrono::seconds(10);
-// Registrations of windows for direct writes kept for reuse per domain (least recently used
-// dropped first); a training step's buffers for one communicator are far fewer.
-constexpr std::size_t kWindowCacheEntries = 64;
 // Without a wait descriptor (shm) an engine asleep with nothing in flight
 // wakes on a timer to progress the provider. An engine with work in flight
 // never sleeps on such a channel (it keeps polling, see polled()), so the timer
@@ -69,180 +53,8 @@ constexpr std::size_t kWindowCacheEntries = 64;
 // shm (2 ranks) took 20-40 us instead of 2.
 constexpr auto kTimerPeriod = std::chrono::milliseconds(2);
 
-constexpr std::size_t kHeader = sizeof(FrameHeader);
 // Messages received written directly, by every channel of this process (for tests).
 std::atomic<std::uint64_t> g_direct_received{0};
-
-[[noreturn]] void throw_fi(const std::string& call, int rc, int rank, int peer = Error::kNone) {
-  throw Error(ErrorCode::kSystem, call + " failed: " + fi_text(rc), rank, peer, "fabric setup");
-}
-
-InfoPtr make_hints(const std::string& provider, bool writes) {
-  return rdm_hints(provider, FI_THREAD_SAFE, writes);
-}
-
-// Providers that only reach ranks of this host, skipped by the default choice.
-bool single_host(const std::string& prov) { return prov == "shm" || prov.rfind("shm;", 0) == 0; }
-
-InfoPtr query(const std::string& provider, int* rc_out, bool writes = false) {
-  InfoPtr hints = make_hints(provider, writes);
-  fi_info* info = nullptr;
-  const int rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints.get(), &info);
-  if (rc_out != nullptr) *rc_out = rc;
-  return InfoPtr(rc == 0 ? info : nullptr);
-}
-
-std::string join(const std::vector<std::string>& v) {
-  std::string s;
-  for (const auto& x : v) s += (s.empty() ? "" : ", ") + ("'" + x + "'");
-  return s.empty() ? "none" : s;
-}
-
-// The fabric and domain shared by the channels of one communicator (used by its engine's
-// thread only).
-struct Domain {
-  InfoPtr info;
-  FidPtr<fid_fabric> fabric;
-  FidPtr<fid_domain> domain;
-  // One address vector for all channels (some providers, shm among them, expect
-  // one per domain); each channel inserts its peer's endpoint.
-  FidPtr<fid_av> av;
-  std::string provider;
-  // The data path (FabricOptions::data_path as resolved for this provider): RMA writes into
-  // the peers' slots, or sends.
-  bool write = false;
-  // Requested registration keys, unique in this domain (providers without FI_MR_PROV_KEY).
-  std::uint64_t next_key = 1;
-
-  // Registers [p, p + n) for `access` (see register_region; `ep` is required where
-  // registrations belong to endpoints). Returns the fi_* code, 0 on success.
-  int register_memory(const void* p, std::size_t n, std::uint64_t access, fid_ep* ep,
-                      fid_mr** out) {
-    return register_region(domain.get(), info->domain_attr->mr_mode, p, n, access, next_key++, ep,
-                           out);
-  }
-
-  // Windows opened for the peers' direct writes (Channel::open_window), their registrations
-  // kept for reuse (rma/window_registrations.h): on providers that pin memory (verbs;ofi_rxm,
-  // efa) that saves a registration per operation on a buffer used before.
-  rma::WindowRegistrations windows{
-      kWindowCacheEntries, [](std::uint64_t h) { fi_close(&reinterpret_cast<fid_mr*>(h)->fid); }};
-
-  std::optional<Window> open_window(char* base, std::size_t bytes) {
-    // A registration shared by the domain's endpoints: not where registrations belong to one.
-    if (!write || (info->domain_attr->mr_mode & FI_MR_ENDPOINT) != 0) return std::nullopt;
-    const auto o = windows.open(
-        base, bytes, [&](char* b, std::size_t n) -> std::optional<rma::WindowRegistrations::Made> {
-          fid_mr* mr = nullptr;
-          if (register_memory(b, n, FI_REMOTE_WRITE, nullptr, &mr) != 0) return std::nullopt;
-          const std::uint64_t key = fi_mr_key(mr);
-          if (key == FI_KEY_NOTAVAIL) {
-            fi_close(&mr->fid);
-            return std::nullopt;
-          }
-          return rma::WindowRegistrations::Made{reinterpret_cast<std::uint64_t>(mr), key};
-        });
-    if (!o) return std::nullopt;
-    Window w;
-    w.addr = rma::region_base(reinterpret_cast<const void*>(o->begin),
-                              reinterpret_cast<std::uintptr_t>(base) - o->begin,
-                              (info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0);
-    w.key = o->key;
-    w.local = reinterpret_cast<std::uint64_t>(base);
-    w.bytes = bytes;
-    return w;
-  }
-  void close_window(const Window& w) { windows.close(w.key); }
-
-  // In-place sends (FabricOptions::in_place_bytes) on a provider that needs local
-  // registrations: the callers' memory, registered once per range and looked up after. A
-  // registration the cache gives up may still be read by a send in flight, so it is closed
-  // only once no in-place send of this domain is.
-  bool register_sends = false;
-  bool registration_failed = false;  // once failed, in-place sends copy instead
-  verbs::RegistrationCache registrations;
-  std::vector<std::uint64_t> displaced;
-  std::uint64_t in_place_in_flight = 0;
-  std::uint64_t registered = 0;  // ranges registered by descriptor(), for tests
-
-  // The descriptor for sending from [p, p + n), registering the range when it is not yet;
-  // nullopt when it cannot be registered (the caller copies instead).
-  std::optional<void*> descriptor(const char* p, std::size_t n) {
-    if (!register_sends) return nullptr;
-    if (const auto e = registrations.lookup(p, n)) {
-      return fi_mr_desc(reinterpret_cast<fid_mr*>(e->handle));
-    }
-    if (registration_failed) return std::nullopt;
-    const auto span = verbs::RegistrationCache::page_span(p, n);
-    fid_mr* mr = nullptr;
-    // Shared by the domain's endpoints, so not possible where registrations belong to one
-    // (FI_MR_ENDPOINT): those providers copy.
-    if (register_memory(reinterpret_cast<const void*>(span.begin), span.end - span.begin,
-                        write ? FI_WRITE : FI_SEND, nullptr, &mr) != 0) {
-      registration_failed = true;
-      return std::nullopt;
-    }
-    ++registered;
-    for (const std::uint64_t h :
-         registrations.insert(reinterpret_cast<const void*>(span.begin), span.end - span.begin,
-                              reinterpret_cast<std::uint64_t>(mr))) {
-      displaced.push_back(h);
-    }
-    release_displaced();
-    return fi_mr_desc(mr);
-  }
-  // Communicator::forget_memory: the registrations overlapping [p, p + n) leave the cache (and
-  // are closed once no in-place send is in flight).
-  void forget(const void* p, std::size_t n) {
-    if (n == 0) return;
-    for (const std::uint64_t h : registrations.invalidate(p, n)) displaced.push_back(h);
-    release_displaced();
-    windows.forget(p, n);
-  }
-  void release_displaced() {
-    if (in_place_in_flight > 0) return;
-    for (const std::uint64_t h : displaced) fi_close(&reinterpret_cast<fid_mr*>(h)->fid);
-    displaced.clear();
-  }
-
-  ~Domain() {
-    windows.clear();
-    in_place_in_flight = 0;
-    for (const std::uint64_t h : registrations.clear()) displaced.push_back(h);
-    release_displaced();
-    av.reset();
-    domain.reset();
-    fabric.reset();
-  }
-};
-
-struct FreeDeleter {
-  void operator()(char* p) const { std::free(p); }
-};
-
-constexpr std::uint32_t kNotHeld = 0xffffffffU;
-
-struct Buf {
-  fi_context2 ctx;  // first: a completion's op_context points here
-  char* data;
-  std::uint32_t index;
-  bool recv;
-  std::uint32_t held = kNotHeld;  // an in-place send: its id in InPlaceSends
-};
-static_assert(std::is_standard_layout_v<Buf>, "completions map back to Buf by address");
-
-// The buffer of `bufs` whose context `ctx` is, or null when it is none of them. Completions are
-// checked this way rather than trusted: some providers hand back a context that is not one
-// given to them (shm reports 0x1 for some writes of its peers).
-Buf* own(std::vector<Buf>& bufs, void* ctx) {
-  const auto at = reinterpret_cast<std::uintptr_t>(ctx);
-  const auto first = reinterpret_cast<std::uintptr_t>(bufs.data());
-  if (bufs.empty() || at < first || (at - first) % sizeof(Buf) != 0 ||
-      (at - first) / sizeof(Buf) >= bufs.size()) {
-    return nullptr;
-  }
-  return &bufs[(at - first) / sizeof(Buf)];
-}
 
 // An endpoint name that is a socket address (providers over TCP: tcp;ofi_rxm, sockets), as one;
 // nullopt for any other format.
@@ -257,95 +69,7 @@ std::optional<SockAddr> socket_address(const fi_info* info, const char* name, st
   return a;
 }
 
-// A completion announcing a peer's write into this end's data slots, as opposed to the
-// completion of one of this end's own operations (which sockets also flags with
-// FI_REMOTE_CQ_DATA when the write carried data).
-bool peer_write(std::uint64_t flags) {
-  return (flags & FI_REMOTE_CQ_DATA) != 0 &&
-         ((flags & FI_REMOTE_WRITE) != 0 || (flags & (FI_WRITE | FI_SEND)) == 0);
-}
-
-// Endpoints of destroyed channels, kept until their peer has closed too. Why: a
-// peer may still send before it learns of the close (its engine may be busy
-// closing its other channels), and with some providers (shm, ranks in one
-// process) such a send writes into this endpoint's memory directly, so
-// releasing it at once could crash the peer. Entries are freed once their
-// completion queue shows the peer's goodbye, or after kRetireFor, or at exit.
-class Graveyard {
- public:
-  struct Entry {
-    std::shared_ptr<Domain> dom;  // first: released last
-    std::unique_ptr<char, FreeDeleter> memory;
-    std::vector<Buf> bufs;
-    FidPtr<fid_mr> slot_mr;
-    FidPtr<fid_mr> mr;
-    FidPtr<fid_cq> cq;
-    FidPtr<fid_ep> ep;
-    std::uint64_t tag = 0;
-    bool peer_bye = false;
-    // shm: kept, untouched, until exit. Its peers (other endpoints of this host, possibly in
-    // this process) may still be progressing sends into this endpoint's memory after they saw
-    // its goodbye; freeing it then crashed them inside the provider.
-    bool keep = false;
-    Clock::time_point until{};
-  };
-  static Graveyard& get() {
-    // Never destroyed: channels may retire during static destruction. What is left at exit is
-    // released by an exit handler, which runs before libfabric's own finalisation.
-    static auto* g = [] {
-      auto* y = new Graveyard;
-      std::atexit([] { get().release_all(); });
-      return y;
-    }();
-    return *g;
-  }
-  void release_all() {
-    std::lock_guard<std::mutex> lock(mu_);
-    entries_.clear();
-  }
-  void retire(Entry e) {
-    std::lock_guard<std::mutex> lock(mu_);
-    reap_locked();
-    if (!e.peer_bye || e.keep) entries_.push_back(std::move(e));
-  }
-  void reap() {
-    std::lock_guard<std::mutex> lock(mu_);
-    reap_locked();
-  }
-
- private:
-  void reap_locked() {
-    const auto now = Clock::now();
-    std::erase_if(entries_, [&](Entry& e) {
-      if (e.keep) return false;
-      std::array<fi_cq_data_entry, 16> c{};
-      for (int i = 0; i < 16 && !e.peer_bye; ++i) {
-        const ssize_t n = fi_cq_read(e.cq.get(), c.data(), c.size());
-        if (n == -FI_EAVAIL) {
-          fi_cq_err_entry err{};
-          (void)fi_cq_readerr(e.cq.get(), &err, 0);
-          continue;
-        }
-        if (n <= 0) break;
-        for (ssize_t k = 0; k < n; ++k) {
-          // Writes of the peer carry no context of ours (or a receive with no message in it).
-          const fi_cq_data_entry& ck = c[static_cast<std::size_t>(k)];
-          const Buf* b = peer_write(ck.flags) ? nullptr : own(e.bufs, ck.op_context);
-          if (b != nullptr && b->recv && ck.len >= kPrefix) {
-            Prefix p;
-            std::memcpy(&p, b->data, kPrefix);
-            if (p.tag == e.tag && p.kind == Kind::kBye) e.peer_bye = true;
-          }
-        }
-      }
-      return e.peer_bye || now >= e.until;
-    });
-  }
-  std::mutex mu_;
-  std::list<Entry> entries_;
-};
-
-class FabricChannel final : public Channel {
+class FabricChannel final : public rma::RmaChannel<FabricChannel> {
  public:
   FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, int index, std::uint64_t tag,
                 const FabricOptions& o);
@@ -360,35 +84,70 @@ class FabricChannel final : public Channel {
   // The peer's endpoint name and (write data path) data slots.
   void set_peer(const char* name, std::size_t len, const rma::SlotRegion& region);
 
-  bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
-  bool try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
-                   const Window& window, std::size_t offset) override;
   std::optional<Window> open_window(char* base, std::size_t bytes,
                                     std::size_t message_bytes) override {
     if (direct_min_ == 0 || message_bytes < direct_min_) return std::nullopt;
     return dom_->open_window(base, bytes);
   }
   void close_window(const Window& window) override { dom_->close_window(window); }
-  std::size_t queued() const override { return sendq_.size(); }
-  std::size_t queued_bytes() const override { return sendq_.bytes(); }
-  bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
   // The providers here progress only inside fi_cq_read() (manual progress), and their wait
   // descriptors do not signal everything that needs it (rxm's rendezvous steps).
   bool polled() const override { return true; }
   void forget_memory(const void* addr, std::size_t bytes) override { dom_->forget(addr, bytes); }
   // Callers' memory ranges the domain has registered for in-place sends so far.
-  [[nodiscard]] std::uint64_t registrations_made() const { return dom_->registered; }
+  [[nodiscard]] std::uint64_t registrations_made() const { return dom_->sends.made(); }
   [[nodiscard]] std::uint64_t window_registrations_made() const { return dom_->windows.made(); }
   void begin_close() override;
-  void close() override;
-  bool closed() const override { return closed_ || peer_closed_; }
   std::string describe() const override;
 
  private:
-  [[noreturn]] void fail(const std::string& why) const {
-    throw Error(ErrorCode::kPeerFailed, why + " on " + describe(), self_, peer_);
+  // What the channel core asks of its back-end (rma/channel_core.h).
+  friend class rma::RmaChannel<FabricChannel>;
+  using Source = void*;  // a registration's descriptor (null where the provider needs none)
+  // The peer may release its endpoint once it has heard this end's goodbye (see Graveyard).
+  static constexpr bool kAnswersBye = true;
+  void check_staged(const FrameHeader&, const void*) const {}
+  bool opened() const { return ep_ != nullptr; }
+  bool connected() const { return peer_addr_ != FI_ADDR_UNSPEC; }
+  bool can_post() const { return !free_data_.empty(); }
+  char* staging() { return bufs_[free_data_.back()].data; }
+  std::optional<void*> source(const char* p, std::size_t n) { return dom_->descriptor(p, n); }
+  // A fragment into the peer's slot for `seq` (write data path) or a send.
+  bool post_fragment(std::uint32_t seq, std::size_t staged, const rma::Gather<void*>* gather);
+  bool post_write(std::uint32_t seq, const SendQueue::Piece& piece, void* source,
+                  std::uint64_t addr, std::uint64_t key);
+  void hold_posted(std::uint32_t id) {
+    bufs_[last_posted_].held = id;
+    dom_->sends.hold();
   }
+  bool post_control(const Prefix& p);
+  void flush() {}
+  const char* slot_base(std::uint32_t buffer) const {
+    // Write path: the slot the fragment was written into; send path: the receive it landed in.
+    return write_ ? slot_mem_ + static_cast<std::size_t>(buffer) * slot_bytes_ : bufs_[buffer].data;
+  }
+  std::optional<std::size_t> written(std::uint32_t) const { return std::nullopt; }
+  void slot_consumed(std::uint32_t buffer) {
+    if (!write_) post_recv(bufs_[buffer]);
+  }
+  void direct_started(const char*) { g_direct_received.fetch_add(1, std::memory_order_relaxed); }
+  bool writes_visible() { return true; }
+  void begin_progress() {}
+  bool poll(RecvSink& sink) {
+    bool m = repost_pending();
+    m |= poll_cq(sink);
+    return m;
+  }
+  void end_progress() {
+    if (timer_fd_.valid()) tend_timer();
+  }
+  void drain() {
+    NullSink null_sink;
+    poll_cq(null_sink);
+  }
+  bool in_flight() const { return in_flight_ > 0; }
+
   void check(const char* call, int rc) const {
     if (rc != 0) {
       throw Error(ErrorCode::kSystem,
@@ -403,52 +162,22 @@ class FabricChannel final : public Channel {
   [[noreturn]] void fail_completion();
   void on_arrival(Buf& b, std::size_t len);
   void on_written(const fi_cq_data_entry& e);
-  // Hands one fragment (prefix and body, gathered from `iov`) to the provider: a write into
-  // the peer's slot for `seq` announced by `seq`, or a send. The provider's return code.
-  ssize_t post_fragment(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
-                        std::size_t count, std::size_t bytes);
-  // The prefix of the next data fragment, whose body `f` describes (credits owed piggybacked).
-  [[nodiscard]] Prefix data_prefix(const SendQueue::Fragment& f) const {
-    Prefix p;
-    p.tag = tag_;
-    p.seq = sendw_.next_seq();
-    p.credits = recvw_.owed();
-    p.bytes = f.bytes;
-    p.kind = Kind::kData;
-    p.first = f.first ? 1 : 0;
-    return p;
-  }
+  // A post of buffer `b` the provider answered `rc` to: true once taken, false when it said try
+  // again; a failure is thrown naming `call`.
+  bool posted(Buf& b, ssize_t rc, const char* call);
   // An RMA write of `bytes` gathered from `iov` to the peer's [addr, addr + bytes) under `key`,
   // announced by `seq` as remote CQ data. The provider's return code.
-  ssize_t post_write(Buf& b, std::uint32_t seq, const iovec* iov, void** descs, std::size_t count,
-                     std::uint64_t addr, std::size_t bytes, std::uint64_t key);
-  // The next step of a direct head message (its first fragment, or one payload write); false
-  // when it cannot be taken now (the provider said try again).
-  bool pump_direct(RecvSink& sink, Buf& b, const DirectTarget& d);
-  // Fragment `seq` in the slot at `base`, its turn come (write data path): its prefix checked.
-  Prefix slot_prefix(const char* base, std::uint32_t seq);
+  ssize_t write_msg(Buf& b, std::uint32_t seq, const iovec* iov, void** descs, std::size_t count,
+                    std::uint64_t addr, std::size_t bytes, std::uint64_t key);
   bool is_control(const Buf& b) const { return b.index >= bufs_.size() - kControlSlots; }
-  bool deliver(RecvSink& sink);
-  bool pump(RecvSink& sink);
-  bool send_control(Kind kind, std::uint32_t seq, std::uint32_t credits);
   // The poll timer (providers without a wait descriptor): wait_spec() arms it, this drains it.
   void tend_timer();
 
   std::shared_ptr<Domain> dom_;  // first: outlives the endpoint resources below
-  int self_;
-  int peer_;
-  int index_;
-  std::uint64_t tag_;
-  std::size_t slot_bytes_;
-  std::uint32_t slots_;
-  std::size_t in_place_min_;   // FabricOptions::in_place_bytes
-  std::size_t direct_min_;     // FabricOptions::direct_bytes
-  std::size_t write_max_;      // payload bytes per direct write
-  std::size_t iov_limit_;      // gather entries the provider takes per send
-  bool write_;                 // the write data path (else send)
-  std::uint64_t corrupt_key_;  // FabricOptions::corrupt_write_key
-  std::uint32_t recv_bufs_;    // receive buffers kept posted
-  std::size_t recv_bytes_;     // bytes of each
+  bool write_;                   // the write data path (else send)
+  std::uint64_t corrupt_key_;    // FabricOptions::corrupt_write_key
+  std::uint32_t recv_bufs_;      // receive buffers kept posted
+  std::size_t recv_bytes_;       // bytes of each
 
   FidPtr<fid_cq> cq_;
   FidPtr<fid_ep> ep_;
@@ -475,45 +204,35 @@ class FabricChannel final : public Channel {
   std::vector<std::uint32_t> free_ctrl_;
   std::vector<std::uint32_t> repost_;  // receive buffers the provider refused for now
   std::uint32_t in_flight_ = 0;        // sends handed to the provider, not yet completed
-
-  SendWindow sendw_;
-  RecvWindow recvw_;
-
-  SendQueue sendq_;
-  rma::InPlaceSends in_place_;
-  Reassembler reasm_;
-  // Receiving a direct message: payload bytes per write (its writes are the next fragments).
-  std::size_t direct_write_ = 0;
-
-  bool peer_bye_ = false;
-  std::uint32_t bye_seq_ = 0;
-  bool peer_closed_ = false;
-  bool bye_sent_ = false;
-  bool closed_ = false;
+  std::uint32_t last_posted_ = 0;      // the buffer of the last data fragment or write posted
 };
+
+rma::ChannelCore::Params core_params(const Domain& dom, int self, int peer, int index,
+                                     std::uint64_t tag, const FabricOptions& o) {
+  rma::ChannelCore::Params p;
+  p.self = self;
+  p.peer = peer;
+  p.index = index;
+  p.tag = tag;
+  p.slot_bytes = o.slot_bytes;
+  p.slots = o.slots;
+  p.direct_min = dom.write ? o.direct_bytes : 0;
+  p.write_max = std::min<std::size_t>(dom.info->ep_attr->max_msg_size,
+                                      std::max<std::size_t>(1, o.direct_write_bytes));
+  p.in_place_min = o.in_place_bytes;
+  p.iov_limit = dom.info->tx_attr->iov_limit;
+  p.written = dom.write;
+  return p;
+}
 
 FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, int index,
                              std::uint64_t tag, const FabricOptions& o)
-    : dom_(std::move(dom)),
-      self_(self),
-      peer_(peer),
-      index_(index),
-      tag_(tag),
-      slot_bytes_(o.slot_bytes),
-      slots_(o.slots),
-      in_place_min_(o.in_place_bytes),
-      direct_min_(dom_->write ? o.direct_bytes : 0),
-      write_max_(std::min<std::size_t>(dom_->info->ep_attr->max_msg_size,
-                                       std::max<std::size_t>(1, o.direct_write_bytes))),
-      iov_limit_(dom_->info->tx_attr->iov_limit),
+    : RmaChannel(core_params(*dom, self, peer, index, tag, o)),
+      dom_(std::move(dom)),
       write_(dom_->write),
       corrupt_key_(o.corrupt_write_key),
       recv_bufs_(o.slots + kControlSlots),
-      recv_bytes_(write_ ? kControlBytes : o.slot_bytes),
-      sendw_(o.slots),
-      recvw_(o.slots, std::max<std::uint32_t>(1, o.slots / 2)),
-      in_place_(o.slots + 1),
-      reasm_(o.slot_bytes) {
+      recv_bytes_(write_ ? kControlBytes : o.slot_bytes) {
   const fi_info* info = dom_->info.get();
   const std::uint32_t pool = slots_ + kControlSlots;
 
@@ -693,23 +412,6 @@ bool FabricChannel::repost_pending() {
   return repost_.size() < again.size();
 }
 
-bool FabricChannel::try_send(const FrameHeader& h, const void* payload, std::uint64_t token) {
-  if (sendq_.full()) return false;
-  if (closed()) fail("send on a closed channel");
-  sendq_.push(h, payload, token);
-  return true;
-}
-
-bool FabricChannel::try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
-                                const Window& window, std::size_t offset) {
-  const auto d = rma::direct_target(h.bytes, window, offset, direct_min_);
-  if (!d) return try_send(h, payload, token);
-  if (sendq_.full()) return false;
-  if (closed()) fail("send on a closed channel");
-  sendq_.push(h, payload, token, *d);
-  return true;
-}
-
 pollfd FabricChannel::wait_spec() const {
   if (closed()) return {-1, 0, 0};
   // Sends in the provider's hands may need this side's progress to leave
@@ -728,28 +430,6 @@ pollfd FabricChannel::wait_spec() const {
   fid* f = &cq_->fid;
   if (fi_trywait(dom_->fabric.get(), &f, 1) != FI_SUCCESS) return {ready_fd_.get(), POLLIN, 0};
   return {wait_fd_, POLLIN, 0};
-}
-
-bool FabricChannel::progress(RecvSink& sink, bool may_read) {
-  (void)may_read;  // reading the completion queue is cheap and also completes
-                   // sends
-  if (closed()) return false;
-  bool moved = false;
-  for (int round = 0; round < 8 && !closed(); ++round) {
-    bool m = repost_pending();
-    m |= poll_cq(sink);
-    m |= deliver(sink);
-    if (closed()) return true;
-    m |= pump(sink);
-    if (recvw_.should_return() && send_control(Kind::kCredit, 0, recvw_.owed())) {
-      recvw_.take_owed();
-      m = true;
-    }
-    if (!m) break;
-    moved = true;
-  }
-  if (timer_fd_.valid()) tend_timer();
-  return moved;
 }
 
 void FabricChannel::tend_timer() {
@@ -790,7 +470,7 @@ bool FabricChannel::poll_cq(RecvSink& sink) {
         if (b->held != kNotHeld) {
           const std::uint32_t id = b->held;
           b->held = kNotHeld;
-          if (--dom_->in_place_in_flight == 0) dom_->release_displaced();
+          dom_->sends.done();
           if (const auto sent = in_place_.completed(id)) sink.on_sent(index_, *sent);
         }
         if (is_control(*b)) {
@@ -839,19 +519,10 @@ void FabricChannel::on_written(const fi_cq_data_entry& e) {
   if ((dom_->info->mode & FI_RX_CQ_DATA) != 0) {
     if (Buf* b = own(bufs_, e.op_context); b != nullptr && b->recv) post_recv(*b);
   }
-  // Only recorded here: what the write left in its slot is read when its turn comes
-  // (slot_prefix), as the write may be one of a direct message's, which leave their slot
-  // untouched, and that is known only once the message's first fragment has been read.
-  const auto seq = static_cast<std::uint32_t>(e.data);
-  if (auto bad = rma::accept_fragment(recvw_, seq, seq % slots_)) fail(*bad);
-}
-
-Prefix FabricChannel::slot_prefix(const char* base, std::uint32_t seq) {
-  Prefix p;
-  std::memcpy(&p, base, kPrefix);
-  if (auto bad = rma::check_written(p, seq, tag_, slot_bytes_, std::nullopt)) fail(*bad);
-  if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
-  return p;
+  // Only recorded here: what the write left in its slot is read when its turn comes, as the
+  // write may be one of a direct message's, which leave their slot untouched, and that is
+  // known only once the message's first fragment has been read.
+  (void)on_slot_written(static_cast<std::uint32_t>(e.data));
 }
 
 void FabricChannel::on_arrival(Buf& b, std::size_t len) {
@@ -871,192 +542,66 @@ void FabricChannel::on_arrival(Buf& b, std::size_t len) {
     fail("protocol violation: a message of " + std::to_string(len) + " bytes says it holds " +
          std::to_string(p.bytes) + " after its prefix");
   }
-  if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
-  switch (p.kind) {
-    case Kind::kCredit: post_recv(b); return;
-    case Kind::kBye:
-      peer_bye_ = true;
-      bye_seq_ = p.seq;
-      post_recv(b);
-      return;
-    case Kind::kData:
-      if (write_) fail("protocol violation: a data fragment sent on the write data path");
-      if (auto bad = rma::accept_fragment(recvw_, p.seq, b.index)) fail(*bad);
-      return;
+  if (on_control(p)) {
+    post_recv(b);
+    return;
   }
-  fail("protocol violation: unknown message kind " + std::to_string(static_cast<int>(p.kind)));
+  if (p.kind != Kind::kData) {
+    fail("protocol violation: unknown message kind " + std::to_string(static_cast<int>(p.kind)));
+  }
+  if (write_) fail("protocol violation: a data fragment sent on the write data path");
+  if (auto bad = rma::accept_fragment(recvw_, p.seq, b.index)) fail(*bad);
 }
 
-bool FabricChannel::deliver(RecvSink& sink) {
-  bool moved = false;
-  while (auto bi = recvw_.next_ready()) {
-    if (reasm_.in_direct()) {
-      // One of a direct message's writes: its payload is in place already.
-      const std::size_t n = std::min(direct_write_, reasm_.remaining());
-      if (auto bad = reasm_.on_placed(sink, index_, n)) fail(*bad);
-      recvw_.consume();
-      moved = true;
-      continue;
-    }
-    // Write path: the slot the fragment was written into; send path: the receive it landed in.
-    const char* base =
-        write_ ? slot_mem_ + static_cast<std::size_t>(*bi) * slot_bytes_ : bufs_[*bi].data;
-    Prefix p;
-    if (write_) {
-      p = slot_prefix(base, recvw_.expected());
-    } else {
-      std::memcpy(&p, base, kPrefix);
-    }
-    if (p.direct != 0) {
-      if (!write_ || p.first == 0)
-        fail("protocol violation: a direct message on the send data path");
-      if (auto bad =
-              reasm_.on_direct_header(sink, index_, base + kPrefix, p.bytes, &direct_write_)) {
-        fail(*bad);
-      }
-      g_direct_received.fetch_add(1, std::memory_order_relaxed);
-    } else if (auto bad = reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
-      fail(*bad);
-    }
-    recvw_.consume();  // write path: the slot is free for the fragment `slots` later
-    if (!write_) post_recv(bufs_[*bi]);
-    moved = true;
+bool FabricChannel::post_fragment(std::uint32_t seq, std::size_t staged,
+                                  const rma::Gather<void*>* gather) {
+  Buf& b = bufs_[free_data_.back()];
+  std::array<iovec, 2> iov{};
+  std::array<void*, 2> descs{desc(), nullptr};
+  iov[0] = {b.data, staged};
+  std::size_t count = 1;
+  std::size_t bytes = staged;
+  if (gather != nullptr) {
+    iov[1] = {const_cast<char*>(gather->data), gather->bytes};
+    descs[1] = gather->source;
+    count = 2;
+    bytes += gather->bytes;
   }
-  if (peer_bye_ && !peer_closed_ && recvw_.expected() == bye_seq_) {
-    if (reasm_.in_message()) {
-      fail("rank " + std::to_string(peer_) + " closed in the middle of a message");
-    }
-    peer_closed_ = true;
-    // Answer, so the peer may release its endpoint now instead of after
-    // kRetireFor. Nothing is sent here after this.
-    if (!bye_sent_) bye_sent_ = send_control(Kind::kBye, sendw_.next_seq(), 0);
-    sink.on_closed(index_);
-    moved = true;
-  }
-  return moved;
-}
-
-bool FabricChannel::pump(RecvSink& sink) {
-  bool moved = false;
-  const std::size_t room = slot_bytes_ - kPrefix;
-  while (!sendq_.empty() && sendw_.can_send() && !free_data_.empty()) {
-    Buf& b = bufs_[free_data_.back()];
-    if (const DirectTarget* d = sendq_.direct()) {
-      if (!pump_direct(sink, b, *d)) break;
-      moved = true;
-      continue;
-    }
-    const SendQueue::Piece piece = sendq_.peek(room);
-    std::optional<void*> piece_desc;
-    if (rma::send_in_place(piece.bytes, in_place_min_, iov_limit_)) {
-      const SendQueue::Piece whole = sendq_.message();
-      piece_desc = dom_->descriptor(whole.data, whole.bytes);
-    }
-    const bool in_place = piece_desc.has_value();
-    const SendQueue::Fragment f =
-        in_place ? sendq_.fill_header(b.data + kPrefix, room) : sendq_.fill(b.data + kPrefix, room);
-    const Prefix p = data_prefix(f);
-    std::memcpy(b.data, &p, kPrefix);
-    // In place: the prefix (and header) from the staging buffer, the payload from where it
-    // lies; else all of it from the staging buffer.
-    std::array<iovec, 2> iov{};
-    std::array<void*, 2> descs{desc(), nullptr};
-    iov[0] = {b.data, kPrefix + (in_place ? (f.first ? kHeader : 0) : p.bytes)};
-    if (in_place) {
-      iov[1] = {const_cast<char*>(piece.data), piece.bytes};
-      descs[1] = *piece_desc;
-    }
-    const ssize_t rc =
-        post_fragment(b, p.seq, iov.data(), descs.data(), in_place ? 2 : 1, kPrefix + p.bytes);
-    if (rc == -FI_EAGAIN) break;
-    if (rc != 0) {
-      fail(std::string(write_ ? "fi_writemsg" : "fi_send") + " to rank " + std::to_string(peer_) +
-           " failed: " + fi_text(static_cast<int>(rc)));
-    }
-    free_data_.pop_back();
-    ++in_flight_;
-    sendw_.take();
-    recvw_.take_owed();
-    moved = true;
-    if (in_place) {
-      b.held = in_place_.posted();
-      ++dom_->in_place_in_flight;
-    }
-    if (const auto token = sendq_.commit(f)) {
-      // A message with fragments in place is sent once the provider is done reading them.
-      if (const auto sent = in_place_.finished(*token)) sink.on_sent(index_, *sent);
-    }
-  }
-  return moved;
-}
-
-bool FabricChannel::pump_direct(RecvSink& sink, Buf& b, const DirectTarget& d) {
-  // The payload is read where it lies, so it needs a descriptor where the provider wants local
-  // registrations; without one the message goes through slots after all (if still possible).
-  const SendQueue::Piece whole = sendq_.message();
-  const std::optional<void*> payload_desc = dom_->descriptor(whole.data, whole.bytes);
-  if (!payload_desc) {
-    if (!sendq_.started()) {
-      sendq_.drop_direct();
-      return true;
-    }
-    fail("the memory of a message being written directly can no longer be registered");
-  }
-  const std::uint32_t seq = sendw_.next_seq();
   ssize_t rc = 0;
-  std::size_t bytes = 0;
-  const bool header = !sendq_.started();
-  if (header) {
-    // First fragment: the header and where the payload goes, in a slot.
-    const SendQueue::Fragment f = sendq_.fill_direct_header(b.data + kPrefix, write_max_);
-    Prefix p = data_prefix(f);
-    p.direct = 1;
-    std::memcpy(b.data, &p, kPrefix);
-    iovec iov{b.data, kPrefix + f.bytes};
-    void* descs[1] = {desc()};
-    rc = post_fragment(b, seq, &iov, descs, 1, kPrefix + f.bytes);
+  if (write_) {
+    rc = write_msg(b, seq, iov.data(), descs.data(), count, rma::slot_address(remote_, seq), bytes,
+                   remote_.key);
+  } else if (count == 1) {
+    rc = fi_send(ep_.get(), iov[0].iov_base, iov[0].iov_len, descs[0], peer_addr_, &b.ctx);
   } else {
-    // A payload write, straight from the caller's memory into the peer's window.
-    const SendQueue::Piece piece = sendq_.piece(write_max_);
-    bytes = piece.bytes;
-    iovec iov{const_cast<char*>(piece.data), piece.bytes};
-    void* descs[1] = {*payload_desc};
-    rc = post_write(b, seq, &iov, descs, 1, d.addr + sendq_.offset(), piece.bytes, d.key);
+    rc = fi_sendv(ep_.get(), iov.data(), descs.data(), count, peer_addr_, &b.ctx);
   }
+  return posted(b, rc, write_ ? "fi_writemsg" : "fi_send");
+}
+
+bool FabricChannel::post_write(std::uint32_t seq, const SendQueue::Piece& piece, void* source,
+                               std::uint64_t addr, std::uint64_t key) {
+  Buf& b = bufs_[free_data_.back()];
+  iovec iov{const_cast<char*>(piece.data), piece.bytes};
+  void* descs[1] = {source};
+  return posted(b, write_msg(b, seq, &iov, descs, 1, addr, piece.bytes, key), "fi_writemsg");
+}
+
+bool FabricChannel::posted(Buf& b, ssize_t rc, const char* call) {
   if (rc == -FI_EAGAIN) return false;
   if (rc != 0) {
-    fail("fi_writemsg to rank " + std::to_string(peer_) +
+    fail(std::string(call) + " to rank " + std::to_string(peer_) +
          " failed: " + fi_text(static_cast<int>(rc)));
   }
   free_data_.pop_back();
   ++in_flight_;
-  sendw_.take();
-  if (header) {
-    recvw_.take_owed();
-  } else {
-    b.held = in_place_.posted();
-    ++dom_->in_place_in_flight;
-  }
-  if (const auto token = sendq_.commit_direct(bytes)) {
-    if (const auto sent = in_place_.finished(*token)) sink.on_sent(index_, *sent);
-  }
+  last_posted_ = b.index;
   return true;
 }
 
-ssize_t FabricChannel::post_fragment(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
-                                     std::size_t count, std::size_t bytes) {
-  if (!write_) {
-    if (count == 1) {
-      return fi_send(ep_.get(), iov[0].iov_base, iov[0].iov_len, descs[0], peer_addr_, &b.ctx);
-    }
-    return fi_sendv(ep_.get(), iov, descs, count, peer_addr_, &b.ctx);
-  }
-  return post_write(b, seq, iov, descs, count, rma::slot_address(remote_, seq), bytes, remote_.key);
-}
-
-ssize_t FabricChannel::post_write(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
-                                  std::size_t count, std::uint64_t addr, std::size_t bytes,
-                                  std::uint64_t key) {
+ssize_t FabricChannel::write_msg(Buf& b, std::uint32_t seq, const iovec* iov, void** descs,
+                                 std::size_t count, std::uint64_t addr, std::size_t bytes,
+                                 std::uint64_t key) {
   fi_rma_iov target{};
   target.addr = addr;
   target.len = bytes;
@@ -1073,14 +618,9 @@ ssize_t FabricChannel::post_write(Buf& b, std::uint32_t seq, const iovec* iov, v
   return fi_writemsg(ep_.get(), &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION);
 }
 
-bool FabricChannel::send_control(Kind kind, std::uint32_t seq, std::uint32_t credits) {
+bool FabricChannel::post_control(const Prefix& p) {
   if (free_ctrl_.empty()) return false;
   Buf& b = bufs_[free_ctrl_.back()];
-  Prefix p;
-  p.tag = tag_;
-  p.seq = seq;
-  p.credits = credits;
-  p.kind = kind;
   std::memcpy(b.data, &p, kPrefix);
   const auto rc = fi_send(ep_.get(), b.data, kPrefix, desc(), peer_addr_, &b.ctx);
   if (rc == -FI_EAGAIN) return false;
@@ -1105,39 +645,6 @@ void FabricChannel::begin_close() {
   } catch (const Error&) {
     // close() closes it anyway.
   }
-}
-
-void FabricChannel::close() {
-  if (closed_ || !ep_) return;
-  if (peer_addr_ == FI_ADDR_UNSPEC) {
-    // Setup failed before the peer's address was known: there is no one to say goodbye to.
-    closed_ = true;
-    sendq_.clear();
-    in_place_.clear();
-    return;
-  }
-  NullSink null_sink;
-  const auto deadline = Clock::now() + kCloseLinger;
-  try {
-    // Hand over what is queued while the peer takes it, then say goodbye once
-    // it is out; what arrives meanwhile is not delivered (its operations are
-    // gone) but credits are honoured.
-    while (!peer_bye_ && !sendq_.empty() && Clock::now() < deadline) {
-      poll_cq(null_sink);
-      pump(null_sink);
-    }
-    while (!bye_sent_ && Clock::now() < deadline) {
-      bye_sent_ = send_control(Kind::kBye, sendw_.next_seq(), 0);
-      if (!bye_sent_) poll_cq(null_sink);
-    }
-    while (in_flight_ > 0 && Clock::now() < deadline) poll_cq(null_sink);
-  } catch (const Error&) {
-    // Closing anyway.
-  }
-  // The endpoint stays open until the destructor hands it to the Graveyard.
-  closed_ = true;
-  sendq_.clear();
-  in_place_.clear();
 }
 
 std::uint64_t random_u64() {
@@ -1166,52 +673,9 @@ struct NameRecord {
   std::uint32_t write = 0;  // the write data path
   std::uint32_t reserved = 0;
   using Name = EndpointRecord;
-  std::array<Name, kMaxChannels> to_next{};
-  std::array<Name, kMaxChannels> from_prev{};
+  std::array<Name, rma::kMaxChannels> to_next{};
+  std::array<Name, rma::kMaxChannels> from_prev{};
 };
-
-// The provider `provider` names ("" = the first that reaches other hosts) in `list`.
-const fi_info* choose(const fi_info* list, const std::string& provider) {
-  for (const fi_info* i = list; i != nullptr; i = i->next) {
-    if (provider.empty() && single_host(i->fabric_attr->prov_name)) continue;
-    return i;
-  }
-  return nullptr;
-}
-
-// The write data path's description of `chosen`'s provider and domain: RMA writes with remote
-// CQ data that holds a sequence number. Null, with `why` saying what is missing, when there is
-// none.
-InfoPtr write_info(const fi_info* chosen, std::string* why) {
-  const std::string prov = chosen->fabric_attr->prov_name;
-  const char* domain = chosen->domain_attr->name;
-  int rc = 0;
-  InfoPtr list = query(prov, &rc, true);
-  if (!list) {
-    *why = "it offers no RMA writes with " + std::to_string(kWriteDataBytes) +
-           " bytes of remote CQ data: " + fi_text(rc);
-    return nullptr;
-  }
-  for (const fi_info* i = list.get(); i != nullptr; i = i->next) {
-    if (prov != i->fabric_attr->prov_name) continue;
-    if (domain != nullptr && i->domain_attr->name != nullptr &&
-        std::strcmp(domain, i->domain_attr->name) != 0) {
-      continue;
-    }
-    if ((i->caps & FI_RMA) == 0 || i->domain_attr->cq_data_size < kWriteDataBytes) {
-      *why = "its remote CQ data holds " + std::to_string(i->domain_attr->cq_data_size) +
-             " bytes, fewer than a sequence number's " + std::to_string(kWriteDataBytes);
-      continue;
-    }
-    if (i->tx_attr->iov_limit < 1 || i->tx_attr->rma_iov_limit < 1) {
-      *why = "its RMA writes take no gather entries";
-      continue;
-    }
-    return InfoPtr(fi_dupinfo(i));
-  }
-  if (why->empty()) *why = "it offers RMA writes on other domains only";
-  return nullptr;
-}
 
 }  // namespace
 
@@ -1229,114 +693,10 @@ std::uint64_t window_registrations_made(const Channel& channel) {
   return f != nullptr ? f->window_registrations_made() : 0;
 }
 
-std::vector<std::string> available_providers() {
-  std::vector<std::string> out;
-  InfoPtr info = query("", nullptr);
-  for (const fi_info* i = info.get(); i != nullptr; i = i->next) {
-    const std::string name = i->fabric_attr->prov_name;
-    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
-  }
-  return out;
-}
-
-std::optional<std::string> unavailable_reason(const std::string& provider) {
-  const auto all = available_providers();
-  if (provider.empty()) {
-    for (const auto& p : all) {
-      if (!single_host(p)) return std::nullopt;
-    }
-    return "no libfabric provider offering reliable-datagram endpoints across "
-           "hosts (available: " +
-           join(all) + ")";
-  }
-  int rc = 0;
-  InfoPtr info = query(provider, &rc);
-  if (info) return std::nullopt;
-  return "libfabric provider '" + provider + "' is not available here (" + fi_text(rc) +
-         "; available: " + join(all) + ")";
-}
-
-std::optional<std::string> write_unavailable_reason(const std::string& provider) {
-  if (auto why = unavailable_reason(provider)) return why;
-  InfoPtr list = query(provider, nullptr);
-  const fi_info* chosen = choose(list.get(), provider);
-  if (chosen == nullptr) return "libfabric provider '" + provider + "' is not available here";
-  std::string why;
-  if (write_info(chosen, &why)) return std::nullopt;
-  return "libfabric provider '" + std::string(chosen->fabric_attr->prov_name) +
-         "' cannot take the write data path: " + why;
-}
-
 namespace {
 
 void check_options(const FabricOptions& options, int rank) {
   rma::check_slot_options("fabric", options.slot_bytes, options.slots, rank);
-}
-
-// Chooses the provider (the one asked for, or the first that reaches other hosts) and opens
-// its fabric, domain and an address vector for `endpoints` peers. `o` gets the slot size the
-// provider allows.
-std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank, std::size_t endpoints,
-                                    FabricOptions& o) {
-  auto dom = std::make_shared<Domain>();
-  int rc = 0;
-  InfoPtr list = query(options.provider, &rc);
-  const fi_info* chosen = choose(list.get(), options.provider);
-  if (chosen == nullptr) {
-    const std::string asked =
-        options.provider.empty() ? "the default" : "'" + options.provider + "'";
-    throw Error(ErrorCode::kInvalidArgument,
-                "fabric: libfabric provider " + asked + " is not available (" +
-                    (rc != 0 ? fi_text(rc) : "only single-host ones") +
-                    "); available: " + join(available_providers()) +
-                    " (set CommOptions::fabric_provider or DEAR_FABRIC_PROVIDER)",
-                rank);
-  }
-  // The provider is chosen by its messages, so that the data path does not change which one
-  // the default is; then its RMA writes, where asked for or (auto) offered.
-  dom->provider = chosen->fabric_attr->prov_name;
-  InfoPtr writes;
-  if (options.data_path != DataPath::kSend) {
-    std::string why;
-    writes = write_info(chosen, &why);
-    if (!writes && options.data_path == DataPath::kWrite) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "fabric: libfabric provider '" + dom->provider +
-                      "' cannot take the write data path (" + why +
-                      "); ask for 'send' or 'auto' (CommOptions::fabric_data_path or "
-                      "DEAR_FABRIC_DATA_PATH)",
-                  rank);
-    }
-  }
-  dom->write = writes != nullptr;
-  const fi_info* use = writes ? writes.get() : chosen;
-  dom->info.reset(fi_dupinfo(use));
-  dom->register_sends = options.register_in_place || (use->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
-  o = options;
-  const std::size_t max_msg = use->ep_attr->max_msg_size;
-  if (max_msg < o.slot_bytes) o.slot_bytes = max_msg - max_msg % 64;
-  if (o.slot_bytes < kPrefix + kHeader + 64) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "fabric: provider '" + dom->provider + "' limits messages to " +
-                    std::to_string(max_msg) + " bytes, too small for a fragment",
-                rank);
-  }
-  fid_fabric* fabric = nullptr;
-  rc = fi_fabric(dom->info->fabric_attr, &fabric, nullptr);
-  if (rc != 0) throw_fi("fi_fabric(" + dom->provider + ")", rc, rank);
-  dom->fabric.reset(fabric);
-  fid_domain* domain = nullptr;
-  rc = fi_domain(fabric, dom->info.get(), &domain, nullptr);
-  if (rc != 0) throw_fi("fi_domain(" + dom->provider + ")", rc, rank);
-  dom->domain.reset(domain);
-  fi_av_attr av_attr{};
-  av_attr.type = FI_AV_TABLE;
-  av_attr.count = std::max<std::size_t>(1, endpoints);
-  fid_av* av = nullptr;
-  rc = fi_av_open(domain, &av_attr, &av, nullptr);
-  if (rc != 0) throw_fi("fi_av_open(" + dom->provider + ")", rc, rank);
-  dom->av.reset(av);
-  return dom;
 }
 
 std::string data_path_disagreement(int peer, bool peer_writes, int self, bool self_writes) {
@@ -1360,12 +720,7 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
   const int rank = bootstrap.rank();
   const int size = bootstrap.size();
   Graveyard::get().reap();
-  if (channels < 1 || channels > kMaxChannels) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "fabric: channels=" + std::to_string(channels) + " is outside [1, " +
-                    std::to_string(kMaxChannels) + "]",
-                rank);
-  }
+  rma::check_channel_count("fabric", channels, rank);
   check_options(options, rank);
   FabricOptions o;
   auto dom = open_domain(options, rank, 2 * static_cast<std::size_t>(channels), o);
@@ -1394,9 +749,7 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
     put(mine.to_next[static_cast<std::size_t>(c)], *to_next.back());
     put(mine.from_prev[static_cast<std::size_t>(c)], *from_prev.back());
   }
-  if (Clock::now() >= options.deadline) {
-    throw Error(ErrorCode::kTimeout, "fabric: setup ran past its deadline", rank);
-  }
+  rma::check_setup_deadline("fabric", options.deadline, rank);
   bootstrap.all_gather(&mine, sizeof(mine), all.data());
   for (int r = 0; r < size; ++r) {
     const NameRecord& rec = all[static_cast<std::size_t>(r)];
@@ -1422,16 +775,13 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
                   rank, r, "create");
     }
   }
-  RingLinks out;
   for (int c = 0; c < channels; ++c) {
     const auto& n = all[static_cast<std::size_t>(next)].from_prev[static_cast<std::size_t>(c)];
     const auto& p = all[static_cast<std::size_t>(prev)].to_next[static_cast<std::size_t>(c)];
     to_next[static_cast<std::size_t>(c)]->set_peer(n.bytes, n.len, n.region);
     from_prev[static_cast<std::size_t>(c)]->set_peer(p.bytes, p.len, p.region);
   }
-  for (auto& ch : to_next) out.to_next.push_back(std::move(ch));
-  for (auto& ch : from_prev) out.from_prev.push_back(std::move(ch));
-  return out;
+  return rma::ring_links(to_next, from_prev);
 }
 
 std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
@@ -1467,9 +817,7 @@ std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
     const char* raw = reinterpret_cast<const char*>(&rec);
     mine.emplace_back(raw, raw + sizeof(rec));
   }
-  if (Clock::now() >= options.deadline) {
-    throw Error(ErrorCode::kTimeout, "fabric: setup ran past its deadline", rank);
-  }
+  rma::check_setup_deadline("fabric", options.deadline, rank);
   const auto theirs =
       exchange_with_peers(bootstrap, peers, mine, sizeof(PeerName), "fabric connect_peers");
   std::vector<std::unique_ptr<Channel>> out;

@@ -47,7 +47,7 @@
 // Errors: a failed completion (a send, a receive, or an RMA write at either end) is thrown from
 // progress() as dear::Error(kPeerFailed) with the peer's rank and the provider's error text;
 // setup failures name the provider asked for and the ones this host offers.
-// Nothing here aborts or blocks for long: close() waits at most kCloseLinger
+// Nothing here aborts or blocks for long: close() waits at most kCloseLinger (link.h)
 // for the provider to take what is queued.
 #pragma once
 

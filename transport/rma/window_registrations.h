@@ -22,7 +22,7 @@
 #include <optional>
 #include <unordered_map>
 
-#include "transport/verbs/reg_cache.h"
+#include "transport/rma/reg_cache.h"
 
 namespace dear::transport::rma {
 
@@ -81,7 +81,7 @@ class WindowRegistrations {
 
   Release release_;
   std::unordered_map<std::uint64_t, Held> by_key_;
-  verbs::RegistrationCache cache_;  // ranges -> keys
+  RegistrationCache cache_;  // ranges -> keys
   std::uint64_t made_ = 0;
 };
 

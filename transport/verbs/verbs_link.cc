@@ -4,7 +4,6 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <infiniband/verbs.h>
-#include <sys/random.h>
 
 #include <algorithm>
 #include <array>
@@ -15,506 +14,29 @@
 
 #include "dear/error.h"
 #include "transport/peer_exchange.h"
+#include "transport/rma/channel_core.h"
 #include "transport/rma/fragments.h"
+#include "transport/rma/reg_cache.h"
 #include "transport/rma/slot_region.h"
 #include "transport/rma/slot_window.h"
 #include "transport/rma/window_registrations.h"
 #include "transport/socket_util.h"
 #include "transport/verbs/qp_plan.h"
-#include "transport/verbs/reg_cache.h"
+#include "transport/verbs/verbs_device.h"
 
 namespace dear::transport::verbs {
 namespace {
 
-using rma::DirectTarget;
 using rma::kControlSlots;
-using rma::Kind;
 using rma::kPrefix;
 using rma::Prefix;
-using rma::Reassembler;
-using rma::RecvWindow;
 using rma::SendQueue;
-using rma::SendWindow;
 
-constexpr int kMaxChannels = 16;
 constexpr std::uint32_t kSignalEvery = 16;  // at most this many unsignalled WRs in a row
 constexpr std::size_t kControlBytes = 64;   // control message buffers (a Prefix fits)
-constexpr int kMaxGids = 256;               // GID table entries looked at
-constexpr auto kCloseLinger = std::chrono::milliseconds(200);
 // Receive work requests carry this bit in their id (send ids count up from 0), because an
 // error completion reports no opcode, only the id.
 constexpr std::uint64_t kRecvId = 1ULL << 63;
-// Registrations of windows for direct writes kept for reuse per protection domain (least
-// recently used beyond).
-constexpr std::size_t kWindowCacheEntries = 64;
-
-std::string errno_text(int e) { return std::strerror(e); }
-
-std::string hex(std::uint32_t v) {
-  char buf[16];
-  std::snprintf(buf, sizeof(buf), "%x", v);
-  return buf;
-}
-
-[[noreturn]] void throw_sys(const std::string& call, int err, int rank, int peer = Error::kNone) {
-  throw Error(ErrorCode::kSystem, call + " failed: " + errno_text(err), rank, peer, "verbs setup");
-}
-
-struct DeviceListDeleter {
-  void operator()(ibv_device** l) const { ibv_free_device_list(l); }
-};
-using DeviceList = std::unique_ptr<ibv_device*, DeviceListDeleter>;
-
-struct FreeDeleter {
-  void operator()(char* p) const { std::free(p); }
-};
-
-LinkLayer link_of(const ibv_port_attr& a) {
-  return a.link_layer == IBV_LINK_LAYER_ETHERNET ? LinkLayer::kEthernet : LinkLayer::kInfiniBand;
-}
-
-std::uint32_t random_psn() {
-  std::uint32_t v = 0;
-  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
-    v = static_cast<std::uint32_t>(Clock::now().time_since_epoch().count());
-  }
-  return v & 0xffffffU;
-}
-
-// Moves `qp` (in INIT) to RTR and RTS as `p` says; `towards` names the other end in errors.
-void bring_up(ibv_qp* qp, const ConnectionPlan& p, const std::string& towards, int self, int peer) {
-  ibv_qp_attr a{};
-  a.qp_state = IBV_QPS_RTR;
-  a.path_mtu = static_cast<ibv_mtu>(mtu_code(p.path_mtu));
-  a.dest_qp_num = p.dest_qpn;
-  a.rq_psn = p.rq_psn;
-  a.max_dest_rd_atomic = p.max_dest_rd_atomic;
-  a.min_rnr_timer = p.min_rnr_timer;
-  a.ah_attr.dlid = p.dlid;
-  a.ah_attr.sl = p.service_level;
-  a.ah_attr.src_path_bits = 0;
-  a.ah_attr.port_num = p.port;
-  a.ah_attr.is_global = p.use_grh ? 1 : 0;
-  if (p.use_grh) {
-    std::memcpy(a.ah_attr.grh.dgid.raw, p.dgid.data(), 16);
-    a.ah_attr.grh.sgid_index = p.sgid_index;
-    a.ah_attr.grh.hop_limit = p.hop_limit;
-    a.ah_attr.grh.traffic_class = p.traffic_class;
-    a.ah_attr.grh.flow_label = 0;
-  }
-  if (ibv_modify_qp(qp, &a,
-                    IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-                        IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) != 0) {
-    throw_sys("ibv_modify_qp(RTR) towards " + towards, errno, self, peer);
-  }
-  a = {};
-  a.qp_state = IBV_QPS_RTS;
-  a.timeout = p.timeout;
-  a.retry_cnt = p.retry_count;
-  a.rnr_retry = p.rnr_retry;
-  a.sq_psn = p.sq_psn;
-  a.max_rd_atomic = p.max_rd_atomic;
-  if (ibv_modify_qp(qp, &a,
-                    IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-                        IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) != 0) {
-    throw_sys("ibv_modify_qp(RTS) towards " + towards, errno, self, peer);
-  }
-}
-
-// An RC queue pair on `pd` whose queues both complete on `cq`, one scatter/gather entry per
-// request, asking for `inline_bytes` of inline data and settling for none where the device
-// offers none; nullptr (errno set) when it cannot be made. What inline data it got is in
-// *inline_granted.
-ibv_qp* create_rc_qp(ibv_pd* pd, ibv_cq* cq, std::uint32_t send_wr, std::uint32_t recv_wr,
-                     std::uint32_t inline_bytes, std::uint32_t* inline_granted) {
-  ibv_qp_init_attr qa{};
-  qa.send_cq = cq;
-  qa.recv_cq = cq;
-  qa.qp_type = IBV_QPT_RC;
-  qa.sq_sig_all = 0;
-  qa.cap.max_send_wr = send_wr;
-  qa.cap.max_recv_wr = recv_wr;
-  qa.cap.max_send_sge = 1;
-  qa.cap.max_recv_sge = 1;
-  qa.cap.max_inline_data = inline_bytes;
-  ibv_qp* qp = ibv_create_qp(pd, &qa);
-  if (qp == nullptr && inline_bytes > 0) {
-    qa.cap.max_inline_data = 0;
-    qp = ibv_create_qp(pd, &qa);
-  }
-  *inline_granted = qa.cap.max_inline_data;
-  return qp;
-}
-
-// Moves a new queue pair to INIT on `port`, open to the other end's writes and reads.
-void to_init(ibv_qp* qp, std::uint8_t port, int self, int peer) {
-  ibv_qp_attr a{};
-  a.qp_state = IBV_QPS_INIT;
-  a.pkey_index = 0;
-  a.port_num = port;
-  a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
-  if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) !=
-      0) {
-    throw_sys("ibv_modify_qp(INIT)", errno, self, peer);
-  }
-}
-
-// The GPU flush (GPUDirect RDMA): before a consumer of device memory is told that the
-// adapter's writes into it arrived, one byte of that memory is read back with RDMA READ
-// through a queue pair connected to itself. The adapter completes the read only after the
-// writes before it reached the memory (PCIe ordering), so its completion is the signal. One
-// per opened device and port, made with the first device window; every read is signalled and
-// numbered (its ticket), and RC completes them in order.
-class Flusher {
- public:
-  Flusher(ibv_context* ctx, ibv_pd* pd, std::uint8_t port, const QpEndpoint& self_end,
-          const VerbsOptions& o, int rank)
-      : rank_(rank) {
-    const auto sys = [&](const std::string& call) {
-      throw_sys(call + " (GPU flush)", errno, rank);
-    };
-    cq_ = ibv_create_cq(ctx, static_cast<int>(kDepth), nullptr, nullptr, 0);
-    if (cq_ == nullptr) sys("ibv_create_cq");
-    std::uint32_t no_inline = 0;
-    qp_ = create_rc_qp(pd, cq_, kDepth, 1, 0, &no_inline);
-    if (qp_ == nullptr) sys("ibv_create_qp");
-    byte_.reset(static_cast<char*>(std::aligned_alloc(64, 64)));
-    if (!byte_) throw Error(ErrorCode::kSystem, "out of memory for the GPU flush", rank);
-    mr_ = ibv_reg_mr(pd, byte_.get(), 64, IBV_ACCESS_LOCAL_WRITE);
-    if (mr_ == nullptr) sys("ibv_reg_mr");
-    to_init(qp_, port, rank, rank);
-    QpEndpoint end = self_end;
-    end.qpn = qp_->qp_num;
-    end.psn = random_psn();
-    bring_up(qp_, plan_connection(end, end, port, o, rank, rank), "itself (GPU flush)", rank, rank);
-  }
-  ~Flusher() {
-    if (qp_ != nullptr) ibv_destroy_qp(qp_);
-    if (mr_ != nullptr) ibv_dereg_mr(mr_);
-    if (cq_ != nullptr) ibv_destroy_cq(cq_);
-  }
-  Flusher(const Flusher&) = delete;
-  Flusher& operator=(const Flusher&) = delete;
-
-  // Reads one byte at `addr` of the registration with remote key `rkey`: its ticket, or
-  // nullopt while kDepth reads are in flight.
-  std::optional<std::uint64_t> post(std::uint64_t addr, std::uint32_t rkey) {
-    if (posted_ - done_ >= kDepth) return std::nullopt;
-    ibv_sge sge{};
-    sge.addr = reinterpret_cast<std::uintptr_t>(byte_.get());
-    sge.length = 1;
-    sge.lkey = mr_->lkey;
-    ibv_send_wr wr{};
-    wr.wr_id = posted_ + 1;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.opcode = IBV_WR_RDMA_READ;
-    wr.send_flags = IBV_SEND_SIGNALED;
-    wr.wr.rdma.remote_addr = addr;
-    wr.wr.rdma.rkey = rkey;
-    ibv_send_wr* bad = nullptr;
-    const int rc = ibv_post_send(qp_, &wr, &bad);
-    if (rc != 0) {
-      throw Error(ErrorCode::kSystem, "ibv_post_send (GPU flush) failed: " + errno_text(rc), rank_);
-    }
-    return ++posted_;
-  }
-  // Takes the completions there are: what went wrong, or nullopt.
-  std::optional<std::string> poll() {
-    std::array<ibv_wc, 16> wc{};
-    const int n = ibv_poll_cq(cq_, static_cast<int>(wc.size()), wc.data());
-    if (n < 0) return std::string("ibv_poll_cq (GPU flush) failed");
-    for (int i = 0; i < n; ++i) {
-      const ibv_wc& c = wc[static_cast<std::size_t>(i)];
-      if (c.status != IBV_WC_SUCCESS) {
-        return std::string("the GPU flush (RDMA READ on the loopback queue pair) failed: ") +
-               ibv_wc_status_str(c.status) + " (vendor error 0x" + hex(c.vendor_err) + ")";
-      }
-      done_ = std::max<std::uint64_t>(done_, c.wr_id);
-    }
-    return std::nullopt;
-  }
-  [[nodiscard]] bool done(std::uint64_t ticket) const { return done_ >= ticket; }
-
- private:
-  static constexpr std::uint32_t kDepth = 64;
-  int rank_;
-  ibv_cq* cq_ = nullptr;
-  ibv_qp* qp_ = nullptr;
-  ibv_mr* mr_ = nullptr;
-  std::unique_ptr<char, FreeDeleter> byte_;
-  std::uint64_t posted_ = 0;
-  std::uint64_t done_ = 0;
-};
-
-// Device memory registered as a source of direct messages (Channel::register_device_source).
-struct DeviceSource {
-  std::uintptr_t begin = 0;
-  std::uintptr_t end = 0;
-  ibv_mr* mr = nullptr;
-};
-
-// One opened device and port, shared by the channels of one connect call.
-struct Context {
-  ibv_context* ctx = nullptr;
-  ibv_pd* pd = nullptr;
-  int rank = -1;
-  VerbsOptions options;  // what the connect call asked for (the GPU flush's queue pair uses it)
-  std::string device;
-  std::uint8_t port = 1;
-  LinkLayer link = LinkLayer::kInfiniBand;
-  std::uint16_t lid = 0;
-  std::uint32_t mtu = 0;
-  std::uint32_t max_msg = 0;  // the port's largest message
-  int gid_index = 0;
-  Gid gid{};
-
-  // Windows opened for the peers' direct writes (Channel::open_window), their registrations
-  // kept for reuse: an operation on a buffer used before (a training step's gradients) finds
-  // it registered instead of pinning it again.
-  rma::WindowRegistrations windows{
-      kWindowCacheEntries, [](std::uint64_t h) { ibv_dereg_mr(reinterpret_cast<ibv_mr*>(h)); }};
-
-  // The callers' memory that direct messages are written from, registered once per range and
-  // looked up after. A registration the cache gives up may still be read by a write in flight,
-  // so it is released only once no direct write of these channels is.
-  RegistrationCache sources;
-  std::vector<std::uint64_t> displaced;
-  std::uint64_t direct_in_flight = 0;
-  bool source_failed = false;  // once failed, direct messages go through slots
-
-  // GPUDirect RDMA (compiled, not run): device memory registered as a source of direct
-  // messages, never evicted (a message from it cannot fall back to staging); the device
-  // windows open now (one entry per open_device_window call), which tell a receiver that a
-  // direct message needs the GPU flush; the flush itself, made with the first device window.
-  std::vector<DeviceSource> device_sources;
-  std::vector<Window> device_windows;
-  std::unique_ptr<Flusher> flusher;
-  bool flusher_failed = false;  // once failed, device windows are refused
-
-  Context() = default;
-  Context(const Context&) = delete;
-  Context& operator=(const Context&) = delete;
-  ~Context() {
-    flusher.reset();
-    windows.clear();
-    direct_in_flight = 0;
-    for (const std::uint64_t h : sources.clear()) displaced.push_back(h);
-    for (const DeviceSource& d : device_sources) {
-      displaced.push_back(reinterpret_cast<std::uint64_t>(d.mr));
-    }
-    device_sources.clear();
-    release_displaced();
-    if (pd != nullptr) ibv_dealloc_pd(pd);
-    if (ctx != nullptr) ibv_close_device(ctx);
-  }
-
-  // The local key for writing from [p, p + n), registering the range when it is not yet;
-  // nullopt when it cannot be registered.
-  std::optional<std::uint32_t> source_key(const char* p, std::size_t n) {
-    if (const DeviceSource* d = device_source(p, n)) return d->mr->lkey;
-    if (const auto e = sources.lookup(p, n)) return reinterpret_cast<ibv_mr*>(e->handle)->lkey;
-    if (source_failed) return std::nullopt;
-    const auto span = RegistrationCache::page_span(p, n);
-    // Read by the local adapter only; the page span may reach read-only pages.
-    ibv_mr* mr = ibv_reg_mr(pd, reinterpret_cast<void*>(span.begin), span.end - span.begin, 0);
-    if (mr == nullptr) {
-      source_failed = true;
-      return std::nullopt;
-    }
-    for (const std::uint64_t h :
-         sources.insert(reinterpret_cast<const void*>(span.begin), span.end - span.begin,
-                        reinterpret_cast<std::uint64_t>(mr))) {
-      displaced.push_back(h);
-    }
-    release_displaced();
-    return mr->lkey;
-  }
-  // Communicator::forget_memory: registrations overlapping [p, p + n) leave both caches.
-  void forget(const void* p, std::size_t n) {
-    if (n == 0) return;
-    for (const std::uint64_t h : sources.invalidate(p, n)) displaced.push_back(h);
-    const auto lo = reinterpret_cast<std::uintptr_t>(p);
-    std::erase_if(device_sources, [&](const DeviceSource& d) {
-      if (d.end <= lo || d.begin >= lo + n) return false;
-      displaced.push_back(reinterpret_cast<std::uint64_t>(d.mr));
-      return true;
-    });
-    release_displaced();
-    windows.forget(p, n);
-  }
-  // The registered device source holding [p, p + n), if any.
-  const DeviceSource* device_source(const void* p, std::size_t n) const {
-    const auto lo = reinterpret_cast<std::uintptr_t>(p);
-    for (const DeviceSource& d : device_sources) {
-      if (lo >= d.begin && lo + n <= d.end) return &d;
-    }
-    return nullptr;
-  }
-  // True when [p, p + n) overlaps registered device memory (which the CPU cannot read).
-  bool in_device_memory(const void* p, std::size_t n) const {
-    if (device_sources.empty() || p == nullptr || n == 0) return false;
-    const auto lo = reinterpret_cast<std::uintptr_t>(p);
-    return std::any_of(device_sources.begin(), device_sources.end(),
-                       [&](const DeviceSource& d) { return lo < d.end && lo + n > d.begin; });
-  }
-  bool add_device_source(const char* p, std::size_t n, const DeviceMemory& m) {
-    if (device_source(p, n) != nullptr) return true;
-    // Registered for reading only by this adapter; ibv_reg_* take a non-const address.
-    GpuRegistration g = register_gpu_memory(pd, const_cast<char*>(p), n, m.dmabuf_fd, m.offset);
-    if (g.mr == nullptr) return false;
-    const auto lo = reinterpret_cast<std::uintptr_t>(p);
-    device_sources.push_back({lo, lo + n, g.mr});
-    return true;
-  }
-  // The open device window holding the local address `at`, if any.
-  std::optional<Window> device_window_at(std::uint64_t at) const {
-    for (const Window& w : device_windows) {
-      if (at >= w.local && at - w.local < w.bytes) return w;
-    }
-    return std::nullopt;
-  }
-  void close_window(const Window& w) {
-    const auto it =
-        std::find_if(device_windows.begin(), device_windows.end(), [&](const Window& d) {
-          return d.key == w.key && d.local == w.local && d.bytes == w.bytes;
-        });
-    if (it != device_windows.end()) device_windows.erase(it);
-    windows.close(w.key);
-  }
-  // A queue pair `qpn` of this port, sending from `psn`, as plan_connection() sees it.
-  QpEndpoint endpoint(std::uint32_t qpn, std::uint32_t psn) const {
-    QpEndpoint e;
-    e.link_layer = link;
-    e.lid = lid;
-    e.mtu = mtu;
-    e.qpn = qpn;
-    e.psn = psn;
-    e.gid = gid;
-    e.gid_index = gid_index;
-    return e;
-  }
-  // The GPU flush, made on first use; nullptr when it cannot be made (device windows are then
-  // refused, and the caller stages through host memory).
-  Flusher* gpu_flusher() {
-    if (flusher || flusher_failed) return flusher.get();
-    try {
-      flusher = std::make_unique<Flusher>(ctx, pd, port, endpoint(0, 0), options, rank);
-    } catch (const Error&) {
-      flusher_failed = true;
-    }
-    return flusher.get();
-  }
-  void release_displaced() {
-    if (direct_in_flight > 0) return;
-    for (const std::uint64_t h : displaced) ibv_dereg_mr(reinterpret_cast<ibv_mr*>(h));
-    displaced.clear();
-  }
-};
-
-std::vector<GidEntry> gid_table(ibv_context* ctx, std::uint8_t port, int len) {
-  std::vector<GidEntry> out;
-  for (int i = 0; i < std::min(len, kMaxGids); ++i) {
-    ibv_gid_entry e{};
-    if (ibv_query_gid_ex(ctx, port, static_cast<std::uint32_t>(i), &e, 0) != 0) continue;
-    GidEntry g;
-    g.index = i;
-    g.type = e.gid_type == IBV_GID_TYPE_ROCE_V2   ? GidType::kRoceV2
-             : e.gid_type == IBV_GID_TYPE_ROCE_V1 ? GidType::kRoceV1
-                                                  : GidType::kInfiniBand;
-    std::memcpy(g.gid.data(), e.gid.raw, 16);
-    if (std::all_of(g.gid.begin(), g.gid.end(), [](std::uint8_t b) { return b == 0; })) continue;
-    out.push_back(g);
-  }
-  return out;
-}
-
-std::vector<std::string> device_names() {
-  int n = 0;
-  DeviceList list(ibv_get_device_list(&n));
-  std::vector<std::string> out;
-  for (int i = 0; list && i < n; ++i) out.emplace_back(ibv_get_device_name(list.get()[i]));
-  return out;
-}
-
-std::string join(const std::vector<std::string>& v) {
-  std::string s;
-  for (const auto& x : v) s += (s.empty() ? "" : ", ") + ("'" + x + "'");
-  return s.empty() ? "none" : s;
-}
-
-// Opens the device and port `o` asks for (or the first with an active port) and chooses the
-// GID. Throws dear::Error(kInvalidArgument) when there is none, naming what there is.
-std::shared_ptr<Context> open_context(const VerbsOptions& o, int rank) {
-  const DeviceSpec spec = parse_device_spec(o.device, rank);
-  int n = 0;
-  errno = 0;
-  DeviceList list(ibv_get_device_list(&n));
-  if (!list) {
-    const int e = errno;
-    throw Error(ErrorCode::kInvalidArgument,
-                "no RDMA device found (ibv_get_device_list failed: " + errno_text(e) + ")", rank);
-  }
-  if (n == 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "no RDMA device found (ibv_get_device_list returned 0 devices)", rank);
-  }
-  std::string tried;
-  for (int i = 0; i < n; ++i) {
-    ibv_device* dev = list.get()[i];
-    const std::string name = ibv_get_device_name(dev);
-    if (!spec.name.empty() && name != spec.name) continue;
-    auto c = std::make_shared<Context>();
-    c->ctx = ibv_open_device(dev);
-    if (c->ctx == nullptr) {
-      tried += (tried.empty() ? "" : "; ") + name + ": ibv_open_device: " + errno_text(errno);
-      continue;
-    }
-    ibv_device_attr da{};
-    if (ibv_query_device(c->ctx, &da) != 0) {
-      tried += (tried.empty() ? "" : "; ") + name + ": ibv_query_device: " + errno_text(errno);
-      continue;
-    }
-    for (int port = 1; port <= da.phys_port_cnt; ++port) {
-      if (spec.port != 0 && port != spec.port) continue;
-      ibv_port_attr pa{};
-      if (ibv_query_port(c->ctx, static_cast<std::uint8_t>(port), &pa) != 0) continue;
-      if (pa.state != IBV_PORT_ACTIVE) {
-        tried += (tried.empty() ? "" : "; ") + name + ":" + std::to_string(port) + " is " +
-                 ibv_port_state_str(pa.state);
-        continue;
-      }
-      c->device = name;
-      c->port = static_cast<std::uint8_t>(port);
-      c->link = link_of(pa);
-      c->lid = pa.lid;
-      c->mtu = mtu_bytes(static_cast<int>(pa.active_mtu));
-      c->max_msg = pa.max_msg_sz;
-      const auto table = gid_table(c->ctx, c->port, pa.gid_tbl_len);
-      c->gid_index = choose_gid_index(table, c->link, o.gid_index, rank);
-      ibv_gid g{};
-      if (ibv_query_gid(c->ctx, c->port, c->gid_index, &g) == 0) {
-        std::memcpy(c->gid.data(), g.raw, 16);
-      }
-      c->pd = ibv_alloc_pd(c->ctx);
-      if (c->pd == nullptr) throw_sys("ibv_alloc_pd(" + name + ")", errno, rank);
-      c->rank = rank;
-      c->options = o;
-      return c;
-    }
-    if (spec.port != 0 && spec.port > da.phys_port_cnt) {
-      tried += (tried.empty() ? "" : "; ") + name + " has " + std::to_string(da.phys_port_cnt) +
-               " port(s), not port " + std::to_string(spec.port);
-    }
-  }
-  const std::string asked = o.device.empty() ? "any device" : "device '" + o.device + "'";
-  throw Error(ErrorCode::kInvalidArgument,
-              "verbs: no active port on " + asked + " (" + (tried.empty() ? "not found" : tried) +
-                  "); devices: " + join(device_names()) +
-                  " (set CommOptions::ib_device or DEAR_IB_DEVICE)",
-              rank);
-}
-
 // What each end publishes about one queue pair.
 struct QpRecord {
   static constexpr std::uint32_t kMagic = 0x64656176;  // "deav": dear verbs
@@ -531,7 +53,7 @@ struct QpRecord {
 };
 static_assert(sizeof(QpRecord) == 72, "exchanged as plain bytes, with no padding");
 
-class VerbsChannel final : public Channel {
+class VerbsChannel final : public rma::RmaChannel<VerbsChannel> {
  public:
   VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int index, const VerbsOptions& o);
   ~VerbsChannel() override;
@@ -542,9 +64,6 @@ class VerbsChannel final : public Channel {
   // Moves the queue pair to RTR and RTS towards `remote`.
   void connect(const QpRecord& remote, const VerbsOptions& o);
 
-  bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
-  bool try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
-                   const Window& window, std::size_t offset) override;
   std::optional<Window> open_window(char* base, std::size_t bytes,
                                     std::size_t message_bytes) override;
   std::optional<Window> open_device_window(char* base, std::size_t bytes, std::size_t message_bytes,
@@ -553,34 +72,70 @@ class VerbsChannel final : public Channel {
                               const DeviceMemory& memory) override;
   void close_window(const Window& window) override { ctx_->close_window(window); }
   void forget_memory(const void* addr, std::size_t bytes) override { ctx_->forget(addr, bytes); }
-  std::size_t queued() const override { return sendq_.size(); }
-  std::size_t queued_bytes() const override { return sendq_.bytes(); }
-  bool progress(RecvSink& sink, bool may_read) override;
   pollfd wait_spec() const override;
   bool polled() const override { return true; }
-  void close() override;
-  bool closed() const override { return closed_ || peer_closed_; }
   std::string describe() const override;
 
  private:
+  static constexpr std::uint32_t kNotHeld = 0xffffffffU;
   // A posted send work request, until a signalled completion at or after it retires it.
   struct Posted {
     std::uint32_t buf = 0;  // staging buffer it holds (a direct write holds one unused, which
                             // bounds the requests in flight as staged fragments are)
     bool control = false;
-    bool direct = false;                 // a direct message's payload write
-    std::optional<std::uint64_t> token;  // its message's token, on its last write
+    std::uint32_t held = kNotHeld;  // a direct message's payload write: its id for sent_after()
 
-    static Posted staged(std::uint32_t b) { return {b, false, false, std::nullopt}; }
-    static Posted control_message(std::uint32_t b) { return {b, true, false, std::nullopt}; }
-    static Posted direct_write(std::uint32_t b, std::optional<std::uint64_t> t) {
-      return {b, false, true, t};
-    }
+    static Posted staged(std::uint32_t b) { return {b, false, kNotHeld}; }
+    static Posted control_message(std::uint32_t b) { return {b, true, kNotHeld}; }
   };
 
-  [[noreturn]] void fail(const std::string& why) const {
-    throw Error(ErrorCode::kPeerFailed, why + " on " + describe(), self_, peer_);
+  // What the channel core asks of its back-end (rma/channel_core.h).
+  friend class rma::RmaChannel<VerbsChannel>;
+  using Source = std::uint32_t;  // a registration's local key
+  // A peer that said goodbye first has nothing left to hear (its queue pair may be gone).
+  static constexpr bool kAnswersBye = false;
+  // Refuses a staged message from registered device memory, which the CPU cannot read.
+  void check_staged(const FrameHeader& h, const void* payload) const;
+  bool opened() const { return qp_ != nullptr; }
+  bool connected() const { return connected_; }
+  bool can_post() const { return !free_data_.empty() && chain_n_ + 1 < chain_.size(); }
+  char* staging() { return data_staging(free_data_.back()); }
+  std::optional<std::uint32_t> source(const char* p, std::size_t n) {
+    return ctx_->source_key(p, n);
   }
+  bool post_fragment(std::uint32_t seq, std::size_t staged,
+                     const rma::Gather<std::uint32_t>* gather);
+  bool post_write(std::uint32_t seq, const SendQueue::Piece& piece, std::uint32_t lkey,
+                  std::uint64_t addr, std::uint64_t key);
+  void hold_posted(std::uint32_t id) {
+    sq_[(sq_next_ - 1) % sq_.size()].held = id;
+    ctx_->sources.hold();
+  }
+  bool post_control(const Prefix& p);
+  void flush() { flush_chain(); }
+  const char* slot_base(std::uint32_t buffer) const { return slot(buffer); }
+  std::optional<std::size_t> written(std::uint32_t buffer) const { return written_[buffer]; }
+  void slot_consumed(std::uint32_t) {}
+  void direct_started(const char* destination) {
+    if (!ctx_->device_windows.empty()) {
+      flush_window_ = ctx_->device_window_at(reinterpret_cast<std::uint64_t>(destination));
+    }
+  }
+  // Before the last write of a direct message into a device window is placed: true once the
+  // GPU flush behind it completed (posting it first, then polling for it), false while it has
+  // not.
+  bool writes_visible();
+  void begin_progress() { arm(); }
+  bool poll(RecvSink& sink) {
+    const bool m = poll_cq();
+    for (const std::uint64_t t : sent_) sink.on_sent(index_, t);
+    sent_.clear();
+    return m;
+  }
+  void end_progress() { flush_chain(); }
+  void drain() { poll_cq(); }
+  bool in_flight() const { return sq_head_ < sq_next_; }
+
   char* data_staging(std::uint32_t i) const { return send_mem_.get() + i * slot_bytes_; }
   char* ctrl_staging(std::uint32_t i) const {
     return send_mem_.get() + slots_ * slot_bytes_ + i * kControlBytes;
@@ -596,17 +151,6 @@ class VerbsChannel final : public Channel {
   void arm();
   bool poll_cq();
   void retire(std::uint64_t id);
-  void on_control(const Prefix& p);
-  bool deliver(RecvSink& sink);
-  // Before the last write of a direct message into a device window is placed: true once the
-  // GPU flush behind it completed (posting it first, then polling for it), false while it has
-  // not.
-  bool flushed();
-  bool pump(RecvSink& sink);
-  // The next step of a direct head message (its first fragment, or one payload write) into
-  // staging buffer `b`; false when it cannot be taken now.
-  bool pump_direct(RecvSink& sink, std::uint32_t b, const DirectTarget& d);
-  bool send_control(Kind kind, std::uint32_t seq, std::uint32_t credits);
   // A window on [base, base + bytes) for messages of `message_bytes`, registered through
   // `make` unless a cached registration holds it; nullopt where such messages do not go direct
   // or the memory cannot be registered.
@@ -614,11 +158,6 @@ class VerbsChannel final : public Channel {
                                         const rma::WindowRegistrations::Register& make);
 
   std::shared_ptr<Context> ctx_;  // first: outlives the resources below
-  int self_;
-  int peer_;
-  int index_;
-  std::size_t slot_bytes_;
-  std::uint32_t slots_;
   std::uint32_t psn_;
 
   ibv_comp_channel* cc_ = nullptr;
@@ -630,13 +169,9 @@ class VerbsChannel final : public Channel {
   std::unique_ptr<char, FreeDeleter> send_mem_;  // data staging, control staging, control recv
   rma::SlotRegion remote_{};                     // the peer's receive slots
   std::uint32_t max_inline_ = 0;
-  std::size_t direct_min_;  // VerbsOptions::direct_bytes
-  std::size_t write_max_;   // payload bytes per direct write
   // Bytes each data slot's last write placed (from its completion), checked when its turn
   // comes; a direct message's payload writes leave their slot untouched.
   std::vector<std::uint32_t> written_;
-  // Receiving a direct message: payload bytes per write (its writes are the next fragments).
-  std::size_t direct_write_ = 0;
   // Direct messages whose last write completed, reported sent by the next progress().
   std::vector<std::uint64_t> sent_;
   // Receiving a direct message into a device window: the window, and the ticket of the GPU
@@ -657,37 +192,34 @@ class VerbsChannel final : public Channel {
   std::vector<ibv_send_wr> chain_;
   std::vector<ibv_sge> chain_sge_;
   std::size_t chain_n_ = 0;
-
-  SendWindow sendw_;
-  RecvWindow recvw_;
-
-  SendQueue sendq_;
-  Reassembler reasm_;
-
-  bool peer_bye_ = false;
-  std::uint32_t bye_seq_ = 0;
-  bool peer_closed_ = false;
-  bool bye_sent_ = false;
-  bool closed_ = false;
 };
+
+rma::ChannelCore::Params core_params(const Context& ctx, int self, int peer, int index,
+                                     const VerbsOptions& o) {
+  rma::ChannelCore::Params p;
+  p.self = self;
+  p.peer = peer;
+  p.index = index;
+  p.tag = 0;  // a queue pair has one peer
+  p.slot_bytes = o.slot_bytes;
+  p.slots = o.slots;
+  p.direct_min = o.direct_bytes;
+  p.write_max = std::max<std::size_t>(
+      1, std::min<std::size_t>(o.direct_write_bytes,
+                               ctx.max_msg > 0 ? ctx.max_msg : o.direct_write_bytes));
+  // Staged fragments only: the queue pairs take one gather entry per request.
+  p.in_place_min = 0;
+  p.iov_limit = 1;
+  p.written = true;
+  return p;
+}
 
 VerbsChannel::VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int index,
                            const VerbsOptions& o)
-    : ctx_(std::move(ctx)),
-      self_(self),
-      peer_(peer),
-      index_(index),
-      slot_bytes_(o.slot_bytes),
-      slots_(o.slots),
+    : RmaChannel(core_params(*ctx, self, peer, index, o)),
+      ctx_(std::move(ctx)),
       psn_(random_psn()),
-      direct_min_(o.direct_bytes),
-      write_max_(std::max<std::size_t>(
-          1, std::min<std::size_t>(o.direct_write_bytes,
-                                   ctx_->max_msg > 0 ? ctx_->max_msg : o.direct_write_bytes))),
-      written_(o.slots, 0),
-      sendw_(o.slots),
-      recvw_(o.slots, std::max<std::uint32_t>(1, o.slots / 2)),
-      reasm_(o.slot_bytes) {
+      written_(o.slots, 0) {
   const std::uint32_t sq_depth = slots_ + kControlSlots;
   const std::uint32_t rq_depth = slots_ + kControlSlots;
   const auto sys = [&](const std::string& call) { throw_sys(call, errno, self_, peer_); };
@@ -861,25 +393,13 @@ void VerbsChannel::retire(std::uint64_t id) {
   while (sq_head_ <= id && sq_head_ < sq_next_) {
     const Posted& p = sq_[sq_head_ % sq_.size()];
     (p.control ? free_ctrl_ : free_data_).push_back(p.buf);
-    if (p.direct) {
+    if (p.held != kNotHeld) {
       // The caller's memory is read no more.
-      if (--ctx_->direct_in_flight == 0) ctx_->release_displaced();
-      if (p.token) sent_.push_back(*p.token);
+      ctx_->sources.done();
+      if (const auto sent = sent_after(p.held)) sent_.push_back(*sent);
     }
     ++sq_head_;
   }
-}
-
-void VerbsChannel::on_control(const Prefix& p) {
-  switch (p.kind) {
-    case Kind::kCredit: return;
-    case Kind::kBye:
-      peer_bye_ = true;
-      bye_seq_ = p.seq;
-      return;
-    case Kind::kData: break;
-  }
-  fail("protocol violation: control message of kind " + std::to_string(static_cast<int>(p.kind)));
 }
 
 bool VerbsChannel::poll_cq() {
@@ -908,18 +428,18 @@ bool VerbsChannel::poll_cq() {
         // Only recorded here: what the write left in its slot is read when its turn comes,
         // as the write may be one of a direct message's, which leave their slot untouched, and
         // that is known only once the message's first fragment has been read.
-        const std::uint32_t seq = ntohl(c.imm_data);
-        const std::uint32_t s = seq % slots_;
-        if (auto bad = rma::accept_fragment(recvw_, seq, s)) fail(*bad);
-        written_[s] = c.byte_len;
+        written_[on_slot_written(ntohl(c.imm_data))] = c.byte_len;
         post_recv(recv_index);
       } else if (c.opcode == IBV_WC_RECV) {
         Prefix p;
         std::memcpy(&p, ctrl_recv(recv_index), kPrefix);
         if (c.byte_len < kPrefix) fail("protocol violation: a short control message");
-        if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
+        const bool control = on_control(p);
         post_recv(recv_index);
-        on_control(p);
+        if (!control) {
+          fail("protocol violation: control message of kind " +
+               std::to_string(static_cast<int>(p.kind)));
+        }
       } else {
         retire(c.wr_id);
       }
@@ -940,7 +460,7 @@ bool VerbsChannel::poll_cq() {
   return moved;
 }
 
-bool VerbsChannel::try_send(const FrameHeader& h, const void* payload, std::uint64_t token) {
+void VerbsChannel::check_staged(const FrameHeader& h, const void* payload) const {
   if (ctx_->in_device_memory(payload, h.bytes)) {
     throw Error(ErrorCode::kInvalidArgument,
                 "a message of " + std::to_string(h.bytes) +
@@ -949,20 +469,6 @@ bool VerbsChannel::try_send(const FrameHeader& h, const void* payload, std::uint
                     std::to_string(direct_min_) + " bytes (VerbsOptions::direct_bytes)",
                 self_, peer_);
   }
-  if (sendq_.full()) return false;
-  if (closed()) fail("send on a closed channel");
-  sendq_.push(h, payload, token);
-  return true;
-}
-
-bool VerbsChannel::try_send_to(const FrameHeader& h, const void* payload, std::uint64_t token,
-                               const Window& window, std::size_t offset) {
-  const auto d = rma::direct_target(h.bytes, window, offset, direct_min_);
-  if (!d) return try_send(h, payload, token);
-  if (sendq_.full()) return false;
-  if (closed()) fail("send on a closed channel");
-  sendq_.push(h, payload, token, *d);
-  return true;
 }
 
 std::optional<Window> VerbsChannel::open_registered(
@@ -1018,85 +524,8 @@ pollfd VerbsChannel::wait_spec() const {
   return {cc_->fd, POLLIN, 0};
 }
 
-bool VerbsChannel::progress(RecvSink& sink, bool may_read) {
-  (void)may_read;  // polling the completion queue is cheap and also completes sends
-  if (closed()) return false;
-  bool moved = false;
-  arm();
-  for (int round = 0; round < 8 && !closed(); ++round) {
-    bool m = poll_cq();
-    for (const std::uint64_t t : sent_) sink.on_sent(index_, t);
-    sent_.clear();
-    m |= deliver(sink);
-    if (closed()) break;
-    m |= pump(sink);
-    if (recvw_.should_return() && send_control(Kind::kCredit, 0, recvw_.owed())) {
-      recvw_.take_owed();
-      m = true;
-    }
-    flush_chain();
-    if (!m) break;
-    moved = true;
-  }
-  flush_chain();
-  return moved;
-}
-
-bool VerbsChannel::deliver(RecvSink& sink) {
-  bool moved = false;
-  while (auto si = recvw_.next_ready()) {
-    if (reasm_.in_direct()) {
-      // One of a direct message's writes: its payload is in place already.
-      const std::size_t n = std::min(direct_write_, reasm_.remaining());
-      if (written_[*si] != n) {
-        fail("protocol violation: a direct write of " + std::to_string(written_[*si]) +
-             " bytes where " + std::to_string(n) + " were due");
-      }
-      if (n == reasm_.remaining() && flush_window_) {
-        if (!flushed()) break;  // placed by a later progress(), in order
-        flush_window_.reset();
-      }
-      if (auto bad = reasm_.on_placed(sink, index_, n)) fail(*bad);
-      recvw_.consume();
-      moved = true;
-      continue;
-    }
-    const char* base = slot(*si);
-    Prefix p;
-    std::memcpy(&p, base, kPrefix);
-    // Tag 0: a queue pair has one peer.
-    if (auto bad = rma::check_written(p, recvw_.expected(), 0, slot_bytes_, written_[*si])) {
-      fail(*bad);
-    }
-    if (auto bad = rma::accept_credits(sendw_, p.credits, peer_)) fail(*bad);
-    if (p.direct != 0) {
-      if (p.first == 0) fail("protocol violation: a direct record in a message's later fragment");
-      if (auto bad =
-              reasm_.on_direct_header(sink, index_, base + kPrefix, p.bytes, &direct_write_)) {
-        fail(*bad);
-      }
-      if (!ctx_->device_windows.empty()) {
-        flush_window_ =
-            ctx_->device_window_at(reinterpret_cast<std::uint64_t>(reasm_.direct_destination()));
-      }
-    } else if (auto bad = reasm_.on_fragment(sink, index_, base + kPrefix, p.bytes, p.first != 0)) {
-      fail(*bad);
-    }
-    recvw_.consume();  // the slot is free again: one more credit owed
-    moved = true;
-  }
-  if (peer_bye_ && !peer_closed_ && recvw_.expected() == bye_seq_) {
-    if (reasm_.in_message()) {
-      fail("rank " + std::to_string(peer_) + " closed in the middle of a message");
-    }
-    peer_closed_ = true;
-    sink.on_closed(index_);
-    moved = true;
-  }
-  return moved;
-}
-
-bool VerbsChannel::flushed() {
+bool VerbsChannel::writes_visible() {
+  if (!flush_window_) return true;
   if (!flush_ticket_) {
     // The window is this rank's own: the loopback queue pair reads it with its remote key.
     flush_ticket_ =
@@ -1106,98 +535,43 @@ bool VerbsChannel::flushed() {
   if (auto bad = ctx_->flusher->poll()) fail(*bad);
   if (!ctx_->flusher->done(*flush_ticket_)) return false;
   flush_ticket_.reset();
+  flush_window_.reset();
   return true;
 }
 
-bool VerbsChannel::pump(RecvSink& sink) {
-  bool moved = false;
-  while (!sendq_.empty() && sendw_.can_send() && !free_data_.empty() &&
-         chain_n_ + 1 < chain_.size()) {
-    const std::uint32_t b = free_data_.back();
-    if (const DirectTarget* d = sendq_.direct()) {
-      if (!pump_direct(sink, b, *d)) break;
-      moved = true;
-      continue;
-    }
-    free_data_.pop_back();
-    char* buf = data_staging(b);
-    const SendQueue::Fragment f = sendq_.fill(buf + kPrefix, slot_bytes_ - kPrefix);
-    Prefix p;
-    p.seq = sendw_.take();
-    p.credits = recvw_.take_owed();
-    p.bytes = f.bytes;
-    p.kind = Kind::kData;
-    p.first = f.first ? 1 : 0;
-    std::memcpy(buf, &p, kPrefix);
-    ibv_sge sge{};
-    sge.addr = reinterpret_cast<std::uintptr_t>(buf);
-    sge.length = static_cast<std::uint32_t>(kPrefix + p.bytes);
-    sge.lkey = send_mr_->lkey;
-    add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, p.seq, rma::slot_address(remote_, p.seq), remote_.key,
-           Posted::staged(b));
-    moved = true;
-    if (const auto token = sendq_.commit(f)) sink.on_sent(index_, *token);
+bool VerbsChannel::post_fragment(std::uint32_t seq, std::size_t staged,
+                                 const rma::Gather<std::uint32_t>* gather) {
+  if (gather != nullptr) {
+    throw Error(ErrorCode::kInternal, "verbs: a fragment to gather from two places on " +
+                                          describe() + " (its queue pair takes one entry)");
   }
-  return moved;
-}
-
-bool VerbsChannel::pump_direct(RecvSink& sink, std::uint32_t b, const DirectTarget& d) {
-  // The payload is read where it lies, so it needs a registration; without one the message
-  // goes through slots after all (if still possible).
-  const SendQueue::Piece whole = sendq_.message();
-  const std::optional<std::uint32_t> lkey = ctx_->source_key(whole.data, whole.bytes);
-  if (!lkey) {
-    if (!sendq_.started()) {
-      sendq_.drop_direct();
-      return true;
-    }
-    fail("the memory of a message being written directly can no longer be registered");
-  }
+  const std::uint32_t b = free_data_.back();
   free_data_.pop_back();
   ibv_sge sge{};
-  if (!sendq_.started()) {
-    // First fragment: the header and where the payload goes, in a slot.
-    char* buf = data_staging(b);
-    const SendQueue::Fragment f = sendq_.fill_direct_header(buf + kPrefix, write_max_);
-    Prefix p;
-    p.seq = sendw_.take();
-    p.credits = recvw_.take_owed();
-    p.bytes = f.bytes;
-    p.kind = Kind::kData;
-    p.first = 1;
-    p.direct = 1;
-    std::memcpy(buf, &p, kPrefix);
-    sge.addr = reinterpret_cast<std::uintptr_t>(buf);
-    sge.length = static_cast<std::uint32_t>(kPrefix + p.bytes);
-    sge.lkey = send_mr_->lkey;
-    add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, p.seq, rma::slot_address(remote_, p.seq), remote_.key,
-           Posted::staged(b));
-    if (const auto token = sendq_.commit_direct(0)) sink.on_sent(index_, *token);
-    return true;
-  }
-  // A payload write, straight from the caller's memory into the peer's window.
-  const SendQueue::Piece piece = sendq_.piece(write_max_);
-  const std::uint64_t raddr = d.addr + sendq_.offset();
-  const std::uint64_t rkey = d.key;
-  const std::uint32_t seq = sendw_.take();
-  sge.addr = reinterpret_cast<std::uintptr_t>(piece.data);
-  sge.length = static_cast<std::uint32_t>(piece.bytes);
-  sge.lkey = *lkey;
-  // d is gone once this was the last write.
-  const std::optional<std::uint64_t> token = sendq_.commit_direct(piece.bytes);
-  ++ctx_->direct_in_flight;
-  add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, seq, raddr, rkey, Posted::direct_write(b, token));
+  sge.addr = reinterpret_cast<std::uintptr_t>(data_staging(b));
+  sge.length = static_cast<std::uint32_t>(staged);
+  sge.lkey = send_mr_->lkey;
+  add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, seq, rma::slot_address(remote_, seq), remote_.key,
+         Posted::staged(b));
   return true;
 }
 
-bool VerbsChannel::send_control(Kind kind, std::uint32_t seq, std::uint32_t credits) {
+bool VerbsChannel::post_write(std::uint32_t seq, const SendQueue::Piece& piece, std::uint32_t lkey,
+                              std::uint64_t addr, std::uint64_t key) {
+  const std::uint32_t b = free_data_.back();
+  free_data_.pop_back();
+  ibv_sge sge{};
+  sge.addr = reinterpret_cast<std::uintptr_t>(piece.data);
+  sge.length = static_cast<std::uint32_t>(piece.bytes);
+  sge.lkey = lkey;
+  add_wr(sge, IBV_WR_RDMA_WRITE_WITH_IMM, seq, addr, key, Posted::staged(b));
+  return true;
+}
+
+bool VerbsChannel::post_control(const Prefix& p) {
   if (free_ctrl_.empty() || chain_n_ >= chain_.size()) return false;
   const std::uint32_t b = free_ctrl_.back();
   free_ctrl_.pop_back();
-  Prefix p;
-  p.seq = seq;
-  p.credits = credits;
-  p.kind = kind;
   std::memcpy(ctrl_staging(b), &p, kPrefix);
   ibv_sge sge{};
   sge.addr = reinterpret_cast<std::uintptr_t>(ctrl_staging(b));
@@ -1205,36 +579,6 @@ bool VerbsChannel::send_control(Kind kind, std::uint32_t seq, std::uint32_t cred
   sge.lkey = send_mr_->lkey;
   add_wr(sge, IBV_WR_SEND, 0, 0, 0, Posted::control_message(b));
   return true;
-}
-
-void VerbsChannel::close() {
-  if (closed_ || qp_ == nullptr) return;
-  if (!connected_) {
-    closed_ = true;
-    sendq_.clear();
-    return;
-  }
-  NullSink null_sink;
-  const auto deadline = Clock::now() + kCloseLinger;
-  try {
-    while (!peer_bye_ && !sendq_.empty() && Clock::now() < deadline) {
-      poll_cq();
-      pump(null_sink);
-      flush_chain();
-    }
-    // A peer that said goodbye first has nothing left to hear (its queue pair may be gone).
-    while (!peer_bye_ && !bye_sent_ && Clock::now() < deadline) {
-      bye_sent_ = send_control(Kind::kBye, sendw_.next_seq(), 0);
-      flush_chain();
-      if (!bye_sent_) poll_cq();
-    }
-    // The goodbye must have reached the peer before the queue pair is destroyed.
-    while (sq_head_ < sq_next_ && Clock::now() < deadline) poll_cq();
-  } catch (const Error&) {
-    // Closing anyway.
-  }
-  closed_ = true;
-  sendq_.clear();
 }
 
 void check_options(const VerbsOptions& o, int rank) {
@@ -1245,34 +589,18 @@ struct RingRecord {
   static constexpr std::uint32_t kMagic = 0x64657672;  // "devr"
   std::uint32_t magic = kMagic;
   std::int32_t channels = 0;
-  std::array<QpRecord, kMaxChannels> to_next{};
-  std::array<QpRecord, kMaxChannels> from_prev{};
+  std::array<QpRecord, rma::kMaxChannels> to_next{};
+  std::array<QpRecord, rma::kMaxChannels> from_prev{};
 };
 
 }  // namespace
 
 bool built() { return true; }
 
-std::vector<std::string> devices() { return device_names(); }
-
-std::optional<std::string> unavailable_reason(const VerbsOptions& options) {
-  try {
-    auto ctx = open_context(options, Error::kNone);
-  } catch (const Error& e) {
-    return e.cause();
-  }
-  return std::nullopt;
-}
-
 RingLinks connect_ring(Bootstrap& bootstrap, int channels, const VerbsOptions& options) {
   const int rank = bootstrap.rank();
   const int size = bootstrap.size();
-  if (channels < 1 || channels > kMaxChannels) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "verbs: channels=" + std::to_string(channels) + " is outside [1, " +
-                    std::to_string(kMaxChannels) + "]",
-                rank);
-  }
+  rma::check_channel_count("verbs", channels, rank);
   check_options(options, rank);
   auto ctx = open_context(options, rank);
   const int next = (rank + 1) % size;
@@ -1286,9 +614,7 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const VerbsOptions& o
     mine.to_next[static_cast<std::size_t>(c)] = to_next.back()->record();
     mine.from_prev[static_cast<std::size_t>(c)] = from_prev.back()->record();
   }
-  if (Clock::now() >= options.deadline) {
-    throw Error(ErrorCode::kTimeout, "verbs: setup ran past its deadline", rank);
-  }
+  rma::check_setup_deadline("verbs", options.deadline, rank);
   std::vector<RingRecord> all(static_cast<std::size_t>(size));
   bootstrap.all_gather(&mine, sizeof(mine), all.data());
   for (int r = 0; r < size; ++r) {
@@ -1308,10 +634,7 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const VerbsOptions& o
   }
   // No rank writes before every queue pair it writes to is ready to receive.
   bootstrap.barrier();
-  RingLinks out;
-  for (auto& ch : to_next) out.to_next.push_back(std::move(ch));
-  for (auto& ch : from_prev) out.from_prev.push_back(std::move(ch));
-  return out;
+  return rma::ring_links(to_next, from_prev);
 }
 
 std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
@@ -1330,9 +653,7 @@ std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
     const char* raw = reinterpret_cast<const char*>(&r);
     mine.emplace_back(raw, raw + sizeof(r));
   }
-  if (Clock::now() >= options.deadline) {
-    throw Error(ErrorCode::kTimeout, "verbs: setup ran past its deadline", rank);
-  }
+  rma::check_setup_deadline("verbs", options.deadline, rank);
   const auto theirs =
       exchange_with_peers(bootstrap, peers, mine, sizeof(QpRecord), "verbs connect_peers");
   for (std::size_t i = 0; i < peers.size(); ++i) {
@@ -1344,43 +665,6 @@ std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
   std::vector<std::unique_ptr<Channel>> out;
   for (auto& ch : chans) out.push_back(std::move(ch));
   return out;
-}
-
-GpuRegistration register_gpu_memory(ibv_pd* pd, void* addr, std::size_t bytes, int dmabuf_fd,
-                                    std::uint64_t offset) {
-  GpuRegistration r;
-  const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
-  if (pd == nullptr || addr == nullptr || bytes == 0) {
-    r.why = "nothing to register (no protection domain, address or length)";
-    return r;
-  }
-  if (dmabuf_fd >= 0) {
-    r.mr = ibv_reg_dmabuf_mr(pd, offset, bytes, reinterpret_cast<std::uintptr_t>(addr), dmabuf_fd,
-                             access);
-    if (r.mr != nullptr) {
-      r.path = GpuPath::kDmaBuf;
-      return r;
-    }
-    r.why = "ibv_reg_dmabuf_mr: " + errno_text(errno);
-  } else {
-    r.why = "no dma-buf descriptor given";
-  }
-  // Peer memory: works where the nvidia-peermem module lets the NIC driver pin GPU pages.
-  r.mr = ibv_reg_mr(pd, addr, bytes, access);
-  if (r.mr != nullptr) {
-    r.path = GpuPath::kPeerMemory;
-    r.why.clear();
-    return r;
-  }
-  r.why += "; ibv_reg_mr on the device pointer: " + errno_text(errno) +
-           " (is nvidia-peermem loaded?); using host staging";
-  r.path = GpuPath::kHostStaging;
-  return r;
-}
-
-void deregister(GpuRegistration& registration) {
-  if (registration.mr != nullptr) ibv_dereg_mr(registration.mr);
-  registration = {};
 }
 
 }  // namespace dear::transport::verbs

@@ -1,11 +1,12 @@
-#include "transport/verbs/reg_cache.h"
+#include "transport/rma/reg_cache.h"
 
 #include <algorithm>
 #include <limits>
+#include <utility>
 
 #include "dear/error.h"
 
-namespace dear::transport::verbs {
+namespace dear::transport::rma {
 namespace {
 
 std::uintptr_t end_of(std::uintptr_t b, std::size_t bytes) {
@@ -93,4 +94,53 @@ RegistrationCache::Entry RegistrationCache::page_span(const void* addr, std::siz
   return Entry{lo, hi, 0};
 }
 
-}  // namespace dear::transport::verbs
+SendRegistrations::SendRegistrations(Release release) : release_(std::move(release)) {}
+
+SendRegistrations::~SendRegistrations() { clear(); }
+
+std::optional<std::uint64_t> SendRegistrations::find(const char* p, std::size_t n,
+                                                     const Register& make) {
+  if (const auto e = cache_.lookup(p, n)) return e->handle;
+  if (failed_) return std::nullopt;
+  const auto span = RegistrationCache::page_span(p, n);
+  const auto* begin = reinterpret_cast<const void*>(span.begin);
+  const std::optional<std::uint64_t> handle = make(begin, span.end - span.begin);
+  if (!handle) {
+    failed_ = true;
+    return std::nullopt;
+  }
+  ++made_;
+  for (const std::uint64_t h : cache_.insert(begin, span.end - span.begin, *handle)) {
+    displaced_.push_back(h);
+  }
+  release_displaced();
+  return handle;
+}
+
+void SendRegistrations::forget(const void* p, std::size_t n) {
+  for (const std::uint64_t h : cache_.invalidate(p, n)) displaced_.push_back(h);
+  release_displaced();
+}
+
+void SendRegistrations::release_later(std::uint64_t handle) {
+  displaced_.push_back(handle);
+  release_displaced();
+}
+
+void SendRegistrations::done() {
+  if (--in_flight_ == 0) release_displaced();
+}
+
+void SendRegistrations::clear() {
+  in_flight_ = 0;
+  for (const std::uint64_t h : cache_.clear()) displaced_.push_back(h);
+  release_displaced();
+}
+
+void SendRegistrations::release_displaced() {
+  if (in_flight_ > 0) return;
+  for (const std::uint64_t h : displaced_) release_(h);
+  displaced_.clear();
+}
+
+}  // namespace dear::transport::rma

@@ -1,0 +1,280 @@
+// The libfabric side that the channels of one connect call share (fabric_link.cc): the
+// provider and data path chosen, the fabric, domain and address vector opened for it, the
+// domain's registrations (windows for direct writes, callers' memory for in-place sends), and
+// the endpoints of destroyed channels, kept until their peer has closed too.
+//
+// Used by the engine's thread only, except the Graveyard (any thread: channels retire wherever
+// they are destroyed).
+#pragma once
+
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "dear/error.h"
+#include "transport/fabric/fabric_link.h"
+#include "transport/fabric/fi_handles.h"
+#include "transport/rma/fragments.h"
+#include "transport/rma/reg_cache.h"
+#include "transport/rma/slot_region.h"
+#include "transport/rma/window_registrations.h"
+#include "transport/socket_util.h"
+
+namespace dear::transport::fabric {
+
+[[noreturn]] void throw_fi(const std::string& call, int rc, int rank, int peer = Error::kNone);
+// Providers that only reach ranks of this host, skipped by the default choice.
+[[nodiscard]] bool single_host(const std::string& prov);
+// What libfabric offers for `provider` ("" = any) as RDM endpoints (with `writes`: RMA writes
+// with remote CQ data); null, with *rc_out (when given) its error, when nothing.
+[[nodiscard]] InfoPtr query(const std::string& provider, int* rc_out, bool writes = false);
+// "'a', 'b'", or "none".
+[[nodiscard]] std::string join(const std::vector<std::string>& v);
+
+// Registrations of windows for direct writes kept for reuse per domain (least recently used
+// dropped first); a training step's buffers for one communicator are far fewer.
+constexpr std::size_t kWindowCacheEntries = 64;
+// The fabric and domain shared by the channels of one communicator (used by its engine's
+// thread only).
+struct Domain {
+  InfoPtr info;
+  FidPtr<fid_fabric> fabric;
+  FidPtr<fid_domain> domain;
+  // One address vector for all channels (some providers, shm among them, expect
+  // one per domain); each channel inserts its peer's endpoint.
+  FidPtr<fid_av> av;
+  std::string provider;
+  // The data path (FabricOptions::data_path as resolved for this provider): RMA writes into
+  // the peers' slots, or sends.
+  bool write = false;
+  // Requested registration keys, unique in this domain (providers without FI_MR_PROV_KEY).
+  std::uint64_t next_key = 1;
+
+  // Registers [p, p + n) for `access` (see register_region; `ep` is required where
+  // registrations belong to endpoints). Returns the fi_* code, 0 on success.
+  int register_memory(const void* p, std::size_t n, std::uint64_t access, fid_ep* ep,
+                      fid_mr** out) {
+    return register_region(domain.get(), info->domain_attr->mr_mode, p, n, access, next_key++, ep,
+                           out);
+  }
+
+  // Windows opened for the peers' direct writes (Channel::open_window), their registrations
+  // kept for reuse (rma/window_registrations.h): on providers that pin memory (verbs;ofi_rxm,
+  // efa) that saves a registration per operation on a buffer used before.
+  rma::WindowRegistrations windows{
+      kWindowCacheEntries, [](std::uint64_t h) { fi_close(&reinterpret_cast<fid_mr*>(h)->fid); }};
+
+  std::optional<Window> open_window(char* base, std::size_t bytes) {
+    // A registration shared by the domain's endpoints: not where registrations belong to one.
+    if (!write || (info->domain_attr->mr_mode & FI_MR_ENDPOINT) != 0) return std::nullopt;
+    const auto o = windows.open(
+        base, bytes, [&](char* b, std::size_t n) -> std::optional<rma::WindowRegistrations::Made> {
+          fid_mr* mr = nullptr;
+          if (register_memory(b, n, FI_REMOTE_WRITE, nullptr, &mr) != 0) return std::nullopt;
+          const std::uint64_t key = fi_mr_key(mr);
+          if (key == FI_KEY_NOTAVAIL) {
+            fi_close(&mr->fid);
+            return std::nullopt;
+          }
+          return rma::WindowRegistrations::Made{reinterpret_cast<std::uint64_t>(mr), key};
+        });
+    if (!o) return std::nullopt;
+    Window w;
+    w.addr = rma::region_base(reinterpret_cast<const void*>(o->begin),
+                              reinterpret_cast<std::uintptr_t>(base) - o->begin,
+                              (info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0);
+    w.key = o->key;
+    w.local = reinterpret_cast<std::uint64_t>(base);
+    w.bytes = bytes;
+    return w;
+  }
+  void close_window(const Window& w) { windows.close(w.key); }
+
+  // In-place sends (FabricOptions::in_place_bytes) on a provider that needs local
+  // registrations: the callers' memory, registered once per range and looked up after, each
+  // registration kept until no in-place send of this domain may read it
+  // (rma/reg_cache.h).
+  bool register_sends = false;
+  rma::SendRegistrations sends{
+      [](std::uint64_t h) { fi_close(&reinterpret_cast<fid_mr*>(h)->fid); }};
+
+  // The descriptor for sending from [p, p + n), registering the range when it is not yet;
+  // nullopt when it cannot be registered (the caller copies instead).
+  std::optional<void*> descriptor(const char* p, std::size_t n) {
+    if (!register_sends) return nullptr;
+    const auto h =
+        sends.find(p, n, [&](const void* b, std::size_t len) -> std::optional<std::uint64_t> {
+          fid_mr* mr = nullptr;
+          // Shared by the domain's endpoints, so not possible where registrations belong to one
+          // (FI_MR_ENDPOINT): those providers copy.
+          if (register_memory(b, len, write ? FI_WRITE : FI_SEND, nullptr, &mr) != 0) {
+            return std::nullopt;
+          }
+          return reinterpret_cast<std::uint64_t>(mr);
+        });
+    if (!h) return std::nullopt;
+    return fi_mr_desc(reinterpret_cast<fid_mr*>(*h));
+  }
+  // Communicator::forget_memory: the registrations overlapping [p, p + n) leave the caches
+  // (and are closed once nothing in flight may read them).
+  void forget(const void* p, std::size_t n) {
+    if (n == 0) return;
+    sends.forget(p, n);
+    windows.forget(p, n);
+  }
+
+  ~Domain() {
+    windows.clear();
+    sends.clear();
+    av.reset();
+    domain.reset();
+    fabric.reset();
+  }
+};
+
+struct FreeDeleter {
+  void operator()(char* p) const { std::free(p); }
+};
+
+constexpr std::uint32_t kNotHeld = 0xffffffffU;
+
+struct Buf {
+  fi_context2 ctx;  // first: a completion's op_context points here
+  char* data;
+  std::uint32_t index;
+  bool recv;
+  std::uint32_t held = kNotHeld;  // an in-place send: its id in InPlaceSends
+};
+static_assert(std::is_standard_layout_v<Buf>, "completions map back to Buf by address");
+
+// The buffer of `bufs` whose context `ctx` is, or null when it is none of them. Completions are
+// checked this way rather than trusted: some providers hand back a context that is not one
+// given to them (shm reports 0x1 for some writes of its peers).
+inline Buf* own(std::vector<Buf>& bufs, void* ctx) {
+  const auto at = reinterpret_cast<std::uintptr_t>(ctx);
+  const auto first = reinterpret_cast<std::uintptr_t>(bufs.data());
+  if (bufs.empty() || at < first || (at - first) % sizeof(Buf) != 0 ||
+      (at - first) / sizeof(Buf) >= bufs.size()) {
+    return nullptr;
+  }
+  return &bufs[(at - first) / sizeof(Buf)];
+}
+
+// A completion announcing a peer's write into this end's data slots, as opposed to the
+// completion of one of this end's own operations (which sockets also flags with
+// FI_REMOTE_CQ_DATA when the write carried data).
+inline bool peer_write(std::uint64_t flags) {
+  return (flags & FI_REMOTE_CQ_DATA) != 0 &&
+         ((flags & FI_REMOTE_WRITE) != 0 || (flags & (FI_WRITE | FI_SEND)) == 0);
+}
+
+// Endpoints of destroyed channels, kept until their peer has closed too. Why: a
+// peer may still send before it learns of the close (its engine may be busy
+// closing its other channels), and with some providers (shm, ranks in one
+// process) such a send writes into this endpoint's memory directly, so
+// releasing it at once could crash the peer. Entries are freed once their
+// completion queue shows the peer's goodbye, or after kRetireFor, or at exit.
+class Graveyard {
+ public:
+  struct Entry {
+    std::shared_ptr<Domain> dom;  // first: released last
+    std::unique_ptr<char, FreeDeleter> memory;
+    std::vector<Buf> bufs;
+    FidPtr<fid_mr> slot_mr;
+    FidPtr<fid_mr> mr;
+    FidPtr<fid_cq> cq;
+    FidPtr<fid_ep> ep;
+    std::uint64_t tag = 0;
+    bool peer_bye = false;
+    // shm: kept, untouched, until exit. Its peers (other endpoints of this host, possibly in
+    // this process) may still be progressing sends into this endpoint's memory after they saw
+    // its goodbye; freeing it then crashed them inside the provider.
+    bool keep = false;
+    Clock::time_point until{};
+  };
+  static Graveyard& get() {
+    // Never destroyed: channels may retire during static destruction. What is left at exit is
+    // released by an exit handler, which runs before libfabric's own finalisation.
+    static auto* g = [] {
+      auto* y = new Graveyard;
+      std::atexit([] { get().release_all(); });
+      return y;
+    }();
+    return *g;
+  }
+  void release_all() {
+    std::lock_guard<std::mutex> lock(mu_);
+    entries_.clear();
+  }
+  void retire(Entry e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    reap_locked();
+    if (!e.peer_bye || e.keep) entries_.push_back(std::move(e));
+  }
+  void reap() {
+    std::lock_guard<std::mutex> lock(mu_);
+    reap_locked();
+  }
+
+ private:
+  void reap_locked() {
+    const auto now = Clock::now();
+    std::erase_if(entries_, [&](Entry& e) {
+      if (e.keep) return false;
+      std::array<fi_cq_data_entry, 16> c{};
+      for (int i = 0; i < 16 && !e.peer_bye; ++i) {
+        const ssize_t n = fi_cq_read(e.cq.get(), c.data(), c.size());
+        if (n == -FI_EAVAIL) {
+          fi_cq_err_entry err{};
+          (void)fi_cq_readerr(e.cq.get(), &err, 0);
+          continue;
+        }
+        if (n <= 0) break;
+        for (ssize_t k = 0; k < n; ++k) {
+          // Writes of the peer carry no context of ours (or a receive with no message in it).
+          const fi_cq_data_entry& ck = c[static_cast<std::size_t>(k)];
+          const Buf* b = peer_write(ck.flags) ? nullptr : own(e.bufs, ck.op_context);
+          if (b != nullptr && b->recv && ck.len >= rma::kPrefix) {
+            rma::Prefix p;
+            std::memcpy(&p, b->data, rma::kPrefix);
+            if (p.tag == e.tag && p.kind == rma::Kind::kBye) e.peer_bye = true;
+          }
+        }
+      }
+      return e.peer_bye || now >= e.until;
+    });
+  }
+  std::mutex mu_;
+  std::list<Entry> entries_;
+};
+
+// The provider `provider` names ("" = the first that reaches other hosts) in `list`.
+[[nodiscard]] const fi_info* choose(const fi_info* list, const std::string& provider);
+
+// The write data path's description of `chosen`'s provider and domain: RMA writes with remote
+// CQ data that holds a sequence number. Null, with `why` saying what is missing, when there is
+// none.
+[[nodiscard]] InfoPtr write_info(const fi_info* chosen, std::string* why);
+
+// Chooses the provider (the one asked for, or the first that reaches other hosts) and opens
+// its fabric, domain and an address vector for `endpoints` peers. `o` gets the slot size the
+// provider allows.
+[[nodiscard]] std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank,
+                                                  std::size_t endpoints, FabricOptions& o);
+
+}  // namespace dear::transport::fabric
