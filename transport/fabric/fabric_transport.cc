@@ -4,6 +4,7 @@
 
 #include "dear/error.h"
 #include "transport/fabric/fabric_link.h"
+#include "transport/rma/rma_transport.h"
 #include "transport/transport.h"
 
 namespace dear::transport::fabric {
@@ -14,12 +15,7 @@ namespace {
 // larger slots (docs/results.md has the measurements).
 constexpr std::size_t kMaxRingSlotPayload = std::size_t{1} << 20;
 constexpr std::size_t kSlotHeadroom = 4096;
-// The log-step schedules' reach (CommOptions::halving_max_bytes' default): their messages are
-// cut into the mesh links' fragments, which costs them the lead over the ring sooner than
-// over TCP (docs/results.md).
-constexpr std::int64_t kMediumBytes = std::int64_t{256} << 10;
-
-class FabricTransport final : public Transport {
+class FabricTransport final : public rma::RmaTransport {
  public:
   std::string_view name() const override { return "fabric"; }
   std::optional<std::string> missing() const override {
@@ -37,7 +33,6 @@ class FabricTransport final : public Transport {
                       "' is not one of auto, write, send (DEAR_FABRIC_DATA_PATH)");
     }
   }
-  std::int64_t log_step_max_bytes(int) const override { return kMediumBytes; }
 
   Links connect(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
                 const TransportOptions& o) const override {

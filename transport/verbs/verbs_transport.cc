@@ -1,14 +1,10 @@
 // transport "verbs": RC queue pairs over ibverbs (verbs_link.h). Registered in
 // transport/registry.cc; compiled with or without rdma-core (verbs_stub.cc then answers).
-#include "transport/transport.h"
+#include "transport/rma/rma_transport.h"
 #include "transport/verbs/verbs_link.h"
 
 namespace dear::transport::verbs {
 namespace {
-
-// The log-step schedules' reach (CommOptions::halving_max_bytes' default): their messages are
-// cut into fragments of the mesh links' slots, as over fabric.
-constexpr std::int64_t kMediumBytes = std::int64_t{256} << 10;
 
 VerbsOptions verbs_options(const TransportOptions& o) {
   VerbsOptions vo;
@@ -19,7 +15,7 @@ VerbsOptions verbs_options(const TransportOptions& o) {
   return vo;
 }
 
-class VerbsTransport final : public Transport {
+class VerbsTransport final : public rma::RmaTransport {
  public:
   std::string_view name() const override { return "verbs"; }
   std::optional<std::string> missing() const override {
@@ -29,8 +25,6 @@ class VerbsTransport final : public Transport {
   std::optional<std::string> unavailable(const TransportOptions& o) const override {
     return unavailable_reason(verbs_options(o));
   }
-  void check(const TransportOptions&) const override {}
-  std::int64_t log_step_max_bytes(int) const override { return kMediumBytes; }
 
   Links connect(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
                 const TransportOptions& o) const override {
