@@ -27,11 +27,7 @@ class VerbsTransport final : public rma::RmaTransport {
   }
 
   Links connect(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
-                const TransportOptions& o) const override {
-    const VerbsOptions vo = verbs_options(o);
-    auto r = connect_ring(bootstrap, o.channels, vo);
-    return links_of(std::move(r), connect_peers(bootstrap, mesh_peers, vo));
-  }
+                const TransportOptions& o) const override;
 };
 
 }  // namespace
@@ -39,6 +35,14 @@ class VerbsTransport final : public rma::RmaTransport {
 const Transport& transport() {
   static const VerbsTransport t;
   return t;
+}
+
+// One set of options for both: verbs sizes its ring and mesh slots alike.
+Links VerbsTransport::connect(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
+                              const TransportOptions& o) const {
+  const VerbsOptions vo = verbs_options(o);
+  auto ring = connect_ring(bootstrap, o.channels, vo);
+  return links_of(std::move(ring), connect_peers(bootstrap, mesh_peers, vo));
 }
 
 }  // namespace dear::transport::verbs
