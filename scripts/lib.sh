@@ -10,8 +10,10 @@ DEAR_BUILD_PACKAGES=(build-essential cmake ninja-build pkg-config libasio-dev li
   nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev libssl-dev iproute2 libfabric-dev
   libibverbs-dev jq)
 DEAR_PEER_PACKAGES=(libopenmpi-dev openmpi-bin libgloo-dev)
-# The Python package and its tests (Debian's interpreter with its PyTorch).
-DEAR_PYTHON_PACKAGES=(pybind11-dev python3-dev python3-torch python3-numpy)
+# The Python package and its tests (Debian's interpreter with its PyTorch); pip, setuptools,
+# wheel and venv install the package from python/ (scripts/install-check.sh).
+DEAR_PYTHON_PACKAGES=(pybind11-dev python3-dev python3-torch python3-numpy python3-pip
+  python3-setuptools python3-wheel python3-venv)
 # Plots of the studies (scripts/latency-study.sh); without them the studies write CSV/JSON only.
 DEAR_STUDY_PACKAGES=(gnuplot-nox)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing, builds with warnings as errors, runs the whole
-# suite, then builds the tests with AddressSanitizer + UBSan and runs them again.
+# suite, checks the installed library (scripts/install-check.sh), then builds the tests with
+# AddressSanitizer + UBSan and runs them again.
 # Exits non-zero when a test fails or when no test ran.
 #
 #   ./scripts/test.sh                 # everything
@@ -22,7 +23,8 @@ dear_log "building in $build (warnings are errors)"
 # Line tables only (-g1): failures and sanitizer reports still name file and line, and the
 # optimised build compiles in about two thirds of the time that full debug information takes.
 dear_build "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" -DDEAR_WERROR=ON -DDEAR_VERBS=ON
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" -DDEAR_WERROR=ON -DDEAR_VERBS=ON \
+  -DDEAR_INSTALL_STATIC=ON
 
 run_ctest() {
   local dir=$1
@@ -33,6 +35,8 @@ run_ctest() {
 
 dear_log "running the tests"
 run_ctest "$build" "$@"
+# The installed copy: CMake package, pkg-config, static archive, .deb and pip (about 30 s).
+"$DEAR_ROOT/scripts/install-check.sh" "$build"
 
 if [ "${DEAR_TEST_SKIP_SANITIZE:-0}" != 1 ]; then
   asan=${DEAR_TEST_ASAN_BUILD:-$DEAR_ROOT/build/asan}

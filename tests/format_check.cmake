@@ -12,7 +12,7 @@ if(NOT version MATCHES "version 14\\.")
   return()
 endif()
 set(files)
-foreach(dir IN ITEMS bench collectives common cuda examples include python scheduler tests tools
+foreach(dir IN ITEMS bench cmake collectives common cuda examples include python scheduler tests tools
                      transport)
   file(GLOB_RECURSE found "${ROOT}/${dir}/*.cc" "${ROOT}/${dir}/*.h" "${ROOT}/${dir}/*.cu"
        "${ROOT}/${dir}/*.cuh" "${ROOT}/${dir}/*.cpp" "${ROOT}/${dir}/*.hpp")
