@@ -24,9 +24,11 @@ futures, in issue order, as Gloo's worker threads do. Callbacks chained on the f
 run on that thread.
 
 Supported: allreduce (sum, product, min, max, avg), broadcast, allgather, reduce_scatter,
-barrier, each over a list of tensors; DistributedDataParallel on CPU tensors. Not supported:
-send/recv, reduce, gather, scatter, all-to-all (they raise). Timeouts are dear's (DEAR_TIMEOUT),
-not the process group's.
+barrier, each over a list of tensors; all_gather_into_tensor and reduce_scatter_tensor (the
+flat forms, _allgather_base and _reduce_scatter_base, which run dear's own all_gather and
+reduce_scatter without a copy); DistributedDataParallel on CPU tensors. Not supported yet:
+send/recv, reduce, gather, scatter, all-to-all (they raise an error saying so, with what to use
+instead). Timeouts are dear's (DEAR_TIMEOUT), not the process group's.
 """
 from __future__ import annotations
 
@@ -98,6 +100,11 @@ def _op(opts) -> str:
         return _OPS[opts.reduceOp]
     except KeyError:
         raise ValueError(f"dear backend: unsupported reduction {opts.reduceOp}") from None
+
+
+def _unsupported(call: str, instead: str = "a Gloo group: dist.new_group(backend=\"gloo\")"
+                 ) -> RuntimeError:
+    return RuntimeError(f"dear backend: {call} is not supported yet; use {instead}")
 
 
 # Completion threads still running. At exit they are stopped before the interpreter goes down
@@ -175,8 +182,46 @@ class ProcessGroupDear(ProcessGroup):
                 out.copy_(staged.view_as(out))
         return self._completer.submit(handles, outputs, copy_out if copies else None)
 
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                        opts=None) -> Work:
+        """dist.all_gather_into_tensor: dear's all_gather (it checks the shapes)."""
+        return self._completer.submit([dear.all_gather_async(output, input)], [output])
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                             opts=None) -> Work:
+        """dist.reduce_scatter_tensor: dear's reduce_scatter (it checks the shapes)."""
+        op = _op(opts) if opts is not None else "sum"
+        return self._completer.submit([dear.reduce_scatter_async(output, input, op=op)], [output])
+
     def barrier(self, opts=None) -> Work:
         return self._completer.submit([dear.barrier_async()], [])
+
+    # What dear does not run yet: an error naming the call and what to use meanwhile, instead
+    # of c10d's generic "does not support".
+    def send(self, tensors, dst, tag=0) -> Work:
+        raise _unsupported("send")
+
+    def recv(self, tensors, src, tag=0) -> Work:
+        raise _unsupported("recv")
+
+    def recv_anysource(self, tensors, tag=0) -> Work:
+        raise _unsupported("recv")
+
+    def reduce(self, tensors, opts=None) -> Work:
+        raise _unsupported("reduce", "all_reduce (every rank gets the result)")
+
+    def gather(self, output_lists, inputs, opts=None) -> Work:
+        raise _unsupported("gather", "all_gather_into_tensor")
+
+    def scatter(self, outputs, input_lists, opts=None) -> Work:
+        raise _unsupported("scatter", "broadcast of the whole list, each rank keeping its part")
+
+    def alltoall(self, outputs, inputs, opts=None) -> Work:
+        raise _unsupported("all_to_all")
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
+                      opts=None) -> Work:
+        raise _unsupported("all_to_all_single")
 
     def __del__(self) -> None:
         completer = getattr(self, "_completer", None)

@@ -52,6 +52,45 @@ def check_collectives(rank: int, n: int) -> None:
     want = sum(rank_data(r) + 100 * rank for r in range(n))
     assert torch.equal(out, want), f"reduce_scatter: {out} != {want}"
 
+    # The flat forms (ZeRO/FSDP's): every dtype torch and dear share, several ops, async.
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
+                  torch.int64):
+        part = (torch.arange(7) * (rank + 2) - 3 * rank).to(dtype)
+        whole = torch.full((7 * n,), -1).to(dtype)
+        dist.all_gather_into_tensor(whole, part)
+        for r in range(n):
+            want = (torch.arange(7) * (r + 2) - 3 * r).to(dtype)
+            assert torch.equal(whole[7 * r:7 * (r + 1)], want), \
+                f"all_gather_into_tensor {dtype} block {r}: {whole}"
+        for op, combine in ((dist.ReduceOp.SUM, sum), (dist.ReduceOp.MAX, max),
+                            (dist.ReduceOp.MIN, min)):
+            def block(r: int, b: int) -> torch.Tensor:
+                return ((torch.arange(5) + 10 * b) * (1 if r % 2 else -1) + r).to(dtype)
+            inp = torch.cat([block(rank, b) for b in range(n)])
+            out = torch.full((5,), 99).to(dtype)
+            work = dist.reduce_scatter_tensor(out, inp, op=op, async_op=True)
+            work.wait()
+            for i in range(5):
+                want = combine(block(r, rank)[i].item() for r in range(n))
+                assert out[i].item() == want, \
+                    f"reduce_scatter_tensor {dtype} {op} element {i}: {out[i].item()} != {want}"
+    try:
+        dist.all_gather_into_tensor(torch.empty(3), torch.empty(2))
+    except ValueError as e:
+        assert "all_gather" in str(e), e
+    else:
+        raise AssertionError("all_gather_into_tensor with a wrong output size did not raise")
+    for name, call in (("reduce", lambda: dist.reduce(rank_data(rank), dst=0)),
+                       ("send", lambda: dist.send(rank_data(rank), dst=(rank + 1) % n)),
+                       ("all_to_all_single",
+                        lambda: dist.all_to_all_single(torch.empty(n), torch.empty(n)))):
+        try:
+            call()
+        except RuntimeError as e:
+            assert f"{name} is not supported yet" in str(e), e
+        else:
+            raise AssertionError(f"{name} on the dear backend did not raise")
+
     # Several asynchronous operations in flight, waited for in reverse order.
     ts = [rank_data(rank) * (i + 1) for i in range(5)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
