@@ -107,6 +107,15 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
       bound.input = const_cast<void*>(in);
       return bound;
     }
+    case Collective::kReduce:
+      bound.run = [&comm, send, recv, count, t, op, root = r.root, o] {
+        comm.reduce(send, recv, count, t, op, root, o).wait();
+      };
+      bound.run_many = many([&comm, send, recv, count, t, op, root = r.root, o] {
+        return comm.reduce(send, recv, count, t, op, root, o);
+      });
+      bound.input = const_cast<void*>(send);
+      return bound;
     case Collective::kBroadcast:
       bound.run = [&comm, send, recv, count, t, root = r.root, o] {
         comm.broadcast(send, recv, count, t, root, o).wait();

@@ -283,6 +283,7 @@ std::string_view to_string(Collective c) noexcept {
     case Collective::kReduceScatter: return "reduce_scatter";
     case Collective::kAllGather: return "all_gather";
     case Collective::kBroadcast: return "broadcast";
+    case Collective::kReduce: return "reduce";
   }
   return "invalid";
 }
@@ -297,10 +298,12 @@ std::optional<Collective> parse_collective(std::string_view name) noexcept {
 }
 
 bool has_reduction(Collective c) noexcept {
-  return c == Collective::kAllReduce || c == Collective::kReduceScatter;
+  return c == Collective::kAllReduce || c == Collective::kReduceScatter || c == Collective::kReduce;
 }
 
-bool has_root(Collective c) noexcept { return c == Collective::kBroadcast; }
+bool has_root(Collective c) noexcept {
+  return c == Collective::kBroadcast || c == Collective::kReduce;
+}
 
 // ---- flags ----------------------------------------------------------------------------------
 
@@ -373,7 +376,7 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
          },
          "Reduction: sum prod max min avg")
       ->default_str(std::string(to_string(args.op)));
-  app.add_option("-r,--root", args.root, "Root rank of broadcast")
+  app.add_option("-r,--root", args.root, "Root rank of broadcast and reduce")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--json", args.json_path, "Also write the results as JSON to FILE");
@@ -398,11 +401,12 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
            if (!c) {
              throw CLI::ValidationError(
                  "COLLECTIVE",
-                 "'" + text + "' is not one of all_reduce reduce_scatter all_gather broadcast");
+                 "'" + text +
+                     "' is not one of all_reduce reduce_scatter all_gather broadcast reduce");
            }
            args.collective = *c;
          },
-         "all_reduce | reduce_scatter | all_gather | broadcast")
+         "all_reduce | reduce_scatter | all_gather | broadcast | reduce")
       ->required();
 }
 
@@ -484,7 +488,8 @@ double bus_factor(Collective c, int nranks) noexcept {
     case Collective::kAllReduce: return 2.0 * (n - 1.0) / n;
     case Collective::kReduceScatter:
     case Collective::kAllGather: return (n - 1.0) / n;
-    case Collective::kBroadcast: return 1.0;
+    case Collective::kBroadcast:
+    case Collective::kReduce: return 1.0;  // nccl-tests' factor: the root's link carries it all
   }
   return 0.0;
 }
@@ -888,7 +893,8 @@ void fill_input(void* buf, const CheckSpec& spec) {
 
 double expected_value(const CheckSpec& spec, std::uint64_t out_index) {
   switch (spec.collective) {
-    case Collective::kAllReduce: return reduced_value(spec, out_index);
+    case Collective::kAllReduce:
+    case Collective::kReduce: return reduced_value(spec, out_index);
     case Collective::kReduceScatter:
       return reduced_value(spec,
                            static_cast<std::uint64_t>(spec.rank) * spec.rank_count + out_index);
@@ -904,6 +910,8 @@ double expected_value(const CheckSpec& spec, std::uint64_t out_index) {
 
 long long count_wrong(const void* out, const CheckSpec& spec) {
   if (output_count(spec) == 0) return 0;
+  // Off the root a reduce's output holds nothing the call defines.
+  if (spec.collective == Collective::kReduce && spec.rank != spec.root) return 0;
   switch (spec.dtype) {
     case DataType::kInt8: return count_wrong_with(spec, plain_loader<std::int8_t>(out));
     case DataType::kUint8: return count_wrong_with(spec, plain_loader<std::uint8_t>(out));

@@ -4,11 +4,13 @@
 // and prints the same rows, so that numbers from different libraries can be put side by side
 // without translation. The conventions that make results comparable:
 //   - size is the total bytes of the operation; for reduce_scatter and all_gather that is the
-//     per-rank count x ranks x element size, for all_reduce and broadcast the buffer size;
+//     per-rank count x ranks x element size, for all_reduce, reduce and broadcast the buffer
+//     size;
 //   - GB = 1e9 bytes; algbw = size / time; busbw = algbw x bus_factor(collective, ranks);
 //   - time is the mean over the timed iterations, then the maximum of that mean over ranks;
 //     p50/p99 are nearest-rank percentiles of rank 0's per-iteration times;
-//   - #wrong is the number of wrong result elements summed over ranks (N/A when unchecked).
+//   - #wrong is the number of wrong result elements summed over ranks (N/A when unchecked); a
+//     reduce's result is the root's only, so only the root's output is checked.
 //
 // Nothing here talks to the network: benchmarks do the cross-rank reductions themselves and
 // only rank 0 prints.
@@ -35,12 +37,18 @@ class Option;
 
 namespace dear::bench {
 
-enum class Collective : std::uint8_t { kAllReduce, kReduceScatter, kAllGather, kBroadcast };
-inline constexpr std::array<Collective, 4> kAllCollectives{
+enum class Collective : std::uint8_t {
+  kAllReduce,
+  kReduceScatter,
+  kAllGather,
+  kBroadcast,
+  kReduce
+};
+inline constexpr std::array<Collective, 5> kAllCollectives{
     Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather,
-    Collective::kBroadcast};
+    Collective::kBroadcast, Collective::kReduce};
 
-// all_reduce reduce_scatter all_gather broadcast
+// all_reduce reduce_scatter all_gather broadcast reduce
 [[nodiscard]] std::string_view to_string(Collective c) noexcept;
 // Accepts the names above, also with '-' for '_' (all-reduce) and without it (allreduce).
 [[nodiscard]] std::optional<Collective> parse_collective(std::string_view name) noexcept;
@@ -70,7 +78,7 @@ struct BenchArgs {
   int check = 1;           // -c/--check (0: no checked iteration)
   DataType dtype = DataType::kFloat32;  // -d/--datatype
   ReduceOp op = ReduceOp::kSum;         // -o/--op
-  int root = 0;                         // -r/--root (broadcast only)
+  int root = 0;                         // -r/--root (broadcast and reduce)
   std::string json_path;                // --json FILE
   std::string csv_path;                 // --csv FILE
   std::string samples_path;             // --samples FILE (every timed iteration, rank 0)
@@ -304,7 +312,7 @@ struct CheckSpec {
   ReduceOp op = ReduceOp::kSum;
   int rank = 0;
   int nranks = 1;
-  int root = 0;                  // broadcast
+  int root = 0;                  // broadcast, reduce
   std::uint64_t rank_count = 0;  // SizePoint::rank_count
   std::uint64_t seed = 0;        // vary per run so stale data from a previous run is caught
 };

@@ -17,6 +17,7 @@
 #include "collectives/reduce.h"
 #include "collectives/resident.h"
 #include "collectives/steps.h"
+#include "common/args.h"
 #include "common/env.h"
 #include "transport/delay_channel.h"
 #include "transport/signals.h"
@@ -152,6 +153,12 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     return issue({OpKind::kBroadcast, in, out, count, dtype, ReduceOp::kSum, root}, opts, nullptr);
   }
 
+  Work reduce(const void* in, void* out, std::size_t count, DataType dtype, ReduceOp op, int root,
+              const OpOptions& opts) override {
+    dear::check_root(root, size_, rank_, "reduce");
+    return issue({OpKind::kAllReduce, in, out, count, dtype, op, root}, opts, nullptr);
+  }
+
   Work issue_on_device(const collectives::CollectiveCall& call, const OpOptions& opts,
                        std::unique_ptr<collectives::OpFence> fence) override {
     return issue(call, opts, std::move(fence));
@@ -204,8 +211,10 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     std::unique_ptr<Op> o;
     switch (c.kind) {
       case OpKind::kAllReduce:
-        o = make(c.kind, c.in, c.out, c.count, c.dtype, c.op, -1, opts, fence != nullptr);
-        check_buffers(*o, "in", c.count, "out", c.count, true);
+        // With a root, a reduce (collectives::is_reduce): `out` is the root's only.
+        if (c.root >= 0) dear::check_root(c.root, size_, rank_, "reduce");
+        o = make(c.kind, c.in, c.out, c.count, c.dtype, c.op, c.root, opts, fence != nullptr);
+        check_buffers(*o, "in", c.count, "out", c.root < 0 || c.root == rank_ ? c.count : 0, true);
         break;
       case OpKind::kReduceScatter:
         o = make(c.kind, c.in, c.out, c.count, c.dtype, c.op, -1, opts, fence != nullptr);
@@ -220,12 +229,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
         check_in_place_block(o->out, c.count * n, o->in, c.count, c.dtype, "in", "out");
         break;
       case OpKind::kBroadcast: {
-        if (c.root < 0 || c.root >= size_) {
-          throw Error(
-              ErrorCode::kInvalidArgument,
-              "root=" + std::to_string(c.root) + " is outside [0, " + std::to_string(size_) + ")",
-              rank_, Error::kNone, "broadcast");
-        }
+        dear::check_root(c.root, size_, rank_, "broadcast");
         o = make(c.kind, c.in, c.out, c.count, c.dtype, ReduceOp::kSum, c.root, opts,
                  fence != nullptr);
         o->schedule = Schedule::kChain;
@@ -242,6 +246,13 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     }
     if (size_ > 1 && c.kind != OpKind::kBroadcast) {
       o->schedule = select(c.kind, a, c.count, c.dtype, opts);
+      // A reduce takes the tree, which ends at the root, wherever the all_reduce would not take
+      // the ring: its other schedules bring the result to every rank (steps.h). Measured on 4
+      // ranks over TCP (docs/results.md, "reduce"): the tree led from 8 B to 128 KiB and at 2 MiB.
+      if (collectives::is_reduce(c.kind, c.root) && a == Algorithm::kAuto && mesh_ &&
+          o->schedule != Schedule::kRing) {
+        o->schedule = Schedule::kTree;
+      }
       // Device memory runs the schedules of the ring links only (the log-step ones keep their
       // work buffers in host memory): the ring in their place.
       if (fence && is_log_step(o->schedule)) o->schedule = Schedule::kRing;
@@ -361,7 +372,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
   std::unique_ptr<Op> make(OpKind kind, const void* in, void* out, std::size_t count,
                            DataType dtype, ReduceOp op, int root, const OpOptions& opts,
                            bool device = false) const {
-    const char* name = collectives::to_string(kind);
+    const char* name = collectives::call_name(kind, root);
     if (!is_valid(dtype)) {
       throw Error(ErrorCode::kInvalidArgument,
                   "dtype=" + std::to_string(static_cast<int>(dtype)) + " is not a DataType", rank_,
@@ -438,7 +449,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
 
   void check_buffers(const Op& o, const char* in_name, std::size_t in_count, const char* out_name,
                      std::size_t out_count, bool same_allowed) const {
-    const char* name = collectives::to_string(o.kind);
+    const char* name = o.name();
     if (in_count > 0 && o.in == nullptr) null_arg(in_name, in_count, name);
     if (out_count > 0 && o.out == nullptr) null_arg(out_name, out_count, name);
     const std::size_t el = dtype_size(o.dtype);

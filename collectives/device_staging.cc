@@ -220,6 +220,17 @@ class DeviceCommunicator final : public Communicator {
                  });
   }
 
+  Work reduce(const void* in, void* out, std::size_t count, DataType dtype, ReduceOp op, int root,
+              const OpOptions& opts) override {
+    const std::size_t b = count * dtype_size(dtype);
+    // Only the root's `out` is written; elsewhere it may be anything and is passed on untouched.
+    return route({OpKind::kAllReduce, in, out, count, dtype, op, root}, "reduce",
+                 StagedKind::kAllReduce, count, in, b, out, rank() == root ? b : 0, dtype, opts,
+                 [=](Communicator& c, const void* i, void* o, std::size_t n, const OpOptions& x) {
+                   return c.reduce(i, o, n, dtype, op, root, x);
+                 });
+  }
+
   Work barrier(const OpOptions& opts) override {
     return route({OpKind::kBarrier}, "barrier", StagedKind::kOther, 0, nullptr, 0, nullptr, 0,
                  DataType::kUint8, opts,

@@ -156,7 +156,7 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
                         ") from rank " + std::to_string(peer) +
                         " after this rank had finished it: the ranks disagree about that "
                         "operation's size or schedule",
-                    cfg_.rank, peer, to_string(static_cast<OpKind>(h.kind & 0x0f)),
+                    cfg_.rank, peer, call_name(static_cast<OpKind>(h.kind & 0x0f), h.root),
                     static_cast<std::int64_t>(h.seq));
       }
       // Not posted here yet: an eager slice that ran ahead. Keep it until the op is posted.
@@ -197,7 +197,7 @@ void Engine::check_header(const Op& op, int peer, const FrameHeader& h) const {
                 "operation #" + std::to_string(op.seq) + " differs between ranks: rank " +
                     std::to_string(peer) + " has " + view_of(h) + ", rank " +
                     std::to_string(cfg_.rank) + " has " + view_of(op),
-                cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+                cfg_.rank, peer, op.name(), static_cast<std::int64_t>(op.seq));
   }
 }
 
@@ -208,7 +208,7 @@ RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h
     throw Error(ErrorCode::kMismatch,
                 "a ring slice of operation #" + std::to_string(op.seq) + " arrived from rank " +
                     std::to_string(peer) + " but this rank runs it as " + view_of(op),
-                cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+                cfg_.rank, peer, op.name(), static_cast<std::int64_t>(op.seq));
   }
   check_header(op, peer, h);
   const auto c = static_cast<std::size_t>(channel);
@@ -219,7 +219,7 @@ RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h
                     std::to_string(channel) + " from rank " + std::to_string(peer) +
                     " where slice " + std::to_string(op.ring.recv_next[di][c]) +
                     " was expected: the ranks use different channel or slice settings",
-                cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+                cfg_.rank, peer, op.name(), static_cast<std::int64_t>(op.seq));
   }
   const MessagePlan m = recv_plan(op, dir, channel, h.index);
   if (m.span.bytes != h.bytes) {
@@ -228,7 +228,7 @@ RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h
                     " has " + std::to_string(h.bytes) + " bytes, this rank expects " +
                     std::to_string(m.span.bytes) +
                     ": the ranks use different channel or slice settings",
-                cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+                cfg_.rank, peer, op.name(), static_cast<std::int64_t>(op.seq));
   }
   const RecvPlace p = recv_place(op, m);
   ctx.op = &op;
@@ -405,7 +405,7 @@ void Engine::check_link_needed(const Op& op, int link, int channel) {
                   " is closed but this operation still needs it: that rank exited, crashed or "
                   "destroyed its communicator early; " +
                   describe_progress(op),
-              cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+              cfg_.rank, peer, op.name(), static_cast<std::int64_t>(op.seq));
 }
 
 }  // namespace dear::collectives

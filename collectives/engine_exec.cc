@@ -68,7 +68,7 @@ void Engine::prepare_op(Op& op) {
       if (!cfg_.make_device_executor) {
         throw Error(ErrorCode::kInternal,
                     "a device operation reached an engine that has no device executor", cfg_.rank,
-                    Error::kNone, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+                    Error::kNone, op.name(), static_cast<std::int64_t>(op.seq));
       }
       device_exec_ = cfg_.make_device_executor(op.fence ? op.fence->device() : 0);
       device_exec_->set_waker([this] { wake(); });
@@ -98,7 +98,29 @@ void Engine::issue_start_copies(Op& op) {
   }
 }
 
+void Engine::take_sink(Op& op) {
+  const std::size_t bytes = op.user_count * op.el;
+  if (bytes == 0) return;
+  if (op.device) {
+    op.sink = op.exec->allocate(ExecMemory::kScratch, bytes);
+  } else {
+    op.sink_owner = scratch_.acquire(bytes, &op.sink_capacity);
+    op.sink = op.sink_owner.get();
+  }
+  // plan() pointed the schedule at the caller's output; the sink takes its place.
+  if (op.work == op.out) op.work = op.sink;
+  op.out = op.sink;
+}
+
 void Engine::release_scratch(Op& op) noexcept {
+  if (op.sink != nullptr) {
+    if (op.device) {
+      op.exec->release(ExecMemory::kScratch, op.sink);
+    } else {
+      scratch_.release(std::move(op.sink_owner), op.sink_capacity);
+    }
+    op.sink = nullptr;
+  }
   if (op.device && op.scratch != nullptr) {
     op.exec->release(ExecMemory::kScratch, op.scratch);
     op.scratch = nullptr;

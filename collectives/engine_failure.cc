@@ -23,7 +23,7 @@ namespace {
 
 std::string view_of(OpKind kind, Schedule schedule, std::uint64_t count, DataType dtype,
                     ReduceOp redop, int root, bool device) {
-  return std::string(to_string(kind)) + " count=" + std::to_string(count) +
+  return std::string(call_name(kind, root)) + " count=" + std::to_string(count) +
          " dtype=" + std::string(dear::to_string(dtype)) +
          " op=" + std::string(dear::to_string(redop)) + " root=" + std::to_string(root) +
          " schedule=" + to_string(schedule) + (device ? " memory=device" : " memory=host");
@@ -123,7 +123,7 @@ Error Engine::timeout_error(const Op& op, const std::string& prefix) const {
                    std::to_string(op.timeout.count()) + " ms: " + describe_progress(op) +
                    "; rank " + std::to_string(blame) +
                    " is dead, stalled, or did not issue this operation",
-               cfg_.rank, blame, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+               cfg_.rank, blame, op.name(), static_cast<std::int64_t>(op.seq));
 }
 
 void Engine::check_deadlines() {

@@ -89,7 +89,7 @@ RecvTarget Engine::log_step_target(Op& op, int link, const FrameHeader& h, RecvC
                 "a log-step message of operation #" + std::to_string(op.seq) +
                     " arrived from rank " + std::to_string(peer) + " but this rank runs it as " +
                     view_of(op),
-                cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+                cfg_.rank, peer, op.name(), static_cast<std::int64_t>(op.seq));
   }
   check_header(op, peer, h);
   const auto& steps = op.log_step.plan.steps;
@@ -108,7 +108,7 @@ RecvTarget Engine::log_step_target(Op& op, int link, const FrameHeader& h, RecvC
                   " bytes) of " + view_of(op) + " from rank " + std::to_string(peer) +
                   " matches no step this rank expects from it: the ranks disagree about the "
                   "operation",
-              cfg_.rank, peer, to_string(op.kind), static_cast<std::int64_t>(op.seq));
+              cfg_.rank, peer, op.name(), static_cast<std::int64_t>(op.seq));
 }
 
 }  // namespace dear::collectives

@@ -58,6 +58,10 @@ const char* to_string(OpKind k) noexcept {
   return "unknown";
 }
 
+const char* call_name(OpKind kind, int root) noexcept {
+  return is_reduce(kind, root) ? "reduce" : to_string(kind);
+}
+
 const char* to_string(Schedule s) noexcept {
   switch (s) {
     case Schedule::kRing: return "ring";
@@ -180,7 +184,8 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
   const int n = nranks;
   if (is_log_step(op.schedule)) {
     // Whole messages over the mesh links; the ring part stays as made (no messages).
-    op.log_step.plan = plan_steps(op.kind, op.schedule, rank, nranks, op.user_count, op.el);
+    op.log_step.plan =
+        plan_steps(op.kind, op.schedule, rank, nranks, op.user_count, op.el, op.root);
     op.log_step.step_state.assign(op.log_step.plan.steps.size(), 0);
     op.eager = op.log_step.plan.work_bytes <= geo.eager_bytes;
     op.work = op.out;
@@ -499,6 +504,7 @@ void finish_local(Op& op, bool reductions) {
 
 std::size_t final_step_count(const Op& op) {
   if (op.kind != OpKind::kAllReduce || op.schedule != Schedule::kGatherReduce) return 0;
+  if (is_reduce(op.kind, op.root) && op.rank != op.root) return 0;  // nobody reads the sink
   return op.nranks == 2 ? 1 : static_cast<std::size_t>(op.nranks - 1);
 }
 

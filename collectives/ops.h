@@ -39,6 +39,15 @@ enum class OpKind : std::uint8_t {
   kBarrier,
 };
 [[nodiscard]] const char* to_string(OpKind k) noexcept;
+// Communicator::reduce is a kAllReduce with a root (>= 0): it runs the all_reduce's schedules,
+// the root keeps the result and every other rank's output is the engine's sink (Op::sink),
+// which nothing reads. The root travels in every frame, so a reduce never matches an
+// all_reduce or a reduce to another root.
+[[nodiscard]] constexpr bool is_reduce(OpKind kind, int root) noexcept {
+  return kind == OpKind::kAllReduce && root >= 0;
+}
+// The name of the call an operation came from ("reduce" for a reduce), for messages.
+[[nodiscard]] const char* call_name(OpKind kind, int root) noexcept;
 
 // How an operation is carried out; part of what ranks must agree on.
 enum class Schedule : std::uint8_t {
@@ -225,6 +234,11 @@ struct Op {
   std::unique_ptr<char[]> scratch_owner;
   std::size_t scratch_capacity = 0;
   std::vector<char> tiny;  // barrier payloads
+  // A reduce on a rank other than the root: where its result goes instead of the caller's
+  // `out` (is_reduce); host memory from the engine's scratch pool, or the device executor's.
+  char* sink = nullptr;
+  std::unique_ptr<char[]> sink_owner;
+  std::size_t sink_capacity = 0;
 
   // Progress (engine thread).
   // Local steps in flight (executor steps of the operation's own: start copies, the deferred
@@ -244,6 +258,7 @@ struct Op {
   RingState ring;
   LogStepState log_step;
 
+  [[nodiscard]] const char* name() const noexcept { return call_name(kind, root); }
   [[nodiscard]] OpState life() const noexcept { return life_; }
   // Moves the operation to `to`. A move that transition_allowed() refuses throws
   // Error(kInternal) naming the rank, the operation and both states: the engine's record of

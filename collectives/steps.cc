@@ -193,6 +193,36 @@ void plan_all_reduce(Builder& b, Schedule s, int r, int n, std::size_t count, st
   if (f.folded(r)) b.send(tag_fold_out(f), r - 1, whole);
 }
 
+// reduce (an all_reduce with a root, ops.h): the tree's reduction to rank 0 as in
+// plan_all_reduce, then the result down a path of the tree's edges to the root: through the
+// ranks whose bits are the root's highest ones (root 6 = 110: 0 -> 4 -> 6), each hop one bit,
+// so every hop is a mesh link. No rank but those on the path receives the result.
+void plan_reduce_tree(Builder& b, int r, int n, int root, std::size_t count, std::size_t el) {
+  const Range whole{0, count * el};
+  const int levels = static_cast<int>(std::bit_width(static_cast<unsigned>(n - 1)));
+  const int low = r == 0 ? levels : std::countr_zero(static_cast<unsigned>(r));
+  for (int k = 0; k < low; ++k) {
+    if (r + (1 << k) < n) b.recv(k, r + (1 << k), whole, true);
+  }
+  if (r == 0) {
+    b.finalize_last_reduce();
+  } else {
+    b.send(low, r - (1 << low), whole);
+  }
+  // On the path: r is the root with its lowest bits cleared. A hop adding bit 2^j carries tag
+  // levels + j, unique along the path; r receives from r without its lowest bit.
+  if (root == 0) return;
+  if (r != 0) {
+    if ((root >> low << low) != r) return;  // not on the path
+    b.recv(levels + low, r & (r - 1), whole, false);
+  }
+  if (r == root) return;
+  // The next hop adds the highest bit of the root below r's lowest one.
+  const int below = r == 0 ? root : root & ((1 << low) - 1);
+  const int bit = static_cast<int>(std::bit_width(static_cast<unsigned>(below))) - 1;
+  b.send(levels + bit, r | (1 << bit), whole);
+}
+
 void plan_reduce_scatter(Builder& b, int r, int n, std::size_t count, std::size_t el) {
   const Fold f(n);
   const std::size_t block = count * el;
@@ -241,7 +271,7 @@ bool log_step_supports(OpKind kind, Schedule s) noexcept {
 }
 
 StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t count,
-                    std::size_t el) {
+                    std::size_t el, int root) {
   if (!log_step_supports(kind, s) || nranks < 2 || rank < 0 || rank >= nranks) {
     throw std::invalid_argument(std::string("plan_steps: ") + to_string(kind) + " with " +
                                 to_string(s) + " on rank " + std::to_string(rank) + " of " +
@@ -252,7 +282,15 @@ StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t c
   switch (kind) {
     case OpKind::kAllReduce:
       plan.work_bytes = count * el;
-      plan_all_reduce(b, s, rank, nranks, count, el);
+      if (is_reduce(kind, root) && s == Schedule::kTree) {
+        if (root >= nranks) {
+          throw std::invalid_argument("plan_steps: reduce to root " + std::to_string(root) +
+                                      " of " + std::to_string(nranks));
+        }
+        plan_reduce_tree(b, rank, nranks, root, count, el);
+      } else {
+        plan_all_reduce(b, s, rank, nranks, count, el);
+      }
       break;
     case OpKind::kReduceScatter:
       plan.work_bytes = static_cast<std::size_t>(nranks) * count * el;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "collectives/reduce.h"
+#include "common/args.h"
 #include "dear/error.h"
 #include "scheduler/external_ops.h"
 
@@ -171,17 +172,27 @@ class MpiCommunicator final : public Communicator {
   Work broadcast(const void* in, void* out, std::size_t count, DataType dtype, int root,
                  const OpOptions& opts) override {
     const int n = int_count(count, "broadcast");
-    if (root < 0 || root >= size_) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "root=" + std::to_string(root) + " is outside [0, " + std::to_string(size_) + ")",
-                  rank_, Error::kNone, "broadcast");
-    }
+    dear::check_root(root, size_, rank_, "broadcast");
     if (count > 0 && out == nullptr) null_arg("out", count, "broadcast");
     if (rank_ == root && count > 0 && in == nullptr) null_arg("in", count, "broadcast");
     if (rank_ == root && in != out && count > 0) std::memcpy(out, in, count * dtype_size(dtype));
     auto p = pending("broadcast", count, dtype, ReduceOp::kSum, opts);
     return submit(std::move(p), [&](MPI_Request* req) {
       return MPI_Ibcast(out, n, mpi_type(dtype), root, comm_, req);
+    });
+  }
+
+  Work reduce(const void* in, void* out, std::size_t count, DataType dtype, ReduceOp op, int root,
+              const OpOptions& opts) override {
+    const int n = int_count(count, "reduce");
+    dear::check_root(root, size_, rank_, "reduce");
+    if (count > 0 && in == nullptr) null_arg("in", count, "reduce");
+    if (rank_ == root && count > 0 && out == nullptr) null_arg("out", count, "reduce");
+    auto p = pending("reduce", count, dtype, op, opts);
+    p->avg_at = op == ReduceOp::kAvg && rank_ == root ? out : nullptr;
+    const void* send = rank_ == root && in == out ? MPI_IN_PLACE : in;
+    return submit(std::move(p), [&](MPI_Request* req) {
+      return MPI_Ireduce(send, out, n, mpi_type(dtype), mpi_op(dtype, op), root, comm_, req);
     });
   }
 

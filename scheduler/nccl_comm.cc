@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/args.h"
 #include "dear/error.h"
 #include "scheduler/external_ops.h"
 
@@ -126,15 +127,24 @@ class NcclCommunicator final : public Communicator {
 
   Work broadcast(const void* in, void* out, std::size_t count, DataType dtype, int root,
                  const OpOptions& opts) override {
-    if (root < 0 || root >= size_) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "root=" + std::to_string(root) + " is outside [0, " + std::to_string(size_) + ")",
-                  rank_, Error::kNone, "broadcast");
-    }
+    dear::check_root(root, size_, rank_, "broadcast");
     const std::size_t bytes = count * dtype_size(dtype);
     return run("broadcast", count, dtype, opts, {rank_ == root ? in : nullptr, bytes}, {out, bytes},
                false, [=, this](const void* s, void* r) {
                  return ncclBroadcast(s, r, count, nccl_type(dtype), root, comm_, stream_);
+               });
+  }
+
+  Work reduce(const void* in, void* out, std::size_t count, DataType dtype, ReduceOp op, int root,
+              const OpOptions& opts) override {
+    dear::check_root(root, size_, rank_, "reduce");
+    const std::size_t bytes = count * dtype_size(dtype);
+    // Off the root NCCL writes the result nowhere the caller sees: a staged buffer of its own.
+    const bool root_here = rank_ == root;
+    return run("reduce", count, dtype, opts, {in, bytes}, {root_here ? out : nullptr, bytes},
+               root_here && in == out, [=, this](const void* s, void* r) {
+                 return ncclReduce(s, r, count, nccl_type(dtype), nccl_op(op), root, comm_,
+                                   stream_);
                });
   }
 

@@ -166,6 +166,53 @@ TEST_P(Conformance, BroadcastFromEveryRoot) {
   });
 }
 
+TEST_P(Conformance, ReduceToEveryRootEveryTypeOpAndAlgorithm) {
+  // The root's output against the reference; elsewhere the output is never written and, in
+  // place, the input keeps its value. The root moves with every combination, so every rank
+  // is the root of some.
+  const int n = GetParam();
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    int next_root = 0;
+    for (const auto algo : kAllReduceAlgorithms) {
+      for (const auto t : kAllTypes) {
+        for (const auto op : kAllOps) {
+          const int root = next_root++ % n;
+          for (const std::size_t count : {std::size_t{0}, std::size_t{7}, std::size_t{1031}}) {
+            for (const bool in_place : {false, true}) {
+              auto in = make_input(r, count, t, op);
+              const auto original = in;
+              std::vector<char> out_buf(in.size(), 0x5a);
+              char* out = in_place ? in.data() : out_buf.data();
+              OpOptions o;
+              o.algorithm = algo;
+              o.slice_bytes = 256;
+              comm.reduce(in.data(), out, count, t, op, root, o).wait();
+              const std::string what = label(to_string(algo), t, op, count, in_place, r) +
+                                       " root=" + std::to_string(root);
+              if (r == root) {
+                Mismatches bad;
+                for (std::size_t i = 0; i < count; ++i) {
+                  const double want = expected_reduce(i, n, t, op);
+                  const double got = load(out, i, t);
+                  if (!close_enough(got, want, t)) bad.add(i, got, want);
+                }
+                ASSERT_EQ(bad.count, 0u) << "reduce " << what << ": " << bad.first;
+              } else {
+                ASSERT_EQ(in, original) << "reduce " << what << ": a non-root input was written";
+                if (!in_place) {
+                  ASSERT_EQ(out_buf, std::vector<char>(in.size(), 0x5a))
+                      << "reduce " << what << ": a non-root output was written";
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
 TEST_P(Conformance, BarrierHoldsEveryRankBack) {
   const int n = GetParam();
   constexpr int kRounds = 20;

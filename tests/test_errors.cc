@@ -60,6 +60,17 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
     e = expect_error([&] { comm.broadcast(buf.data(), buf.data(), 4, DataType::kFloat32, 7); });
     EXPECT_NE(std::string(e.what()).find("root=7"), std::string::npos) << e.what();
 
+    e = expect_error(
+        [&] { comm.reduce(buf.data(), buf.data(), 4, DataType::kFloat32, ReduceOp::kSum, -1); });
+    EXPECT_NE(std::string(e.what()).find("root=-1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("reduce"), std::string::npos) << e.what();
+    // The root's output must be there; elsewhere it is not read.
+    if (comm.rank() == 1) {
+      e = expect_error(
+          [&] { comm.reduce(buf.data(), nullptr, 4, DataType::kFloat32, ReduceOp::kSum, 1); });
+      EXPECT_NE(std::string(e.what()).find("out is null"), std::string::npos) << e.what();
+    }
+
     e = expect_error([&] {
       comm.all_reduce(buf.data(), buf.data() + 2, 8, DataType::kFloat32, ReduceOp::kSum);
     });
@@ -273,6 +284,46 @@ TEST(Mismatch, DifferentDtypesAndOrders) {
     EXPECT_EQ(code_of(e), ErrorCode::kMismatch) << what_of(e);
     EXPECT_NE(what_of(e).find("all_gather"), std::string::npos) << what_of(e);
     EXPECT_NE(what_of(e).find("all_reduce"), std::string::npos) << what_of(e);
+  }
+}
+
+TEST(Mismatch, ReduceAgainstAllReduceOrAnotherRootNamesBothViews) {
+  CommOptions o;
+  o.timeout = 20s;
+  // Rank 2 calls all_reduce where the others reduce to rank 0; then rank 1 picks another root.
+  // On the ring every rank exchanges with its neighbours, so every rank hears of it. (Under the
+  // tree a rank whose only step is its send may finish first: its part was done.)
+  OpOptions ring;
+  ring.algorithm = Algorithm::kRing;
+  for (const bool other_root : {false, true}) {
+    const auto errors = run_ranks_collect(
+        3,
+        [&](Communicator& comm) {
+          std::vector<float> in(32, 1.0f);
+          std::vector<float> out(32);
+          if (!other_root && comm.rank() == 2) {
+            comm.all_reduce(in.data(), out.data(), 32, DataType::kFloat32, ReduceOp::kSum, ring)
+                .wait();
+          } else {
+            const int root = other_root && comm.rank() == 1 ? 1 : 0;
+            comm.reduce(in.data(), out.data(), 32, DataType::kFloat32, ReduceOp::kSum, root, ring)
+                .wait();
+          }
+        },
+        o);
+    for (int r = 0; r < 3; ++r) {
+      const auto& e = errors[static_cast<std::size_t>(r)];
+      ASSERT_TRUE(e) << "rank " << r << " did not fail (other_root=" << other_root << ")";
+      const std::string what = what_of(e);
+      EXPECT_EQ(code_of(e), ErrorCode::kMismatch) << what;
+      EXPECT_NE(what.find("reduce"), std::string::npos) << what;
+      if (other_root) {
+        EXPECT_NE(what.find("root=1"), std::string::npos) << what;
+        EXPECT_NE(what.find("root=0"), std::string::npos) << what;
+      } else {
+        EXPECT_NE(what.find("all_reduce"), std::string::npos) << what;
+      }
+    }
   }
 }
 

@@ -52,11 +52,11 @@ Elem* at(std::vector<Elem>& v, std::size_t byte_offset) { return v.data() + byte
 
 // Runs one collective on n simulated ranks; returns every rank's final work buffer.
 std::vector<std::vector<Elem>> simulate(OpKind kind, Schedule s, int n, std::size_t count,
-                                        std::mt19937& rng) {
+                                        std::mt19937& rng, int root = -1) {
   std::vector<RankState> ranks(static_cast<std::size_t>(n));
   for (int r = 0; r < n; ++r) {
     auto& st = ranks[static_cast<std::size_t>(r)];
-    st.plan = plan_steps(kind, s, r, n, count, kEl);
+    st.plan = plan_steps(kind, s, r, n, count, kEl, root);
     const std::size_t elems = st.plan.work_bytes / kEl;
     st.work.assign(elems, Elem{0, 0});
     st.stage.assign(st.plan.stage_bytes / kEl, Elem{-1, -1});
@@ -175,9 +175,9 @@ std::vector<std::vector<Elem>> simulate(OpKind kind, Schedule s, int n, std::siz
   return out;
 }
 
-void check(OpKind kind, Schedule s, int n, std::size_t count, std::uint32_t seed) {
+void check(OpKind kind, Schedule s, int n, std::size_t count, std::uint32_t seed, int root = -1) {
   std::mt19937 rng(seed);
-  const auto work = simulate(kind, s, n, count, rng);
+  const auto work = simulate(kind, s, n, count, rng, root);
   if (::testing::Test::HasFailure()) return;
   const auto total = [&](std::size_t i) {
     std::int64_t t = 0;
@@ -186,8 +186,9 @@ void check(OpKind kind, Schedule s, int n, std::size_t count, std::uint32_t seed
   };
   const std::string what = std::string(to_string(kind)) + " " + to_string(s) +
                            " n=" + std::to_string(n) + " count=" + std::to_string(count) +
-                           " seed=" + std::to_string(seed);
+                           " seed=" + std::to_string(seed) + " root=" + std::to_string(root);
   for (int r = 0; r < n; ++r) {
+    if (root >= 0 && r != root) continue;  // a reduce: only the root's result is defined
     const auto& w = work[static_cast<std::size_t>(r)];
     switch (kind) {
       case OpKind::kAllReduce:
@@ -234,6 +235,34 @@ TEST(LogStepSchedules, EveryKindRankCountAndSizeUnderRandomInterleavings) {
       }
     }
   }
+}
+
+TEST(LogStepSchedules, ReduceTreeReachesEveryRootOverMeshLinks) {
+  // The tree to rank 0, then the path of one-bit hops to the root: every root of every rank
+  // count, each element reduced from every rank and finalised once, only on mesh links
+  // (simulate() checks each step's peers against step_peers()).
+  for (int n = 2; n <= 17; ++n) {
+    for (int root = 0; root < n; ++root) {
+      for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{37}}) {
+        for (std::uint32_t seed = 1; seed <= 3; ++seed) {
+          check(OpKind::kAllReduce, Schedule::kTree, n, count,
+                seed * 104729U + static_cast<std::uint32_t>(n * 31 + root), root);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+  // Steps on the critical path: the tree's levels, then one hop per bit of the root.
+  const int levels = 3;  // 8 ranks
+  EXPECT_EQ(plan_steps(OpKind::kAllReduce, Schedule::kTree, 0, 8, 4, 4, 7).steps.size(),
+            static_cast<std::size_t>(levels) + 1);  // three receives, the first hop
+  EXPECT_EQ(plan_steps(OpKind::kAllReduce, Schedule::kTree, 7, 8, 4, 4, 7).steps.size(), 2U);
+  // Root 7 = 111: the path is 0 -> 4 -> 6 -> 7. Rank 6 reduces 7's part, sends it up, and
+  // later passes the result on; rank 3 is off the path and only sends.
+  EXPECT_EQ(plan_steps(OpKind::kAllReduce, Schedule::kTree, 6, 8, 4, 4, 7).steps.size(), 4U);
+  EXPECT_EQ(plan_steps(OpKind::kAllReduce, Schedule::kTree, 3, 8, 4, 4, 7).steps.size(), 1U);
+  EXPECT_THROW((void)plan_steps(OpKind::kAllReduce, Schedule::kTree, 0, 4, 1, 4, 4),
+               std::invalid_argument);
 }
 
 // An out-of-place log-step all_reduce reads its input where the work buffer (its output) has

@@ -28,6 +28,8 @@
 #include <gloo/barrier_all_to_one.h>
 #include <gloo/broadcast_one_to_all.h>
 #include <gloo/config.h>
+#include <gloo/math.h>
+#include <gloo/reduce.h>
 #include <gloo/reduce_scatter.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
@@ -88,6 +90,20 @@ const gloo::ReductionFunction<T>* gloo_fn(ReduceOp op) {
     case ReduceOp::kMin: return gloo::ReductionFunction<T>::min;
     case ReduceOp::kMax: return gloo::ReductionFunction<T>::max;
     case ReduceOp::kAvg: return nullptr;
+  }
+  return nullptr;
+}
+
+// The same operators for Gloo's functional collectives (gloo::reduce), which take c = a op b.
+template <typename T>
+gloo::ReduceOptions::Func gloo_reduce_fn(ReduceOp op) {
+  using Fn = void (*)(void*, const void*, const void*, std::size_t);
+  switch (op) {
+    case ReduceOp::kSum: return static_cast<Fn>(&gloo::sum<T>);
+    case ReduceOp::kProd: return static_cast<Fn>(&gloo::product<T>);
+    case ReduceOp::kMin: return static_cast<Fn>(&gloo::min<T>);
+    case ReduceOp::kMax: return static_cast<Fn>(&gloo::max<T>);
+    case ReduceOp::kAvg: break;
   }
   return nullptr;
 }
@@ -187,6 +203,19 @@ std::optional<BoundOp> bind_gloo(const OpRequest& r, const GlooComm& comm, Allre
         bound.output = recv;
         break;
       }
+      case Collective::kReduce: {
+        // Gloo's reduce (gloo/reduce.h) with one buffer as input and output.
+        if (!r.in_place) return std::nullopt;
+        auto opts = std::make_shared<gloo::ReduceOptions>(ctx);
+        opts->setInput(recv, r.point.rank_count);
+        opts->setOutput(recv, r.point.rank_count);
+        opts->setRoot(r.root);
+        opts->setReduceFunction(gloo_reduce_fn<T>(r.op));
+        bound.input = recv;
+        bound.output = recv;
+        bound.run = [opts] { gloo::reduce(*opts); };
+        return bound;
+      }
       case Collective::kBroadcast: {
         if (!r.in_place) return std::nullopt;
         algorithm = std::make_shared<gloo::BroadcastOneToAll<T>>(ctx, std::vector<T*>{recv},
@@ -207,6 +236,7 @@ std::string algorithm_name(Collective c, const std::string& allreduce_algo) {
     case Collective::kReduceScatter: return "halving_doubling";
     case Collective::kAllGather: return "ring";
     case Collective::kBroadcast: return "one_to_all";
+    case Collective::kReduce: return "reduce";
   }
   return "?";
 }

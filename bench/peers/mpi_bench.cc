@@ -161,6 +161,17 @@ std::optional<BoundOp> bind_mpi(const OpRequest& r, const MpiComm& world) {
       }
       bound.output = recv;
       return bound;
+    case Collective::kReduce: {
+      // In place, the root passes MPI_IN_PLACE; the others' input is their own buffer either way.
+      const bool root_here = world.rank() == r.root;
+      const void* in = r.in_place ? (root_here ? MPI_IN_PLACE : recv) : send;
+      bound.run = [=, root = r.root] {
+        check_mpi(MPI_Reduce(in, recv, count, type, op, root, comm), "MPI_Reduce");
+      };
+      bound.input = r.in_place ? recv : send;
+      bound.output = recv;
+      return bound;
+    }
     case Collective::kBroadcast:
       if (!r.in_place) return std::nullopt;
       bound.run = [=, root = r.root] {

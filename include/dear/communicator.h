@@ -209,6 +209,11 @@ class Communicator {
   // Root's in[count] lands in every rank's out[count]; in is read on the root only.
   virtual Work broadcast(const void* in, void* out, std::size_t count, DataType dtype, int root,
                          const OpOptions& opts = {}) = 0;
+  // Root's out[count] = op over ranks of in[count]; out is written on the root only (elsewhere
+  // it is ignored and may be null), and in is never written. In place on the root when
+  // in == out. Runs the all_reduce's schedules; only the root keeps the result.
+  virtual Work reduce(const void* in, void* out, std::size_t count, DataType dtype, ReduceOp op,
+                      int root, const OpOptions& opts = {}) = 0;
   virtual Work barrier(const OpOptions& opts = {}) = 0;
 
   // What this communicator's progress engine has used so far, for benchmarks: the CPU time of

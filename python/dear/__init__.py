@@ -28,8 +28,8 @@ from ._dear import Error
 __all__ = [
     "HAVE_CUDA", "Error", "Handle", "init", "is_initialized", "shutdown", "rank", "size",
     "all_reduce", "all_reduce_async", "reduce_scatter", "reduce_scatter_async",
-    "all_gather", "all_gather_async", "broadcast", "broadcast_async", "barrier",
-    "barrier_async", "broadcast_parameters", "forget_memory", "DistributedOptimizer",
+    "all_gather", "all_gather_async", "broadcast", "broadcast_async", "reduce", "reduce_async",
+    "barrier", "barrier_async", "broadcast_parameters", "forget_memory", "DistributedOptimizer",
 ]
 
 _DTYPES = {
@@ -227,6 +227,16 @@ def broadcast_async(tensor: torch.Tensor, root: int = 0, priority: int = 0) -> H
     return Handle(work, tensor)
 
 
+def reduce_async(tensor: torch.Tensor, root: int = 0, op: str = "sum",
+                 priority: int = 0) -> Handle:
+    """In place on `root`: its tensor becomes `op` over all ranks' tensors; the other ranks'
+    tensors are read, never written."""
+    dtype = _dtype(tensor, "tensor")
+    work = _communicator().reduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype,
+                                  _op(op), root, priority, _stream(tensor))
+    return Handle(work, tensor)
+
+
 def barrier_async(priority: int = 0) -> Handle:
     return Handle(_communicator().barrier(priority))
 
@@ -249,6 +259,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, priority: int = 0) -> 
 
 def broadcast(tensor: torch.Tensor, root: int = 0, priority: int = 0) -> torch.Tensor:
     broadcast_async(tensor, root, priority).wait()
+    return tensor
+
+
+def reduce(tensor: torch.Tensor, root: int = 0, op: str = "sum",
+           priority: int = 0) -> torch.Tensor:
+    reduce_async(tensor, root, op, priority).wait()
     return tensor
 
 

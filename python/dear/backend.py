@@ -24,10 +24,10 @@ futures, in issue order, as Gloo's worker threads do. Callbacks chained on the f
 run on that thread.
 
 Supported: allreduce (sum, product, min, max, avg), broadcast, allgather, reduce_scatter,
-barrier, each over a list of tensors; all_gather_into_tensor and reduce_scatter_tensor (the
+reduce, barrier, each over a list of tensors; all_gather_into_tensor and reduce_scatter_tensor (the
 flat forms, _allgather_base and _reduce_scatter_base, which run dear's own all_gather and
 reduce_scatter without a copy); DistributedDataParallel on CPU tensors. Not supported yet:
-send/recv, reduce, gather, scatter, all-to-all (they raise an error saying so, with what to use
+send/recv, gather, scatter, all-to-all (they raise an error saying so, with what to use
 instead). Timeouts are dear's (DEAR_TIMEOUT), not the process group's.
 """
 from __future__ import annotations
@@ -207,8 +207,11 @@ class ProcessGroupDear(ProcessGroup):
     def recv_anysource(self, tensors, tag=0) -> Work:
         raise _unsupported("recv")
 
-    def reduce(self, tensors, opts=None) -> Work:
-        raise _unsupported("reduce", "all_reduce (every rank gets the result)")
+    def reduce(self, tensors: List[torch.Tensor], opts=None) -> Work:
+        op = _op(opts) if opts is not None else "sum"
+        root = opts.rootRank if opts is not None else 0
+        return self._completer.submit([dear.reduce_async(t, root, op=op) for t in tensors],
+                                      tensors)
 
     def gather(self, output_lists, inputs, opts=None) -> Work:
         raise _unsupported("gather", "all_gather_into_tensor")

@@ -82,7 +82,15 @@ def main() -> None:
             t = data(rank, count, dtype)
             dear.broadcast(t, root=n - 1)
             check(f"broadcast {dtype} {count}", t, data(n - 1, count, dtype))
-            checked += 3
+            # reduce to a root that moves with the size: only it gets the result, the others
+            # keep their input
+            root = count % n
+            t = data(rank, count, dtype, "max")
+            dear.reduce(t, root=root, op="max")
+            want = (reference([data(r, count, dtype, "max") for r in range(n)], "max")
+                    if rank == root else data(rank, count, dtype, "max"))
+            check(f"reduce {dtype} {count} root {root}", t, want)
+            checked += 4
 
     # In place, through views of one buffer (the optimizer's usage).
     buf = data(rank, 12 * n, torch.float32)

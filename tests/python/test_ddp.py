@@ -80,7 +80,14 @@ def check_collectives(rank: int, n: int) -> None:
         assert "all_gather" in str(e), e
     else:
         raise AssertionError("all_gather_into_tensor with a wrong output size did not raise")
-    for name, call in (("reduce", lambda: dist.reduce(rank_data(rank), dst=0)),
+    for dst in range(n):
+        t = rank_data(rank)
+        dist.reduce(t, dst=dst, op=dist.ReduceOp.MIN)
+        want = (torch.stack([rank_data(r) for r in range(n)]).min(0).values if rank == dst
+                else rank_data(rank))
+        assert torch.equal(t, want), f"reduce to {dst}: {t} != {want}"
+    gather_list = [torch.empty(10) for _ in range(n)] if rank == 0 else None
+    for name, call in (("gather", lambda: dist.gather(rank_data(rank), gather_list, dst=0)),
                        ("send", lambda: dist.send(rank_data(rank), dst=(rank + 1) % n)),
                        ("all_to_all_single",
                         lambda: dist.all_to_all_single(torch.empty(n), torch.empty(n)))):
