@@ -107,6 +107,20 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
       bound.input = const_cast<void*>(in);
       return bound;
     }
+    case Collective::kGather: {
+      // In place: each rank's block already where the root's output keeps it.
+      const void* in = r.in_place ? static_cast<const char*>(recv) +
+                                        static_cast<std::size_t>(comm.rank()) * count * el
+                                  : send;
+      bound.run = [&comm, in, recv, count, t, root = r.root, o] {
+        comm.gather(in, recv, count, t, root, o).wait();
+      };
+      bound.run_many = many([&comm, in, recv, count, t, root = r.root, o] {
+        return comm.gather(in, recv, count, t, root, o);
+      });
+      bound.input = const_cast<void*>(in);
+      return bound;
+    }
     case Collective::kReduce:
       bound.run = [&comm, send, recv, count, t, op, root = r.root, o] {
         comm.reduce(send, recv, count, t, op, root, o).wait();

@@ -284,6 +284,7 @@ std::string_view to_string(Collective c) noexcept {
     case Collective::kAllGather: return "all_gather";
     case Collective::kBroadcast: return "broadcast";
     case Collective::kReduce: return "reduce";
+    case Collective::kGather: return "gather";
   }
   return "invalid";
 }
@@ -302,8 +303,15 @@ bool has_reduction(Collective c) noexcept {
 }
 
 bool has_root(Collective c) noexcept {
-  return c == Collective::kBroadcast || c == Collective::kReduce;
+  return c == Collective::kBroadcast || c == Collective::kReduce || c == Collective::kGather;
 }
+
+namespace {
+// Whether each rank contributes a block of the result (all_gather, gather).
+bool gathers(Collective c) noexcept {
+  return c == Collective::kAllGather || c == Collective::kGather;
+}
+}  // namespace
 
 // ---- flags ----------------------------------------------------------------------------------
 
@@ -376,7 +384,7 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
          },
          "Reduction: sum prod max min avg")
       ->default_str(std::string(to_string(args.op)));
-  app.add_option("-r,--root", args.root, "Root rank of broadcast and reduce")
+  app.add_option("-r,--root", args.root, "Root rank of broadcast, reduce and gather")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--json", args.json_path, "Also write the results as JSON to FILE");
@@ -399,14 +407,14 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
          [&args](const std::string& text) {
            const auto c = parse_collective(text);
            if (!c) {
-             throw CLI::ValidationError(
-                 "COLLECTIVE",
-                 "'" + text +
-                     "' is not one of all_reduce reduce_scatter all_gather broadcast reduce");
+             throw CLI::ValidationError("COLLECTIVE",
+                                        "'" + text +
+                                            "' is not one of all_reduce reduce_scatter all_gather "
+                                            "broadcast reduce gather");
            }
            args.collective = *c;
          },
-         "all_reduce | reduce_scatter | all_gather | broadcast | reduce")
+         "all_reduce | reduce_scatter | all_gather | broadcast | reduce | gather")
       ->required();
 }
 
@@ -448,7 +456,7 @@ SizePoint size_point(std::uint64_t bytes, Collective c, DataType t, int nranks) 
   if (elem == 0) invalid("size_point: invalid dtype");
   if (nranks < 1) invalid("size_point: nranks must be at least 1");
   SizePoint p;
-  if (c == Collective::kReduceScatter || c == Collective::kAllGather) {
+  if (c == Collective::kReduceScatter || gathers(c)) {
     const auto n = static_cast<std::uint64_t>(nranks);
     p.rank_count = bytes / (elem * n);
     p.count = p.rank_count * n;
@@ -487,7 +495,8 @@ double bus_factor(Collective c, int nranks) noexcept {
   switch (c) {
     case Collective::kAllReduce: return 2.0 * (n - 1.0) / n;
     case Collective::kReduceScatter:
-    case Collective::kAllGather: return (n - 1.0) / n;
+    case Collective::kAllGather:
+    case Collective::kGather: return (n - 1.0) / n;
     case Collective::kBroadcast:
     case Collective::kReduce: return 1.0;  // nccl-tests' factor: the root's link carries it all
   }
@@ -813,9 +822,8 @@ std::uint64_t input_count(const CheckSpec& spec) noexcept {
 }
 
 std::uint64_t output_count(const CheckSpec& spec) noexcept {
-  return spec.collective == Collective::kAllGather
-             ? spec.rank_count * static_cast<std::uint64_t>(spec.nranks)
-             : spec.rank_count;
+  return gathers(spec.collective) ? spec.rank_count * static_cast<std::uint64_t>(spec.nranks)
+                                  : spec.rank_count;
 }
 
 double pattern_value(ReduceOp op, int rank, std::uint64_t index, std::uint64_t seed) noexcept {
@@ -885,9 +893,8 @@ void fill_pattern(void* buf, std::uint64_t count, DataType dtype, ReduceOp op, i
 void fill_input(void* buf, const CheckSpec& spec) {
   // all_gather contributions are numbered by their place in the gathered result, so every
   // block of the output differs from its neighbours.
-  const std::uint64_t first = spec.collective == Collective::kAllGather
-                                  ? static_cast<std::uint64_t>(spec.rank) * spec.rank_count
-                                  : 0;
+  const std::uint64_t first =
+      gathers(spec.collective) ? static_cast<std::uint64_t>(spec.rank) * spec.rank_count : 0;
   fill_pattern(buf, input_count(spec), spec.dtype, spec.op, spec.rank, spec.seed, first);
 }
 
@@ -898,7 +905,8 @@ double expected_value(const CheckSpec& spec, std::uint64_t out_index) {
     case Collective::kReduceScatter:
       return reduced_value(spec,
                            static_cast<std::uint64_t>(spec.rank) * spec.rank_count + out_index);
-    case Collective::kAllGather: {
+    case Collective::kAllGather:
+    case Collective::kGather: {
       const auto src = spec.rank_count == 0 ? 0 : static_cast<int>(out_index / spec.rank_count);
       return round_to(pattern_value(spec.op, src, out_index, spec.seed), spec.dtype);
     }
@@ -910,8 +918,11 @@ double expected_value(const CheckSpec& spec, std::uint64_t out_index) {
 
 long long count_wrong(const void* out, const CheckSpec& spec) {
   if (output_count(spec) == 0) return 0;
-  // Off the root a reduce's output holds nothing the call defines.
-  if (spec.collective == Collective::kReduce && spec.rank != spec.root) return 0;
+  // Off the root a reduce's or gather's output holds nothing the call defines.
+  if ((spec.collective == Collective::kReduce || spec.collective == Collective::kGather) &&
+      spec.rank != spec.root) {
+    return 0;
+  }
   switch (spec.dtype) {
     case DataType::kInt8: return count_wrong_with(spec, plain_loader<std::int8_t>(out));
     case DataType::kUint8: return count_wrong_with(spec, plain_loader<std::uint8_t>(out));

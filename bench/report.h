@@ -3,14 +3,14 @@
 // Every benchmark parses the same nccl-tests flags, sweeps the same sizes, times the same way
 // and prints the same rows, so that numbers from different libraries can be put side by side
 // without translation. The conventions that make results comparable:
-//   - size is the total bytes of the operation; for reduce_scatter and all_gather that is the
+//   - size is the total bytes of the operation; for reduce_scatter, all_gather and gather the
 //     per-rank count x ranks x element size, for all_reduce, reduce and broadcast the buffer
 //     size;
 //   - GB = 1e9 bytes; algbw = size / time; busbw = algbw x bus_factor(collective, ranks);
 //   - time is the mean over the timed iterations, then the maximum of that mean over ranks;
 //     p50/p99 are nearest-rank percentiles of rank 0's per-iteration times;
 //   - #wrong is the number of wrong result elements summed over ranks (N/A when unchecked); a
-//     reduce's result is the root's only, so only the root's output is checked.
+//     reduce's or gather's result is the root's only, so only the root's output is checked.
 //
 // Nothing here talks to the network: benchmarks do the cross-rank reductions themselves and
 // only rank 0 prints.
@@ -42,13 +42,14 @@ enum class Collective : std::uint8_t {
   kReduceScatter,
   kAllGather,
   kBroadcast,
-  kReduce
+  kReduce,
+  kGather
 };
-inline constexpr std::array<Collective, 5> kAllCollectives{
+inline constexpr std::array<Collective, 6> kAllCollectives{
     Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather,
-    Collective::kBroadcast, Collective::kReduce};
+    Collective::kBroadcast, Collective::kReduce,        Collective::kGather};
 
-// all_reduce reduce_scatter all_gather broadcast reduce
+// all_reduce reduce_scatter all_gather broadcast reduce gather
 [[nodiscard]] std::string_view to_string(Collective c) noexcept;
 // Accepts the names above, also with '-' for '_' (all-reduce) and without it (allreduce).
 [[nodiscard]] std::optional<Collective> parse_collective(std::string_view name) noexcept;
@@ -78,7 +79,7 @@ struct BenchArgs {
   int check = 1;           // -c/--check (0: no checked iteration)
   DataType dtype = DataType::kFloat32;  // -d/--datatype
   ReduceOp op = ReduceOp::kSum;         // -o/--op
-  int root = 0;                         // -r/--root (broadcast and reduce)
+  int root = 0;                         // -r/--root (broadcast, reduce, gather)
   std::string json_path;                // --json FILE
   std::string csv_path;                 // --csv FILE
   std::string samples_path;             // --samples FILE (every timed iteration, rank 0)
@@ -312,7 +313,7 @@ struct CheckSpec {
   ReduceOp op = ReduceOp::kSum;
   int rank = 0;
   int nranks = 1;
-  int root = 0;                  // broadcast, reduce
+  int root = 0;                  // broadcast, reduce, gather
   std::uint64_t rank_count = 0;  // SizePoint::rank_count
   std::uint64_t seed = 0;        // vary per run so stale data from a previous run is caught
 };

@@ -159,6 +159,13 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     return issue({OpKind::kAllReduce, in, out, count, dtype, op, root}, opts, nullptr);
   }
 
+  Work gather(const void* in, void* out, std::size_t send_count, DataType dtype, int root,
+              const OpOptions& opts) override {
+    dear::check_root(root, size_, rank_, "gather");
+    return issue({OpKind::kAllGather, in, out, send_count, dtype, ReduceOp::kSum, root}, opts,
+                 nullptr);
+  }
+
   Work issue_on_device(const collectives::CollectiveCall& call, const OpOptions& opts,
                        std::unique_ptr<collectives::OpFence> fence) override {
     return issue(call, opts, std::move(fence));
@@ -222,12 +229,18 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
         check_buffers(*o, "in", c.count * n, "out", c.count, false);
         check_in_place_block(o->in, c.count * n, o->out, c.count, c.dtype, "out", "in");
         break;
-      case OpKind::kAllGather:
-        o = make(c.kind, c.in, c.out, c.count, c.dtype, ReduceOp::kSum, -1, opts, fence != nullptr);
+      case OpKind::kAllGather: {
+        // With a root, a gather (collectives::is_gather): `out` is the root's only.
+        if (c.root >= 0) dear::check_root(c.root, size_, rank_, "gather");
+        const bool has_out = c.root < 0 || c.root == rank_;
+        o = make(c.kind, c.in, c.out, c.count, c.dtype, ReduceOp::kSum, c.root, opts,
+                 fence != nullptr);
         check_total(c.count, c.dtype, "send_count");
-        check_buffers(*o, "in", c.count, "out", c.count * n, false);
-        check_in_place_block(o->out, c.count * n, o->in, c.count, c.dtype, "in", "out");
+        check_buffers(*o, "in", c.count, "out", has_out ? c.count * n : 0, false);
+        if (has_out)
+          check_in_place_block(o->out, c.count * n, o->in, c.count, c.dtype, "in", "out");
         break;
+      }
       case OpKind::kBroadcast: {
         dear::check_root(c.root, size_, rank_, "broadcast");
         o = make(c.kind, c.in, c.out, c.count, c.dtype, ReduceOp::kSum, c.root, opts,
@@ -245,12 +258,18 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
         throw Error(ErrorCode::kInternal, "issue() does not make barriers", rank_);
     }
     if (size_ > 1 && c.kind != OpKind::kBroadcast) {
-      o->schedule = select(c.kind, a, c.count, c.dtype, opts);
+      const bool rooted = collectives::is_rooted_result(c.kind, c.root);
+      // A gather's tree is its own (the all_gather has none): select() does not know it.
+      o->schedule = rooted && a == Algorithm::kTree && mesh_
+                        ? Schedule::kTree
+                        : select(c.kind, a, c.count, c.dtype, opts);
       // A reduce takes the tree, which ends at the root, wherever the all_reduce would not take
-      // the ring: its other schedules bring the result to every rank (steps.h). Measured on 4
-      // ranks over TCP (docs/results.md, "reduce"): the tree led from 8 B to 128 KiB and at 2 MiB.
-      if (collectives::is_reduce(c.kind, c.root) && a == Algorithm::kAuto && mesh_ &&
-          o->schedule != Schedule::kRing) {
+      // the ring (whose reduce-scatter halves what each link carries); a gather takes it at
+      // every size: the other schedules bring the result to every rank (steps.h), and the
+      // gather's tree moves each block up its subtrees only. Measured on 4 and 5 ranks over
+      // TCP (docs/results.md, "reduce" and "gather").
+      if (rooted && a == Algorithm::kAuto && mesh_ &&
+          (o->schedule != Schedule::kRing || collectives::is_gather(c.kind, c.root))) {
         o->schedule = Schedule::kTree;
       }
       // Device memory runs the schedules of the ring links only (the log-step ones keep their
@@ -405,7 +424,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
       throw Error(ErrorCode::kInvalidArgument, "OpOptions::timeout is negative", rank_,
                   Error::kNone, name);
     }
-    check_algorithm(opts.algorithm, kind, "OpOptions::algorithm");
+    check_algorithm(opts.algorithm, kind, root, "OpOptions::algorithm");
     if (opts.cuda_stream != nullptr && !device) {
       // With CUDA the device wrapper consumes the stream before this point.
       throw Error(ErrorCode::kInvalidArgument,
@@ -504,16 +523,18 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     }
   }
 
-  // Whether `kind` can run `a`: throws kInvalidArgument naming `what` when it cannot.
-  void check_algorithm(Algorithm a, OpKind kind, const char* what) const {
-    if (!algorithm_fits(a, kind)) {
+  // Whether `kind` (with `root`: collectives::is_reduce, is_gather) can run `a`: throws
+  // kInvalidArgument naming `what` when it cannot.
+  void check_algorithm(Algorithm a, OpKind kind, int root, const char* what) const {
+    const char* name = collectives::call_name(kind, root);
+    if (!algorithm_fits(a, kind, root)) {
       throw Error(ErrorCode::kInvalidArgument,
-                  std::string(what) + "=" + to_string(a) + " does not apply to " +
-                      collectives::to_string(kind) +
-                      (a == Algorithm::kGatherReduce || a == Algorithm::kTree
-                           ? " (all_reduce only)"
-                           : " (all_reduce, reduce_scatter and all_gather only)"),
-                  rank_, Error::kNone, collectives::to_string(kind));
+                  std::string(what) + "=" + to_string(a) + " does not apply to " + name +
+                      (a == Algorithm::kGatherReduce ? " (all_reduce and reduce only)"
+                       : a == Algorithm::kTree
+                           ? " (all_reduce, reduce and gather only)"
+                           : " (all_reduce, reduce_scatter, all_gather, reduce and gather only)"),
+                  rank_, Error::kNone, name);
     }
     const bool log_step = a == Algorithm::kHalvingDoubling || a == Algorithm::kRecursiveDoubling ||
                           a == Algorithm::kTree;
@@ -522,16 +543,17 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
                   std::string(what) + "=" + to_string(a) +
                       " needs direct links between ranks 2^k apart, which transport '" +
                       options_.transport + "' does not build",
-                  rank_, Error::kNone, collectives::to_string(kind));
+                  rank_, Error::kNone, name);
     }
   }
 
-  static bool algorithm_fits(Algorithm a, OpKind kind) {
+  static bool algorithm_fits(Algorithm a, OpKind kind, int root = -1) {
     switch (a) {
       case Algorithm::kAuto:
       case Algorithm::kRing: return true;
-      case Algorithm::kGatherReduce:
-      case Algorithm::kTree: return kind == OpKind::kAllReduce;
+      case Algorithm::kGatherReduce: return kind == OpKind::kAllReduce;
+      case Algorithm::kTree:
+        return kind == OpKind::kAllReduce || collectives::is_gather(kind, root);
       case Algorithm::kHalvingDoubling:
       case Algorithm::kRecursiveDoubling:
         return kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter ||

@@ -231,6 +231,18 @@ class DeviceCommunicator final : public Communicator {
                  });
   }
 
+  Work gather(const void* in, void* out, std::size_t send_count, DataType dtype, int root,
+              const OpOptions& opts) override {
+    const std::size_t b = send_count * dtype_size(dtype);
+    const std::size_t out_b = rank() == root ? b * static_cast<std::size_t>(size()) : 0;
+    // Only the root's `out` is written; elsewhere it may be anything and is passed on untouched.
+    return route({OpKind::kAllGather, in, out, send_count, dtype, ReduceOp::kSum, root}, "gather",
+                 StagedKind::kAllGather, send_count, in, b, out, out_b, dtype, opts,
+                 [=](Communicator& c, const void* i, void* o, std::size_t n, const OpOptions& x) {
+                   return c.gather(i, o, n, dtype, root, x);
+                 });
+  }
+
   Work barrier(const OpOptions& opts) override {
     return route({OpKind::kBarrier}, "barrier", StagedKind::kOther, 0, nullptr, 0, nullptr, 0,
                  DataType::kUint8, opts,

@@ -154,7 +154,7 @@ void Engine::start(std::unique_ptr<Op> op) {
   op->transition(OpState::kStarting);
   op->deadline = transport::deadline_after(op->timeout);
   prepare_op(*op);
-  if (is_reduce(op->kind, op->root) && op->rank != op->root) take_sink(*op);
+  if (is_rooted_result(op->kind, op->root) && op->rank != op->root) take_sink(*op);
   const bool log_step = is_log_step(op->schedule);
   const bool needs_scratch = op->schedule == Schedule::kGatherReduce ||
                              (op->kind == OpKind::kReduceScatter && op->nranks > 2 && !log_step);

@@ -245,8 +245,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   };
   void prepare_op(Op& op);  // its executor, and whether it bounces
   void issue_start_copies(Op& op);
-  // A reduce's result on a rank other than its root goes to a sink of the engine's (Op::sink);
-  // release_scratch() hands it back with the scratch.
+  // A reduce's or gather's result on a rank other than its root goes to a sink of the engine's
+  // (Op::sink); release_scratch() hands it back with the scratch.
   void take_sink(Op& op);
   void release_scratch(Op& op) noexcept;
   void slot_sent(int link, int channel, std::uint64_t token);

@@ -99,7 +99,9 @@ void Engine::issue_start_copies(Op& op) {
 }
 
 void Engine::take_sink(Op& op) {
-  const std::size_t bytes = op.user_count * op.el;
+  // A gather's output holds every rank's block.
+  const std::size_t rows = op.kind == OpKind::kAllGather ? static_cast<std::size_t>(op.nranks) : 1;
+  const std::size_t bytes = op.user_count * op.el * rows;
   if (bytes == 0) return;
   if (op.device) {
     op.sink = op.exec->allocate(ExecMemory::kScratch, bytes);

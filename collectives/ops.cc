@@ -59,7 +59,8 @@ const char* to_string(OpKind k) noexcept {
 }
 
 const char* call_name(OpKind kind, int root) noexcept {
-  return is_reduce(kind, root) ? "reduce" : to_string(kind);
+  if (is_reduce(kind, root)) return "reduce";
+  return is_gather(kind, root) ? "gather" : to_string(kind);
 }
 
 const char* to_string(Schedule s) noexcept {

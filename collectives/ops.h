@@ -39,14 +39,22 @@ enum class OpKind : std::uint8_t {
   kBarrier,
 };
 [[nodiscard]] const char* to_string(OpKind k) noexcept;
-// Communicator::reduce is a kAllReduce with a root (>= 0): it runs the all_reduce's schedules,
+// Communicator::reduce is a kAllReduce with a root (>= 0) and Communicator::gather a
+// kAllGather with one: they run their collective's schedules (and a tree of their own, steps.h),
 // the root keeps the result and every other rank's output is the engine's sink (Op::sink),
 // which nothing reads. The root travels in every frame, so a reduce never matches an
-// all_reduce or a reduce to another root.
+// all_reduce or a reduce to another root (likewise a gather).
 [[nodiscard]] constexpr bool is_reduce(OpKind kind, int root) noexcept {
   return kind == OpKind::kAllReduce && root >= 0;
 }
-// The name of the call an operation came from ("reduce" for a reduce), for messages.
+[[nodiscard]] constexpr bool is_gather(OpKind kind, int root) noexcept {
+  return kind == OpKind::kAllGather && root >= 0;
+}
+// Either: an operation whose result only the root keeps.
+[[nodiscard]] constexpr bool is_rooted_result(OpKind kind, int root) noexcept {
+  return is_reduce(kind, root) || is_gather(kind, root);
+}
+// The name of the call an operation came from ("reduce", "gather"), for messages.
 [[nodiscard]] const char* call_name(OpKind kind, int root) noexcept;
 
 // How an operation is carried out; part of what ranks must agree on.
@@ -62,7 +70,8 @@ enum class Schedule : std::uint8_t {
                            // all_gather: recursive doubling of blocks
   kHalvingDoubling = 6,    // recursive halving (reduce_scatter) then doubling (all_gather):
                            // Rabenseifner's all_reduce, 2 log2(N) steps
-  kTree = 7,               // all_reduce: binomial tree reduce to rank 0, then broadcast
+  kTree = 7,               // all_reduce: binomial tree reduce to rank 0, then broadcast;
+                           // reduce and gather: the tree to rank 0, then a path to the root
 };
 [[nodiscard]] const char* to_string(Schedule s) noexcept;
 
@@ -234,8 +243,9 @@ struct Op {
   std::unique_ptr<char[]> scratch_owner;
   std::size_t scratch_capacity = 0;
   std::vector<char> tiny;  // barrier payloads
-  // A reduce on a rank other than the root: where its result goes instead of the caller's
-  // `out` (is_reduce); host memory from the engine's scratch pool, or the device executor's.
+  // A reduce or gather on a rank other than the root: where its result goes instead of the
+  // caller's `out` (is_rooted_result); host memory from the engine's scratch pool, or the device
+  // executor's.
   char* sink = nullptr;
   std::unique_ptr<char[]> sink_owner;
   std::size_t sink_capacity = 0;

@@ -24,6 +24,9 @@
 //   copy-in -> collective -> copy-out per piece is correct.
 // - A broadcast on a non-root rank (input of 0 bytes) gets its piece's output as input: the
 //   host collective sees an in-place broadcast there.
+// - A reduce or gather on a rank other than its root (output of 0 bytes: nothing is written
+//   there) gets pieces whose outputs lie in the pinned output region, which nothing copies out,
+//   so that it splits as the root does.
 // - An unsplit plan (one piece) is plan_staging()'s: overlapping buffers share one region, host
 //   buffers are used as they are (offset kUnstaged), copies are chunked.
 #pragma once
@@ -130,6 +133,7 @@ inline PiecePlan unsplit(const StagingSpan& in, const StagingSpan& out, std::siz
 
   const auto n = static_cast<std::size_t>(std::max(nranks, 1));
   const bool reads_in = in.bytes > 0;
+  const bool writes_out = out.bytes > 0;
   // Rows per piece on each side, and the user strides between rows.
   const std::size_t in_rows = kind == StagedKind::kReduceScatter ? n : 1;
   const std::size_t out_rows = kind == StagedKind::kAllGather ? n : 1;
@@ -140,9 +144,9 @@ inline PiecePlan unsplit(const StagingSpan& in, const StagingSpan& out, std::siz
     const auto i0 = reinterpret_cast<std::uintptr_t>(in.ptr);
     const auto o0 = reinterpret_cast<std::uintptr_t>(out.ptr);
     const auto own = static_cast<std::uintptr_t>(std::max(rank, 0)) * block;
-    bool valid = out.ptr != nullptr && out.bytes == out_total &&
+    bool valid = (!writes_out || (out.ptr != nullptr && out.bytes == out_total)) &&
                  (!reads_in || (in.ptr != nullptr && in.bytes == in_total));
-    if (valid && reads_in && i0 < o0 + out_total && o0 < i0 + in_total) {
+    if (valid && reads_in && writes_out && i0 < o0 + out_total && o0 < i0 + in_total) {
       switch (kind) {
         case StagedKind::kReduceScatter: valid = o0 == i0 + own; break;
         case StagedKind::kAllGather: valid = i0 == o0 + own; break;
@@ -167,7 +171,7 @@ inline PiecePlan unsplit(const StagingSpan& in, const StagingSpan& out, std::siz
     const std::size_t skip = first * elem;  // into each row's user block
     // Pieces before this one fill rows * first elements of each pinned region.
     p.out_offset = out_region + out_rows * skip;
-    p.copy_out.push_back({out_lo + skip, block, p.out_offset, row, out_rows, row});
+    if (writes_out) p.copy_out.push_back({out_lo + skip, block, p.out_offset, row, out_rows, row});
     if (reads_in) {
       p.in_offset = in_region + in_rows * skip;
       p.copy_in.push_back({in_lo + skip, block, p.in_offset, row, in_rows, row});

@@ -4,6 +4,7 @@
 #include <bit>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace dear::collectives {
 namespace {
@@ -193,34 +194,111 @@ void plan_all_reduce(Builder& b, Schedule s, int r, int n, std::size_t count, st
   if (f.folded(r)) b.send(tag_fold_out(f), r - 1, whole);
 }
 
-// reduce (an all_reduce with a root, ops.h): the tree's reduction to rank 0 as in
-// plan_all_reduce, then the result down a path of the tree's edges to the root: through the
-// ranks whose bits are the root's highest ones (root 6 = 110: 0 -> 4 -> 6), each hop one bit,
-// so every hop is a mesh link. No rank but those on the path receives the result.
-void plan_reduce_tree(Builder& b, int r, int n, int root, std::size_t count, std::size_t el) {
-  const Range whole{0, count * el};
-  const int levels = static_cast<int>(std::bit_width(static_cast<unsigned>(n - 1)));
-  const int low = r == 0 ? levels : std::countr_zero(static_cast<unsigned>(r));
-  for (int k = 0; k < low; ++k) {
-    if (r + (1 << k) < n) b.recv(k, r + (1 << k), whole, true);
-  }
-  if (r == 0) {
-    b.finalize_last_reduce();
-  } else {
-    b.send(low, r - (1 << low), whole);
-  }
-  // On the path: r is the root with its lowest bits cleared. A hop adding bit 2^j carries tag
-  // levels + j, unique along the path; r receives from r without its lowest bit.
-  if (root == 0) return;
+// The path from rank 0 to `root` along the tree's edges (plan_reduce_tree, plan_gather_tree):
+// every rank on it but rank 0, with the rank before it. r is on the path when it is the root with
+// its lowest bits cleared; the hop that adds bit 2^j carries tag `first_tag` + j.
+struct PathHop {
+  int from = -1;  // -1: r receives nothing on the path
+  int to = -1;    // -1: r sends nothing on the path
+  int in_tag = 0;
+  int out_tag = 0;
+};
+PathHop path_hop(int r, int root, int first_tag) {
+  PathHop h;
+  if (root == 0) return h;
+  const int low = r == 0 ? 0 : std::countr_zero(static_cast<unsigned>(r));
   if (r != 0) {
-    if ((root >> low << low) != r) return;  // not on the path
-    b.recv(levels + low, r & (r - 1), whole, false);
+    if ((root >> low << low) != r) return h;  // not on the path
+    h.from = r & (r - 1);
+    h.in_tag = first_tag + low;
   }
-  if (r == root) return;
-  // The next hop adds the highest bit of the root below r's lowest one.
+  if (r == root) return h;
   const int below = r == 0 ? root : root & ((1 << low) - 1);
   const int bit = static_cast<int>(std::bit_width(static_cast<unsigned>(below))) - 1;
-  b.send(levels + bit, r | (1 << bit), whole);
+  h.to = r | (1 << bit);
+  h.out_tag = first_tag + bit;
+  return h;
+}
+
+// The binomial tree of a reduce or gather. On a power of two of ranks it is rooted at the root
+// itself: rank r sits at virtual rank r ^ root, so its tree edges (virtual v and v ^ 2^k) are
+// still the mesh links r and r ^ 2^k, and no path is needed. Otherwise it is rooted at rank 0
+// and the result goes on down the path to the root (path_hop).
+struct RootedTree {
+  int x;       // real rank = virtual rank ^ x
+  int levels;  // the tree's height
+  int v;       // this rank's virtual rank
+  int low;     // v's lowest set bit (levels for the tree's root): r's subtree has 2^low ranks
+  bool path;   // the result still goes from rank 0 to the root
+
+  RootedTree(int r, int n, int root)
+      : x(std::has_single_bit(static_cast<unsigned>(n)) ? root : 0),
+        levels(static_cast<int>(std::bit_width(static_cast<unsigned>(n - 1)))),
+        v(r ^ x),
+        low(v == 0 ? levels : std::countr_zero(static_cast<unsigned>(v))),
+        path(x == 0 && root != 0) {}
+  [[nodiscard]] int real(int vr) const { return vr ^ x; }
+  // The real ranks of virtual rank u's subtree of height h: an aligned range, clipped to n.
+  [[nodiscard]] std::pair<int, int> subtree(int u, int h, int n) const {
+    const int lo = real(u) & ~((1 << h) - 1);
+    return {std::min(lo, n), std::min(lo + (1 << h), n)};
+  }
+};
+
+// reduce (an all_reduce with a root, ops.h): the tree's reduction (RootedTree), each rank
+// reducing its children's partial results and handing its own up, then, where the tree is
+// rooted at rank 0, the result down a path of the tree's edges to the root: through the ranks
+// whose bits are the root's highest ones (root 6 = 110: 0 -> 4 -> 6), each hop one bit, so
+// every hop is a mesh link. No rank but those on the path receives the result.
+void plan_reduce_tree(Builder& b, int r, int n, int root, std::size_t count, std::size_t el) {
+  const Range whole{0, count * el};
+  const RootedTree t(r, n, root);
+  for (int k = 0; k < t.low; ++k) {
+    if (t.real(t.v + (1 << k)) < n) b.recv(k, t.real(t.v + (1 << k)), whole, true);
+  }
+  if (t.v == 0) {
+    b.finalize_last_reduce();
+  } else {
+    b.send(t.low, t.real(t.v - (1 << t.low)), whole);
+  }
+  if (!t.path) return;
+  const PathHop h = path_hop(r, root, t.levels);
+  if (h.from >= 0) b.recv(h.in_tag, h.from, whole, false);
+  if (h.to >= 0) b.send(h.out_tag, h.to, whole);
+}
+
+// gather (an all_gather with a root, ops.h): the tree (RootedTree), each rank handing up the
+// blocks of its subtree, then, where the tree is rooted at rank 0, rank 0's whole result down
+// the path to the root as in plan_reduce_tree. A rank on the path holds its subtree's blocks
+// already: it receives the rest, below and above them, in two messages (the second's tag
+// `levels` above the first's).
+void plan_gather_tree(Builder& b, int r, int n, int root, std::size_t count, std::size_t el) {
+  const std::size_t block = count * el;
+  const auto blocks = [&](std::pair<int, int> range) {
+    return Range{static_cast<std::size_t>(range.first) * block,
+                 static_cast<std::size_t>(range.second - range.first) * block};
+  };
+  const RootedTree t(r, n, root);
+  for (int k = 0; k < t.low; ++k) {
+    const int child = t.v + (1 << k);
+    if (t.real(child) < n) b.recv(k, t.real(child), blocks(t.subtree(child, k, n)), false);
+  }
+  if (t.v != 0) b.send(t.low, t.real(t.v - (1 << t.low)), blocks(t.subtree(t.v, t.low, n)));
+  if (!t.path) return;
+  const PathHop h = path_hop(r, root, t.levels);
+  // On the path (the tree rooted at rank 0, so virtual ranks are real): a rank's subtree ends
+  // at the lower of n and the rank plus 2^(its lowest set bit).
+  const auto subtree_end = [&](int rank) {
+    return rank == 0 ? n : std::min(n, rank + (1 << std::countr_zero(static_cast<unsigned>(rank))));
+  };
+  if (h.from >= 0) {
+    b.recv(h.in_tag, h.from, blocks({0, r}), false);
+    b.recv(h.in_tag + t.levels, h.from, blocks({subtree_end(r), n}), false);
+  }
+  if (h.to >= 0) {
+    b.send(h.out_tag, h.to, blocks({0, h.to}));
+    b.send(h.out_tag + t.levels, h.to, blocks({subtree_end(h.to), n}));
+  }
 }
 
 void plan_reduce_scatter(Builder& b, int r, int n, std::size_t count, std::size_t el) {
@@ -272,21 +350,22 @@ bool log_step_supports(OpKind kind, Schedule s) noexcept {
 
 StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t count,
                     std::size_t el, int root) {
-  if (!log_step_supports(kind, s) || nranks < 2 || rank < 0 || rank >= nranks) {
+  const bool rooted_tree = is_rooted_result(kind, root) && s == Schedule::kTree;
+  if ((!log_step_supports(kind, s) && !rooted_tree) || nranks < 2 || rank < 0 || rank >= nranks) {
     throw std::invalid_argument(std::string("plan_steps: ") + to_string(kind) + " with " +
                                 to_string(s) + " on rank " + std::to_string(rank) + " of " +
                                 std::to_string(nranks));
+  }
+  if (rooted_tree && root >= nranks) {
+    throw std::invalid_argument(std::string("plan_steps: ") + call_name(kind, root) + " to root " +
+                                std::to_string(root) + " of " + std::to_string(nranks));
   }
   StepPlan plan;
   Builder b(plan);
   switch (kind) {
     case OpKind::kAllReduce:
       plan.work_bytes = count * el;
-      if (is_reduce(kind, root) && s == Schedule::kTree) {
-        if (root >= nranks) {
-          throw std::invalid_argument("plan_steps: reduce to root " + std::to_string(root) +
-                                      " of " + std::to_string(nranks));
-        }
+      if (rooted_tree) {
         plan_reduce_tree(b, rank, nranks, root, count, el);
       } else {
         plan_all_reduce(b, s, rank, nranks, count, el);
@@ -299,7 +378,11 @@ StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t c
       break;
     default:
       plan.work_bytes = static_cast<std::size_t>(nranks) * count * el;
-      plan_all_gather(b, rank, nranks, count, el);
+      if (rooted_tree) {
+        plan_gather_tree(b, rank, nranks, root, count, el);
+      } else {
+        plan_all_gather(b, rank, nranks, count, el);
+      }
       break;
   }
   return plan;

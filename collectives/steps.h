@@ -36,10 +36,10 @@ namespace dear::collectives {
 [[nodiscard]] bool log_step_supports(OpKind kind, Schedule s) noexcept;
 
 // This rank's steps. `count` is the caller's count (per-rank block for reduce_scatter and
-// all_gather), `el` the element size; `root` >= 0 makes an all_reduce a reduce (ops.h), which
-// kTree runs as a reduction to rank 0 and a path of the tree's edges on to the root (the
-// other schedules run as for all_reduce). Throws std::invalid_argument for an unsupported
-// pair.
+// all_gather), `el` the element size; `root` >= 0 makes an all_reduce a reduce and an
+// all_gather a gather (ops.h), which kTree runs as a binomial tree to rank 0 and a path of the
+// tree's edges on to the root (the other schedules run as without a root; kTree is a gather's
+// only beyond log_step_supports()). Throws std::invalid_argument for an unsupported pair.
 [[nodiscard]] StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t count,
                                   std::size_t el, int root = -1);
 

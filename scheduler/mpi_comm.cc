@@ -196,6 +196,23 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
+  Work gather(const void* in, void* out, std::size_t send_count, DataType dtype, int root,
+              const OpOptions& opts) override {
+    const int n = int_count(send_count, "gather");
+    (void)int_count(send_count * static_cast<std::size_t>(size_), "gather");
+    dear::check_root(root, size_, rank_, "gather");
+    if (send_count > 0 && in == nullptr) null_arg("in", send_count, "gather");
+    if (rank_ == root && send_count > 0 && out == nullptr) null_arg("out", send_count, "gather");
+    auto p = pending("gather", send_count, dtype, ReduceOp::kSum, opts);
+    const std::size_t bytes = send_count * dtype_size(dtype);
+    const bool in_place = rank_ == root && in == static_cast<const char*>(out) +
+                                                     static_cast<std::size_t>(root) * bytes;
+    const void* send = in_place ? MPI_IN_PLACE : in;
+    return submit(std::move(p), [&](MPI_Request* req) {
+      return MPI_Igather(send, n, mpi_type(dtype), out, n, mpi_type(dtype), root, comm_, req);
+    });
+  }
+
   Work barrier(const OpOptions& opts) override {
     auto p = pending("barrier", 0, DataType::kUint8, ReduceOp::kSum, opts);
     return submit(std::move(p), [&](MPI_Request* req) { return MPI_Ibarrier(comm_, req); });

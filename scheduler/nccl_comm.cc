@@ -148,6 +148,39 @@ class NcclCommunicator final : public Communicator {
                });
   }
 
+  Work gather(const void* in, void* out, std::size_t send_count, DataType dtype, int root,
+              const OpOptions& opts) override {
+    dear::check_root(root, size_, rank_, "gather");
+    const std::size_t block = send_count * dtype_size(dtype);
+    const auto n = static_cast<std::size_t>(size_);
+    const bool root_here = rank_ == root;
+    const bool in_place =
+        root_here && in == static_cast<const char*>(out) + static_cast<std::size_t>(root) * block;
+    // NCCL has no gather: the root receives every other rank's block in one group of
+    // point-to-point calls. Off the root the output is a staged buffer nobody reads.
+    return run("gather", send_count, dtype, opts, {in, block},
+               {root_here ? out : nullptr, root_here ? n * block : block}, in_place,
+               [=, this](const void* s, void* r) {
+                 char* base = static_cast<char*>(r);
+                 if (root_here && !in_place && block > 0) {
+                   cuda(cudaMemcpyAsync(base + static_cast<std::size_t>(root) * block, s, block,
+                                        cudaMemcpyDeviceToDevice, stream_),
+                        "cudaMemcpyAsync");
+                 }
+                 ncclResult_t rc = ncclGroupStart();
+                 for (int p = 0; p < size_ && rc == ncclSuccess; ++p) {
+                   if (root_here && p != root) {
+                     rc = ncclRecv(base + static_cast<std::size_t>(p) * block, send_count,
+                                   nccl_type(dtype), p, comm_, stream_);
+                   } else if (!root_here && p == root) {
+                     rc = ncclSend(s, send_count, nccl_type(dtype), root, comm_, stream_);
+                   }
+                 }
+                 const ncclResult_t end = ncclGroupEnd();
+                 return rc != ncclSuccess ? rc : end;
+               });
+  }
+
   Work barrier(const OpOptions& opts) override {
     // NCCL has no barrier: an all_reduce of one byte holds every rank back the same way.
     return run("barrier", 1, DataType::kUint8, opts, {nullptr, 1}, {nullptr, 1}, false,

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -205,6 +206,55 @@ TEST_P(Conformance, ReduceToEveryRootEveryTypeOpAndAlgorithm) {
                       << "reduce " << what << ": a non-root output was written";
                 }
               }
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(Conformance, GatherToEveryRootEveryTypeAndAlgorithm) {
+  // The root's output holds every rank's block; elsewhere the output is never written. In
+  // place on the root: its block already in the output.
+  const int n = GetParam();
+  const std::vector<Algorithm> algos{Algorithm::kAuto, Algorithm::kRing,
+                                     Algorithm::kRecursiveDoubling, Algorithm::kTree};
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    int next_root = 0;
+    for (const auto algo : algos) {
+      for (const auto t : kAllTypes) {
+        const int root = next_root++ % n;
+        for (const std::size_t count : {std::size_t{0}, std::size_t{5}, std::size_t{1031}}) {
+          for (const bool in_place : {false, true}) {
+            const std::size_t el = dtype_size(t);
+            const auto in = make_input(r, count, t, ReduceOp::kSum);
+            const auto original = in;
+            std::vector<char> out(count * el * static_cast<std::size_t>(n), 0x5a);
+            const char* src = in.data();
+            if (in_place && r == root) {
+              std::memcpy(out.data() + static_cast<std::size_t>(r) * count * el, in.data(),
+                          count * el);
+              src = out.data() + static_cast<std::size_t>(r) * count * el;
+            }
+            OpOptions o;
+            o.algorithm = algo;
+            o.slice_bytes = 256;
+            comm.gather(src, out.data(), count, t, root, o).wait();
+            const std::string what = label(to_string(algo), t, ReduceOp::kSum, count, in_place, r) +
+                                     " root=" + std::to_string(root);
+            ASSERT_EQ(in, original) << "gather " << what << ": the input was written";
+            if (r != root) {
+              ASSERT_EQ(out, std::vector<char>(out.size(), 0x5a))
+                  << "gather " << what << ": a non-root output was written";
+              continue;
+            }
+            for (int b = 0; b < n; ++b) {
+              const auto want = make_input(b, count, t, ReduceOp::kSum);
+              ASSERT_EQ(0, std::memcmp(out.data() + static_cast<std::size_t>(b) * count * el,
+                                       want.data(), count * el))
+                  << "gather " << what << ": block " << b;
             }
           }
         }

@@ -70,6 +70,19 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
           [&] { comm.reduce(buf.data(), nullptr, 4, DataType::kFloat32, ReduceOp::kSum, 1); });
       EXPECT_NE(std::string(e.what()).find("out is null"), std::string::npos) << e.what();
     }
+    e = expect_error([&] { comm.gather(buf.data(), buf.data(), 1, DataType::kFloat32, 9); });
+    EXPECT_NE(std::string(e.what()).find("root=9"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("gather"), std::string::npos) << e.what();
+    if (comm.rank() == 0) {
+      e = expect_error([&] { comm.gather(buf.data(), nullptr, 1, DataType::kFloat32, 0); });
+      EXPECT_NE(std::string(e.what()).find("out is null"), std::string::npos) << e.what();
+    }
+    // The gather's own tree; an all_gather has none.
+    OpOptions tree;
+    tree.algorithm = Algorithm::kTree;
+    e = expect_error([&] { comm.all_gather(buf.data(), buf.data(), 1, DataType::kFloat32, tree); });
+    EXPECT_NE(std::string(e.what()).find("does not apply to all_gather"), std::string::npos)
+        << e.what();
 
     e = expect_error([&] {
       comm.all_reduce(buf.data(), buf.data() + 2, 8, DataType::kFloat32, ReduceOp::kSum);
@@ -324,6 +337,33 @@ TEST(Mismatch, ReduceAgainstAllReduceOrAnotherRootNamesBothViews) {
         EXPECT_NE(what.find("all_reduce"), std::string::npos) << what;
       }
     }
+  }
+}
+
+TEST(Mismatch, GatherAgainstAllGatherNamesBothViews) {
+  CommOptions o;
+  o.timeout = 20s;
+  OpOptions ring;
+  ring.algorithm = Algorithm::kRing;
+  const auto errors = run_ranks_collect(
+      3,
+      [&](Communicator& comm) {
+        std::vector<float> in(8, 1.0f);
+        std::vector<float> out(24);
+        if (comm.rank() == 1) {
+          comm.all_gather(in.data(), out.data(), 8, DataType::kFloat32, ring).wait();
+        } else {
+          comm.gather(in.data(), out.data(), 8, DataType::kFloat32, 0, ring).wait();
+        }
+      },
+      o);
+  for (int r = 0; r < 3; ++r) {
+    const auto& e = errors[static_cast<std::size_t>(r)];
+    ASSERT_TRUE(e) << "rank " << r << " did not fail";
+    const std::string what = what_of(e);
+    EXPECT_EQ(code_of(e), ErrorCode::kMismatch) << what;
+    EXPECT_NE(what.find("has gather count=8"), std::string::npos) << what;
+    EXPECT_NE(what.find("has all_gather count=8"), std::string::npos) << what;
   }
 }
 

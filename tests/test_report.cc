@@ -98,6 +98,8 @@ TEST(BusFactor, MatchesNcclTests) {
   EXPECT_DOUBLE_EQ(bus_factor(Collective::kReduceScatter, 4), 0.75);
   EXPECT_DOUBLE_EQ(bus_factor(Collective::kAllGather, 8), 0.875);
   EXPECT_DOUBLE_EQ(bus_factor(Collective::kBroadcast, 8), 1.0);
+  EXPECT_DOUBLE_EQ(bus_factor(Collective::kReduce, 8), 1.0);
+  EXPECT_DOUBLE_EQ(bus_factor(Collective::kGather, 4), 0.75);
   EXPECT_DOUBLE_EQ(bus_factor(Collective::kAllReduce, 1), 0.0);
   EXPECT_DOUBLE_EQ(algbw_gbps(1000000, 1000.0), 1.0);  // 1 MB in 1 ms = 1 GB/s
 
@@ -490,7 +492,8 @@ TEST(Collectives, NamesParseBack) {
   for (const Collective c : kAllCollectives) EXPECT_EQ(parse_collective(to_string(c)), c);
   EXPECT_EQ(parse_collective("allreduce"), Collective::kAllReduce);
   EXPECT_EQ(parse_collective("reduce-scatter"), Collective::kReduceScatter);
-  EXPECT_EQ(parse_collective("gather"), std::nullopt);
+  EXPECT_EQ(parse_collective("gather"), Collective::kGather);
+  EXPECT_EQ(parse_collective("scatter"), std::nullopt);
 }
 
 }  // namespace

@@ -175,6 +175,32 @@ TEST(StagingPieces, ReduceScatterPiecesAreStridedCopiesIntoContiguousSubBlocks) 
   EXPECT_EQ(plan.pinned_bytes, 256u + 40u);
 }
 
+TEST(StagingPieces, RootedOperationsSplitOffTheRootAsOnItWithoutCopyingOut) {
+  // reduce and gather: the root's output is written, the others' is 0 bytes (ignored). Both
+  // sides must issue the same host collectives, piece for piece.
+  const PieceOptions o{16, 1};
+  const std::uintptr_t in = 0x10000, out = 0x90000;
+  for (const StagedKind kind : {StagedKind::kAllReduce, StagedKind::kAllGather}) {
+    const std::size_t out_bytes = kind == StagedKind::kAllGather ? 3 * 40 : 40;
+    const auto root =
+        plan_pieces(kind, {at(in), 40, true}, {at(out), out_bytes, true}, 10, 4, 1, 3, true, o);
+    const auto other =
+        plan_pieces(kind, {at(in), 40, true}, {nullptr, 0, false}, 10, 4, 2, 3, true, o);
+    ASSERT_EQ(root.pieces.size(), 3u);
+    ASSERT_EQ(other.pieces.size(), root.pieces.size());
+    for (std::size_t i = 0; i < root.pieces.size(); ++i) {
+      EXPECT_EQ(other.pieces[i].first, root.pieces[i].first) << i;
+      EXPECT_EQ(other.pieces[i].count, root.pieces[i].count) << i;
+      ASSERT_EQ(other.pieces[i].copy_in.size(), 1u);
+      EXPECT_EQ(other.pieces[i].copy_in[0].user, in + root.pieces[i].first * 4) << i;
+      EXPECT_TRUE(other.pieces[i].copy_out.empty()) << i;
+      EXPECT_EQ(root.pieces[i].copy_out.size(), 1u) << i;
+      // Its output still lies inside the pinned buffer.
+      EXPECT_LE(other.pieces[i].out_offset + other.pieces[i].count * 4, other.pinned_bytes) << i;
+    }
+  }
+}
+
 TEST(StagingPieces, InvalidFormsAreNotSplit) {
   const PieceOptions o{16, 1};
   const std::uintptr_t b = 0x10000;

@@ -252,16 +252,66 @@ TEST(LogStepSchedules, ReduceTreeReachesEveryRootOverMeshLinks) {
       }
     }
   }
-  // Steps on the critical path: the tree's levels, then one hop per bit of the root.
-  const int levels = 3;  // 8 ranks
-  EXPECT_EQ(plan_steps(OpKind::kAllReduce, Schedule::kTree, 0, 8, 4, 4, 7).steps.size(),
-            static_cast<std::size_t>(levels) + 1);  // three receives, the first hop
-  EXPECT_EQ(plan_steps(OpKind::kAllReduce, Schedule::kTree, 7, 8, 4, 4, 7).steps.size(), 2U);
-  // Root 7 = 111: the path is 0 -> 4 -> 6 -> 7. Rank 6 reduces 7's part, sends it up, and
-  // later passes the result on; rank 3 is off the path and only sends.
-  EXPECT_EQ(plan_steps(OpKind::kAllReduce, Schedule::kTree, 6, 8, 4, 4, 7).steps.size(), 4U);
-  EXPECT_EQ(plan_steps(OpKind::kAllReduce, Schedule::kTree, 3, 8, 4, 4, 7).steps.size(), 1U);
+  // 6 ranks, root 5 = 101: the tree to rank 0, then the path 0 -> 4 -> 5. Rank 4 reduces 5's
+  // part, sends it up, and later passes the result on; rank 3 is off the path and only sends.
+  EXPECT_EQ(plan_steps(OpKind::kAllReduce, Schedule::kTree, 0, 6, 4, 4, 5).steps.size(),
+            4U);  // three receives, the first hop
+  EXPECT_EQ(plan_steps(OpKind::kAllReduce, Schedule::kTree, 5, 6, 4, 4, 5).steps.size(), 2U);
+  EXPECT_EQ(plan_steps(OpKind::kAllReduce, Schedule::kTree, 4, 6, 4, 4, 5).steps.size(), 4U);
+  EXPECT_EQ(plan_steps(OpKind::kAllReduce, Schedule::kTree, 3, 6, 4, 4, 5).steps.size(), 1U);
+  // 8 ranks: the tree is rooted at the root itself, no path. Root 7 receives from 6, 5 and 3
+  // (7 ^ 2^k) and finalises; rank 0 only sends.
+  const StepPlan root7 = plan_steps(OpKind::kAllReduce, Schedule::kTree, 7, 8, 4, 4, 7);
+  ASSERT_EQ(root7.steps.size(), 3U);
+  EXPECT_EQ(root7.steps[0].recv_peer, 6);
+  EXPECT_EQ(root7.steps[2].recv_peer, 3);
+  EXPECT_TRUE(root7.steps[2].final);
+  EXPECT_EQ(plan_steps(OpKind::kAllReduce, Schedule::kTree, 0, 8, 4, 4, 7).steps.size(), 1U);
   EXPECT_THROW((void)plan_steps(OpKind::kAllReduce, Schedule::kTree, 0, 4, 1, 4, 4),
+               std::invalid_argument);
+}
+
+TEST(LogStepSchedules, GatherTreeReachesEveryRootOverMeshLinks) {
+  // Every block reaches the root, whatever the root and rank count, over mesh links only.
+  for (int n = 2; n <= 17; ++n) {
+    for (int root = 0; root < n; ++root) {
+      for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{5}}) {
+        for (std::uint32_t seed = 1; seed <= 3; ++seed) {
+          check(OpKind::kAllGather, Schedule::kTree, n, count,
+                seed * 7927U + static_cast<std::uint32_t>(n * 37 + root), root);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+  // 6 ranks, root 5 = 101: the tree to rank 0, then the path 0 -> 4 -> 5. Rank 4 holds blocks
+  // 4..5 and receives 0..3; rank 5 holds 5 and receives 0..4 (nothing lies above it).
+  const std::size_t block = 4 * 4;
+  const StepPlan p4 = plan_steps(OpKind::kAllGather, Schedule::kTree, 4, 6, 4, 4, 5);
+  ASSERT_EQ(p4.steps.size(), 4U);  // from 5, to 0, from 0, to 5
+  EXPECT_EQ(p4.steps[2].recv_peer, 0);
+  EXPECT_EQ(p4.steps[2].recv_bytes, 4 * block);
+  const StepPlan p5 = plan_steps(OpKind::kAllGather, Schedule::kTree, 5, 6, 4, 4, 5);
+  ASSERT_EQ(p5.steps.size(), 2U);  // to 4, from 4
+  EXPECT_EQ(p5.steps[1].recv_peer, 4);
+  EXPECT_EQ(p5.steps[1].recv_offset, 0U);
+  EXPECT_EQ(p5.steps[1].recv_bytes, 5 * block);
+  // 8 ranks, root 6: the tree is rooted at 6 itself. It receives block 7 from 7, blocks 4..5
+  // from 4 and blocks 0..3 from 2: seven blocks in three messages, no path.
+  const StepPlan p6 = plan_steps(OpKind::kAllGather, Schedule::kTree, 6, 8, 4, 4, 6);
+  ASSERT_EQ(p6.steps.size(), 3U);
+  EXPECT_EQ(p6.steps[0].recv_peer, 7);
+  EXPECT_EQ(p6.steps[0].recv_offset, 7 * block);
+  EXPECT_EQ(p6.steps[1].recv_peer, 4);
+  EXPECT_EQ(p6.steps[1].recv_offset, 4 * block);
+  EXPECT_EQ(p6.steps[1].recv_bytes, 2 * block);
+  EXPECT_EQ(p6.steps[2].recv_peer, 2);
+  EXPECT_EQ(p6.steps[2].recv_offset, 0U);
+  EXPECT_EQ(p6.steps[2].recv_bytes, 4 * block);
+  // Without a root the all_gather has no tree; a root beyond the ranks is refused.
+  EXPECT_THROW((void)plan_steps(OpKind::kAllGather, Schedule::kTree, 0, 4, 1, 4),
+               std::invalid_argument);
+  EXPECT_THROW((void)plan_steps(OpKind::kAllGather, Schedule::kTree, 0, 4, 1, 4, 4),
                std::invalid_argument);
 }
 

@@ -28,6 +28,7 @@
 #include <gloo/barrier_all_to_one.h>
 #include <gloo/broadcast_one_to_all.h>
 #include <gloo/config.h>
+#include <gloo/gather.h>
 #include <gloo/math.h>
 #include <gloo/reduce.h>
 #include <gloo/reduce_scatter.h>
@@ -216,6 +217,22 @@ std::optional<BoundOp> bind_gloo(const OpRequest& r, const GlooComm& comm, Allre
         bound.run = [opts] { gloo::reduce(*opts); };
         return bound;
       }
+      case Collective::kGather: {
+        // Gloo's gather (gloo/gather.h): out of place only (it sends from its input and writes
+        // the root's whole output).
+        if (r.in_place) return std::nullopt;
+        auto opts = std::make_shared<gloo::GatherOptions>(ctx);
+        T* input = static_cast<T*>(r.send);
+        opts->setInput(input, r.point.rank_count);
+        if (comm.rank() == r.root) {
+          opts->setOutput(recv, r.point.rank_count * static_cast<std::size_t>(comm.size()));
+        }
+        opts->setRoot(r.root);
+        bound.input = input;
+        bound.output = recv;
+        bound.run = [opts] { gloo::gather(*opts); };
+        return bound;
+      }
       case Collective::kBroadcast: {
         if (!r.in_place) return std::nullopt;
         algorithm = std::make_shared<gloo::BroadcastOneToAll<T>>(ctx, std::vector<T*>{recv},
@@ -237,6 +254,7 @@ std::string algorithm_name(Collective c, const std::string& allreduce_algo) {
     case Collective::kAllGather: return "ring";
     case Collective::kBroadcast: return "one_to_all";
     case Collective::kReduce: return "reduce";
+    case Collective::kGather: return "gather";
   }
   return "?";
 }

@@ -161,6 +161,23 @@ std::optional<BoundOp> bind_mpi(const OpRequest& r, const MpiComm& world) {
       }
       bound.output = recv;
       return bound;
+    case Collective::kGather: {
+      // In place, the root passes MPI_IN_PLACE (its block already in place); the others send
+      // the block where their own output would hold it.
+      int size_of = 0;
+      check_mpi(MPI_Type_size(type, &size_of), "MPI_Type_size");
+      const bool root_here = world.rank() == r.root;
+      void* own = static_cast<std::byte*>(recv) + static_cast<std::size_t>(world.rank()) *
+                                                      r.point.rank_count *
+                                                      static_cast<std::size_t>(size_of);
+      const void* in = r.in_place ? (root_here ? MPI_IN_PLACE : own) : send;
+      bound.run = [=, root = r.root] {
+        check_mpi(MPI_Gather(in, count, type, recv, count, type, root, comm), "MPI_Gather");
+      };
+      bound.input = r.in_place ? own : send;
+      bound.output = recv;
+      return bound;
+    }
     case Collective::kReduce: {
       // In place, the root passes MPI_IN_PLACE; the others' input is their own buffer either way.
       const bool root_here = world.rank() == r.root;

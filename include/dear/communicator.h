@@ -214,6 +214,12 @@ class Communicator {
   // in == out. Runs the all_reduce's schedules; only the root keeps the result.
   virtual Work reduce(const void* in, void* out, std::size_t count, DataType dtype, ReduceOp op,
                       int root, const OpOptions& opts = {}) = 0;
+  // Root's out[size()*send_count] gets rank r's in[send_count] at r*send_count; out is written
+  // on the root only (elsewhere it is ignored and may be null). In place on the root when
+  // in == out + root*send_count*dtype_size. Runs the all_gather's schedules and a tree of its
+  // own; only the root keeps the result.
+  virtual Work gather(const void* in, void* out, std::size_t send_count, DataType dtype, int root,
+                      const OpOptions& opts = {}) = 0;
   virtual Work barrier(const OpOptions& opts = {}) = 0;
 
   // What this communicator's progress engine has used so far, for benchmarks: the CPU time of

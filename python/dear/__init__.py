@@ -29,7 +29,7 @@ __all__ = [
     "HAVE_CUDA", "Error", "Handle", "init", "is_initialized", "shutdown", "rank", "size",
     "all_reduce", "all_reduce_async", "reduce_scatter", "reduce_scatter_async",
     "all_gather", "all_gather_async", "broadcast", "broadcast_async", "reduce", "reduce_async",
-    "barrier", "barrier_async", "broadcast_parameters", "forget_memory", "DistributedOptimizer",
+    "gather", "gather_async", "barrier", "barrier_async", "broadcast_parameters", "forget_memory", "DistributedOptimizer",
 ]
 
 _DTYPES = {
@@ -237,6 +237,29 @@ def reduce_async(tensor: torch.Tensor, root: int = 0, op: str = "sum",
     return Handle(work, tensor)
 
 
+def gather_async(output: Optional[torch.Tensor], input: torch.Tensor, root: int = 0,
+                 priority: int = 0) -> Handle:
+    """On `root`, `output` receives every rank's `input`, rank r's at slice r
+    (output.numel() == size() * input.numel()); elsewhere `output` is not used and may be None.
+    """
+    comm = _communicator()
+    dtype = _dtype(input, "input")
+    if comm.rank != root:
+        work = comm.gather(input.data_ptr(), 0, input.numel(), dtype, root, priority,
+                           _stream(input))
+        return Handle(work, input)
+    if output is None:
+        raise ValueError(f"gather: output is None on the root (rank {root})")
+    _dtype(output, "output")
+    _same_dtype(output, input)
+    if output.numel() != input.numel() * comm.size:
+        raise ValueError(f"gather: output has {output.numel()} elements, expected "
+                         f"size() * input.numel() = {comm.size} * {input.numel()}")
+    work = comm.gather(input.data_ptr(), output.data_ptr(), input.numel(), dtype, root, priority,
+                       _stream(output))
+    return Handle(work, output, input)
+
+
 def barrier_async(priority: int = 0) -> Handle:
     return Handle(_communicator().barrier(priority))
 
@@ -266,6 +289,12 @@ def reduce(tensor: torch.Tensor, root: int = 0, op: str = "sum",
            priority: int = 0) -> torch.Tensor:
     reduce_async(tensor, root, op, priority).wait()
     return tensor
+
+
+def gather(output: Optional[torch.Tensor], input: torch.Tensor, root: int = 0,
+           priority: int = 0) -> Optional[torch.Tensor]:
+    gather_async(output, input, root, priority).wait()
+    return output
 
 
 def barrier(priority: int = 0) -> None:

@@ -24,10 +24,10 @@ futures, in issue order, as Gloo's worker threads do. Callbacks chained on the f
 run on that thread.
 
 Supported: allreduce (sum, product, min, max, avg), broadcast, allgather, reduce_scatter,
-reduce, barrier, each over a list of tensors; all_gather_into_tensor and reduce_scatter_tensor (the
-flat forms, _allgather_base and _reduce_scatter_base, which run dear's own all_gather and
-reduce_scatter without a copy); DistributedDataParallel on CPU tensors. Not supported yet:
-send/recv, gather, scatter, all-to-all (they raise an error saying so, with what to use
+reduce, gather, barrier, each over a list of tensors; all_gather_into_tensor and
+reduce_scatter_tensor (the flat forms, _allgather_base and _reduce_scatter_base, which run dear's
+own all_gather and reduce_scatter without a copy); DistributedDataParallel on CPU tensors. Not
+supported yet: send/recv, scatter, all-to-all (they raise an error saying so, with what to use
 instead). Timeouts are dear's (DEAR_TIMEOUT), not the process group's.
 """
 from __future__ import annotations
@@ -213,8 +213,26 @@ class ProcessGroupDear(ProcessGroup):
         return self._completer.submit([dear.reduce_async(t, root, op=op) for t in tensors],
                                       tensors)
 
-    def gather(self, output_lists, inputs, opts=None) -> Work:
-        raise _unsupported("gather", "all_gather_into_tensor")
+    def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
+               opts=None) -> Work:
+        root = opts.rootRank if opts is not None else 0
+        if len(inputs) != 1:
+            raise ValueError(f"dear backend: gather takes one input tensor, got {len(inputs)}")
+        t = inputs[0].contiguous()
+        if self.rank() != root:
+            return self._completer.submit([dear.gather_async(None, t, root)], [])
+        if len(output_lists) != 1 or len(output_lists[0]) != self.size():
+            raise ValueError(f"dear backend: gather needs one list of {self.size()} outputs on "
+                             f"the root, got {[len(o) for o in output_lists]}")
+        outputs = output_lists[0]
+        # torch hands separate output tensors; dear gathers into one contiguous buffer.
+        flat = torch.empty(t.numel() * self.size(), dtype=t.dtype, device=t.device)
+
+        def scatter_out() -> None:
+            for out, part in zip(outputs, flat.chunk(self.size())):
+                out.copy_(part.view_as(out))
+        return self._completer.submit([dear.gather_async(flat, t, root)], list(outputs),
+                                      scatter_out)
 
     def scatter(self, outputs, input_lists, opts=None) -> Work:
         raise _unsupported("scatter", "broadcast of the whole list, each rank keeping its part")

@@ -252,6 +252,15 @@ PYBIND11_MODULE(_dear, m) {
           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"),
           py::arg("root"), py::arg("priority") = 0, py::arg("cuda_stream") = 0)
       .def(
+          "gather",
+          [](PyCommunicator& c, std::uintptr_t in, std::uintptr_t out, std::size_t send_count,
+             dear::DataType dtype, int root, int priority, std::uintptr_t stream) {
+            return c.get().gather(as_ptr(in), as_ptr(out), send_count, dtype, root,
+                                  op_options(priority, stream));
+          },
+          py::arg("in_ptr"), py::arg("out_ptr"), py::arg("send_count"), py::arg("dtype"),
+          py::arg("root"), py::arg("priority") = 0, py::arg("cuda_stream") = 0)
+      .def(
           "barrier",
           [](PyCommunicator& c, int priority) { return c.get().barrier(op_options(priority, 0)); },
           py::arg("priority") = 0)

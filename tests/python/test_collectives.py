@@ -90,7 +90,14 @@ def main() -> None:
             want = (reference([data(r, count, dtype, "max") for r in range(n)], "max")
                     if rank == root else data(rank, count, dtype, "max"))
             check(f"reduce {dtype} {count} root {root}", t, want)
-            checked += 4
+            # gather to another moving root: only it has an output
+            root = (count + 1) % n
+            out = torch.empty(count * n, dtype=dtype) if rank == root else None
+            dear.gather(out, data(rank, count, dtype), root=root)
+            if rank == root:
+                check(f"gather {dtype} {count} root {root}", out,
+                      torch.cat([data(r, count, dtype) for r in range(n)]))
+            checked += 4 + (rank == root)
 
     # In place, through views of one buffer (the optimizer's usage).
     buf = data(rank, 12 * n, torch.float32)

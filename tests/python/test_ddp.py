@@ -86,9 +86,14 @@ def check_collectives(rank: int, n: int) -> None:
         want = (torch.stack([rank_data(r) for r in range(n)]).min(0).values if rank == dst
                 else rank_data(rank))
         assert torch.equal(t, want), f"reduce to {dst}: {t} != {want}"
-    gather_list = [torch.empty(10) for _ in range(n)] if rank == 0 else None
-    for name, call in (("gather", lambda: dist.gather(rank_data(rank), gather_list, dst=0)),
-                       ("send", lambda: dist.send(rank_data(rank), dst=(rank + 1) % n)),
+    for dst in range(n):
+        gather_list = [torch.full((10,), -7.0) for _ in range(n)] if rank == dst else None
+        dist.gather(rank_data(rank), gather_list, dst=dst)
+        if rank == dst:
+            for r in range(n):
+                assert torch.equal(gather_list[r], rank_data(r)), \
+                    f"gather to {dst} block {r}: {gather_list[r]}"
+    for name, call in (("send", lambda: dist.send(rank_data(rank), dst=(rank + 1) % n)),
                        ("all_to_all_single",
                         lambda: dist.all_to_all_single(torch.empty(n), torch.empty(n)))):
         try:
