@@ -107,6 +107,23 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
       bound.input = const_cast<void*>(in);
       return bound;
     }
+    case Collective::kScatter: {
+      // In place: the root's output is its own block of the input (NCCL's convention for
+      // reduce_scatter); elsewhere the block at the same place of a buffer of that size.
+      void* out =
+          r.in_place ? static_cast<char*>(recv) + static_cast<std::size_t>(comm.rank()) * count * el
+                     : recv;
+      const void* in = comm.rank() == r.root ? send : nullptr;
+      bound.run = [&comm, in, out, count, t, root = r.root, o] {
+        comm.scatter(in, out, count, t, root, o).wait();
+      };
+      bound.run_many = many([&comm, in, out, count, t, root = r.root, o] {
+        return comm.scatter(in, out, count, t, root, o);
+      });
+      bound.input = const_cast<void*>(send);
+      bound.output = out;
+      return bound;
+    }
     case Collective::kGather: {
       // In place: each rank's block already where the root's output keeps it.
       const void* in = r.in_place ? static_cast<const char*>(recv) +

@@ -285,6 +285,7 @@ std::string_view to_string(Collective c) noexcept {
     case Collective::kBroadcast: return "broadcast";
     case Collective::kReduce: return "reduce";
     case Collective::kGather: return "gather";
+    case Collective::kScatter: return "scatter";
   }
   return "invalid";
 }
@@ -303,7 +304,8 @@ bool has_reduction(Collective c) noexcept {
 }
 
 bool has_root(Collective c) noexcept {
-  return c == Collective::kBroadcast || c == Collective::kReduce || c == Collective::kGather;
+  return c == Collective::kBroadcast || c == Collective::kReduce || c == Collective::kGather ||
+         c == Collective::kScatter;
 }
 
 namespace {
@@ -384,7 +386,7 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
          },
          "Reduction: sum prod max min avg")
       ->default_str(std::string(to_string(args.op)));
-  app.add_option("-r,--root", args.root, "Root rank of broadcast, reduce and gather")
+  app.add_option("-r,--root", args.root, "Root rank of broadcast, reduce, gather and scatter")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--json", args.json_path, "Also write the results as JSON to FILE");
@@ -410,11 +412,11 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
              throw CLI::ValidationError("COLLECTIVE",
                                         "'" + text +
                                             "' is not one of all_reduce reduce_scatter all_gather "
-                                            "broadcast reduce gather");
+                                            "broadcast reduce gather scatter");
            }
            args.collective = *c;
          },
-         "all_reduce | reduce_scatter | all_gather | broadcast | reduce | gather")
+         "all_reduce | reduce_scatter | all_gather | broadcast | reduce | gather | scatter")
       ->required();
 }
 
@@ -456,7 +458,7 @@ SizePoint size_point(std::uint64_t bytes, Collective c, DataType t, int nranks) 
   if (elem == 0) invalid("size_point: invalid dtype");
   if (nranks < 1) invalid("size_point: nranks must be at least 1");
   SizePoint p;
-  if (c == Collective::kReduceScatter || gathers(c)) {
+  if (c == Collective::kReduceScatter || c == Collective::kScatter || gathers(c)) {
     const auto n = static_cast<std::uint64_t>(nranks);
     p.rank_count = bytes / (elem * n);
     p.count = p.rank_count * n;
@@ -496,7 +498,8 @@ double bus_factor(Collective c, int nranks) noexcept {
     case Collective::kAllReduce: return 2.0 * (n - 1.0) / n;
     case Collective::kReduceScatter:
     case Collective::kAllGather:
-    case Collective::kGather: return (n - 1.0) / n;
+    case Collective::kGather:
+    case Collective::kScatter: return (n - 1.0) / n;
     case Collective::kBroadcast:
     case Collective::kReduce: return 1.0;  // nccl-tests' factor: the root's link carries it all
   }
@@ -816,7 +819,7 @@ void print_progress(std::string_view tool, Collective c, std::uint64_t bytes, st
 // ---- checking -------------------------------------------------------------------------------
 
 std::uint64_t input_count(const CheckSpec& spec) noexcept {
-  return spec.collective == Collective::kReduceScatter
+  return spec.collective == Collective::kReduceScatter || spec.collective == Collective::kScatter
              ? spec.rank_count * static_cast<std::uint64_t>(spec.nranks)
              : spec.rank_count;
 }
@@ -912,6 +915,12 @@ double expected_value(const CheckSpec& spec, std::uint64_t out_index) {
     }
     case Collective::kBroadcast:
       return round_to(pattern_value(spec.op, spec.root, out_index, spec.seed), spec.dtype);
+    case Collective::kScatter:
+      return round_to(
+          pattern_value(spec.op, spec.root,
+                        static_cast<std::uint64_t>(spec.rank) * spec.rank_count + out_index,
+                        spec.seed),
+          spec.dtype);
   }
   invalid("expected_value: invalid collective");
 }

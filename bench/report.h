@@ -3,7 +3,8 @@
 // Every benchmark parses the same nccl-tests flags, sweeps the same sizes, times the same way
 // and prints the same rows, so that numbers from different libraries can be put side by side
 // without translation. The conventions that make results comparable:
-//   - size is the total bytes of the operation; for reduce_scatter, all_gather and gather the
+//   - size is the total bytes of the operation; for reduce_scatter, all_gather, gather and
+//     scatter the
 //     per-rank count x ranks x element size, for all_reduce, reduce and broadcast the buffer
 //     size;
 //   - GB = 1e9 bytes; algbw = size / time; busbw = algbw x bus_factor(collective, ranks);
@@ -43,13 +44,15 @@ enum class Collective : std::uint8_t {
   kAllGather,
   kBroadcast,
   kReduce,
-  kGather
+  kGather,
+  kScatter
 };
-inline constexpr std::array<Collective, 6> kAllCollectives{
+inline constexpr std::array<Collective, 7> kAllCollectives{
     Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather,
-    Collective::kBroadcast, Collective::kReduce,        Collective::kGather};
+    Collective::kBroadcast, Collective::kReduce,        Collective::kGather,
+    Collective::kScatter};
 
-// all_reduce reduce_scatter all_gather broadcast reduce gather
+// all_reduce reduce_scatter all_gather broadcast reduce gather scatter
 [[nodiscard]] std::string_view to_string(Collective c) noexcept;
 // Accepts the names above, also with '-' for '_' (all-reduce) and without it (allreduce).
 [[nodiscard]] std::optional<Collective> parse_collective(std::string_view name) noexcept;
@@ -79,7 +82,7 @@ struct BenchArgs {
   int check = 1;           // -c/--check (0: no checked iteration)
   DataType dtype = DataType::kFloat32;  // -d/--datatype
   ReduceOp op = ReduceOp::kSum;         // -o/--op
-  int root = 0;                         // -r/--root (broadcast, reduce, gather)
+  int root = 0;                         // -r/--root (broadcast, reduce, gather, scatter)
   std::string json_path;                // --json FILE
   std::string csv_path;                 // --csv FILE
   std::string samples_path;             // --samples FILE (every timed iteration, rank 0)
@@ -313,7 +316,7 @@ struct CheckSpec {
   ReduceOp op = ReduceOp::kSum;
   int rank = 0;
   int nranks = 1;
-  int root = 0;                  // broadcast, reduce, gather
+  int root = 0;                  // broadcast, reduce, gather, scatter
   std::uint64_t rank_count = 0;  // SizePoint::rank_count
   std::uint64_t seed = 0;        // vary per run so stale data from a previous run is caught
 };

@@ -159,6 +159,13 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     return issue({OpKind::kAllReduce, in, out, count, dtype, op, root}, opts, nullptr);
   }
 
+  Work scatter(const void* in, void* out, std::size_t recv_count, DataType dtype, int root,
+               const OpOptions& opts) override {
+    dear::check_root(root, size_, rank_, "scatter");
+    return issue({OpKind::kReduceScatter, in, out, recv_count, dtype, ReduceOp::kSum, root}, opts,
+                 nullptr);
+  }
+
   Work gather(const void* in, void* out, std::size_t send_count, DataType dtype, int root,
               const OpOptions& opts) override {
     dear::check_root(root, size_, rank_, "gather");
@@ -223,12 +230,27 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
         o = make(c.kind, c.in, c.out, c.count, c.dtype, c.op, c.root, opts, fence != nullptr);
         check_buffers(*o, "in", c.count, "out", c.root < 0 || c.root == rank_ ? c.count : 0, true);
         break;
-      case OpKind::kReduceScatter:
-        o = make(c.kind, c.in, c.out, c.count, c.dtype, c.op, -1, opts, fence != nullptr);
+      case OpKind::kReduceScatter: {
+        // With a root, a scatter (collectives::is_scatter): `in` is the root's only.
+        if (c.root >= 0) dear::check_root(c.root, size_, rank_, "scatter");
+        const bool has_in = c.root < 0 || c.root == rank_;
+        o = make(c.kind, c.in, c.out, c.count, c.dtype, c.op, c.root, opts, fence != nullptr);
         check_total(c.count, c.dtype, "recv_count");
-        check_buffers(*o, "in", c.count * n, "out", c.count, false);
-        check_in_place_block(o->in, c.count * n, o->out, c.count, c.dtype, "out", "in");
+        check_buffers(*o, "in", has_in ? c.count * n : 0, "out", c.count, false);
+        if (has_in) check_in_place_block(o->in, c.count * n, o->out, c.count, c.dtype, "out", "in");
+        if (c.root >= 0 && fence) {
+          // The tree keeps its work in host memory; device buffers come staged (device_staging).
+          throw Error(ErrorCode::kInternal, "a scatter reached the engine with device memory",
+                      rank_, Error::kNone, "scatter");
+        }
+        if (c.root >= 0 && size_ > 1 && !mesh_) {
+          throw Error(ErrorCode::kInvalidArgument,
+                      "scatter needs direct links between ranks 2^k apart, which transport '" +
+                          options_.transport + "' does not build",
+                      rank_, Error::kNone, "scatter");
+        }
         break;
+      }
       case OpKind::kAllGather: {
         // With a root, a gather (collectives::is_gather): `out` is the root's only.
         if (c.root >= 0) dear::check_root(c.root, size_, rank_, "gather");
@@ -259,10 +281,12 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     }
     if (size_ > 1 && c.kind != OpKind::kBroadcast) {
       const bool rooted = collectives::is_rooted_result(c.kind, c.root);
-      // A gather's tree is its own (the all_gather has none): select() does not know it.
-      o->schedule = rooted && a == Algorithm::kTree && mesh_
-                        ? Schedule::kTree
-                        : select(c.kind, a, c.count, c.dtype, opts);
+      // A gather's tree is its own (the all_gather has none): select() does not know it. A
+      // scatter has no other schedule.
+      o->schedule =
+          collectives::is_scatter(c.kind, c.root) || (rooted && a == Algorithm::kTree && mesh_)
+              ? Schedule::kTree
+              : select(c.kind, a, c.count, c.dtype, opts);
       // A reduce takes the tree, which ends at the root, wherever the all_reduce would not take
       // the ring (whose reduce-scatter halves what each link carries); a gather takes it at
       // every size: the other schedules bring the result to every rank (steps.h), and the
@@ -530,7 +554,8 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     if (!algorithm_fits(a, kind, root)) {
       throw Error(ErrorCode::kInvalidArgument,
                   std::string(what) + "=" + to_string(a) + " does not apply to " + name +
-                      (a == Algorithm::kGatherReduce ? " (all_reduce and reduce only)"
+                      (collectives::is_scatter(kind, root) ? " (a scatter runs the tree only)"
+                       : a == Algorithm::kGatherReduce     ? " (all_reduce and reduce only)"
                        : a == Algorithm::kTree
                            ? " (all_reduce, reduce and gather only)"
                            : " (all_reduce, reduce_scatter, all_gather, reduce and gather only)"),
@@ -549,14 +574,16 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
 
   static bool algorithm_fits(Algorithm a, OpKind kind, int root = -1) {
     switch (a) {
-      case Algorithm::kAuto:
-      case Algorithm::kRing: return true;
+      case Algorithm::kAuto: return true;
+      case Algorithm::kRing: return !collectives::is_scatter(kind, root);
       case Algorithm::kGatherReduce: return kind == OpKind::kAllReduce;
       case Algorithm::kTree:
-        return kind == OpKind::kAllReduce || collectives::is_gather(kind, root);
+        return kind == OpKind::kAllReduce || collectives::is_gather(kind, root) ||
+               collectives::is_scatter(kind, root);
       case Algorithm::kHalvingDoubling:
       case Algorithm::kRecursiveDoubling:
-        return kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter ||
+        return kind == OpKind::kAllReduce ||
+               (kind == OpKind::kReduceScatter && !collectives::is_scatter(kind, root)) ||
                kind == OpKind::kAllGather;
     }
     return false;

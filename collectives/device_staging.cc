@@ -231,6 +231,19 @@ class DeviceCommunicator final : public Communicator {
                  });
   }
 
+  Work scatter(const void* in, void* out, std::size_t recv_count, DataType dtype, int root,
+               const OpOptions& opts) override {
+    const std::size_t b = recv_count * dtype_size(dtype);
+    const std::size_t in_b = rank() == root ? b * static_cast<std::size_t>(size()) : 0;
+    // Only the root's `in` is read. Its tree runs on host memory (steps.h): device buffers are
+    // staged whole (StagedKind::kOther).
+    return route({OpKind::kReduceScatter, in, out, recv_count, dtype, ReduceOp::kSum, root},
+                 "scatter", StagedKind::kOther, recv_count, in, in_b, out, b, dtype, opts,
+                 [=](Communicator& c, const void* i, void* o, std::size_t n, const OpOptions& x) {
+                   return c.scatter(i, o, n, dtype, root, x);
+                 });
+  }
+
   Work gather(const void* in, void* out, std::size_t send_count, DataType dtype, int root,
               const OpOptions& opts) override {
     const std::size_t b = send_count * dtype_size(dtype);

@@ -60,6 +60,7 @@ const char* to_string(OpKind k) noexcept {
 
 const char* call_name(OpKind kind, int root) noexcept {
   if (is_reduce(kind, root)) return "reduce";
+  if (is_scatter(kind, root)) return "scatter";
   return is_gather(kind, root) ? "gather" : to_string(kind);
 }
 
@@ -189,7 +190,9 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
         plan_steps(op.kind, op.schedule, rank, nranks, op.user_count, op.el, op.root);
     op.log_step.step_state.assign(op.log_step.plan.steps.size(), 0);
     op.eager = op.log_step.plan.work_bytes <= geo.eager_bytes;
-    op.work = op.out;
+    // A scatter's root only sends, from its input; every other rank gathers its branch in
+    // scratch (work_is_scratch).
+    op.work = is_scatter(op.kind, op.root) && rank == op.root ? const_cast<char*>(op.in) : op.out;
     return;
   }
   op.ring.forwards = true;
@@ -390,7 +393,9 @@ void start_local(Op& op) {
                                  !op.log_step.plan.work_is_scratch && op.work == op.out;
     op.log_step.written.clear();
     if (op.log_step.input_in_place) op.log_step.written.reserve(op.log_step.plan.steps.size() + 1);
-    if (op.log_step.plan.work_is_scratch && op.log_step.plan.work_bytes > 0) {
+    // A scatter's scratch starts empty: its blocks all arrive.
+    if (op.log_step.plan.work_is_scratch && op.log_step.plan.work_bytes > 0 &&
+        !is_scatter(op.kind, op.root)) {
       std::memcpy(op.work, op.in, op.log_step.plan.work_bytes);
     }
   }
@@ -491,6 +496,13 @@ void finish_local(Op& op, bool reductions) {
   copy_piece(op, op.ring.copy_left);
   // Bytes no step wrote (none in dear's schedules) still hold the input's value.
   if (op.log_step.input_in_place) fill_from_input(op, 0, op.user_count * op.el);
+  if (is_scatter(op.kind, op.root) && op.rank == op.root) {
+    // The root's own block, unless it is in place (out == in + root * block).
+    const std::size_t block = op.user_count * op.el;
+    const char* own = op.in + static_cast<std::size_t>(op.rank) * block;
+    if (block > 0 && own != op.out) std::memcpy(op.out, own, block);
+    return;
+  }
   if (op.log_step.plan.work_is_scratch) {
     const std::size_t block = op.user_count * op.el;
     if (block > 0) {

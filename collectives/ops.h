@@ -50,11 +50,17 @@ enum class OpKind : std::uint8_t {
 [[nodiscard]] constexpr bool is_gather(OpKind kind, int root) noexcept {
   return kind == OpKind::kAllGather && root >= 0;
 }
-// Either: an operation whose result only the root keeps.
+// Communicator::scatter is a kReduceScatter with a root: the root's input holds every rank's
+// block, and nothing is reduced. It runs one schedule, the tree (steps.h): each rank's blocks
+// come down its branch of a binomial tree from the root.
+[[nodiscard]] constexpr bool is_scatter(OpKind kind, int root) noexcept {
+  return kind == OpKind::kReduceScatter && root >= 0;
+}
+// A reduce or gather: an operation whose result only the root keeps.
 [[nodiscard]] constexpr bool is_rooted_result(OpKind kind, int root) noexcept {
   return is_reduce(kind, root) || is_gather(kind, root);
 }
-// The name of the call an operation came from ("reduce", "gather"), for messages.
+// The name of the call an operation came from ("reduce", "gather", "scatter"), for messages.
 [[nodiscard]] const char* call_name(OpKind kind, int root) noexcept;
 
 // How an operation is carried out; part of what ranks must agree on.
@@ -71,7 +77,8 @@ enum class Schedule : std::uint8_t {
   kHalvingDoubling = 6,    // recursive halving (reduce_scatter) then doubling (all_gather):
                            // Rabenseifner's all_reduce, 2 log2(N) steps
   kTree = 7,               // all_reduce: binomial tree reduce to rank 0, then broadcast;
-                           // reduce and gather: the tree to rank 0, then a path to the root
+                           // reduce, gather and scatter: a binomial tree with the root on
+                           // top, or rooted at rank 0 with a path to the root (steps.h)
 };
 [[nodiscard]] const char* to_string(Schedule s) noexcept;
 

@@ -301,6 +301,45 @@ void plan_gather_tree(Builder& b, int r, int n, int root, std::size_t count, std
   }
 }
 
+// scatter (a reduce_scatter with a root, ops.h): the gather's tree run downwards. Each rank
+// receives its subtree's blocks from its parent and hands each child the child's subtree, the
+// largest first. Where the tree is rooted at rank 0 (not a power of two of ranks), the blocks
+// first come up the path from the root to rank 0 (the gather's path reversed), each hop
+// carrying what the ranks behind it need: everything outside its sender's subtree, below and
+// above it, in two messages. A rank on the path has its part then, and sends nothing down to the
+// next rank on the path (that rank has its own part already).
+void plan_scatter_tree(Builder& b, int r, int n, int root, std::size_t count, std::size_t el) {
+  const std::size_t block = count * el;
+  const auto blocks = [&](std::pair<int, int> range) {
+    return Range{static_cast<std::size_t>(range.first) * block,
+                 static_cast<std::size_t>(range.second - range.first) * block};
+  };
+  const RootedTree t(r, n, root);
+  const PathHop h = t.path ? path_hop(r, root, t.levels) : PathHop{};
+  const bool on_path = t.path && (r == 0 || h.from >= 0);
+  const auto subtree_end = [&](int rank) {
+    return rank == 0 ? n : std::min(n, rank + (1 << std::countr_zero(static_cast<unsigned>(rank))));
+  };
+  if (on_path) {
+    // Tags as the gather's path uses them, edge by edge.
+    if (h.to >= 0) {
+      b.recv(h.out_tag, h.to, blocks({0, h.to}), false);
+      b.recv(h.out_tag + t.levels, h.to, blocks({subtree_end(h.to), n}), false);
+    }
+    if (h.from >= 0) {
+      b.send(h.in_tag, h.from, blocks({0, r}));
+      b.send(h.in_tag + t.levels, h.from, blocks({subtree_end(r), n}));
+    }
+  } else if (t.v != 0) {
+    b.recv(t.low, t.real(t.v - (1 << t.low)), blocks(t.subtree(t.v, t.low, n)), false);
+  }
+  for (int k = t.low - 1; k >= 0; --k) {
+    const int child = t.v + (1 << k);
+    if (t.real(child) >= n || (on_path && t.real(child) == h.to)) continue;
+    b.send(k, t.real(child), blocks(t.subtree(child, k, n)));
+  }
+}
+
 void plan_reduce_scatter(Builder& b, int r, int n, std::size_t count, std::size_t el) {
   const Fold f(n);
   const std::size_t block = count * el;
@@ -350,7 +389,8 @@ bool log_step_supports(OpKind kind, Schedule s) noexcept {
 
 StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t count,
                     std::size_t el, int root) {
-  const bool rooted_tree = is_rooted_result(kind, root) && s == Schedule::kTree;
+  const bool rooted_tree =
+      (is_rooted_result(kind, root) || is_scatter(kind, root)) && s == Schedule::kTree;
   if ((!log_step_supports(kind, s) && !rooted_tree) || nranks < 2 || rank < 0 || rank >= nranks) {
     throw std::invalid_argument(std::string("plan_steps: ") + to_string(kind) + " with " +
                                 to_string(s) + " on rank " + std::to_string(rank) + " of " +
@@ -373,8 +413,14 @@ StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t c
       break;
     case OpKind::kReduceScatter:
       plan.work_bytes = static_cast<std::size_t>(nranks) * count * el;
-      plan.work_is_scratch = true;
-      plan_reduce_scatter(b, rank, nranks, count, el);
+      if (rooted_tree) {
+        // The root sends from its input (ops.cc); the others collect their branch in scratch.
+        plan.work_is_scratch = rank != root;
+        plan_scatter_tree(b, rank, nranks, root, count, el);
+      } else {
+        plan.work_is_scratch = true;
+        plan_reduce_scatter(b, rank, nranks, count, el);
+      }
       break;
     default:
       plan.work_bytes = static_cast<std::size_t>(nranks) * count * el;

@@ -196,6 +196,24 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
+  Work scatter(const void* in, void* out, std::size_t recv_count, DataType dtype, int root,
+               const OpOptions& opts) override {
+    const int n = int_count(recv_count, "scatter");
+    (void)int_count(recv_count * static_cast<std::size_t>(size_), "scatter");
+    dear::check_root(root, size_, rank_, "scatter");
+    if (rank_ == root && recv_count > 0 && in == nullptr) null_arg("in", recv_count, "scatter");
+    if (recv_count > 0 && out == nullptr) null_arg("out", recv_count, "scatter");
+    auto p = pending("scatter", recv_count, dtype, ReduceOp::kSum, opts);
+    const std::size_t bytes = recv_count * dtype_size(dtype);
+    const bool in_place =
+        rank_ == root && static_cast<const char*>(out) ==
+                             static_cast<const char*>(in) + static_cast<std::size_t>(root) * bytes;
+    void* recv = in_place ? MPI_IN_PLACE : out;
+    return submit(std::move(p), [&](MPI_Request* req) {
+      return MPI_Iscatter(in, n, mpi_type(dtype), recv, n, mpi_type(dtype), root, comm_, req);
+    });
+  }
+
   Work gather(const void* in, void* out, std::size_t send_count, DataType dtype, int root,
               const OpOptions& opts) override {
     const int n = int_count(send_count, "gather");

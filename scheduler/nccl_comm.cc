@@ -148,6 +148,39 @@ class NcclCommunicator final : public Communicator {
                });
   }
 
+  Work scatter(const void* in, void* out, std::size_t recv_count, DataType dtype, int root,
+               const OpOptions& opts) override {
+    dear::check_root(root, size_, rank_, "scatter");
+    const std::size_t block = recv_count * dtype_size(dtype);
+    const auto n = static_cast<std::size_t>(size_);
+    const bool root_here = rank_ == root;
+    const bool in_place =
+        root_here && out == static_cast<const char*>(in) + static_cast<std::size_t>(root) * block;
+    // NCCL has no scatter: the root sends every other rank its block in one group of
+    // point-to-point calls.
+    return run("scatter", recv_count, dtype, opts,
+               {root_here ? in : nullptr, root_here ? n * block : 0}, {out, block}, in_place,
+               [=, this](const void* s, void* r) {
+                 const char* base = static_cast<const char*>(s);
+                 if (root_here && !in_place && block > 0) {
+                   cuda(cudaMemcpyAsync(r, base + static_cast<std::size_t>(root) * block, block,
+                                        cudaMemcpyDeviceToDevice, stream_),
+                        "cudaMemcpyAsync");
+                 }
+                 ncclResult_t rc = ncclGroupStart();
+                 for (int p = 0; p < size_ && rc == ncclSuccess; ++p) {
+                   if (root_here && p != root) {
+                     rc = ncclSend(base + static_cast<std::size_t>(p) * block, recv_count,
+                                   nccl_type(dtype), p, comm_, stream_);
+                   } else if (!root_here && p == root) {
+                     rc = ncclRecv(r, recv_count, nccl_type(dtype), root, comm_, stream_);
+                   }
+                 }
+                 const ncclResult_t end = ncclGroupEnd();
+                 return rc != ncclSuccess ? rc : end;
+               });
+  }
+
   Work gather(const void* in, void* out, std::size_t send_count, DataType dtype, int root,
               const OpOptions& opts) override {
     dear::check_root(root, size_, rank_, "gather");

@@ -263,6 +263,47 @@ TEST_P(Conformance, GatherToEveryRootEveryTypeAndAlgorithm) {
   });
 }
 
+TEST_P(Conformance, ScatterFromEveryRootEveryType) {
+  // Every rank's output is block r of the root's input; no rank's input is written. In place
+  // on the root: its output is its own block of the input.
+  const int n = GetParam();
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    int next_root = 0;
+    for (const auto algo : {Algorithm::kAuto, Algorithm::kTree}) {
+      for (const auto t : kAllTypes) {
+        const int root = next_root++ % n;
+        for (const std::size_t count : {std::size_t{0}, std::size_t{5}, std::size_t{1031}}) {
+          for (const bool in_place : {false, true}) {
+            const std::size_t el = dtype_size(t);
+            const std::size_t block = count * el;
+            // The root's input: rank b's block is what make_input gives rank b.
+            std::vector<char> in;
+            if (r == root) {
+              for (int b = 0; b < n; ++b) {
+                const auto part = make_input(b, count, t, ReduceOp::kSum);
+                in.insert(in.end(), part.begin(), part.end());
+              }
+            }
+            const auto original = in;
+            std::vector<char> out_buf(block, 0x5a);
+            char* out = in_place && r == root ? in.data() + static_cast<std::size_t>(r) * block
+                                              : out_buf.data();
+            OpOptions o;
+            o.algorithm = algo;
+            comm.scatter(r == root ? in.data() : nullptr, out, count, t, root, o).wait();
+            const std::string what = label(to_string(algo), t, ReduceOp::kSum, count, in_place, r) +
+                                     " root=" + std::to_string(root);
+            ASSERT_EQ(in, original) << "scatter " << what << ": the root's input was written";
+            const auto want = make_input(r, count, t, ReduceOp::kSum);
+            ASSERT_EQ(0, std::memcmp(out, want.data(), block)) << "scatter " << what;
+          }
+        }
+      }
+    }
+  });
+}
+
 TEST_P(Conformance, BarrierHoldsEveryRankBack) {
   const int n = GetParam();
   constexpr int kRounds = 20;

@@ -77,6 +77,20 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
       e = expect_error([&] { comm.gather(buf.data(), nullptr, 1, DataType::kFloat32, 0); });
       EXPECT_NE(std::string(e.what()).find("out is null"), std::string::npos) << e.what();
     }
+    e = expect_error([&] { comm.scatter(buf.data(), buf.data(), 1, DataType::kFloat32, -2); });
+    EXPECT_NE(std::string(e.what()).find("root=-2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("scatter"), std::string::npos) << e.what();
+    if (comm.rank() == 1) {
+      e = expect_error([&] { comm.scatter(nullptr, buf.data(), 1, DataType::kFloat32, 1); });
+      EXPECT_NE(std::string(e.what()).find("in is null"), std::string::npos) << e.what();
+    }
+    {
+      OpOptions ring;
+      ring.algorithm = Algorithm::kRing;
+      e = expect_error(
+          [&] { comm.scatter(buf.data(), buf.data(), 1, DataType::kFloat32, 0, ring); });
+      EXPECT_NE(std::string(e.what()).find("tree only"), std::string::npos) << e.what();
+    }
     // The gather's own tree; an all_gather has none.
     OpOptions tree;
     tree.algorithm = Algorithm::kTree;

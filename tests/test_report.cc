@@ -493,7 +493,8 @@ TEST(Collectives, NamesParseBack) {
   EXPECT_EQ(parse_collective("allreduce"), Collective::kAllReduce);
   EXPECT_EQ(parse_collective("reduce-scatter"), Collective::kReduceScatter);
   EXPECT_EQ(parse_collective("gather"), Collective::kGather);
-  EXPECT_EQ(parse_collective("scatter"), std::nullopt);
+  EXPECT_EQ(parse_collective("scatter"), Collective::kScatter);
+  EXPECT_EQ(parse_collective("alltoall"), std::nullopt);
 }
 
 }  // namespace

@@ -188,8 +188,16 @@ void check(OpKind kind, Schedule s, int n, std::size_t count, std::uint32_t seed
                            " n=" + std::to_string(n) + " count=" + std::to_string(count) +
                            " seed=" + std::to_string(seed) + " root=" + std::to_string(root);
   for (int r = 0; r < n; ++r) {
-    if (root >= 0 && r != root) continue;  // a reduce: only the root's result is defined
     const auto& w = work[static_cast<std::size_t>(r)];
+    if (is_scatter(kind, root)) {
+      // Every rank's own block, from the root's input.
+      for (std::size_t i = 0; i < count; ++i) {
+        const std::size_t g = static_cast<std::size_t>(r) * count + i;
+        ASSERT_EQ(w[g].sum, input(root, g)) << what << " rank " << r << " element " << i;
+      }
+      continue;
+    }
+    if (root >= 0 && r != root) continue;  // reduce, gather: only the root's result is defined
     switch (kind) {
       case OpKind::kAllReduce:
         for (std::size_t i = 0; i < count; ++i) {
@@ -313,6 +321,39 @@ TEST(LogStepSchedules, GatherTreeReachesEveryRootOverMeshLinks) {
                std::invalid_argument);
   EXPECT_THROW((void)plan_steps(OpKind::kAllGather, Schedule::kTree, 0, 4, 1, 4, 4),
                std::invalid_argument);
+}
+
+TEST(LogStepSchedules, ScatterTreeReachesEveryRankFromEveryRootOverMeshLinks) {
+  for (int n = 2; n <= 17; ++n) {
+    for (int root = 0; root < n; ++root) {
+      for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{5}}) {
+        for (std::uint32_t seed = 1; seed <= 3; ++seed) {
+          check(OpKind::kReduceScatter, Schedule::kTree, n, count,
+                seed * 7933U + static_cast<std::uint32_t>(n * 41 + root), root);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+  // 8 ranks, root 6: 6 sends blocks 0..3 to 2, 4..5 to 4, 7 to 7 and receives nothing.
+  const std::size_t block = 4 * 4;
+  const StepPlan p6 = plan_steps(OpKind::kReduceScatter, Schedule::kTree, 6, 8, 4, 4, 6);
+  ASSERT_EQ(p6.steps.size(), 3U);
+  EXPECT_EQ(p6.steps[0].send_peer, 2);
+  EXPECT_EQ(p6.steps[0].send_bytes, 4 * block);
+  EXPECT_EQ(p6.steps[2].send_peer, 7);
+  EXPECT_FALSE(p6.work_is_scratch);  // the root sends from its input
+  // 6 ranks, root 5: the path 5 -> 4 -> 0 first. 5 sends 0..4 to 4; 4 sends 0..3 to 0 and
+  // nothing down to 5; 0 hands 1, 2..3 on.
+  const StepPlan p5 = plan_steps(OpKind::kReduceScatter, Schedule::kTree, 5, 6, 4, 4, 5);
+  ASSERT_EQ(p5.steps.size(), 1U);
+  EXPECT_EQ(p5.steps[0].send_peer, 4);
+  EXPECT_EQ(p5.steps[0].send_bytes, 5 * block);
+  const StepPlan p4 = plan_steps(OpKind::kReduceScatter, Schedule::kTree, 4, 6, 4, 4, 5);
+  ASSERT_EQ(p4.steps.size(), 2U);  // from 5, to 0
+  EXPECT_EQ(p4.steps[1].send_peer, 0);
+  EXPECT_EQ(p4.steps[1].send_bytes, 4 * block);
+  EXPECT_TRUE(p4.work_is_scratch);
 }
 
 // An out-of-place log-step all_reduce reads its input where the work buffer (its output) has

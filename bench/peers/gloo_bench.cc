@@ -35,6 +35,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
+#include <gloo/scatter.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/types.h>
 
@@ -217,6 +218,26 @@ std::optional<BoundOp> bind_gloo(const OpRequest& r, const GlooComm& comm, Allre
         bound.run = [opts] { gloo::reduce(*opts); };
         return bound;
       }
+      case Collective::kScatter: {
+        // Gloo's scatter (gloo/scatter.h): out of place only; the root passes one pointer per
+        // rank into its input.
+        if (r.in_place) return std::nullopt;
+        auto opts = std::make_shared<gloo::ScatterOptions>(ctx);
+        T* input = static_cast<T*>(r.send);
+        if (comm.rank() == r.root) {
+          std::vector<T*> parts;
+          for (int p = 0; p < comm.size(); ++p) {
+            parts.push_back(input + static_cast<std::size_t>(p) * r.point.rank_count);
+          }
+          opts->setInputs(parts, r.point.rank_count);
+        }
+        opts->setOutput(recv, r.point.rank_count);
+        opts->setRoot(r.root);
+        bound.input = input;
+        bound.output = recv;
+        bound.run = [opts] { gloo::scatter(*opts); };
+        return bound;
+      }
       case Collective::kGather: {
         // Gloo's gather (gloo/gather.h): out of place only (it sends from its input and writes
         // the root's whole output).
@@ -255,6 +276,7 @@ std::string algorithm_name(Collective c, const std::string& allreduce_algo) {
     case Collective::kBroadcast: return "one_to_all";
     case Collective::kReduce: return "reduce";
     case Collective::kGather: return "gather";
+    case Collective::kScatter: return "scatter";
   }
   return "?";
 }

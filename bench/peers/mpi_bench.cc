@@ -161,6 +161,24 @@ std::optional<BoundOp> bind_mpi(const OpRequest& r, const MpiComm& world) {
       }
       bound.output = recv;
       return bound;
+    case Collective::kScatter: {
+      // In place, the root passes MPI_IN_PLACE as its output (its block stays in the input);
+      // the others receive where their own block of such a buffer would be.
+      int size_of = 0;
+      check_mpi(MPI_Type_size(type, &size_of), "MPI_Type_size");
+      const bool root_here = world.rank() == r.root;
+      void* own = static_cast<std::byte*>(recv) + static_cast<std::size_t>(world.rank()) *
+                                                      r.point.rank_count *
+                                                      static_cast<std::size_t>(size_of);
+      const void* in = r.in_place ? recv : send;
+      void* out = r.in_place ? (root_here ? MPI_IN_PLACE : own) : recv;
+      bound.run = [=, root = r.root] {
+        check_mpi(MPI_Scatter(in, count, type, out, count, type, root, comm), "MPI_Scatter");
+      };
+      bound.input = const_cast<void*>(in);
+      bound.output = r.in_place ? own : recv;
+      return bound;
+    }
     case Collective::kGather: {
       // In place, the root passes MPI_IN_PLACE (its block already in place); the others send
       // the block where their own output would hold it.

@@ -220,6 +220,12 @@ class Communicator {
   // own; only the root keeps the result.
   virtual Work gather(const void* in, void* out, std::size_t send_count, DataType dtype, int root,
                       const OpOptions& opts = {}) = 0;
+  // Every rank's out[recv_count] gets block r of the root's in[size()*recv_count]; in is read on
+  // the root only (elsewhere it may be null). In place on the root when
+  // out == in + root*recv_count*dtype_size. Runs a binomial tree from the root over the mesh
+  // links (host memory; device buffers are staged through host memory whole).
+  virtual Work scatter(const void* in, void* out, std::size_t recv_count, DataType dtype, int root,
+                       const OpOptions& opts = {}) = 0;
   virtual Work barrier(const OpOptions& opts = {}) = 0;
 
   // What this communicator's progress engine has used so far, for benchmarks: the CPU time of

@@ -29,7 +29,7 @@ __all__ = [
     "HAVE_CUDA", "Error", "Handle", "init", "is_initialized", "shutdown", "rank", "size",
     "all_reduce", "all_reduce_async", "reduce_scatter", "reduce_scatter_async",
     "all_gather", "all_gather_async", "broadcast", "broadcast_async", "reduce", "reduce_async",
-    "gather", "gather_async", "barrier", "barrier_async", "broadcast_parameters", "forget_memory", "DistributedOptimizer",
+    "gather", "gather_async", "scatter", "scatter_async", "barrier", "barrier_async", "broadcast_parameters", "forget_memory", "DistributedOptimizer",
 ]
 
 _DTYPES = {
@@ -260,6 +260,28 @@ def gather_async(output: Optional[torch.Tensor], input: torch.Tensor, root: int 
     return Handle(work, output, input)
 
 
+def scatter_async(output: torch.Tensor, input: Optional[torch.Tensor], root: int = 0,
+                  priority: int = 0) -> Handle:
+    """`output` receives slice r of `root`'s `input` (input.numel() == size() * output.numel());
+    elsewhere `input` is not used and may be None."""
+    comm = _communicator()
+    dtype = _dtype(output, "output")
+    if comm.rank != root:
+        work = comm.scatter(0, output.data_ptr(), output.numel(), dtype, root, priority,
+                            _stream(output))
+        return Handle(work, output)
+    if input is None:
+        raise ValueError(f"scatter: input is None on the root (rank {root})")
+    _dtype(input, "input")
+    _same_dtype(output, input)
+    if input.numel() != output.numel() * comm.size:
+        raise ValueError(f"scatter: input has {input.numel()} elements, expected "
+                         f"size() * output.numel() = {comm.size} * {output.numel()}")
+    work = comm.scatter(input.data_ptr(), output.data_ptr(), output.numel(), dtype, root,
+                        priority, _stream(output))
+    return Handle(work, output, input)
+
+
 def barrier_async(priority: int = 0) -> Handle:
     return Handle(_communicator().barrier(priority))
 
@@ -294,6 +316,12 @@ def reduce(tensor: torch.Tensor, root: int = 0, op: str = "sum",
 def gather(output: Optional[torch.Tensor], input: torch.Tensor, root: int = 0,
            priority: int = 0) -> Optional[torch.Tensor]:
     gather_async(output, input, root, priority).wait()
+    return output
+
+
+def scatter(output: torch.Tensor, input: Optional[torch.Tensor], root: int = 0,
+            priority: int = 0) -> torch.Tensor:
+    scatter_async(output, input, root, priority).wait()
     return output
 
 

@@ -24,10 +24,10 @@ futures, in issue order, as Gloo's worker threads do. Callbacks chained on the f
 run on that thread.
 
 Supported: allreduce (sum, product, min, max, avg), broadcast, allgather, reduce_scatter,
-reduce, gather, barrier, each over a list of tensors; all_gather_into_tensor and
+reduce, gather, scatter, barrier, each over a list of tensors; all_gather_into_tensor and
 reduce_scatter_tensor (the flat forms, _allgather_base and _reduce_scatter_base, which run dear's
 own all_gather and reduce_scatter without a copy); DistributedDataParallel on CPU tensors. Not
-supported yet: send/recv, scatter, all-to-all (they raise an error saying so, with what to use
+supported yet: send/recv, all-to-all (they raise an error saying so, with what to use
 instead). Timeouts are dear's (DEAR_TIMEOUT), not the process group's.
 """
 from __future__ import annotations
@@ -234,8 +234,26 @@ class ProcessGroupDear(ProcessGroup):
         return self._completer.submit([dear.gather_async(flat, t, root)], list(outputs),
                                       scatter_out)
 
-    def scatter(self, outputs, input_lists, opts=None) -> Work:
-        raise _unsupported("scatter", "broadcast of the whole list, each rank keeping its part")
+    def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
+                opts=None) -> Work:
+        root = opts.rootRank if opts is not None else 0
+        if len(outputs) != 1:
+            raise ValueError(f"dear backend: scatter takes one output tensor, got {len(outputs)}")
+        out = outputs[0]
+        staged = out if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype,
+                                                             device=out.device)
+        flat = None
+        if self.rank() == root:
+            if len(input_lists) != 1 or len(input_lists[0]) != self.size():
+                raise ValueError(f"dear backend: scatter needs one list of {self.size()} inputs "
+                                 f"on the root, got {[len(i) for i in input_lists]}")
+            # torch hands separate input tensors; dear scatters from one contiguous buffer.
+            flat = torch.cat([i.reshape(-1) for i in input_lists[0]])
+
+        def copy_out() -> None:
+            if staged is not out:
+                out.copy_(staged.view_as(out))
+        return self._completer.submit([dear.scatter_async(staged, flat, root)], [out], copy_out)
 
     def alltoall(self, outputs, inputs, opts=None) -> Work:
         raise _unsupported("all_to_all")

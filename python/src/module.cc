@@ -252,6 +252,15 @@ PYBIND11_MODULE(_dear, m) {
           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"),
           py::arg("root"), py::arg("priority") = 0, py::arg("cuda_stream") = 0)
       .def(
+          "scatter",
+          [](PyCommunicator& c, std::uintptr_t in, std::uintptr_t out, std::size_t recv_count,
+             dear::DataType dtype, int root, int priority, std::uintptr_t stream) {
+            return c.get().scatter(as_ptr(in), as_ptr(out), recv_count, dtype, root,
+                                   op_options(priority, stream));
+          },
+          py::arg("in_ptr"), py::arg("out_ptr"), py::arg("recv_count"), py::arg("dtype"),
+          py::arg("root"), py::arg("priority") = 0, py::arg("cuda_stream") = 0)
+      .def(
           "gather",
           [](PyCommunicator& c, std::uintptr_t in, std::uintptr_t out, std::size_t send_count,
              dear::DataType dtype, int root, int priority, std::uintptr_t stream) {

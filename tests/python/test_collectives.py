@@ -98,6 +98,12 @@ def main() -> None:
                 check(f"gather {dtype} {count} root {root}", out,
                       torch.cat([data(r, count, dtype) for r in range(n)]))
             checked += 4 + (rank == root)
+            # scatter from the root of the gather
+            out = torch.empty(count, dtype=dtype)
+            whole = torch.cat([data(r, count, dtype) for r in range(n)]) if rank == root else None
+            dear.scatter(out, whole, root=root)
+            check(f"scatter {dtype} {count} root {root}", out, data(rank, count, dtype))
+            checked += 1
 
     # In place, through views of one buffer (the optimizer's usage).
     buf = data(rank, 12 * n, torch.float32)

@@ -93,6 +93,11 @@ def check_collectives(rank: int, n: int) -> None:
             for r in range(n):
                 assert torch.equal(gather_list[r], rank_data(r)), \
                     f"gather to {dst} block {r}: {gather_list[r]}"
+    for src in range(n):
+        out = torch.full((10,), -7.0)
+        parts = [rank_data(r) + 100 * src for r in range(n)] if rank == src else None
+        dist.scatter(out, parts, src=src)
+        assert torch.equal(out, rank_data(rank) + 100 * src), f"scatter from {src}: {out}"
     for name, call in (("send", lambda: dist.send(rank_data(rank), dst=(rank + 1) % n)),
                        ("all_to_all_single",
                         lambda: dist.all_to_all_single(torch.empty(n), torch.empty(n)))):
