@@ -220,8 +220,20 @@ PathHop path_hop(int r, int root, int first_tag) {
   return h;
 }
 
-// The binomial tree of a reduce or gather. On a power of two of ranks it is rooted at the root
-// itself: rank r sits at virtual rank r ^ root, so its tree edges (virtual v and v ^ 2^k) are
+// Blocks [range.first, range.second) of `block` bytes each, as a byte range.
+Range block_range(std::size_t block, std::pair<int, int> range) {
+  return Range{static_cast<std::size_t>(range.first) * block,
+               static_cast<std::size_t>(range.second - range.first) * block};
+}
+
+// Where the subtree of `rank` ends in the tree rooted at rank 0 (the one with a path): at the
+// lower of n and the rank plus 2^(its lowest set bit).
+int subtree_end(int rank, int n) {
+  return rank == 0 ? n : std::min(n, rank + (1 << std::countr_zero(static_cast<unsigned>(rank))));
+}
+
+// The binomial tree of a reduce, gather or scatter. On a power of two of ranks it is rooted at the
+// root itself: rank r sits at virtual rank r ^ root, so its tree edges (virtual v and v ^ 2^k) are
 // still the mesh links r and r ^ 2^k, and no path is needed. Otherwise it is rooted at rank 0
 // and the result goes on down the path to the root (path_hop).
 struct RootedTree {
@@ -274,10 +286,7 @@ void plan_reduce_tree(Builder& b, int r, int n, int root, std::size_t count, std
 // `levels` above the first's).
 void plan_gather_tree(Builder& b, int r, int n, int root, std::size_t count, std::size_t el) {
   const std::size_t block = count * el;
-  const auto blocks = [&](std::pair<int, int> range) {
-    return Range{static_cast<std::size_t>(range.first) * block,
-                 static_cast<std::size_t>(range.second - range.first) * block};
-  };
+  const auto blocks = [block](std::pair<int, int> range) { return block_range(block, range); };
   const RootedTree t(r, n, root);
   for (int k = 0; k < t.low; ++k) {
     const int child = t.v + (1 << k);
@@ -286,18 +295,13 @@ void plan_gather_tree(Builder& b, int r, int n, int root, std::size_t count, std
   if (t.v != 0) b.send(t.low, t.real(t.v - (1 << t.low)), blocks(t.subtree(t.v, t.low, n)));
   if (!t.path) return;
   const PathHop h = path_hop(r, root, t.levels);
-  // On the path (the tree rooted at rank 0, so virtual ranks are real): a rank's subtree ends
-  // at the lower of n and the rank plus 2^(its lowest set bit).
-  const auto subtree_end = [&](int rank) {
-    return rank == 0 ? n : std::min(n, rank + (1 << std::countr_zero(static_cast<unsigned>(rank))));
-  };
   if (h.from >= 0) {
     b.recv(h.in_tag, h.from, blocks({0, r}), false);
-    b.recv(h.in_tag + t.levels, h.from, blocks({subtree_end(r), n}), false);
+    b.recv(h.in_tag + t.levels, h.from, blocks({subtree_end(r, n), n}), false);
   }
   if (h.to >= 0) {
     b.send(h.out_tag, h.to, blocks({0, h.to}));
-    b.send(h.out_tag + t.levels, h.to, blocks({subtree_end(h.to), n}));
+    b.send(h.out_tag + t.levels, h.to, blocks({subtree_end(h.to, n), n}));
   }
 }
 
@@ -310,25 +314,19 @@ void plan_gather_tree(Builder& b, int r, int n, int root, std::size_t count, std
 // next rank on the path (that rank has its own part already).
 void plan_scatter_tree(Builder& b, int r, int n, int root, std::size_t count, std::size_t el) {
   const std::size_t block = count * el;
-  const auto blocks = [&](std::pair<int, int> range) {
-    return Range{static_cast<std::size_t>(range.first) * block,
-                 static_cast<std::size_t>(range.second - range.first) * block};
-  };
+  const auto blocks = [block](std::pair<int, int> range) { return block_range(block, range); };
   const RootedTree t(r, n, root);
   const PathHop h = t.path ? path_hop(r, root, t.levels) : PathHop{};
   const bool on_path = t.path && (r == 0 || h.from >= 0);
-  const auto subtree_end = [&](int rank) {
-    return rank == 0 ? n : std::min(n, rank + (1 << std::countr_zero(static_cast<unsigned>(rank))));
-  };
   if (on_path) {
     // Tags as the gather's path uses them, edge by edge.
     if (h.to >= 0) {
       b.recv(h.out_tag, h.to, blocks({0, h.to}), false);
-      b.recv(h.out_tag + t.levels, h.to, blocks({subtree_end(h.to), n}), false);
+      b.recv(h.out_tag + t.levels, h.to, blocks({subtree_end(h.to, n), n}), false);
     }
     if (h.from >= 0) {
       b.send(h.in_tag, h.from, blocks({0, r}));
-      b.send(h.in_tag + t.levels, h.from, blocks({subtree_end(r), n}));
+      b.send(h.in_tag + t.levels, h.from, blocks({subtree_end(r, n), n}));
     }
   } else if (t.v != 0) {
     b.recv(t.low, t.real(t.v - (1 << t.low)), blocks(t.subtree(t.v, t.low, n)), false);

@@ -158,27 +158,11 @@ class NcclCommunicator final : public Communicator {
         root_here && out == static_cast<const char*>(in) + static_cast<std::size_t>(root) * block;
     // NCCL has no scatter: the root sends every other rank its block in one group of
     // point-to-point calls.
-    return run("scatter", recv_count, dtype, opts,
-               {root_here ? in : nullptr, root_here ? n * block : 0}, {out, block}, in_place,
-               [=, this](const void* s, void* r) {
-                 const char* base = static_cast<const char*>(s);
-                 if (root_here && !in_place && block > 0) {
-                   cuda(cudaMemcpyAsync(r, base + static_cast<std::size_t>(root) * block, block,
-                                        cudaMemcpyDeviceToDevice, stream_),
-                        "cudaMemcpyAsync");
-                 }
-                 ncclResult_t rc = ncclGroupStart();
-                 for (int p = 0; p < size_ && rc == ncclSuccess; ++p) {
-                   if (root_here && p != root) {
-                     rc = ncclSend(base + static_cast<std::size_t>(p) * block, recv_count,
-                                   nccl_type(dtype), p, comm_, stream_);
-                   } else if (!root_here && p == root) {
-                     rc = ncclRecv(r, recv_count, nccl_type(dtype), root, comm_, stream_);
-                   }
-                 }
-                 const ncclResult_t end = ncclGroupEnd();
-                 return rc != ncclSuccess ? rc : end;
-               });
+    return run(
+        "scatter", recv_count, dtype, opts, {root_here ? in : nullptr, root_here ? n * block : 0},
+        {out, block}, in_place, [=, this](const void* s, void* r) {
+          return root_exchange(false, root, const_cast<void*>(s), r, recv_count, dtype, in_place);
+        });
   }
 
   Work gather(const void* in, void* out, std::size_t send_count, DataType dtype, int root,
@@ -194,23 +178,8 @@ class NcclCommunicator final : public Communicator {
     return run("gather", send_count, dtype, opts, {in, block},
                {root_here ? out : nullptr, root_here ? n * block : block}, in_place,
                [=, this](const void* s, void* r) {
-                 char* base = static_cast<char*>(r);
-                 if (root_here && !in_place && block > 0) {
-                   cuda(cudaMemcpyAsync(base + static_cast<std::size_t>(root) * block, s, block,
-                                        cudaMemcpyDeviceToDevice, stream_),
-                        "cudaMemcpyAsync");
-                 }
-                 ncclResult_t rc = ncclGroupStart();
-                 for (int p = 0; p < size_ && rc == ncclSuccess; ++p) {
-                   if (root_here && p != root) {
-                     rc = ncclRecv(base + static_cast<std::size_t>(p) * block, send_count,
-                                   nccl_type(dtype), p, comm_, stream_);
-                   } else if (!root_here && p == root) {
-                     rc = ncclSend(s, send_count, nccl_type(dtype), root, comm_, stream_);
-                   }
-                 }
-                 const ncclResult_t end = ncclGroupEnd();
-                 return rc != ncclSuccess ? rc : end;
+                 return root_exchange(true, root, r, const_cast<void*>(s), send_count, dtype,
+                                      in_place);
                });
   }
 
@@ -265,6 +234,35 @@ class NcclCommunicator final : public Communicator {
     if (r != ncclSuccess) {
       throw Error(ErrorCode::kSystem, std::string(call) + ": " + ncclGetErrorString(r), rank_);
     }
+  }
+
+  // Gather (`to_root`) or scatter as one group of point-to-point calls, NCCL having neither:
+  // the root's `whole` holds every rank's block of `count` elements, `own` is this rank's
+  // block; the root's own block is copied between the two unless they are one (`in_place`).
+  ncclResult_t root_exchange(bool to_root, int root, void* whole, void* own, std::size_t count,
+                             DataType dtype, bool in_place) {
+    const std::size_t block = count * dtype_size(dtype);
+    char* base = static_cast<char*>(whole);
+    const bool root_here = rank_ == root;
+    if (root_here && !in_place && block > 0) {
+      char* mine = base + static_cast<std::size_t>(root) * block;
+      cuda(cudaMemcpyAsync(to_root ? mine : own, to_root ? own : mine, block,
+                           cudaMemcpyDeviceToDevice, stream_),
+           "cudaMemcpyAsync");
+    }
+    ncclResult_t rc = ncclGroupStart();
+    for (int p = 0; p < size_ && rc == ncclSuccess; ++p) {
+      void* at = base + static_cast<std::size_t>(p) * block;
+      if (root_here && p != root) {
+        rc = to_root ? ncclRecv(at, count, nccl_type(dtype), p, comm_, stream_)
+                     : ncclSend(at, count, nccl_type(dtype), p, comm_, stream_);
+      } else if (!root_here && p == root) {
+        rc = to_root ? ncclSend(own, count, nccl_type(dtype), root, comm_, stream_)
+                     : ncclRecv(own, count, nccl_type(dtype), root, comm_, stream_);
+      }
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    return rc != ncclSuccess ? rc : end;
   }
 
   // Stages host buffers through device memory (allocated and freed on the stream), makes the

@@ -110,6 +110,15 @@ std::optional<BoundOp> bind_mpi(const OpRequest& r, const MpiComm& world) {
   const int count = static_cast<int>(r.point.rank_count);
   void* send = r.send;
   void* recv = r.recv;
+  // This rank's block of a buffer holding every rank's (the in-place forms of all_gather,
+  // gather and scatter).
+  const auto own_block = [&]() -> void* {
+    int size_of = 0;
+    check_mpi(MPI_Type_size(type, &size_of), "MPI_Type_size");
+    return static_cast<std::byte*>(recv) + static_cast<std::size_t>(world.rank()) *
+                                               r.point.rank_count *
+                                               static_cast<std::size_t>(size_of);
+  };
   BoundOp bound;
   switch (r.collective) {
     case Collective::kAllReduce:
@@ -148,11 +157,7 @@ std::optional<BoundOp> bind_mpi(const OpRequest& r, const MpiComm& world) {
           check_mpi(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, count, type, comm),
                     "MPI_Allgather");
         };
-        int size_of = 0;
-        check_mpi(MPI_Type_size(type, &size_of), "MPI_Type_size");
-        bound.input = static_cast<std::byte*>(recv) + static_cast<std::size_t>(world.rank()) *
-                                                          r.point.rank_count *
-                                                          static_cast<std::size_t>(size_of);
+        bound.input = own_block();
       } else {
         bound.run = [=] {
           check_mpi(MPI_Allgather(send, count, type, recv, count, type, comm), "MPI_Allgather");
@@ -164,12 +169,8 @@ std::optional<BoundOp> bind_mpi(const OpRequest& r, const MpiComm& world) {
     case Collective::kScatter: {
       // In place, the root passes MPI_IN_PLACE as its output (its block stays in the input);
       // the others receive where their own block of such a buffer would be.
-      int size_of = 0;
-      check_mpi(MPI_Type_size(type, &size_of), "MPI_Type_size");
       const bool root_here = world.rank() == r.root;
-      void* own = static_cast<std::byte*>(recv) + static_cast<std::size_t>(world.rank()) *
-                                                      r.point.rank_count *
-                                                      static_cast<std::size_t>(size_of);
+      void* own = own_block();
       const void* in = r.in_place ? recv : send;
       void* out = r.in_place ? (root_here ? MPI_IN_PLACE : own) : recv;
       bound.run = [=, root = r.root] {
@@ -182,12 +183,8 @@ std::optional<BoundOp> bind_mpi(const OpRequest& r, const MpiComm& world) {
     case Collective::kGather: {
       // In place, the root passes MPI_IN_PLACE (its block already in place); the others send
       // the block where their own output would hold it.
-      int size_of = 0;
-      check_mpi(MPI_Type_size(type, &size_of), "MPI_Type_size");
       const bool root_here = world.rank() == r.root;
-      void* own = static_cast<std::byte*>(recv) + static_cast<std::size_t>(world.rank()) *
-                                                      r.point.rank_count *
-                                                      static_cast<std::size_t>(size_of);
+      void* own = own_block();
       const void* in = r.in_place ? (root_here ? MPI_IN_PLACE : own) : send;
       bound.run = [=, root = r.root] {
         check_mpi(MPI_Gather(in, count, type, recv, count, type, root, comm), "MPI_Gather");
