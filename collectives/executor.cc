@@ -76,7 +76,7 @@ class DeferredExecutor final : public Executor {
     // destination that is also an operand is left alone (the step reads it).
     const std::size_t bytes = step_bytes(step);
     const std::size_t operand = bytes;  // operands span as many bytes as the destination
-    if (!overlaps(step.dst, bytes, step.a, operand) &&
+    if (bytes > 0 && !overlaps(step.dst, bytes, step.a, operand) &&
         !overlaps(step.dst, bytes, step.b, operand)) {
       std::memset(step.dst, 0xa5, bytes);
     }

@@ -5,8 +5,8 @@
 // transport; see harness.h).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <random>
 #include <vector>
 
@@ -233,9 +233,9 @@ TEST_P(Conformance, GatherToEveryRootEveryTypeAndAlgorithm) {
             const auto original = in;
             std::vector<char> out(count * el * static_cast<std::size_t>(n), 0x5a);
             const char* src = in.data();
-            if (in_place && r == root) {
-              std::memcpy(out.data() + static_cast<std::size_t>(r) * count * el, in.data(),
-                          count * el);
+            if (in_place && r == root && count > 0) {
+              std::copy(in.begin(), in.begin() + static_cast<std::ptrdiff_t>(count * el),
+                        out.begin() + static_cast<std::ptrdiff_t>(r * count * el));
               src = out.data() + static_cast<std::size_t>(r) * count * el;
             }
             OpOptions o;
@@ -245,6 +245,8 @@ TEST_P(Conformance, GatherToEveryRootEveryTypeAndAlgorithm) {
             const std::string what = label(to_string(algo), t, ReduceOp::kSum, count, in_place, r) +
                                      " root=" + std::to_string(root);
             ASSERT_EQ(in, original) << "gather " << what << ": the input was written";
+            // (Empty vectors are not compared: libstdc++ hands memcmp their null data.)
+            if (count == 0) continue;
             if (r != root) {
               ASSERT_EQ(out, std::vector<char>(out.size(), 0x5a))
                   << "gather " << what << ": a non-root output was written";
@@ -252,8 +254,10 @@ TEST_P(Conformance, GatherToEveryRootEveryTypeAndAlgorithm) {
             }
             for (int b = 0; b < n; ++b) {
               const auto want = make_input(b, count, t, ReduceOp::kSum);
-              ASSERT_EQ(0, std::memcmp(out.data() + static_cast<std::size_t>(b) * count * el,
-                                       want.data(), count * el))
+              const auto first = out.begin() + static_cast<std::ptrdiff_t>(b * count * el);
+              const auto bytes = static_cast<std::ptrdiff_t>(count * el);
+              ASSERT_EQ(std::vector<char>(first, first + bytes),
+                        std::vector<char>(want.begin(), want.begin() + bytes))
                   << "gather " << what << ": block " << b;
             }
           }
@@ -294,9 +298,13 @@ TEST_P(Conformance, ScatterFromEveryRootEveryType) {
             comm.scatter(r == root ? in.data() : nullptr, out, count, t, root, o).wait();
             const std::string what = label(to_string(algo), t, ReduceOp::kSum, count, in_place, r) +
                                      " root=" + std::to_string(root);
+            if (count == 0) continue;  // nothing to compare (see the gather test)
             ASSERT_EQ(in, original) << "scatter " << what << ": the root's input was written";
             const auto want = make_input(r, count, t, ReduceOp::kSum);
-            ASSERT_EQ(0, std::memcmp(out, want.data(), block)) << "scatter " << what;
+            ASSERT_EQ(
+                std::vector<char>(out, out + block),
+                std::vector<char>(want.begin(), want.begin() + static_cast<std::ptrdiff_t>(block)))
+                << "scatter " << what;
           }
         }
       }
