@@ -107,6 +107,14 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
       bound.input = const_cast<void*>(in);
       return bound;
     }
+    case Collective::kAllToAll:
+      bound.run = [&comm, send, recv, count, t, o] {
+        comm.all_to_all(send, recv, count, t, o).wait();
+      };
+      bound.run_many = many(
+          [&comm, send, recv, count, t, o] { return comm.all_to_all(send, recv, count, t, o); });
+      bound.input = const_cast<void*>(send);
+      return bound;
     case Collective::kScatter: {
       // In place: the root's output is its own block of the input (NCCL's convention for
       // reduce_scatter); elsewhere the block at the same place of a buffer of that size.
@@ -324,9 +332,9 @@ int run(int argc, char** argv) {
   app.add_option("--slice", slice, "Pipelining slice size, e.g. 512K; default DEAR_SLICE_BYTES");
   app.add_option("--algo", algo,
                  "Algorithm: auto, ring, gather_reduce (all_reduce), halving_doubling, "
-                 "recursive_doubling, tree (all_reduce)")
-      ->check(CLI::IsMember(
-          {"auto", "ring", "gather_reduce", "halving_doubling", "recursive_doubling", "tree"}));
+                 "recursive_doubling, tree (all_reduce), pairwise, scattered (all_to_all)")
+      ->check(CLI::IsMember({"auto", "ring", "gather_reduce", "halving_doubling",
+                             "recursive_doubling", "tree", "pairwise", "scattered"}));
   std::string compare;
   app.add_option("--compare", compare,
                  "Time these algorithms (comma-separated --algo names) interleaved at each size "
@@ -354,7 +362,8 @@ int run(int argc, char** argv) {
       if (!parse_algorithm(a)) {
         std::fprintf(stderr,
                      "dear-bench: --compare: '%s' is not an algorithm (auto, ring, "
-                     "gather_reduce, halving_doubling, recursive_doubling, tree)\n",
+                     "gather_reduce, halving_doubling, recursive_doubling, tree, pairwise, "
+                     "scattered)\n",
                      a.c_str());
         return 2;
       }

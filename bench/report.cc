@@ -286,6 +286,7 @@ std::string_view to_string(Collective c) noexcept {
     case Collective::kReduce: return "reduce";
     case Collective::kGather: return "gather";
     case Collective::kScatter: return "scatter";
+    case Collective::kAllToAll: return "all_to_all";
   }
   return "invalid";
 }
@@ -412,11 +413,12 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
              throw CLI::ValidationError("COLLECTIVE",
                                         "'" + text +
                                             "' is not one of all_reduce reduce_scatter all_gather "
-                                            "broadcast reduce gather scatter");
+                                            "broadcast reduce gather scatter all_to_all");
            }
            args.collective = *c;
          },
-         "all_reduce | reduce_scatter | all_gather | broadcast | reduce | gather | scatter")
+         "all_reduce | reduce_scatter | all_gather | broadcast | reduce | gather | scatter | "
+         "all_to_all")
       ->required();
 }
 
@@ -458,7 +460,8 @@ SizePoint size_point(std::uint64_t bytes, Collective c, DataType t, int nranks) 
   if (elem == 0) invalid("size_point: invalid dtype");
   if (nranks < 1) invalid("size_point: nranks must be at least 1");
   SizePoint p;
-  if (c == Collective::kReduceScatter || c == Collective::kScatter || gathers(c)) {
+  if (c == Collective::kReduceScatter || c == Collective::kScatter || c == Collective::kAllToAll ||
+      gathers(c)) {
     const auto n = static_cast<std::uint64_t>(nranks);
     p.rank_count = bytes / (elem * n);
     p.count = p.rank_count * n;
@@ -499,7 +502,8 @@ double bus_factor(Collective c, int nranks) noexcept {
     case Collective::kReduceScatter:
     case Collective::kAllGather:
     case Collective::kGather:
-    case Collective::kScatter: return (n - 1.0) / n;
+    case Collective::kScatter:
+    case Collective::kAllToAll: return (n - 1.0) / n;
     case Collective::kBroadcast:
     case Collective::kReduce: return 1.0;  // nccl-tests' factor: the root's link carries it all
   }
@@ -819,14 +823,16 @@ void print_progress(std::string_view tool, Collective c, std::uint64_t bytes, st
 // ---- checking -------------------------------------------------------------------------------
 
 std::uint64_t input_count(const CheckSpec& spec) noexcept {
-  return spec.collective == Collective::kReduceScatter || spec.collective == Collective::kScatter
+  return spec.collective == Collective::kReduceScatter || spec.collective == Collective::kScatter ||
+                 spec.collective == Collective::kAllToAll
              ? spec.rank_count * static_cast<std::uint64_t>(spec.nranks)
              : spec.rank_count;
 }
 
 std::uint64_t output_count(const CheckSpec& spec) noexcept {
-  return gathers(spec.collective) ? spec.rank_count * static_cast<std::uint64_t>(spec.nranks)
-                                  : spec.rank_count;
+  return gathers(spec.collective) || spec.collective == Collective::kAllToAll
+             ? spec.rank_count * static_cast<std::uint64_t>(spec.nranks)
+             : spec.rank_count;
 }
 
 double pattern_value(ReduceOp op, int rank, std::uint64_t index, std::uint64_t seed) noexcept {
@@ -921,6 +927,16 @@ double expected_value(const CheckSpec& spec, std::uint64_t out_index) {
                         static_cast<std::uint64_t>(spec.rank) * spec.rank_count + out_index,
                         spec.seed),
           spec.dtype);
+    case Collective::kAllToAll: {
+      // Block j came from rank j, which sent this rank's block of its input.
+      if (spec.rank_count == 0) return 0;
+      const auto src = static_cast<int>(out_index / spec.rank_count);
+      return round_to(pattern_value(spec.op, src,
+                                    static_cast<std::uint64_t>(spec.rank) * spec.rank_count +
+                                        out_index % spec.rank_count,
+                                    spec.seed),
+                      spec.dtype);
+    }
   }
   invalid("expected_value: invalid collective");
 }

@@ -3,10 +3,9 @@
 // Every benchmark parses the same nccl-tests flags, sweeps the same sizes, times the same way
 // and prints the same rows, so that numbers from different libraries can be put side by side
 // without translation. The conventions that make results comparable:
-//   - size is the total bytes of the operation; for reduce_scatter, all_gather, gather and
-//     scatter the
-//     per-rank count x ranks x element size, for all_reduce, reduce and broadcast the buffer
-//     size;
+//   - size is the total bytes of the operation; for reduce_scatter, all_gather, gather,
+//     scatter and all_to_all the per-rank count x ranks x element size, for all_reduce, reduce and
+//     broadcast the buffer size;
 //   - GB = 1e9 bytes; algbw = size / time; busbw = algbw x bus_factor(collective, ranks);
 //   - time is the mean over the timed iterations, then the maximum of that mean over ranks;
 //     p50/p99 are nearest-rank percentiles of rank 0's per-iteration times;
@@ -45,14 +44,15 @@ enum class Collective : std::uint8_t {
   kBroadcast,
   kReduce,
   kGather,
-  kScatter
+  kScatter,
+  kAllToAll
 };
-inline constexpr std::array<Collective, 7> kAllCollectives{
+inline constexpr std::array<Collective, 8> kAllCollectives{
     Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather,
     Collective::kBroadcast, Collective::kReduce,        Collective::kGather,
-    Collective::kScatter};
+    Collective::kScatter,   Collective::kAllToAll};
 
-// all_reduce reduce_scatter all_gather broadcast reduce gather scatter
+// all_reduce reduce_scatter all_gather broadcast reduce gather scatter all_to_all
 [[nodiscard]] std::string_view to_string(Collective c) noexcept;
 // Accepts the names above, also with '-' for '_' (all-reduce) and without it (allreduce).
 [[nodiscard]] std::optional<Collective> parse_collective(std::string_view name) noexcept;

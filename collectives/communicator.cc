@@ -33,14 +33,16 @@ const char* to_string(Algorithm a) noexcept {
     case Algorithm::kHalvingDoubling: return "halving_doubling";
     case Algorithm::kRecursiveDoubling: return "recursive_doubling";
     case Algorithm::kTree: return "tree";
+    case Algorithm::kPairwise: return "pairwise";
+    case Algorithm::kScattered: return "scattered";
   }
   return "invalid";
 }
 
 std::optional<Algorithm> parse_algorithm(std::string_view name) noexcept {
-  for (const auto a :
-       {Algorithm::kAuto, Algorithm::kRing, Algorithm::kGatherReduce, Algorithm::kHalvingDoubling,
-        Algorithm::kRecursiveDoubling, Algorithm::kTree}) {
+  for (const auto a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kGatherReduce,
+                       Algorithm::kHalvingDoubling, Algorithm::kRecursiveDoubling, Algorithm::kTree,
+                       Algorithm::kPairwise, Algorithm::kScattered}) {
     if (name == to_string(a)) return a;
   }
   return std::nullopt;
@@ -173,6 +175,53 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
                  nullptr);
   }
 
+  Work all_to_all(const void* in, void* out, std::size_t count, DataType dtype,
+                  const OpOptions& opts) override {
+    return issue({OpKind::kAllToAll, in, out, count, dtype, ReduceOp::kSum, -1}, opts, nullptr);
+  }
+
+  Work all_to_all_v(const void* in, std::span<const std::size_t> send_counts,
+                    std::span<const std::size_t> send_displs, void* out,
+                    std::span<const std::size_t> recv_counts,
+                    std::span<const std::size_t> recv_displs, DataType dtype,
+                    const OpOptions& opts) override {
+    const char* name = "all_to_all_v";
+    auto o = make(OpKind::kAllToAllV, in, out, 0, dtype, ReduceOp::kSum, -1, opts);
+    const std::size_t el = dtype_size(dtype);
+    auto layout = std::make_shared<collectives::AllToAllLayout>();
+    const std::size_t send_extent =
+        to_bytes(send_counts, send_displs, el, "send_counts", "send_displs", layout->send_bytes,
+                 layout->send_offset);
+    const std::size_t recv_extent =
+        to_bytes(recv_counts, recv_displs, el, "recv_counts", "recv_displs", layout->recv_bytes,
+                 layout->recv_offset);
+    const auto me = static_cast<std::size_t>(rank_);
+    if (layout->send_bytes[me] != layout->recv_bytes[me]) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "send_counts[" + std::to_string(rank_) + "]=" + std::to_string(send_counts[me]) +
+                      " differs from recv_counts[" + std::to_string(rank_) +
+                      "]=" + std::to_string(recv_counts[me]) + " (what this rank sends itself)",
+                  rank_, Error::kNone, name);
+    }
+    if (send_extent > 0 && in == nullptr) null_arg("in", send_extent / el, name);
+    if (recv_extent > 0 && out == nullptr) null_arg("out", recv_extent / el, name);
+    if (overlaps(o->in, send_extent, o->out, recv_extent)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "in and out overlap; all_to_all_v runs out of place only", rank_, Error::kNone,
+                  name);
+    }
+    if (size_ > 1) {
+      check_full_mesh(name);
+      // Each rank's own choice (kind_byte: the two schedules send the same messages).
+      std::size_t largest = 0;
+      for (std::size_t b : layout->send_bytes) largest = std::max(largest, b);
+      const Algorithm a = opts.algorithm != Algorithm::kAuto ? opts.algorithm : options_.algorithm;
+      o->schedule = all_to_all_schedule(a, largest);
+    }
+    o->layout = std::move(layout);
+    return launch(std::move(o), opts);
+  }
+
   Work issue_on_device(const collectives::CollectiveCall& call, const OpOptions& opts,
                        std::unique_ptr<collectives::OpFence> fence) override {
     return issue(call, opts, std::move(fence));
@@ -276,8 +325,23 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
         }
         break;
       }
+      case OpKind::kAllToAll: {
+        o = make(c.kind, c.in, c.out, c.count, c.dtype, ReduceOp::kSum, -1, opts, fence != nullptr);
+        check_total(c.count, c.dtype, "count");
+        check_buffers(*o, "in", c.count * n, "out", c.count * n, true);
+        if (fence) {
+          // The exchanges keep their work in host memory; device buffers come staged.
+          throw Error(ErrorCode::kInternal, "an all_to_all reached the engine with device memory",
+                      rank_, Error::kNone, "all_to_all");
+        }
+        if (size_ > 1) check_full_mesh("all_to_all");
+        o->schedule = all_to_all_schedule(a, c.count * dtype_size(c.dtype));
+        o->fence = std::move(fence);
+        return launch(std::move(o), opts);
+      }
       case OpKind::kBarrier:
-        throw Error(ErrorCode::kInternal, "issue() does not make barriers", rank_);
+      case OpKind::kAllToAllV:
+        throw Error(ErrorCode::kInternal, "issue() makes no barrier and no all_to_all_v", rank_);
     }
     if (size_ > 1 && c.kind != OpKind::kBroadcast) {
       const bool rooted = collectives::is_rooted_result(c.kind, c.root);
@@ -377,6 +441,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
       mesh_peers.clear();
     }
     mesh_ = !mesh_peers.empty();
+    full_mesh_ = mesh_ && static_cast<int>(mesh_peers.size()) == size_ - 1;
     // Emulated latency wraps the channels of both links, so every message a rank sends is
     // held once, whichever direction it travels.
     const std::chrono::microseconds delay(options_.link_delay_us);
@@ -552,14 +617,17 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
   void check_algorithm(Algorithm a, OpKind kind, int root, const char* what) const {
     const char* name = collectives::call_name(kind, root);
     if (!algorithm_fits(a, kind, root)) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  std::string(what) + "=" + to_string(a) + " does not apply to " + name +
-                      (collectives::is_scatter(kind, root) ? " (a scatter runs the tree only)"
-                       : a == Algorithm::kGatherReduce     ? " (all_reduce and reduce only)"
-                       : a == Algorithm::kTree
-                           ? " (all_reduce, reduce and gather only)"
-                           : " (all_reduce, reduce_scatter, all_gather, reduce and gather only)"),
-                  rank_, Error::kNone, name);
+      throw Error(
+          ErrorCode::kInvalidArgument,
+          std::string(what) + "=" + to_string(a) + " does not apply to " + name +
+              (collectives::is_scatter(kind, root) ? " (a scatter runs the tree only)"
+               : collectives::is_all_to_all(kind)  ? " (an all_to_all runs pairwise or scattered)"
+               : a == Algorithm::kPairwise || a == Algorithm::kScattered ? " (all_to_all only)"
+               : a == Algorithm::kGatherReduce ? " (all_reduce and reduce only)"
+               : a == Algorithm::kTree
+                   ? " (all_reduce, reduce and gather only)"
+                   : " (all_reduce, reduce_scatter, all_gather, reduce and gather only)"),
+          rank_, Error::kNone, name);
     }
     const bool log_step = a == Algorithm::kHalvingDoubling || a == Algorithm::kRecursiveDoubling ||
                           a == Algorithm::kTree;
@@ -573,8 +641,13 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
   }
 
   static bool algorithm_fits(Algorithm a, OpKind kind, int root = -1) {
+    if (collectives::is_all_to_all(kind)) {
+      return a == Algorithm::kAuto || a == Algorithm::kPairwise || a == Algorithm::kScattered;
+    }
     switch (a) {
       case Algorithm::kAuto: return true;
+      case Algorithm::kPairwise:
+      case Algorithm::kScattered: return false;
       case Algorithm::kRing: return !collectives::is_scatter(kind, root);
       case Algorithm::kGatherReduce: return kind == OpKind::kAllReduce;
       case Algorithm::kTree:
@@ -588,6 +661,59 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     }
     return false;
   }
+
+  void check_full_mesh(const char* name) const {
+    if (full_mesh_) return;
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(name) + " needs direct links to every rank, which " +
+                    (size_ > collectives::kFullMeshMaxRanks
+                         ? std::to_string(size_) + " ranks (more than " +
+                               std::to_string(collectives::kFullMeshMaxRanks) + ") do not get"
+                         : "transport '" + options_.transport + "' does not build"),
+                rank_, Error::kNone, name);
+  }
+
+  // all_to_all_v: one side's counts and displacements (elements) as byte sizes and offsets;
+  // returns the extent of the buffer they describe. Names the argument that is wrong.
+  std::size_t to_bytes(std::span<const std::size_t> counts, std::span<const std::size_t> displs,
+                       std::size_t el, const char* counts_name, const char* displs_name,
+                       std::vector<std::size_t>& bytes, std::vector<std::size_t>& offsets) const {
+    const char* name = "all_to_all_v";
+    const auto n = static_cast<std::size_t>(size_);
+    check_per_rank(counts, counts_name, size_, rank_, name);
+    check_per_rank(displs, displs_name, size_, rank_, name);
+    // A message's size travels in 32 bits; a displacement must keep the end addressable.
+    const std::size_t limit = std::numeric_limits<std::uint32_t>::max() / el;
+    std::size_t extent = 0;
+    bytes.resize(n);
+    offsets.resize(n);
+    for (std::size_t j = 0; j < n; ++j) {
+      if (counts[j] > limit ||
+          displs[j] > std::numeric_limits<std::size_t>::max() / el - counts[j]) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    std::string(counts_name) + "[" + std::to_string(j) +
+                        "]=" + std::to_string(counts[j]) + " with " + displs_name + "[" +
+                        std::to_string(j) + "]=" + std::to_string(displs[j]) +
+                        " is out of range (at most " + std::to_string(limit) +
+                        " elements per peer)",
+                    rank_, Error::kNone, name);
+      }
+      bytes[j] = counts[j] * el;
+      offsets[j] = displs[j] * el;
+      if (bytes[j] > 0) extent = std::max(extent, offsets[j] + bytes[j]);
+    }
+    return extent;
+  }
+
+  // An all_to_all's schedule: the one asked for, else by the size of one block. A communicator-
+  // wide algorithm that is not an all_to_all's counts as kAuto (as in select()).
+  static Schedule all_to_all_schedule(Algorithm a, std::size_t block_bytes) {
+    if (a == Algorithm::kPairwise) return Schedule::kPairwise;
+    if (a == Algorithm::kScattered) return Schedule::kScattered;
+    return block_bytes <= kScatteredMaxBlockBytes ? Schedule::kScattered : Schedule::kPairwise;
+  }
+  // Measured on 4 ranks over TCP loopback (docs/results.md, "all_to_all").
+  static constexpr std::size_t kScatteredMaxBlockBytes = 64 * 1024;
 
   // The schedule of an all_reduce, reduce_scatter or all_gather: see
   // collectives::select_schedule. The communicator-wide choice (CommOptions::algorithm) falls
@@ -656,6 +782,15 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
       case OpKind::kBroadcast:
         if (o.out != o.in && o.user_count > 0) std::memmove(o.out, o.in, o.user_count * el);
         break;
+      case OpKind::kAllToAll:
+        if (o.out != o.in && o.user_count > 0) std::memmove(o.out, o.in, o.user_count * el);
+        break;
+      case OpKind::kAllToAllV:
+        if (o.layout->send_bytes[0] > 0) {
+          std::memcpy(o.out + o.layout->recv_offset[0], o.in + o.layout->send_offset[0],
+                      o.layout->send_bytes[0]);
+        }
+        break;
       case OpKind::kBarrier: break;
     }
     state->complete(nullptr);
@@ -676,7 +811,8 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
   mutable std::map<SelectKey, Schedule> select_cache_;
   std::shared_ptr<collectives::Engine> engine_;
   const transport::Transport* transport_ = nullptr;  // the registry's, for options_.transport
-  bool mesh_ = false;  // the engine has the log-step schedules' direct links
+  bool mesh_ = false;       // the engine has the log-step schedules' direct links
+  bool full_mesh_ = false;  // ... to every rank (all_to_all)
 };
 
 }  // namespace

@@ -87,6 +87,8 @@ SchedulePlan schedule_plan(OpKind kind, Schedule schedule, std::size_t bytes, st
       p.forward_steps = n - 1;
       p.chunk_bytes = bytes;
       break;
+    case OpKind::kAllToAll:
+    case OpKind::kAllToAllV: bad();  // no ring schedule: its own over the mesh (steps.h)
   }
   if (n == 1) p = SchedulePlan{};
   p.slices = slices_for(p.chunk_bytes, el, g);

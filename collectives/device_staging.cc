@@ -24,6 +24,7 @@
 #include "collectives/engine.h"  // Work::State
 #include "collectives/resident.h"
 #include "collectives/staging_pieces.h"
+#include "common/args.h"
 #include "cuda/device.h"
 #include "cuda/error.h"
 #include "cuda/memory.h"
@@ -253,6 +254,37 @@ class DeviceCommunicator final : public Communicator {
                  StagedKind::kAllGather, send_count, in, b, out, out_b, dtype, opts,
                  [=](Communicator& c, const void* i, void* o, std::size_t n, const OpOptions& x) {
                    return c.gather(i, o, n, dtype, root, x);
+                 });
+  }
+
+  Work all_to_all(const void* in, void* out, std::size_t count, DataType dtype,
+                  const OpOptions& opts) override {
+    const std::size_t b = count * dtype_size(dtype) * static_cast<std::size_t>(size());
+    // Its exchanges run on host memory (steps.h): device buffers are staged whole.
+    return route({OpKind::kAllToAll, in, out, count, dtype, ReduceOp::kSum, -1}, "all_to_all",
+                 StagedKind::kOther, count, in, b, out, b, dtype, opts,
+                 [=](Communicator& c, const void* i, void* o, std::size_t n, const OpOptions& x) {
+                   return c.all_to_all(i, o, n, dtype, x);
+                 });
+  }
+
+  Work all_to_all_v(const void* in, std::span<const std::size_t> send_counts,
+                    std::span<const std::size_t> send_displs, void* out,
+                    std::span<const std::size_t> recv_counts,
+                    std::span<const std::size_t> recv_displs, DataType dtype,
+                    const OpOptions& opts) override {
+    // Staged whole like all_to_all, over the extents the layouts describe; the inner call
+    // checks the layouts (a bad one fails when the staging thread issues it).
+    const std::size_t el = dtype_size(dtype);
+    std::vector<std::size_t> send_n(send_counts.begin(), send_counts.end());
+    std::vector<std::size_t> send_at(send_displs.begin(), send_displs.end());
+    std::vector<std::size_t> recv_n(recv_counts.begin(), recv_counts.end());
+    std::vector<std::size_t> recv_at(recv_displs.begin(), recv_displs.end());
+    return route({OpKind::kAllToAllV, in, out, 0, dtype, ReduceOp::kSum, -1}, "all_to_all_v",
+                 StagedKind::kOther, 0, in, layout_extent(send_counts, send_displs, el), out,
+                 layout_extent(recv_counts, recv_displs, el), dtype, opts,
+                 [=](Communicator& c, const void* i, void* o, std::size_t, const OpOptions& x) {
+                   return c.all_to_all_v(i, send_n, send_at, o, recv_n, recv_at, dtype, x);
                  });
   }
 

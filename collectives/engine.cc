@@ -163,12 +163,19 @@ void Engine::start(std::unique_ptr<Op> op) {
     op->scratch = op->exec->allocate(ExecMemory::kScratch, op->ring.total * op->el);
     if (op->schedule == Schedule::kGatherReduce) op->work = op->scratch;
   } else if (log_step) {
-    // The work buffer (reduce_scatter: a copy of the input) and the staging area.
-    const std::size_t work = op->log_step.plan.work_is_scratch ? op->log_step.plan.work_bytes : 0;
+    // The work buffer (reduce_scatter: a copy of the input; an in-place all_to_all: a copy of
+    // the input for its sends, whose blocks its receives overwrite) and the staging area.
+    const bool copy_in = op->kind == OpKind::kAllToAll && op->in == op->out;
+    const std::size_t work =
+        op->log_step.plan.work_is_scratch || copy_in ? op->log_step.plan.work_bytes : 0;
     op->scratch_owner =
         scratch_.acquire(work + op->log_step.plan.stage_bytes, &op->scratch_capacity);
     op->scratch = op->scratch_owner.get();
     if (op->log_step.plan.work_is_scratch) op->work = op->scratch;
+    if (copy_in && work > 0) {
+      std::memcpy(op->scratch, op->in, work);
+      op->log_step.send_base = op->scratch;
+    }
     op->log_step.stage = op->scratch + work;
   } else if (needs_scratch) {
     const std::size_t bytes = op->ring.total * op->el;

@@ -47,7 +47,8 @@ bool Engine::advance_log_steps(Op& op) {
       transport::Channel& ch = *links_[static_cast<std::size_t>(mesh_link(s.send_peer))][0];
       if (ch.closed() || ch.queued() >= kQueueMessagesPerChannel) break;
       const FrameHeader h = data_frame(op, static_cast<std::uint32_t>(s.tag), s.send_bytes);
-      const char* src = work_source(op, s.send_offset, s.send_bytes);
+      const char* src = s.send_input ? op.log_step.send_base + s.send_offset
+                                     : work_source(op, s.send_offset, s.send_bytes);
       if (!ch.try_send(h, src, (op.seq << 8) | k)) break;
       st |= LogStepState::kStepSent;
       ++op.log_step.sends_in_flight;
@@ -97,6 +98,15 @@ RecvTarget Engine::log_step_target(Op& op, int link, const FrameHeader& h, RecvC
     const Step& s = steps[k];
     if (s.recv_peer != peer || s.tag != static_cast<int>(h.index)) continue;
     const bool received = (op.log_step.step_state[k] & LogStepState::kStepReceived) != 0;
+    if (!received && s.recv_bytes != h.bytes && op.kind == OpKind::kAllToAllV) {
+      // The two ends' counts disagree (their sizes are not computed from shared parameters).
+      throw Error(ErrorCode::kMismatch,
+                  "rank " + std::to_string(peer) + " sends " + std::to_string(h.bytes) +
+                      " bytes to rank " + std::to_string(cfg_.rank) + " in " + view_of(op) +
+                      ", whose recv_counts[" + std::to_string(peer) + "] make it expect " +
+                      std::to_string(s.recv_bytes),
+                  cfg_.rank, peer, op.name(), static_cast<std::int64_t>(op.seq));
+    }
     if (received || s.recv_bytes != h.bytes) break;
     ctx.op = &op;
     ctx.step = static_cast<int>(k);

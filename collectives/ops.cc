@@ -54,6 +54,8 @@ const char* to_string(OpKind k) noexcept {
     case OpKind::kAllGather: return "all_gather";
     case OpKind::kBroadcast: return "broadcast";
     case OpKind::kBarrier: return "barrier";
+    case OpKind::kAllToAll: return "all_to_all";
+    case OpKind::kAllToAllV: return "all_to_all_v";
   }
   return "unknown";
 }
@@ -73,6 +75,8 @@ const char* to_string(Schedule s) noexcept {
     case Schedule::kRecursiveDoubling: return "recursive_doubling";
     case Schedule::kHalvingDoubling: return "halving_doubling";
     case Schedule::kTree: return "tree";
+    case Schedule::kPairwise: return "pairwise";
+    case Schedule::kScattered: return "scattered";
   }
   return "unknown";
 }
@@ -143,9 +147,11 @@ void ScratchPool::release(std::unique_ptr<char[]> buf, std::size_t capacity) {
 }
 
 std::uint8_t kind_byte(const Op& op) {
+  // all_to_all's two schedules send the same messages (steps.cc), in another order only: ranks
+  // need not agree on which (all_to_all_v's choice is each rank's own, by its own sizes).
+  const Schedule wire = is_all_to_all(op.kind) ? Schedule::kPairwise : op.schedule;
   return static_cast<std::uint8_t>(static_cast<unsigned>(op.kind) |
-                                   (static_cast<unsigned>(op.schedule) << 4) |
-                                   (op.device ? 0x80U : 0U));
+                                   (static_cast<unsigned>(wire) << 4) | (op.device ? 0x80U : 0U));
 }
 
 transport::FrameHeader data_frame(const Op& op, std::uint32_t index, std::size_t bytes) {
@@ -187,12 +193,15 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
   if (is_log_step(op.schedule)) {
     // Whole messages over the mesh links; the ring part stays as made (no messages).
     op.log_step.plan =
-        plan_steps(op.kind, op.schedule, rank, nranks, op.user_count, op.el, op.root);
+        op.kind == OpKind::kAllToAllV
+            ? plan_all_to_all_v(op.schedule, rank, nranks, *op.layout)
+            : plan_steps(op.kind, op.schedule, rank, nranks, op.user_count, op.el, op.root);
     op.log_step.step_state.assign(op.log_step.plan.steps.size(), 0);
     op.eager = op.log_step.plan.work_bytes <= geo.eager_bytes;
     // A scatter's root only sends, from its input; every other rank gathers its branch in
     // scratch (work_is_scratch).
     op.work = is_scatter(op.kind, op.root) && rank == op.root ? const_cast<char*>(op.in) : op.out;
+    op.log_step.send_base = op.in;  // the engine's copy instead for an in-place all_to_all
     return;
   }
   op.ring.forwards = true;
@@ -230,6 +239,8 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
       op.ring.forwards = pos > 0;
       break;
     }
+    case OpKind::kAllToAll:
+    case OpKind::kAllToAllV: break;  // log-step schedules only (above)
   }
   const std::size_t chunk_elems =
       ceil_div(op.ring.total, static_cast<std::size_t>(op.ring.nchunks));
@@ -266,7 +277,9 @@ int chunk_sent(const Op& op, int dir, int r, int step) {
     case OpKind::kReduceScatter: return ring_mod(r - s - 1, n);
     case OpKind::kAllGather:
     case OpKind::kBarrier: return ring_mod(r - s, n);
-    case OpKind::kBroadcast: return 0;
+    case OpKind::kBroadcast:
+    case OpKind::kAllToAll:
+    case OpKind::kAllToAllV: return 0;  // all_to_all never runs on the ring links
   }
   return 0;
 }
@@ -304,6 +317,8 @@ const char* send_source(const Op& op, const MessagePlan& m) {
       if (m.step == 0) return op.in + (off - chunk_offset(op, op.rank));
       return op.out + off;
     case OpKind::kBroadcast: return (op.rank == op.root ? op.in : op.out) + off;
+    case OpKind::kAllToAll:
+    case OpKind::kAllToAllV: break;
   }
   return nullptr;
 }
@@ -324,6 +339,8 @@ RecvPlace recv_place(const Op& op, const MessagePlan& m) {
     case OpKind::kAllGather:
     case OpKind::kBarrier:
     case OpKind::kBroadcast: return {op.out + off, nullptr, false};
+    case OpKind::kAllToAll:
+    case OpKind::kAllToAllV: break;
   }
   return {};
 }
@@ -340,7 +357,9 @@ bool has_direct_messages(const Op& op) {
     case OpKind::kAllGather: return op.schedule == Schedule::kRing;
     case OpKind::kBroadcast: return op.schedule == Schedule::kChain;
     case OpKind::kReduceScatter:
-    case OpKind::kBarrier: break;
+    case OpKind::kBarrier:
+    case OpKind::kAllToAll:
+    case OpKind::kAllToAllV: break;
   }
   return false;
 }
@@ -419,6 +438,26 @@ void start_local(Op& op) {
       }
       break;
     case OpKind::kReduceScatter: break;
+    case OpKind::kAllToAll: {
+      // The own block, out of place (in place, the sends read the engine's copy of the input).
+      const std::size_t own = static_cast<std::size_t>(op.rank) * block;
+      if (op.in != op.out && block > 0) {
+        op.start_copy_to = op.out + own;
+        op.start_copy_from = op.in + own;
+        op.start_copy_bytes = block;
+      }
+      break;
+    }
+    case OpKind::kAllToAllV: {
+      // The own part (the communicator checked that both sides give it the same size).
+      const auto r = static_cast<std::size_t>(op.rank);
+      if (op.layout->send_bytes[r] > 0) {
+        op.start_copy_to = op.out + op.layout->recv_offset[r];
+        op.start_copy_from = op.in + op.layout->send_offset[r];
+        op.start_copy_bytes = op.layout->send_bytes[r];
+      }
+      break;
+    }
   }
 }
 

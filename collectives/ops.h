@@ -37,7 +37,12 @@ enum class OpKind : std::uint8_t {
   kAllGather,
   kBroadcast,
   kBarrier,
+  kAllToAll,   // block j of every rank's input goes to rank j (steps.h: kPairwise, kScattered)
+  kAllToAllV,  // all_to_all with a count and displacement per peer (Op::layout)
 };
+[[nodiscard]] constexpr bool is_all_to_all(OpKind kind) noexcept {
+  return kind == OpKind::kAllToAll || kind == OpKind::kAllToAllV;
+}
 [[nodiscard]] const char* to_string(OpKind k) noexcept;
 // Communicator::reduce is a kAllReduce with a root (>= 0) and Communicator::gather a
 // kAllGather with one: they run their collective's schedules (and a tree of their own, steps.h),
@@ -79,6 +84,9 @@ enum class Schedule : std::uint8_t {
   kTree = 7,               // all_reduce: binomial tree reduce to rank 0, then broadcast;
                            // reduce, gather and scatter: a binomial tree with the root on
                            // top, or rooted at rank 0 with a path to the root (steps.h)
+  kPairwise = 8,           // all_to_all: N-1 steps, step k sends to rank + k and receives
+                           // from rank - k
+  kScattered = 9,          // all_to_all: every send at once, then every receive (one round)
 };
 [[nodiscard]] const char* to_string(Schedule s) noexcept;
 
@@ -99,6 +107,12 @@ class ScratchPool {
   std::vector<std::pair<std::size_t, std::unique_ptr<char[]>>> free_;
 };
 
+// all_to_all_v's layout, in bytes per peer j: send_bytes[j] from in + send_offset[j] go to rank
+// j, recv_bytes[j] from rank j land at out + recv_offset[j].
+struct AllToAllLayout {
+  std::vector<std::size_t> send_bytes, send_offset, recv_bytes, recv_offset;
+};
+
 // One step of a log-step schedule (steps.h), from one rank's point of view. Offsets are bytes
 // in the operation's work buffer.
 struct Step {
@@ -113,6 +127,7 @@ struct Step {
   bool final = false;            // the last reduction of these elements (avg divides here)
   std::size_t stage_offset = 0;  // reduce: where the operand waits in the staging area
   bool wait_send = false;        // the send must have left before the receive is applied
+  bool send_input = false;       // the send reads the input (LogStepState::send_base), not work
 };
 
 struct StepPlan {
@@ -196,6 +211,9 @@ struct RingState {
 struct LogStepState {
   StepPlan plan;          // filled in by plan()
   char* stage = nullptr;  // where early operands wait (in the operation's scratch)
+  // Where steps with send_input read: the input, or an in-place all_to_all's copy of it in
+  // scratch (its receives overwrite blocks it has still to send).
+  const char* send_base = nullptr;
   // Progress (engine thread): steps before step_next are complete; per step, kStep* flags.
   static constexpr std::uint8_t kStepSent = 1;      // its send is queued
   static constexpr std::uint8_t kStepSendDone = 2;  // the transport is done with it
@@ -226,6 +244,7 @@ struct Op {
   int root = -1;
   int priority = 0;
   std::chrono::milliseconds timeout{0};
+  std::shared_ptr<const AllToAllLayout> layout;  // kAllToAllV only (user_count is 0)
   const char* in = nullptr;
   char* out = nullptr;
   // Device memory (the ranks must agree: it travels in the frame's kind byte). Its steps go to

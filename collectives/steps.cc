@@ -52,6 +52,14 @@ class Builder {
   void exchange(int tag, int peer, Range out, Range in, bool reduce, bool final, bool wait_send) {
     add(tag, peer, out, peer, in, reduce, final, wait_send);
   }
+  // all_to_all: sends read the input (Step::send_input), receives are copied into the output;
+  // either peer may be -1 (a send-only or receive-only step).
+  // `keep_empty`: the step stays even where a half is empty (all_to_all_v, whose ends do not
+  // compute each other's sizes).
+  void shift(int tag, int to, Range out, int from, Range in, bool keep_empty = false) {
+    add(tag, to, to >= 0 ? out : Range{0, 0}, from, from >= 0 ? in : Range{0, 0}, false, false,
+        false, true, keep_empty);
+  }
   // Marks the last reducing step final (the tree's root).
   void finalize_last_reduce() {
     for (auto it = plan_.steps.rbegin(); it != plan_.steps.rend(); ++it) {
@@ -64,16 +72,17 @@ class Builder {
 
  private:
   void add(int tag, int send_peer, Range out, int recv_peer, Range in, bool reduce, bool final,
-           bool wait_send) {
+           bool wait_send, bool send_input = false, bool keep_empty = false) {
     // Both ends compute the same byte counts, so an empty half is dropped on both.
-    if (out.bytes == 0) send_peer = -1;
-    if (in.bytes == 0) recv_peer = -1;
+    if (out.bytes == 0 && !keep_empty) send_peer = -1;
+    if (in.bytes == 0 && !keep_empty) recv_peer = -1;
     if (send_peer < 0 && recv_peer < 0) return;
     Step s;
     s.tag = tag;
     s.send_peer = send_peer;
     s.send_offset = send_peer >= 0 ? out.offset : 0;
     s.send_bytes = send_peer >= 0 ? out.bytes : 0;
+    s.send_input = send_peer >= 0 && send_input;
     s.recv_peer = recv_peer;
     if (recv_peer >= 0) {
       s.recv_offset = in.offset;
@@ -368,16 +377,53 @@ void plan_all_gather(Builder& b, int r, int n, std::size_t count, std::size_t el
   if (f.folded(r)) b.send(tag_fold_out(f), r - 1, whole);
 }
 
+// all_to_all: block j of the input goes to rank j, and block j of the output comes from rank j.
+// Message k (1 <= k < n) goes from rank r to rank r + k and carries tag k, so the receiver
+// knows it by its sender alone. kPairwise makes it step k: its send leaves once the message
+// of step k - 1 has arrived, so each rank has one message in flight each way and the ranks
+// move through the shifts together (the receiver of each send is ready for it). kScattered
+// sends all n - 1 at once and then takes them as they come: one round of latency.
+// `sent(j)` and `received(j)` are the ranges of the input and output that go to and come from
+// rank j; all_to_all_v keeps empty messages (`keep_empty`).
+template <typename Sent, typename Received>
+void plan_shifts(Builder& b, Schedule s, int r, int n, Sent sent, Received received,
+                 bool keep_empty) {
+  for (int k = 1; k < n; ++k) {
+    const int to = (r + k) % n;
+    const int from = (r - k + n) % n;
+    if (s == Schedule::kPairwise) {
+      b.shift(k, to, sent(to), from, received(from), keep_empty);
+    } else {
+      b.shift(k, to, sent(to), -1, {}, keep_empty);
+    }
+  }
+  if (s == Schedule::kScattered) {
+    for (int k = 1; k < n; ++k) {
+      const int from = (r - k + n) % n;
+      b.shift(k, -1, {}, from, received(from), keep_empty);
+    }
+  }
+}
+
+void plan_all_to_all(Builder& b, Schedule s, int r, int n, std::size_t block) {
+  const auto at = [block](int j) { return Range{static_cast<std::size_t>(j) * block, block}; };
+  plan_shifts(b, s, r, n, at, at, false);
+}
+
 }  // namespace
 
 bool is_log_step(Schedule s) noexcept {
   return s == Schedule::kRecursiveDoubling || s == Schedule::kHalvingDoubling ||
-         s == Schedule::kTree;
+         s == Schedule::kTree || s == Schedule::kPairwise || s == Schedule::kScattered;
 }
 
 bool log_step_supports(OpKind kind, Schedule s) noexcept {
   switch (kind) {
-    case OpKind::kAllReduce: return is_log_step(s);
+    case OpKind::kAllReduce:
+      return s == Schedule::kRecursiveDoubling || s == Schedule::kHalvingDoubling ||
+             s == Schedule::kTree;
+    case OpKind::kAllToAll:
+    case OpKind::kAllToAllV: return s == Schedule::kPairwise || s == Schedule::kScattered;
     case OpKind::kReduceScatter: return s == Schedule::kHalvingDoubling;
     case OpKind::kAllGather:
       return s == Schedule::kRecursiveDoubling || s == Schedule::kHalvingDoubling;
@@ -420,6 +466,12 @@ StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t c
         plan_reduce_scatter(b, rank, nranks, count, el);
       }
       break;
+    case OpKind::kAllToAllV:
+      throw std::invalid_argument("plan_steps: all_to_all_v is planned by plan_all_to_all_v");
+    case OpKind::kAllToAll:
+      plan.work_bytes = static_cast<std::size_t>(nranks) * count * el;
+      plan_all_to_all(b, s, rank, nranks, count * el);
+      break;
     default:
       plan.work_bytes = static_cast<std::size_t>(nranks) * count * el;
       if (rooted_tree) {
@@ -432,8 +484,40 @@ StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t c
   return plan;
 }
 
+StepPlan plan_all_to_all_v(Schedule s, int rank, int nranks, const AllToAllLayout& layout) {
+  const auto n = static_cast<std::size_t>(nranks);
+  if ((s != Schedule::kPairwise && s != Schedule::kScattered) || nranks < 2 || rank < 0 ||
+      rank >= nranks || layout.send_bytes.size() != n || layout.send_offset.size() != n ||
+      layout.recv_bytes.size() != n || layout.recv_offset.size() != n) {
+    throw std::invalid_argument(std::string("plan_all_to_all_v: ") + to_string(s) + " on rank " +
+                                std::to_string(rank) + " of " + std::to_string(nranks));
+  }
+  StepPlan plan;
+  for (std::size_t j = 0; j < n; ++j) {
+    plan.work_bytes = std::max(plan.work_bytes, layout.recv_offset[j] + layout.recv_bytes[j]);
+  }
+  Builder b(plan);
+  const auto sent = [&](int j) {
+    const auto u = static_cast<std::size_t>(j);
+    return Range{layout.send_offset[u], layout.send_bytes[u]};
+  };
+  const auto received = [&](int j) {
+    const auto u = static_cast<std::size_t>(j);
+    return Range{layout.recv_offset[u], layout.recv_bytes[u]};
+  };
+  plan_shifts(b, s, rank, nranks, sent, received, true);
+  return plan;
+}
+
 std::vector<int> step_peers(int rank, int nranks) {
   std::vector<int> peers;
+  if (nranks <= kFullMeshMaxRanks) {
+    // all_to_all exchanges with every rank.
+    for (int p = 0; p < nranks; ++p) {
+      if (p != rank) peers.push_back(p);
+    }
+    return peers;
+  }
   // The tree's edges and the fold's pairs: rank ^ 2^k.
   for (int d = 1; d < nranks; d <<= 1) {
     if ((rank ^ d) < nranks) peers.push_back(rank ^ d);

@@ -1,5 +1,6 @@
 // Log-step schedules: recursive doubling, recursive halving + doubling (Rabenseifner) and the
-// binomial tree, for messages where the ring's 2(N-1) steps of latency dominate.
+// binomial tree, for messages where the ring's 2(N-1) steps of latency dominate; and
+// all_to_all's pairwise and scattered exchanges, which only the mesh links can carry.
 //
 // Unlike the ring schedules of ops.h, which stream slices over the two ring links, a log-step
 // schedule is a short list of whole-message steps, each exchanged with a different peer over
@@ -31,8 +32,9 @@ namespace dear::collectives {
 // Whether `s` is a log-step schedule (run from a StepPlan over the mesh links).
 [[nodiscard]] bool is_log_step(Schedule s) noexcept;
 
-// Whether `kind` can run `s` (log-step schedules only): all_reduce: all three;
-// reduce_scatter: kHalvingDoubling; all_gather: kRecursiveDoubling and kHalvingDoubling.
+// Whether `kind` can run `s` (log-step schedules only): all_reduce: kRecursiveDoubling,
+// kHalvingDoubling and kTree; reduce_scatter: kHalvingDoubling; all_gather: kRecursiveDoubling
+// and kHalvingDoubling; all_to_all: kPairwise and kScattered.
 [[nodiscard]] bool log_step_supports(OpKind kind, Schedule s) noexcept;
 
 // This rank's steps. `count` is the caller's count (per-rank block for reduce_scatter and
@@ -45,8 +47,18 @@ namespace dear::collectives {
 [[nodiscard]] StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t count,
                                   std::size_t el, int root = -1);
 
-// Every rank that some log-step schedule makes `rank` exchange with, ascending. Symmetric:
-// b is in step_peers(a) exactly when a is in step_peers(b).
+// all_to_all_v's steps (kPairwise or kScattered), from this rank's layout: the messages of
+// all_to_all's schedule with each peer's own size, empty ones included, so that a receiver
+// that expects bytes from a peer with nothing to send hears so (a size mismatch is an error,
+// never a wait).
+[[nodiscard]] StepPlan plan_all_to_all_v(Schedule s, int rank, int nranks,
+                                         const AllToAllLayout& layout);
+
+// Every rank that some log-step schedule makes `rank` exchange with, ascending: all the others
+// up to kFullMeshMaxRanks ranks (all_to_all's schedules), beyond that those of the tree, the
+// fold and the core (2^k apart), where all_to_all cannot run. Symmetric: b is in
+// step_peers(a) exactly when a is in step_peers(b).
+inline constexpr int kFullMeshMaxRanks = 64;
 [[nodiscard]] std::vector<int> step_peers(int rank, int nranks);
 
 // What the cost model needs: the critical path's steps, its bytes on the wire (the larger of

@@ -1,6 +1,9 @@
 // Argument checks every communicator makes alike, with the error that names the argument.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
+#include <span>
 #include <string>
 
 #include "dear/error.h"
@@ -14,6 +17,29 @@ inline void check_root(int root, int size, int rank, const char* op) {
                 "root=" + std::to_string(root) + " is outside [0, " + std::to_string(size) + ")",
                 rank, Error::kNone, op);
   }
+}
+
+// all_to_all_v: throws Error(kInvalidArgument) unless `list` (counts or displacements, named
+// `arg`) has one entry per rank.
+inline void check_per_rank(std::span<const std::size_t> list, const char* arg, int size, int rank,
+                           const char* op) {
+  if (list.size() != static_cast<std::size_t>(size)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(arg) + " has " + std::to_string(list.size()) +
+                    " entries; it needs one per rank (" + std::to_string(size) + ")",
+                rank, Error::kNone, op);
+  }
+}
+
+// The bytes from the start of a buffer that all_to_all_v's `counts` at `displs` (elements of
+// `el` bytes, the lists checked by check_per_rank) reach.
+inline std::size_t layout_extent(std::span<const std::size_t> counts,
+                                 std::span<const std::size_t> displs, std::size_t el) {
+  std::size_t e = 0;
+  for (std::size_t j = 0; j < counts.size() && j < displs.size(); ++j) {
+    if (counts[j] > 0) e = std::max(e, (displs[j] + counts[j]) * el);
+  }
+  return e;
 }
 
 }  // namespace dear

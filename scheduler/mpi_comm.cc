@@ -231,6 +231,42 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
+  Work all_to_all(const void* in, void* out, std::size_t count, DataType dtype,
+                  const OpOptions& opts) override {
+    const int n = int_count(count, "all_to_all");
+    (void)int_count(count * static_cast<std::size_t>(size_), "all_to_all");
+    check_pointers(in, out, count, "all_to_all");
+    auto p = pending("all_to_all", count, dtype, ReduceOp::kSum, opts);
+    const void* send = in == out ? MPI_IN_PLACE : in;
+    return submit(std::move(p), [&](MPI_Request* req) {
+      return MPI_Ialltoall(send, n, mpi_type(dtype), out, n, mpi_type(dtype), comm_, req);
+    });
+  }
+
+  Work all_to_all_v(const void* in, std::span<const std::size_t> send_counts,
+                    std::span<const std::size_t> send_displs, void* out,
+                    std::span<const std::size_t> recv_counts,
+                    std::span<const std::size_t> recv_displs, DataType dtype,
+                    const OpOptions& opts) override {
+    const char* name = "all_to_all_v";
+    auto p = pending(name, 0, dtype, ReduceOp::kSum, opts);
+    const auto n = static_cast<std::size_t>(size_);
+    // MPI's int counts and displacements: send counts, send displs, recv counts, recv displs.
+    p->layout.reserve(4 * n);
+    check_per_rank(send_counts, "send_counts", size_, rank_, name);
+    check_per_rank(send_displs, "send_displs", size_, rank_, name);
+    check_per_rank(recv_counts, "recv_counts", size_, rank_, name);
+    check_per_rank(recv_displs, "recv_displs", size_, rank_, name);
+    for (const auto& list : {send_counts, send_displs, recv_counts, recv_displs}) {
+      for (std::size_t v : list) p->layout.push_back(int_count(v, name));
+    }
+    const int* l = p->layout.data();
+    return submit(std::move(p), [&](MPI_Request* req) {
+      return MPI_Ialltoallv(in, l, l + n, mpi_type(dtype), out, l + 2 * n, l + 3 * n,
+                            mpi_type(dtype), comm_, req);
+    });
+  }
+
   Work barrier(const OpOptions& opts) override {
     auto p = pending("barrier", 0, DataType::kUint8, ReduceOp::kSum, opts);
     return submit(std::move(p), [&](MPI_Request* req) { return MPI_Ibarrier(comm_, req); });
@@ -250,6 +286,7 @@ class MpiCommunicator final : public Communicator {
     void* avg_at = nullptr;     // kAvg: divide these `count` elements on completion
     std::vector<char> scratch;  // in-place reduce_scatter: where MPI writes the block
     void* copy_to = nullptr;    // ... and where it goes on completion
+    std::vector<int> layout;    // all_to_all_v: counts and displacements, alive until done
 
     bool test() override {
       int flag = 0;

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -181,6 +182,75 @@ class NcclCommunicator final : public Communicator {
                  return root_exchange(true, root, r, const_cast<void*>(s), send_count, dtype,
                                       in_place);
                });
+  }
+
+  Work all_to_all(const void* in, void* out, std::size_t count, DataType dtype,
+                  const OpOptions& opts) override {
+    const std::size_t bytes = count * dtype_size(dtype) * static_cast<std::size_t>(size_);
+    const bool in_place = in == out;
+    // One group of point-to-point calls (ncclAlltoAll is 2.28's): block p to and from rank p.
+    // In place, the sends read a copy of the input, which the receives overwrite.
+    return run("all_to_all", count, dtype, opts, {in, bytes}, {out, bytes}, in_place,
+               [=, this](const void* s, void* r) {
+                 const std::size_t block = count * dtype_size(dtype);
+                 void* copy = nullptr;
+                 if (in_place && bytes > 0) {
+                   cuda(cudaMallocAsync(&copy, bytes, stream_), "cudaMallocAsync");
+                   cuda(cudaMemcpyAsync(copy, s, bytes, cudaMemcpyDeviceToDevice, stream_),
+                        "cudaMemcpyAsync");
+                 }
+                 const char* from =
+                     copy != nullptr ? static_cast<const char*>(copy) : static_cast<const char*>(s);
+                 char* to = static_cast<char*>(r);
+                 ncclResult_t rc = ncclGroupStart();
+                 for (int p = 0; p < size_ && rc == ncclSuccess; ++p) {
+                   const std::size_t at = static_cast<std::size_t>(p) * block;
+                   rc = ncclSend(from + at, count, nccl_type(dtype), p, comm_, stream_);
+                   if (rc == ncclSuccess) {
+                     rc = ncclRecv(to + at, count, nccl_type(dtype), p, comm_, stream_);
+                   }
+                 }
+                 const ncclResult_t end = ncclGroupEnd();
+                 if (copy != nullptr) cuda(cudaFreeAsync(copy, stream_), "cudaFreeAsync");
+                 return rc != ncclSuccess ? rc : end;
+               });
+  }
+
+  Work all_to_all_v(const void* in, std::span<const std::size_t> send_counts,
+                    std::span<const std::size_t> send_displs, void* out,
+                    std::span<const std::size_t> recv_counts,
+                    std::span<const std::size_t> recv_displs, DataType dtype,
+                    const OpOptions& opts) override {
+    const std::size_t el = dtype_size(dtype);
+    const char* name = "all_to_all_v";
+    check_per_rank(send_counts, "send_counts", size_, rank_, name);
+    check_per_rank(send_displs, "send_displs", size_, rank_, name);
+    check_per_rank(recv_counts, "recv_counts", size_, rank_, name);
+    check_per_rank(recv_displs, "recv_displs", size_, rank_, name);
+    std::vector<std::size_t> send_n(send_counts.begin(), send_counts.end());
+    std::vector<std::size_t> send_at(send_displs.begin(), send_displs.end());
+    std::vector<std::size_t> recv_n(recv_counts.begin(), recv_counts.end());
+    std::vector<std::size_t> recv_at(recv_displs.begin(), recv_displs.end());
+    // One group of point-to-point calls, each peer's part at its displacement (out of place).
+    return run(
+        name, 0, dtype, opts, {in, layout_extent(send_counts, send_displs, el)},
+        {out, layout_extent(recv_counts, recv_displs, el)}, false,
+        [=, this](const void* s, void* r) {
+          const auto* from = static_cast<const char*>(s);
+          auto* to = static_cast<char*>(r);
+          ncclResult_t rc = ncclGroupStart();
+          for (int p = 0; p < size_ && rc == ncclSuccess; ++p) {
+            const auto u = static_cast<std::size_t>(p);
+            if (send_n[u] > 0) {
+              rc = ncclSend(from + send_at[u] * el, send_n[u], nccl_type(dtype), p, comm_, stream_);
+            }
+            if (rc == ncclSuccess && recv_n[u] > 0) {
+              rc = ncclRecv(to + recv_at[u] * el, recv_n[u], nccl_type(dtype), p, comm_, stream_);
+            }
+          }
+          const ncclResult_t end = ncclGroupEnd();
+          return rc != ncclSuccess ? rc : end;
+        });
   }
 
   Work barrier(const OpOptions& opts) override {

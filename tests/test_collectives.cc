@@ -312,6 +312,113 @@ TEST_P(Conformance, ScatterFromEveryRootEveryType) {
   });
 }
 
+TEST_P(Conformance, AllToAllEveryTypeAndAlgorithm) {
+  // Block j of every rank's output is block r of rank j's input, in place or not; the input of
+  // an out-of-place call is not written.
+  const int n = GetParam();
+  const auto nn = static_cast<std::size_t>(n);
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    for (const auto algo : {Algorithm::kAuto, Algorithm::kPairwise, Algorithm::kScattered}) {
+      for (const auto t : kAllTypes) {
+        for (const std::size_t count :
+             {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{4099}}) {
+          for (const bool in_place : {false, true}) {
+            const std::size_t block = count * dtype_size(t);
+            auto in = make_input(r, count * nn, t, ReduceOp::kSum);
+            const auto original = in;
+            std::vector<char> out_buf(std::max<std::size_t>(1, block * nn), 0x5a);
+            char* out = in_place ? in.data() : out_buf.data();
+            OpOptions o;
+            o.algorithm = algo;
+            comm.all_to_all(in.data(), out, count, t, o).wait();
+            const std::string what = label(to_string(algo), t, ReduceOp::kSum, count, in_place, r);
+            if (!in_place) {
+              ASSERT_EQ(in, original) << "all_to_all " << what << ": input written";
+            }
+            for (int j = 0; j < n; ++j) {
+              const auto theirs = make_input(j, count * nn, t, ReduceOp::kSum);
+              const std::size_t at = static_cast<std::size_t>(j) * block;
+              ASSERT_EQ(0, std::memcmp(out + at,
+                                       theirs.data() + static_cast<std::size_t>(r) * block, block))
+                  << "all_to_all " << what << " block " << j;
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(Conformance, AllToAllVEveryTypeAndAlgorithmWithUnevenParts) {
+  // Rank r sends part(r, j) = (r + 2 j + k) % 5 elements to rank j (some parts empty), packed
+  // in reverse rank order with a gap of 3 elements after each, and receives rank j's part
+  // for it at displacements in rank order with a gap of 1: every element lands where its
+  // sender's layout and this rank's layout say, and the gaps stay untouched.
+  const int n = GetParam();
+  const auto nn = static_cast<std::size_t>(n);
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    for (const auto algo : {Algorithm::kAuto, Algorithm::kPairwise, Algorithm::kScattered}) {
+      for (const auto t : kAllTypes) {
+        for (const std::size_t scale : {std::size_t{1}, std::size_t{700}}) {
+          const auto part = [&](int from, int to) {
+            return static_cast<std::size_t>((from + 2 * to + static_cast<int>(scale)) % 5) * scale;
+          };
+          const std::size_t el = dtype_size(t);
+          std::vector<std::size_t> send_counts(nn), send_displs(nn), recv_counts(nn),
+              recv_displs(nn);
+          std::size_t at = 0;
+          for (int j = n - 1; j >= 0; --j) {
+            const auto u = static_cast<std::size_t>(j);
+            send_counts[u] = part(r, j);
+            send_displs[u] = at;
+            at += send_counts[u] + 3;
+          }
+          const std::size_t in_count = at;
+          at = 0;
+          for (int j = 0; j < n; ++j) {
+            const auto u = static_cast<std::size_t>(j);
+            recv_counts[u] = part(j, r);
+            recv_displs[u] = at;
+            at += recv_counts[u] + 1;
+          }
+          const std::size_t out_count = at;
+          // Element e of the part rank `from` sends to rank `to`: the reference input of rank
+          // `from` at index to * 5000 + e, the same on both ends.
+          const auto value_of = [&](int from, int to, std::size_t e) {
+            return input_value(from, static_cast<std::size_t>(to) * 5000 + e, t, ReduceOp::kSum);
+          };
+          std::vector<char> in(std::max<std::size_t>(1, in_count * el), 0x11);
+          for (int j = 0; j < n; ++j) {
+            const auto u = static_cast<std::size_t>(j);
+            for (std::size_t e = 0; e < send_counts[u]; ++e) {
+              store(in.data(), send_displs[u] + e, t, value_of(r, j, e));
+            }
+          }
+          const auto original = in;
+          std::vector<char> out(std::max<std::size_t>(1, out_count * el), 0x5a);
+          OpOptions o;
+          o.algorithm = algo;
+          comm.all_to_all_v(in.data(), send_counts, send_displs, out.data(), recv_counts,
+                            recv_displs, t, o)
+              .wait();
+          const std::string what = label(to_string(algo), t, ReduceOp::kSum, scale, false, r);
+          ASSERT_EQ(in, original) << "all_to_all_v " << what << ": input written";
+          std::vector<char> want(out.size(), 0x5a);
+          for (int j = 0; j < n; ++j) {
+            const auto u = static_cast<std::size_t>(j);
+            for (std::size_t e = 0; e < recv_counts[u]; ++e) {
+              store(want.data(), recv_displs[u] + e, t, value_of(j, r, e));
+            }
+          }
+          ASSERT_EQ(out, want) << "all_to_all_v " << what;
+        }
+      }
+    }
+  });
+}
+
 TEST_P(Conformance, BarrierHoldsEveryRankBack) {
   const int n = GetParam();
   constexpr int kRounds = 20;

@@ -91,6 +91,53 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
           [&] { comm.scatter(buf.data(), buf.data(), 1, DataType::kFloat32, 0, ring); });
       EXPECT_NE(std::string(e.what()).find("tree only"), std::string::npos) << e.what();
     }
+    e = expect_error([&] { comm.all_to_all(nullptr, buf.data(), 1, DataType::kFloat32); });
+    EXPECT_NE(std::string(e.what()).find("in is null"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("all_to_all"), std::string::npos) << e.what();
+    {
+      OpOptions ring;
+      ring.algorithm = Algorithm::kRing;
+      e = expect_error(
+          [&] { comm.all_to_all(buf.data(), buf.data(), 1, DataType::kFloat32, ring); });
+      EXPECT_NE(std::string(e.what()).find("pairwise or scattered"), std::string::npos) << e.what();
+      OpOptions pairwise;
+      pairwise.algorithm = Algorithm::kPairwise;
+      e = expect_error([&] {
+        comm.all_reduce(buf.data(), buf.data(), 1, DataType::kFloat32, ReduceOp::kSum, pairwise);
+      });
+      EXPECT_NE(std::string(e.what()).find("all_to_all only"), std::string::npos) << e.what();
+    }
+    {
+      // all_to_all_v: one entry per rank, its own part the same both ways, out of place.
+      const std::vector<std::size_t> ones(static_cast<std::size_t>(comm.size()), 1);
+      std::vector<std::size_t> displs(ones.size());
+      for (std::size_t j = 0; j < displs.size(); ++j) displs[j] = j;
+      const std::vector<std::size_t> short_list(ones.size() + 1, 1);
+      std::vector<float> big(64, 1.0f);
+      e = expect_error([&] {
+        comm.all_to_all_v(big.data(), short_list, displs, big.data() + 32, ones, displs,
+                          DataType::kFloat32);
+      });
+      EXPECT_NE(std::string(e.what()).find("send_counts has"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("all_to_all_v"), std::string::npos) << e.what();
+      std::vector<std::size_t> twos = ones;
+      twos[static_cast<std::size_t>(comm.rank())] = 2;
+      e = expect_error([&] {
+        comm.all_to_all_v(big.data(), twos, displs, big.data() + 32, ones, displs,
+                          DataType::kFloat32);
+      });
+      EXPECT_NE(std::string(e.what()).find("differs from recv_counts"), std::string::npos)
+          << e.what();
+      e = expect_error([&] {
+        comm.all_to_all_v(big.data(), ones, displs, big.data() + 1, ones, displs,
+                          DataType::kFloat32);
+      });
+      EXPECT_NE(std::string(e.what()).find("out of place only"), std::string::npos) << e.what();
+      e = expect_error([&] {
+        comm.all_to_all_v(nullptr, ones, displs, big.data(), ones, displs, DataType::kFloat32);
+      });
+      EXPECT_NE(std::string(e.what()).find("in is null"), std::string::npos) << e.what();
+    }
     // The gather's own tree; an all_gather has none.
     OpOptions tree;
     tree.algorithm = Algorithm::kTree;
@@ -379,6 +426,42 @@ TEST(Mismatch, GatherAgainstAllGatherNamesBothViews) {
     EXPECT_NE(what.find("has gather count=8"), std::string::npos) << what;
     EXPECT_NE(what.find("has all_gather count=8"), std::string::npos) << what;
   }
+}
+
+TEST(Mismatch, AllToAllVSizesThatDisagreeFailEveryRankNamingBoth) {
+  // Every part is 4 floats, but rank 0 sends 3 to rank 1 and rank 2 sends none to rank 0:
+  // both receivers fail naming the sizes, and nobody waits for the deadline.
+  CommOptions o;
+  o.timeout = 20s;
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = run_ranks_collect(
+      3,
+      [](Communicator& comm) {
+        const int r = comm.rank();
+        std::vector<float> in(12, 1.0f);
+        std::vector<float> out(12);
+        std::vector<std::size_t> send_counts(3, 4), displs{0, 4, 8}, recv_counts(3, 4);
+        if (r == 0) send_counts[1] = 3;
+        if (r == 2) send_counts[0] = 0;
+        comm.all_to_all_v(in.data(), send_counts, displs, out.data(), recv_counts, displs,
+                          DataType::kFloat32)
+            .wait();
+      },
+      o);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "mismatch took the deadline";
+  // Rank 2's own receives matched: it may finish before the failure reaches it.
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(errors[static_cast<std::size_t>(r)]) << "rank " << r << " did not fail";
+  }
+  const std::string at1 = what_of(errors[1]);
+  const std::string at0 = what_of(errors[0]);
+  EXPECT_EQ(code_of(errors[1]), ErrorCode::kMismatch) << at1;
+  EXPECT_EQ(code_of(errors[0]), ErrorCode::kMismatch) << at0;
+  // Whichever error a rank saw first: its own receive's, or the one its peer reported.
+  EXPECT_TRUE(at1.find("sends 12 bytes") != std::string::npos ||
+              at1.find("sends 0 bytes") != std::string::npos)
+      << at1;
+  EXPECT_NE(at1.find("expect 16"), std::string::npos) << at1;
 }
 
 // A rank that never issues the operation: the others fail at their deadline, naming it.

@@ -296,6 +296,30 @@ TEST(Checker, ReduceScatterAllGatherAndBroadcast) {
   EXPECT_DOUBLE_EQ(expected_value(spec, 7), pattern_value(ReduceOp::kSum, 2, 7, 3));
 }
 
+TEST(Checker, AllToAllBlocksComeFromEveryRank) {
+  // Built by hand from the inputs: rank r's block j is block r of rank j's input.
+  const int nranks = 4;
+  CheckSpec spec;
+  spec.collective = Collective::kAllToAll;
+  spec.dtype = DataType::kInt32;
+  spec.nranks = nranks;
+  spec.rank_count = 9;
+  spec.seed = 5;
+  const auto inputs = make_inputs(spec);
+  const std::size_t block = spec.rank_count * sizeof(std::int32_t);
+  for (int r = 0; r < nranks; ++r) {
+    spec.rank = r;
+    std::vector<unsigned char> out;
+    for (int j = 0; j < nranks; ++j) {
+      const unsigned char* from = inputs[static_cast<std::size_t>(j)].data() + r * block;
+      out.insert(out.end(), from, from + block);
+    }
+    EXPECT_EQ(count_wrong(out.data(), spec), 0) << "rank " << r;
+    // Its own input unexchanged is wrong wherever a block came from another rank.
+    EXPECT_GT(count_wrong(inputs[static_cast<std::size_t>(r)].data(), spec), 0) << "rank " << r;
+  }
+}
+
 TEST(Checker, StaleDataFromAnotherSeedIsCaught) {
   CheckSpec spec;
   spec.nranks = 2;
@@ -494,7 +518,9 @@ TEST(Collectives, NamesParseBack) {
   EXPECT_EQ(parse_collective("reduce-scatter"), Collective::kReduceScatter);
   EXPECT_EQ(parse_collective("gather"), Collective::kGather);
   EXPECT_EQ(parse_collective("scatter"), Collective::kScatter);
-  EXPECT_EQ(parse_collective("alltoall"), std::nullopt);
+  EXPECT_EQ(parse_collective("alltoall"), Collective::kAllToAll);
+  EXPECT_EQ(parse_collective("all-to-all"), Collective::kAllToAll);
+  EXPECT_EQ(parse_collective("alltoallv"), std::nullopt);
 }
 
 }  // namespace

@@ -40,6 +40,7 @@ struct RankState {
   StepPlan plan;
   std::vector<Elem> work;
   std::vector<Elem> stage;
+  std::vector<Elem> input;  // what steps with send_input read (all_to_all)
   std::size_t next = 0;
   std::vector<bool> sent, delivered, received;
 };
@@ -64,6 +65,14 @@ std::vector<std::vector<Elem>> simulate(OpKind kind, Schedule s, int n, std::siz
     if (kind == OpKind::kAllGather) {
       for (std::size_t i = 0; i < count; ++i) {
         st.work[static_cast<std::size_t>(r) * count + i] = {input(r, i), 0};
+      }
+    } else if (kind == OpKind::kAllToAll) {
+      // The output: the own block copied from the input, the rest not yet written.
+      for (std::size_t i = 0; i < elems; ++i) st.input.push_back({input(r, i), 0});
+      st.work.assign(elems, Elem{-1, -1});
+      for (std::size_t i = 0; i < count; ++i) {
+        const std::size_t g = static_cast<std::size_t>(r) * count + i;
+        st.work[g] = st.input[g];
       }
     } else {
       for (std::size_t i = 0; i < elems; ++i) st.work[i] = {input(r, i), 0};
@@ -105,7 +114,8 @@ std::vector<std::vector<Elem>> simulate(OpKind kind, Schedule s, int n, std::siz
     ASSERT_EQ(ss.send_bytes, rs.recv_bytes) << "message " << m.tag << " " << m.src << "->" << m.dst;
     ASSERT_FALSE(to.received[k]) << "message " << m.tag << " delivered twice";
     // The sender's memory is read now: what it holds at delivery time.
-    const Elem* src = at(from.work, ss.send_offset);
+    const Elem* src =
+        ss.send_input ? at(from.input, ss.send_offset) : at(from.work, ss.send_offset);
     Elem* dst = rs.reduce ? at(to.stage, rs.stage_offset) : at(to.work, rs.recv_offset);
     std::memcpy(dst, src, rs.recv_bytes);
     from.delivered[m.src_step] = true;
@@ -197,6 +207,17 @@ void check(OpKind kind, Schedule s, int n, std::size_t count, std::uint32_t seed
       }
       continue;
     }
+    if (kind == OpKind::kAllToAll) {
+      // Block src came from rank src's block r.
+      for (int src = 0; src < n; ++src) {
+        for (std::size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(w[static_cast<std::size_t>(src) * count + i].sum,
+                    input(src, static_cast<std::size_t>(r) * count + i))
+              << what << " rank " << r << " block " << src << " element " << i;
+        }
+      }
+      continue;
+    }
     if (root >= 0 && r != root) continue;  // reduce, gather: only the root's result is defined
     switch (kind) {
       case OpKind::kAllReduce:
@@ -232,6 +253,8 @@ TEST(LogStepSchedules, EveryKindRankCountAndSizeUnderRandomInterleavings) {
       {OpKind::kReduceScatter, Schedule::kHalvingDoubling},
       {OpKind::kAllGather, Schedule::kRecursiveDoubling},
       {OpKind::kAllGather, Schedule::kHalvingDoubling},
+      {OpKind::kAllToAll, Schedule::kPairwise},
+      {OpKind::kAllToAll, Schedule::kScattered},
   };
   for (const auto& [kind, s] : cases) {
     for (int n = 2; n <= 17; ++n) {
@@ -418,12 +441,20 @@ TEST(LogStepSchedules, StepCountsAreLogarithmic) {
             3U * 3200U);
 }
 
-TEST(LogStepSchedules, PeersAreFewAndSymmetric) {
-  for (int n = 1; n <= 64; ++n) {
+TEST(LogStepSchedules, PeersAreEveryRankUpToTheFullMeshThenFewAndSymmetric) {
+  std::vector<int> sizes;
+  for (int n = 1; n <= kFullMeshMaxRanks + 3; ++n) sizes.push_back(n);
+  sizes.insert(sizes.end(), {100, 128, 200});
+  for (int n : sizes) {
     for (int r = 0; r < n; ++r) {
       const auto peers = step_peers(r, n);
-      EXPECT_LE(peers.size(),
-                2U * static_cast<std::size_t>(std::bit_width(static_cast<unsigned>(n))));
+      if (n <= kFullMeshMaxRanks) {
+        // all_to_all's schedules exchange with every rank.
+        ASSERT_EQ(peers.size(), static_cast<std::size_t>(n - 1)) << n << ": " << r;
+      } else {
+        EXPECT_LE(peers.size(),
+                  2U * static_cast<std::size_t>(std::bit_width(static_cast<unsigned>(n))));
+      }
       for (int p : peers) {
         EXPECT_NE(p, r);
         const auto back = step_peers(p, n);
@@ -440,8 +471,45 @@ TEST(LogStepSchedules, RejectsWhatItDoesNotRun) {
                std::invalid_argument);
   EXPECT_THROW((void)plan_steps(OpKind::kAllReduce, Schedule::kTree, 4, 4, 1, 4),
                std::invalid_argument);
+  EXPECT_THROW((void)plan_steps(OpKind::kAllReduce, Schedule::kPairwise, 0, 4, 1, 4),
+               std::invalid_argument);
+  EXPECT_THROW((void)plan_steps(OpKind::kAllToAll, Schedule::kTree, 0, 4, 1, 4),
+               std::invalid_argument);
   EXPECT_FALSE(is_log_step(Schedule::kRing));
   EXPECT_TRUE(log_step_supports(OpKind::kAllGather, Schedule::kRecursiveDoubling));
+}
+
+TEST(LogStepSchedules, AllToAllShiftsOneBlockPerPeer) {
+  // 5 ranks, rank 1, 3 elements of 4 bytes per block: pairwise step k sends block 1 + k of the
+  // input to rank 1 + k and receives block 1 - k of the output from rank 1 - k, tag k.
+  const std::size_t block = 3 * 4;
+  const StepPlan pw = plan_steps(OpKind::kAllToAll, Schedule::kPairwise, 1, 5, 3, 4);
+  ASSERT_EQ(pw.steps.size(), 4U);
+  for (int k = 1; k <= 4; ++k) {
+    const Step& st = pw.steps[static_cast<std::size_t>(k - 1)];
+    const int to = (1 + k) % 5;
+    const int from = (1 - k + 5) % 5;
+    EXPECT_EQ(st.tag, k);
+    EXPECT_EQ(st.send_peer, to);
+    EXPECT_TRUE(st.send_input);
+    EXPECT_EQ(st.send_offset, static_cast<std::size_t>(to) * block);
+    EXPECT_EQ(st.recv_peer, from);
+    EXPECT_EQ(st.recv_offset, static_cast<std::size_t>(from) * block);
+    EXPECT_FALSE(st.reduce);
+  }
+  EXPECT_EQ(pw.work_bytes, 5 * block);
+  EXPECT_EQ(pw.stage_bytes, 0U);
+  // Scattered: the four sends first, then the four receives.
+  const StepPlan sc = plan_steps(OpKind::kAllToAll, Schedule::kScattered, 1, 5, 3, 4);
+  ASSERT_EQ(sc.steps.size(), 8U);
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_GE(sc.steps[i].send_peer, 0);
+    EXPECT_LT(sc.steps[i].recv_peer, 0);
+    EXPECT_LT(sc.steps[i + 4].send_peer, 0);
+    EXPECT_GE(sc.steps[i + 4].recv_peer, 0);
+  }
+  // Nothing to move: no steps.
+  EXPECT_TRUE(plan_steps(OpKind::kAllToAll, Schedule::kPairwise, 0, 4, 0, 4).steps.empty());
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include <gloo/allreduce_halving_doubling.h>
 #include <gloo/allreduce_ring.h>
 #include <gloo/allreduce_ring_chunked.h>
+#include <gloo/alltoall.h>
 #include <gloo/barrier_all_to_one.h>
 #include <gloo/broadcast_one_to_all.h>
 #include <gloo/config.h>
@@ -218,6 +219,19 @@ std::optional<BoundOp> bind_gloo(const OpRequest& r, const GlooComm& comm, Allre
         bound.run = [opts] { gloo::reduce(*opts); };
         return bound;
       }
+      case Collective::kAllToAll: {
+        // Gloo's alltoall (gloo/alltoall.h): out of place only (its own block is copied from
+        // the input to the output while the others travel).
+        if (r.in_place) return std::nullopt;
+        auto opts = std::make_shared<gloo::AlltoallOptions>(ctx);
+        T* input = static_cast<T*>(r.send);
+        opts->setInput(input, r.point.count);
+        opts->setOutput(recv, r.point.count);
+        bound.input = input;
+        bound.output = recv;
+        bound.run = [opts] { gloo::alltoall(*opts); };
+        return bound;
+      }
       case Collective::kScatter: {
         // Gloo's scatter (gloo/scatter.h): out of place only; the root passes one pointer per
         // rank into its input.
@@ -277,6 +291,7 @@ std::string algorithm_name(Collective c, const std::string& allreduce_algo) {
     case Collective::kReduce: return "reduce";
     case Collective::kGather: return "gather";
     case Collective::kScatter: return "scatter";
+    case Collective::kAllToAll: return "alltoall";
   }
   return "?";
 }

@@ -180,6 +180,15 @@ std::optional<BoundOp> bind_mpi(const OpRequest& r, const MpiComm& world) {
       bound.output = r.in_place ? own : recv;
       return bound;
     }
+    case Collective::kAllToAll: {
+      const void* in = r.in_place ? MPI_IN_PLACE : send;
+      bound.run = [=] {
+        check_mpi(MPI_Alltoall(in, count, type, recv, count, type, comm), "MPI_Alltoall");
+      };
+      bound.input = r.in_place ? recv : send;
+      bound.output = recv;
+      return bound;
+    }
     case Collective::kGather: {
       // In place, the root passes MPI_IN_PLACE (its block already in place); the others send
       // the block where their own output would hold it.

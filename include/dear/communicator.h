@@ -21,6 +21,7 @@
 #include <exception>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -41,6 +42,9 @@ enum class Algorithm : std::uint8_t {
   kRecursiveDoubling,  // all_reduce: whole vectors exchanged, log2(N) steps (the fewest);
                        // all_gather: as kHalvingDoubling
   kTree,               // all_reduce only: binomial tree reduce then broadcast, 2 log2(N) steps
+  // all_to_all only, over direct links to every rank:
+  kPairwise,   // N-1 steps, step k sends to rank + k and receives from rank - k (large)
+  kScattered,  // every send at once, then every receive: one round of latency (small)
 };
 [[nodiscard]] const char* to_string(Algorithm a) noexcept;
 [[nodiscard]] std::optional<Algorithm> parse_algorithm(std::string_view name) noexcept;
@@ -226,6 +230,22 @@ class Communicator {
   // links (host memory; device buffers are staged through host memory whole).
   virtual Work scatter(const void* in, void* out, std::size_t recv_count, DataType dtype, int root,
                        const OpOptions& opts = {}) = 0;
+  // Block j of in[size()*count] goes to rank j, and block j of out[size()*count] comes from
+  // rank j (MPI_Alltoall). In place when in == out. Runs over direct links to every rank
+  // (kPairwise or kScattered; communicators of up to 64 ranks); device buffers are staged
+  // through host memory whole.
+  virtual Work all_to_all(const void* in, void* out, std::size_t count, DataType dtype,
+                          const OpOptions& opts = {}) = 0;
+  // all_to_all with a count and a displacement per peer, in elements (MPI_Alltoallv): rank j
+  // gets send_counts[j] elements from in + send_displs[j], and recv_counts[j] elements from
+  // rank j land at out + recv_displs[j]. Each span has size() entries and is copied at the
+  // call; send_counts[j] here must equal recv_counts[rank()] on rank j (a difference is an
+  // error on both, naming the sizes). Out of place only: in and out must not overlap.
+  virtual Work all_to_all_v(const void* in, std::span<const std::size_t> send_counts,
+                            std::span<const std::size_t> send_displs, void* out,
+                            std::span<const std::size_t> recv_counts,
+                            std::span<const std::size_t> recv_displs, DataType dtype,
+                            const OpOptions& opts = {}) = 0;
   virtual Work barrier(const OpOptions& opts = {}) = 0;
 
   // What this communicator's progress engine has used so far, for benchmarks: the CPU time of

@@ -18,7 +18,7 @@ with a ValueError. (Compiled, not yet run on a GPU by the tests.)
 from __future__ import annotations
 
 import atexit
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
 
 import torch
 
@@ -29,7 +29,9 @@ __all__ = [
     "HAVE_CUDA", "Error", "Handle", "init", "is_initialized", "shutdown", "rank", "size",
     "all_reduce", "all_reduce_async", "reduce_scatter", "reduce_scatter_async",
     "all_gather", "all_gather_async", "broadcast", "broadcast_async", "reduce", "reduce_async",
-    "gather", "gather_async", "scatter", "scatter_async", "barrier", "barrier_async", "broadcast_parameters", "forget_memory", "DistributedOptimizer",
+    "gather", "gather_async", "scatter", "scatter_async", "all_to_all", "all_to_all_async",
+    "all_to_all_v", "all_to_all_v_async",
+    "barrier", "barrier_async", "broadcast_parameters", "forget_memory", "DistributedOptimizer",
 ]
 
 _DTYPES = {
@@ -282,6 +284,58 @@ def scatter_async(output: torch.Tensor, input: Optional[torch.Tensor], root: int
     return Handle(work, output, input)
 
 
+def all_to_all_async(output: torch.Tensor, input: torch.Tensor, priority: int = 0) -> Handle:
+    """Slice j of `input` goes to rank j, and slice j of `output` comes from rank j: both hold
+    size() equal slices. `output` may be `input` (in place)."""
+    comm = _communicator()
+    dtype = _dtype(output, "output")
+    _dtype(input, "input")
+    _same_dtype(output, input)
+    if input.numel() != output.numel() or input.numel() % comm.size != 0:
+        raise ValueError(f"all_to_all: input has {input.numel()} elements and output "
+                         f"{output.numel()}; both must hold size() = {comm.size} equal slices")
+    work = comm.all_to_all(input.data_ptr(), output.data_ptr(), input.numel() // comm.size,
+                           dtype, priority, _stream(output))
+    return Handle(work, output, input)
+
+
+def _offsets(sizes: List[int]) -> List[int]:
+    out, at = [], 0
+    for s in sizes:
+        out.append(at)
+        at += s
+    return out
+
+
+def all_to_all_v_async(output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
+                       input_splits: List[int], priority: int = 0) -> Handle:
+    """`input` is cut into consecutive parts of input_splits[j] elements, part j going to rank
+    j; `output` into parts of output_splits[j] elements, part j coming from rank j. A rank's
+    input_splits[j] must equal rank j's output_splits[rank]. Out of place only."""
+    comm = _communicator()
+    dtype = _dtype(output, "output")
+    _dtype(input, "input")
+    _same_dtype(output, input)
+    for name, splits, t in (("output_splits", output_splits, output),
+                            ("input_splits", input_splits, input)):
+        if len(splits) != comm.size:
+            raise ValueError(f"all_to_all_v: {name} has {len(splits)} entries, expected one per "
+                             f"rank ({comm.size})")
+        if any(s < 0 for s in splits) or sum(splits) > t.numel():
+            raise ValueError(f"all_to_all_v: {name} {list(splits)} do not fit the "
+                             f"{t.numel()} elements of {name.split('_')[0]}")
+    work = comm.all_to_all_v(input.data_ptr(), list(input_splits), _offsets(input_splits),
+                             output.data_ptr(), list(output_splits), _offsets(output_splits),
+                             dtype, priority, _stream(output))
+    return Handle(work, output, input)
+
+
+def all_to_all_v(output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
+                 input_splits: List[int], priority: int = 0) -> torch.Tensor:
+    all_to_all_v_async(output, input, output_splits, input_splits, priority).wait()
+    return output
+
+
 def barrier_async(priority: int = 0) -> Handle:
     return Handle(_communicator().barrier(priority))
 
@@ -322,6 +376,11 @@ def gather(output: Optional[torch.Tensor], input: torch.Tensor, root: int = 0,
 def scatter(output: torch.Tensor, input: Optional[torch.Tensor], root: int = 0,
             priority: int = 0) -> torch.Tensor:
     scatter_async(output, input, root, priority).wait()
+    return output
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, priority: int = 0) -> torch.Tensor:
+    all_to_all_async(output, input, priority).wait()
     return output
 
 

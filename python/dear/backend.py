@@ -26,9 +26,10 @@ run on that thread.
 Supported: allreduce (sum, product, min, max, avg), broadcast, allgather, reduce_scatter,
 reduce, gather, scatter, barrier, each over a list of tensors; all_gather_into_tensor and
 reduce_scatter_tensor (the flat forms, _allgather_base and _reduce_scatter_base, which run dear's
-own all_gather and reduce_scatter without a copy); DistributedDataParallel on CPU tensors. Not
-supported yet: send/recv, all-to-all (they raise an error saying so, with what to use
-instead). Timeouts are dear's (DEAR_TIMEOUT), not the process group's.
+own all_gather and reduce_scatter without a copy); all_to_all and all_to_all_single, with and
+without split sizes (dear's all_to_all, or all_to_all_v where the splits differ);
+DistributedDataParallel on CPU tensors. Not supported yet: send/recv (they raise an error
+saying so, with what to use instead). Timeouts are dear's (DEAR_TIMEOUT), not the process group's.
 """
 from __future__ import annotations
 
@@ -255,12 +256,63 @@ class ProcessGroupDear(ProcessGroup):
                 out.copy_(staged.view_as(out))
         return self._completer.submit([dear.scatter_async(staged, flat, root)], [out], copy_out)
 
-    def alltoall(self, outputs, inputs, opts=None) -> Work:
-        raise _unsupported("all_to_all")
+    def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                 opts=None) -> Work:
+        """dist.all_to_all: inputs[j] goes to rank j, outputs[j] comes from rank j: dear's
+        all_to_all where every tensor has one size, else its all_to_all_v."""
+        n = self.size()
+        if len(inputs) != n or len(outputs) != n:
+            raise ValueError(f"dear backend: all_to_all needs {n} inputs and {n} outputs, got "
+                             f"{len(inputs)} and {len(outputs)}")
+        # torch hands separate tensors; dear exchanges one contiguous buffer each way.
+        flat_in = torch.cat([t.reshape(-1) for t in inputs])
+        flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=flat_in.dtype,
+                               device=flat_in.device)
+        in_sizes = [t.numel() for t in inputs]
+        out_sizes = [t.numel() for t in outputs]
+        if len(set(in_sizes + out_sizes)) == 1:
+            handle = dear.all_to_all_async(flat_out, flat_in)
+        else:
+            handle = dear.all_to_all_v_async(flat_out, flat_in, out_sizes, in_sizes)
 
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
+        def scatter_out() -> None:
+            for out, part in zip(outputs, flat_out.split(out_sizes)):
+                out.copy_(part.view_as(out))
+        return self._completer.submit([handle], list(outputs), scatter_out)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                      output_split_sizes: List[int], input_split_sizes: List[int],
                       opts=None) -> Work:
-        raise _unsupported("all_to_all_single")
+        """dist.all_to_all_single: rows of the flat tensors, split evenly (no split sizes) by
+        dear's all_to_all, else by its all_to_all_v."""
+        n = self.size()
+        sizes = []
+        for name, splits, t in (("output", output_split_sizes, output),
+                                ("input", input_split_sizes, input)):
+            rows = t.size(0) if t.dim() > 0 else t.numel()
+            if not splits:
+                if rows % n != 0:
+                    raise ValueError(f"dear backend: all_to_all_single {name} has {rows} rows, "
+                                     f"which {n} ranks cannot split evenly; pass split sizes")
+                splits = [rows // n] * n
+            if len(splits) != n or sum(splits) != rows:
+                raise ValueError(f"dear backend: all_to_all_single {name}_split_sizes "
+                                 f"{list(splits)} need {n} entries adding up to its {rows} rows")
+            row = t.numel() // rows if rows else 0
+            sizes.append([s * row for s in splits])
+        out_sizes, in_sizes = sizes
+        src = input.contiguous()
+        staged = output if output.is_contiguous() else torch.empty(
+            output.shape, dtype=output.dtype, device=output.device)
+        if len(set(in_sizes + out_sizes)) == 1 and output.numel() == input.numel():
+            handle = dear.all_to_all_async(staged.view(-1), src.view(-1))
+        else:
+            handle = dear.all_to_all_v_async(staged.view(-1), src.view(-1), out_sizes, in_sizes)
+
+        def copy_out() -> None:
+            if staged is not output:
+                output.copy_(staged)
+        return self._completer.submit([handle], [output], copy_out)
 
     def __del__(self) -> None:
         completer = getattr(self, "_completer", None)

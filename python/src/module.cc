@@ -270,6 +270,29 @@ PYBIND11_MODULE(_dear, m) {
           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("send_count"), py::arg("dtype"),
           py::arg("root"), py::arg("priority") = 0, py::arg("cuda_stream") = 0)
       .def(
+          "all_to_all",
+          [](PyCommunicator& c, std::uintptr_t in, std::uintptr_t out, std::size_t count,
+             dear::DataType dtype, int priority, std::uintptr_t stream) {
+            return c.get().all_to_all(as_ptr(in), as_ptr(out), count, dtype,
+                                      op_options(priority, stream));
+          },
+          py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"),
+          py::arg("priority") = 0, py::arg("cuda_stream") = 0)
+      .def(
+          "all_to_all_v",
+          [](PyCommunicator& c, std::uintptr_t in, const std::vector<std::size_t>& send_counts,
+             const std::vector<std::size_t>& send_displs, std::uintptr_t out,
+             const std::vector<std::size_t>& recv_counts,
+             const std::vector<std::size_t>& recv_displs, dear::DataType dtype, int priority,
+             std::uintptr_t stream) {
+            return c.get().all_to_all_v(as_ptr(in), send_counts, send_displs, as_ptr(out),
+                                        recv_counts, recv_displs, dtype,
+                                        op_options(priority, stream));
+          },
+          py::arg("in_ptr"), py::arg("send_counts"), py::arg("send_displs"), py::arg("out_ptr"),
+          py::arg("recv_counts"), py::arg("recv_displs"), py::arg("dtype"), py::arg("priority") = 0,
+          py::arg("cuda_stream") = 0)
+      .def(
           "barrier",
           [](PyCommunicator& c, int priority) { return c.get().barrier(op_options(priority, 0)); },
           py::arg("priority") = 0)

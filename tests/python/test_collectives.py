@@ -103,7 +103,26 @@ def main() -> None:
             whole = torch.cat([data(r, count, dtype) for r in range(n)]) if rank == root else None
             dear.scatter(out, whole, root=root)
             check(f"scatter {dtype} {count} root {root}", out, data(rank, count, dtype))
-            checked += 1
+            # all_to_all: block j of the output is block `rank` of rank j's input; then in place
+            inp = data(rank, count * n, dtype)
+            out = torch.empty(count * n, dtype=dtype)
+            dear.all_to_all(out, inp)
+            want = torch.cat([data(r, count * n, dtype)[rank * count:(rank + 1) * count]
+                              for r in range(n)])
+            check(f"all_to_all {dtype} {count}", out, want)
+            dear.all_to_all(inp, inp)
+            check(f"all_to_all in place {dtype} {count}", inp, want)
+            checked += 3
+
+    # all_to_all_v: rank r sends (r + j) % 3 + 1 elements to rank j, of value 100 r + 10 j + k.
+    def part(src: int, dst: int) -> torch.Tensor:
+        return torch.arange((src + dst) % 3 + 1, dtype=torch.float64) + 100 * src + 10 * dst
+    inp = torch.cat([part(rank, j) for j in range(n)])
+    out = torch.full((sum((j + rank) % 3 + 1 for j in range(n)),), -1.0, dtype=torch.float64)
+    dear.all_to_all_v(out, inp, [(j + rank) % 3 + 1 for j in range(n)],
+                      [(rank + j) % 3 + 1 for j in range(n)])
+    check("all_to_all_v", out, torch.cat([part(j, rank) for j in range(n)]))
+    checked += 1
 
     # In place, through views of one buffer (the optimizer's usage).
     buf = data(rank, 12 * n, torch.float32)

@@ -98,9 +98,35 @@ def check_collectives(rank: int, n: int) -> None:
         parts = [rank_data(r) + 100 * src for r in range(n)] if rank == src else None
         dist.scatter(out, parts, src=src)
         assert torch.equal(out, rank_data(rank) + 100 * src), f"scatter from {src}: {out}"
-    for name, call in (("send", lambda: dist.send(rank_data(rank), dst=(rank + 1) % n)),
-                       ("all_to_all_single",
-                        lambda: dist.all_to_all_single(torch.empty(n), torch.empty(n)))):
+    # all_to_all_single (flat, with and without equal split sizes) and all_to_all (lists):
+    # row j of the output is row `rank` of rank j's input.
+    def a2a_input(r: int) -> torch.Tensor:
+        return torch.arange(n * 3, dtype=torch.float32).reshape(n, 3) + 1000 * r
+    want = torch.stack([a2a_input(r)[rank] for r in range(n)])
+    for splits in (None, [1] * n):
+        out = torch.full((n, 3), -7.0)
+        dist.all_to_all_single(out, a2a_input(rank), output_split_sizes=splits,
+                               input_split_sizes=splits)
+        assert torch.equal(out, want), f"all_to_all_single splits {splits}: {out}"
+    outs = [torch.full((3,), -7.0) for _ in range(n)]
+    dist.all_to_all(outs, list(a2a_input(rank).unbind(0)))
+    assert torch.equal(torch.stack(outs), want), f"all_to_all: {outs}"
+    # Unequal splits: rank r sends r + j + 1 rows of two to rank j, row k of them
+    # 1000 r + 10 j + k (all_to_all_v).
+    def part(r: int, j: int) -> torch.Tensor:
+        rows = torch.arange(r + j + 1, dtype=torch.float32) + 1000 * r + 10 * j
+        return rows.unsqueeze(1).repeat(1, 2)
+    splits_in = [rank + j + 1 for j in range(n)]
+    inp = torch.cat([part(rank, j) for j in range(n)])
+    out = torch.full((sum(splits_in), 2), -7.0)
+    dist.all_to_all_single(out, inp, output_split_sizes=splits_in, input_split_sizes=splits_in)
+    want_v = torch.cat([part(j, rank) for j in range(n)])
+    assert torch.equal(out, want_v), f"all_to_all_single unequal splits: {out}"
+    outs = [torch.full((j + rank + 1, 2), -7.0) for j in range(n)]
+    dist.all_to_all(outs, [part(rank, j) for j in range(n)])
+    for j in range(n):
+        assert torch.equal(outs[j], part(j, rank)), f"all_to_all unequal from {j}: {outs[j]}"
+    for name, call in (("send", lambda: dist.send(rank_data(rank), dst=(rank + 1) % n)),):
         try:
             call()
         except RuntimeError as e:
