@@ -129,6 +129,85 @@ TEST(MpiCommunicator, AllGatherBroadcastAndBarrier) {
   comm.barrier().wait();
 }
 
+TEST(MpiCommunicator, RootedCollectivesAndAllToAll) {
+  // reduce, gather and scatter to every root, and all_to_all in place and not, and
+  // all_to_all_v, against the reference inputs.
+  Communicator& comm = *g_comm;
+  const int n = comm.size();
+  const int r = comm.rank();
+  const auto nn = static_cast<std::size_t>(n);
+  for (const auto t : kAllTypes) {
+    const std::size_t el = dtype_size(t);
+    for (const std::size_t c : kCounts) {
+      for (int root = 0; root < n; ++root) {
+        const std::string at = " root=" + std::to_string(root);
+        std::vector<char> in = make_input(r, c, t, ReduceOp::kMax);
+        std::vector<char> out(in.size(), 0x5a);
+        comm.reduce(in.data(), out.data(), c, t, ReduceOp::kMax, root).wait();
+        for (std::size_t i = 0; r == root && i < c; ++i) {
+          ASSERT_TRUE(
+              close_enough(load(out.data(), i, t), expected_reduce(i, n, t, ReduceOp::kMax), t))
+              << what("reduce", t, ReduceOp::kMax, c, false) << at;
+        }
+        std::vector<char> whole(std::max<std::size_t>(1, c * nn * el), 0x5a);
+        comm.gather(in.data(), whole.data(), c, t, root).wait();
+        for (int j = 0; r == root && j < n; ++j) {
+          const auto theirs = make_input(j, c, t, ReduceOp::kMax);
+          ASSERT_EQ(0, std::memcmp(whole.data() + static_cast<std::size_t>(j) * c * el,
+                                   theirs.data(), c * el))
+              << what("gather", t, ReduceOp::kSum, c, false) << at << " block " << j;
+        }
+        std::vector<char> src;
+        for (int j = 0; r == root && j < n; ++j) {
+          const auto part = make_input(j, c, t, ReduceOp::kSum);
+          src.insert(src.end(), part.begin(), part.begin() + static_cast<std::ptrdiff_t>(c * el));
+        }
+        src.resize(std::max<std::size_t>(1, src.size()));
+        comm.scatter(src.data(), out.data(), c, t, root).wait();
+        const auto mine = make_input(r, c, t, ReduceOp::kSum);
+        ASSERT_EQ(0, std::memcmp(out.data(), mine.data(), c * el))
+            << what("scatter", t, ReduceOp::kSum, c, false) << at;
+      }
+      for (const bool in_place : {false, true}) {
+        auto a2a = make_input(r, c * nn, t, ReduceOp::kSum);
+        std::vector<char> res(a2a.size(), 0x5a);
+        char* dst = in_place ? a2a.data() : res.data();
+        comm.all_to_all(a2a.data(), dst, c, t).wait();
+        for (int j = 0; j < n; ++j) {
+          const auto theirs = make_input(j, c * nn, t, ReduceOp::kSum);
+          ASSERT_EQ(0, std::memcmp(dst + static_cast<std::size_t>(j) * c * el,
+                                   theirs.data() + static_cast<std::size_t>(r) * c * el, c * el))
+              << what("all_to_all", t, ReduceOp::kSum, c, in_place) << " block " << j;
+        }
+      }
+    }
+    // all_to_all_v: rank r sends r + 1 elements to every rank, the first of each part at
+    // index j * 8 of its input.
+    std::vector<std::size_t> send_counts(nn, static_cast<std::size_t>(r) + 1), send_displs(nn),
+        recv_counts(nn), recv_displs(nn);
+    std::size_t total = 0;
+    for (std::size_t j = 0; j < nn; ++j) {
+      send_displs[j] = j * 8;
+      recv_counts[j] = j + 1;
+      recv_displs[j] = total;
+      total += j + 1;
+    }
+    const auto v_in = make_input(r, nn * 8, t, ReduceOp::kSum);
+    std::vector<char> v_out(total * el, 0x5a);
+    comm.all_to_all_v(v_in.data(), send_counts, send_displs, v_out.data(), recv_counts, recv_displs,
+                      t)
+        .wait();
+    for (std::size_t j = 0; j < nn; ++j) {
+      for (std::size_t e = 0; e <= j; ++e) {
+        ASSERT_EQ(load(v_out.data(), recv_displs[j] + e, t),
+                  input_value(static_cast<int>(j), static_cast<std::size_t>(r) * 8 + e, t,
+                              ReduceOp::kSum))
+            << what("all_to_all_v", t, ReduceOp::kSum, j + 1, false) << " from " << j;
+      }
+    }
+  }
+}
+
 TEST(MpiCommunicator, BadArgumentsNameTheArgumentAndRank) {
   Communicator& comm = *g_comm;
   float x = 0;
