@@ -122,7 +122,7 @@ bool overlaps(const char* a, std::size_t an, const char* b, std::size_t bn) {
 class CommunicatorImpl final : public collectives::ResidentCommunicator {
  public:
   CommunicatorImpl(std::unique_ptr<Bootstrap> bootstrap, CommOptions options)
-      : bootstrap_(std::move(bootstrap)), options_(std::move(options)) {
+      : bootstrap_(std::move(bootstrap)), requested_(options), options_(std::move(options)) {
     rank_ = bootstrap_->rank();
     size_ = bootstrap_->size();
     validate_options();
@@ -242,6 +242,53 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
 
   void abort(const std::string& reason) override {
     if (engine_) engine_->abort(reason);
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    const char* name = "split";
+    if (color < kNoColor) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "color=" + std::to_string(color) + " is negative (kNoColor, -1, joins no child)",
+                  rank_, Error::kNone, name);
+    }
+    // The bootstrap's collectives are the parent's, in its order (they are not thread-safe).
+    std::lock_guard lock(split_mu_);
+    const auto n = static_cast<std::size_t>(size_);
+    std::vector<std::int32_t> mine{color, key}, all(2 * n);
+    bootstrap_->all_gather(mine.data(), sizeof(std::int32_t) * 2, all.data());
+    // The child's members: this color's ranks, by key, then by rank here.
+    std::vector<int> members;
+    for (int r = 0; r < size_ && color != kNoColor; ++r) {
+      if (all[2 * static_cast<std::size_t>(r)] == color) members.push_back(r);
+    }
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+      return all[2 * static_cast<std::size_t>(a) + 1] < all[2 * static_cast<std::size_t>(b) + 1];
+    });
+    const auto me = std::find(members.begin(), members.end(), rank_);
+    const int child_rank = me == members.end() ? -1 : static_cast<int>(me - members.begin());
+    // Each child's rank 0 opens its rendezvous and tells its members where (one fixed-size
+    // slot per parent rank).
+    constexpr std::size_t kIdBytes = 512;
+    std::string id_text;
+    if (child_rank == 0) {
+      id_text = UniqueId::create(bootstrap_->advertise_host(), 0).to_string();
+      if (id_text.size() >= kIdBytes) {
+        throw Error(ErrorCode::kInternal, "split: the rendezvous address is too long", rank_,
+                    Error::kNone, name);
+      }
+    }
+    std::vector<char> slot(kIdBytes, 0), ids(kIdBytes * n);
+    std::copy(id_text.begin(), id_text.end(), slot.begin());
+    bootstrap_->all_gather(slot.data(), kIdBytes, ids.data());
+    if (child_rank < 0) return nullptr;
+    const char* leader = ids.data() + kIdBytes * static_cast<std::size_t>(members.front());
+    const UniqueId id = UniqueId::parse(std::string(leader, strnlen(leader, kIdBytes)));
+    CommOptions child = requested_;
+    child.name = (options_.name.empty() ? std::string("world") : options_.name) + "/" +
+                 std::to_string(color);
+    return Communicator::create(
+        Bootstrap::create(id, child_rank, static_cast<int>(members.size()), bootstrap_->options()),
+        std::move(child));
   }
 
   EngineStats engine_stats() const override {
@@ -459,6 +506,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     cfg.executor = options_.executor;
     cfg.landing_slots = options_.landing_slots;
     cfg.make_device_executor = collectives::device_executor_factory(rank_);
+    cfg.name = options_.name;
     engine_ = std::make_shared<collectives::Engine>(cfg, std::move(to_next), std::move(from_prev),
                                                     std::move(mesh_peers), std::move(mesh));
   }
@@ -798,7 +846,9 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
   }
 
   std::unique_ptr<Bootstrap> bootstrap_;
-  CommOptions options_;
+  CommOptions requested_;  // as given (split() hands them to its children)
+  CommOptions options_;    // as validated (defaults resolved for this size and transport)
+  std::mutex split_mu_;
   int rank_ = 0;
   int size_ = 1;
   std::uint64_t single_seq_ = 0;
@@ -816,6 +866,13 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
 };
 
 }  // namespace
+
+std::unique_ptr<Communicator> Communicator::split(int color, int key) {
+  (void)color;
+  (void)key;
+  throw Error(ErrorCode::kInvalidArgument, "this communicator cannot split", rank(), Error::kNone,
+              "split");
+}
 
 std::unique_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bootstrap,
                                                    CommOptions options) {

@@ -310,6 +310,10 @@ class DeviceCommunicator final : public Communicator {
   bool set_priority(const Work& work, int priority) override {
     return inner_->set_priority(work, priority);
   }
+  // The child comes with device support of its own (Communicator::create).
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    return inner_->split(color, key);
+  }
   EngineStats engine_stats() const override { return inner_->engine_stats(); }
 
  private:

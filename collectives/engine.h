@@ -82,6 +82,8 @@ struct EngineConfig {
   std::function<std::unique_ptr<Executor>(int device)> make_device_executor;
   // Landing slots per channel and direction for operations whose steps are asynchronous.
   int landing_slots = 4;
+  // CommOptions::name: the failure every operation gets names the communicator.
+  std::string name;
 };
 
 class Engine : public std::enable_shared_from_this<Engine> {

@@ -178,7 +178,12 @@ void Engine::fail(const Error& e) {
   {
     std::lock_guard<std::mutex> lock(submit_mu_);
     if (!failed_) {
-      failed_ = std::make_exception_ptr(e);
+      // A named communicator (a split's child) says which it was.
+      const std::string prefix = "[comm " + cfg_.name + "] ";
+      failed_ = cfg_.name.empty() || e.cause().starts_with(prefix)
+                    ? std::make_exception_ptr(e)
+                    : std::make_exception_ptr(
+                          Error(e.code(), prefix + e.cause(), e.rank(), e.peer(), e.op(), e.seq()));
       first = true;
     }
   }

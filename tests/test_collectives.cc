@@ -419,6 +419,71 @@ TEST_P(Conformance, AllToAllVEveryTypeAndAlgorithmWithUnevenParts) {
   });
 }
 
+TEST_P(Conformance, SplitChildrenRunBesideTheirParentAndSplitAgain) {
+  // Colors r % 2 (the last rank of an odd count joins none), keys in reverse: a child's ranks
+  // run the other way round. The parent and the child each run an all_reduce at once, then
+  // the child splits into halves that all_gather.
+  const int n = GetParam();
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const bool out = n % 2 == 1 && n > 1 && r == n - 1;
+    auto child = comm.split(out ? Communicator::kNoColor : r % 2, -r);
+    if (out) {
+      ASSERT_EQ(child, nullptr);
+    } else {
+      ASSERT_NE(child, nullptr);
+    }
+    // The members of this rank's color, in the child's order.
+    std::vector<int> members;
+    for (int p = n - 1; p >= 0 && !out; --p) {
+      if (p % 2 == r % 2 && !(n % 2 == 1 && n > 1 && p == n - 1)) members.push_back(p);
+    }
+    std::vector<float> world(1000), part(1000);
+    for (std::size_t i = 0; i < world.size(); ++i) {
+      world[i] = static_cast<float>(r + 1) * static_cast<float>(i % 13);
+      part[i] = world[i];
+    }
+    Work parent_work = comm.all_reduce(world.data(), world.data(), world.size(), DataType::kFloat32,
+                                       ReduceOp::kSum);
+    if (child) {
+      ASSERT_EQ(child->size(), static_cast<int>(members.size()));
+      const auto pos = std::find(members.begin(), members.end(), r) - members.begin();
+      ASSERT_EQ(child->rank(), static_cast<int>(pos));
+      EXPECT_EQ(child->options().name, "world/" + std::to_string(r % 2));
+      child->all_reduce(part.data(), part.data(), part.size(), DataType::kFloat32, ReduceOp::kSum)
+          .wait();
+    }
+    parent_work.wait();
+    int world_sum = 0;
+    for (int p = 0; p < n; ++p) world_sum += p + 1;
+    int part_sum = 0;
+    for (int p : members) part_sum += p + 1;
+    for (std::size_t i = 0; i < world.size(); ++i) {
+      const auto v = static_cast<float>(i % 13);
+      ASSERT_EQ(world[i], static_cast<float>(world_sum) * v) << "parent element " << i;
+      if (child) {
+        ASSERT_EQ(part[i], static_cast<float>(part_sum) * v) << "child element " << i;
+      }
+    }
+    if (!child) return;
+    // Nested: the child's first half and second half, by the child's rank.
+    const int cr = child->rank();
+    const int half = cr < child->size() / 2 ? 0 : 1;
+    auto grandchild = child->split(half, cr);
+    ASSERT_NE(grandchild, nullptr);
+    EXPECT_EQ(grandchild->options().name,
+              "world/" + std::to_string(r % 2) + "/" + std::to_string(half));
+    const int first = half == 0 ? 0 : child->size() / 2;
+    ASSERT_EQ(grandchild->rank(), cr - first);
+    std::vector<std::int32_t> mine{r}, gathered(static_cast<std::size_t>(grandchild->size()));
+    grandchild->all_gather(mine.data(), gathered.data(), 1, DataType::kInt32).wait();
+    for (int g = 0; g < grandchild->size(); ++g) {
+      ASSERT_EQ(gathered[static_cast<std::size_t>(g)], members[static_cast<std::size_t>(first + g)])
+          << "grandchild rank " << g;
+    }
+  });
+}
+
 TEST_P(Conformance, BarrierHoldsEveryRankBack) {
   const int n = GetParam();
   constexpr int kRounds = 20;

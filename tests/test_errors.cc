@@ -107,6 +107,8 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
       });
       EXPECT_NE(std::string(e.what()).find("all_to_all only"), std::string::npos) << e.what();
     }
+    e = expect_error([&] { (void)comm.split(-2, 0); });
+    EXPECT_NE(std::string(e.what()).find("color=-2"), std::string::npos) << e.what();
     {
       // all_to_all_v: one entry per rank, its own part the same both ways, out of place.
       const std::vector<std::size_t> ones(static_cast<std::size_t>(comm.size()), 1);
@@ -462,6 +464,42 @@ TEST(Mismatch, AllToAllVSizesThatDisagreeFailEveryRankNamingBoth) {
               at1.find("sends 0 bytes") != std::string::npos)
       << at1;
   EXPECT_NE(at1.find("expect 16"), std::string::npos) << at1;
+}
+
+TEST(Mismatch, AChildsFailureNamesTheChildAndSparesItsParentAndSibling) {
+  // 4 ranks split into {0, 2} and {1, 3}; in the first, the ranks disagree about a count.
+  CommOptions o;
+  o.timeout = 20s;
+  std::vector<std::string> child_errors(4);
+  const auto errors = run_ranks_collect(
+      4,
+      [&](Communicator& comm) {
+        const int r = comm.rank();
+        auto child = comm.split(r % 2, r);
+        std::vector<float> buf(16, 1.0f);
+        try {
+          const std::size_t count = r == 2 ? 5 : 4;
+          child->all_reduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum)
+              .wait();
+        } catch (const Error& e) {
+          child_errors[static_cast<std::size_t>(r)] = e.what();
+        }
+        // The parent is untouched.
+        std::vector<float> one(3, 1.0f);
+        comm.all_reduce(one.data(), one.data(), 3, DataType::kFloat32, ReduceOp::kSum).wait();
+        for (float v : one) ASSERT_EQ(v, 4.0f) << "parent after the child failed";
+      },
+      o);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_FALSE(errors[static_cast<std::size_t>(r)])
+        << what_of(errors[static_cast<std::size_t>(r)]);
+  }
+  for (int r : {0, 2}) {
+    const auto& e = child_errors[static_cast<std::size_t>(r)];
+    EXPECT_NE(e.find("[comm world/0]"), std::string::npos) << "rank " << r << ": " << e;
+    EXPECT_NE(e.find("count=5"), std::string::npos) << "rank " << r << ": " << e;
+  }
+  for (int r : {1, 3}) EXPECT_EQ(child_errors[static_cast<std::size_t>(r)], "") << "rank " << r;
 }
 
 // A rank that never issues the operation: the others fail at their deadline, naming it.

@@ -152,6 +152,9 @@ struct CommOptions {
   // (device memory, the deferred executors): bounds the pinned memory a device operation
   // holds, whatever its size (DEAR_LANDING_SLOTS).
   int landing_slots = 4;
+  // The communicator's name in the errors its operations fail with ("[comm NAME] ..."); empty
+  // for none. split() names each child after its parent and color ("world/1", "world/1/0").
+  std::string name;
 };
 
 // `options` with the DEAR_* environment overrides applied (DEAR_CHANNELS, DEAR_SLICE_BYTES,
@@ -257,6 +260,17 @@ class Communicator {
     std::size_t peak_landing_bytes = 0;
   };
   [[nodiscard]] virtual EngineStats engine_stats() const { return {}; }
+
+  // A color for split(): this rank joins no child (MPI_UNDEFINED, NCCL_SPLIT_NOCOLOR).
+  static constexpr int kNoColor = -1;
+  // MPI_Comm_split / ncclCommSplit: collective over this communicator, called by every rank in
+  // the same order as its other split() calls. The ranks that pass one color (>= 0) form a
+  // child, ranked by key and then by their rank here; a rank passing kNoColor gets null. The
+  // child rendezvous through this communicator's bootstrap (no launcher is involved) and
+  // connects links of its own, so it and its parent run operations concurrently, each in its
+  // own order; it has this communicator's options, named "NAME/COLOR" (CommOptions::name).
+  // A child can split in turn. Thread-safe against this communicator's other calls.
+  virtual std::unique_ptr<Communicator> split(int color, int key);
 
   // Fails every pending Work (here and, through the links, on the peers) with kAborted and
   // `reason`; later calls fail at once. Safe from any thread; returns without waiting.
