@@ -307,6 +307,7 @@ int run(int argc, char** argv) {
   std::string algo = "auto";
   int timeout_s = 0;
   std::string device = "host";
+  int split = 1;
   bool calibrate_only = false;
   app.add_flag("--calibrate", calibrate_only,
                "Measure alpha and beta of a ring step, and each all_reduce schedule at sizes up "
@@ -341,6 +342,11 @@ int run(int argc, char** argv) {
                  "instead of the nccl-tests sweep: one row per size with each one's median time "
                  "and auto's ratio to the best forced one");
   app.add_option("--timeout", timeout_s, "Per-operation deadline in seconds; default DEAR_TIMEOUT");
+  app.add_option("--split", split,
+                 "Split the ranks into K equal groups of consecutive ranks (Communicator::split) "
+                 "and run the sweep in every group at once; each group's rank 0 prints its "
+                 "table (and writes --json FILE.groupG)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--device", device,
                  "Where the buffers live: host, or cuda (device memory, staged through pinned "
                  "host memory; builds with CUDA only)")
@@ -435,7 +441,24 @@ int run(int argc, char** argv) {
     comm->barrier().wait();
     return 0;
   }
-  auto comm = Communicator::create(std::move(bootstrap), options);
+  auto world = Communicator::create(std::move(bootstrap), options);
+  std::unique_ptr<Communicator> group;
+  if (split > 1) {
+    if (nranks % split != 0) {
+      std::fprintf(stderr, "dear-bench: rank %d: --split %d does not divide %d ranks\n", rank,
+                   split, nranks);
+      return 2;
+    }
+    const int g = rank / (nranks / split);
+    group = world->split(g, rank);
+    if (!args.json_path.empty()) args.json_path += ".group" + std::to_string(g);
+    if (!args.csv_path.empty()) args.csv_path += ".group" + std::to_string(g);
+    if (group->rank() == 0) {
+      std::printf("# group %d of %d: ranks %d..%d of %d, running beside the others\n", g, split,
+                  rank, rank + group->size() - 1, nranks);
+    }
+  }
+  Communicator* comm = group ? group.get() : world.get();
   if (!compare_algos.empty()) return run_compare(*comm, args, compare_algos);
   OpOptions op_options;
   op_options.algorithm = *parse_algorithm(algo);

@@ -30,7 +30,7 @@ __all__ = [
     "all_reduce", "all_reduce_async", "reduce_scatter", "reduce_scatter_async",
     "all_gather", "all_gather_async", "broadcast", "broadcast_async", "reduce", "reduce_async",
     "gather", "gather_async", "scatter", "scatter_async", "all_to_all", "all_to_all_async",
-    "all_to_all_v", "all_to_all_v_async",
+    "all_to_all_v", "all_to_all_v_async", "split", "Communicator",
     "barrier", "barrier_async", "broadcast_parameters", "forget_memory", "DistributedOptimizer",
 ]
 
@@ -122,10 +122,26 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
-def _communicator() -> _dear.Communicator:
+def _communicator(comm: Optional[_dear.Communicator] = None) -> _dear.Communicator:
+    """`comm` where given (a split() child, a torch subgroup's), else the one of init()."""
+    if comm is not None:
+        if comm.closed:
+            raise RuntimeError("the communicator is closed")
+        return comm
     if _comm is None or _comm.closed:
         raise RuntimeError("dear is not initialised: call dear.init() first")
     return _comm
+
+
+Communicator = _dear.Communicator
+
+
+def split(color: int, key: Optional[int] = None) -> Optional[_dear.Communicator]:
+    """Communicator::split of init()'s communicator: collective; the ranks passing one color
+    (>= 0) form a child, ordered by `key` (default: their rank) then rank; -1 joins none and
+    gets None. Pass the child as `comm=` to any call of this module."""
+    comm = _communicator()
+    return comm.split(color, comm.rank if key is None else key)
 
 
 def rank() -> int:
@@ -178,21 +194,22 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
-def all_reduce_async(tensor: torch.Tensor, op: str = "sum", priority: int = 0) -> Handle:
+def all_reduce_async(tensor: torch.Tensor, op: str = "sum", priority: int = 0,
+                     comm: Optional[_dear.Communicator] = None) -> Handle:
     """In place: every rank's `tensor` becomes `op` over all ranks' tensors."""
     dtype = _dtype(tensor, "tensor")
-    work = _communicator().all_reduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                                      dtype, _op(op), priority, _stream(tensor))
+    work = _communicator(comm).all_reduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                                          dtype, _op(op), priority, _stream(tensor))
     return Handle(work, tensor)
 
 
 def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
-                         priority: int = 0) -> Handle:
+                         priority: int = 0, comm: Optional[_dear.Communicator] = None) -> Handle:
     """`output` receives this rank's block of `op` over all ranks' `input`.
 
     input.numel() must be size() * output.numel(); block r is input's r-th slice of that size.
     """
-    comm = _communicator()
+    comm = _communicator(comm)
     dtype = _dtype(output, "output")
     _dtype(input, "input")
     _same_dtype(output, input)
@@ -204,12 +221,13 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, op: str = "s
     return Handle(work, output, input)
 
 
-def all_gather_async(output: torch.Tensor, input: torch.Tensor, priority: int = 0) -> Handle:
+def all_gather_async(output: torch.Tensor, input: torch.Tensor, priority: int = 0,
+                     comm: Optional[_dear.Communicator] = None) -> Handle:
     """`output` receives every rank's `input`, rank r's at slice r.
 
     output.numel() must be size() * input.numel().
     """
-    comm = _communicator()
+    comm = _communicator(comm)
     dtype = _dtype(output, "output")
     _dtype(input, "input")
     _same_dtype(output, input)
@@ -221,30 +239,31 @@ def all_gather_async(output: torch.Tensor, input: torch.Tensor, priority: int = 
     return Handle(work, output, input)
 
 
-def broadcast_async(tensor: torch.Tensor, root: int = 0, priority: int = 0) -> Handle:
+def broadcast_async(tensor: torch.Tensor, root: int = 0, priority: int = 0,
+                    comm: Optional[_dear.Communicator] = None) -> Handle:
     """In place: `root`'s tensor is copied into every rank's."""
     dtype = _dtype(tensor, "tensor")
-    work = _communicator().broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                                     dtype, root, priority, _stream(tensor))
+    work = _communicator(comm).broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                                         dtype, root, priority, _stream(tensor))
     return Handle(work, tensor)
 
 
 def reduce_async(tensor: torch.Tensor, root: int = 0, op: str = "sum",
-                 priority: int = 0) -> Handle:
+                 priority: int = 0, comm: Optional[_dear.Communicator] = None) -> Handle:
     """In place on `root`: its tensor becomes `op` over all ranks' tensors; the other ranks'
     tensors are read, never written."""
     dtype = _dtype(tensor, "tensor")
-    work = _communicator().reduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype,
-                                  _op(op), root, priority, _stream(tensor))
+    work = _communicator(comm).reduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                                      dtype, _op(op), root, priority, _stream(tensor))
     return Handle(work, tensor)
 
 
 def gather_async(output: Optional[torch.Tensor], input: torch.Tensor, root: int = 0,
-                 priority: int = 0) -> Handle:
+                 priority: int = 0, comm: Optional[_dear.Communicator] = None) -> Handle:
     """On `root`, `output` receives every rank's `input`, rank r's at slice r
     (output.numel() == size() * input.numel()); elsewhere `output` is not used and may be None.
     """
-    comm = _communicator()
+    comm = _communicator(comm)
     dtype = _dtype(input, "input")
     if comm.rank != root:
         work = comm.gather(input.data_ptr(), 0, input.numel(), dtype, root, priority,
@@ -263,10 +282,10 @@ def gather_async(output: Optional[torch.Tensor], input: torch.Tensor, root: int 
 
 
 def scatter_async(output: torch.Tensor, input: Optional[torch.Tensor], root: int = 0,
-                  priority: int = 0) -> Handle:
+                  priority: int = 0, comm: Optional[_dear.Communicator] = None) -> Handle:
     """`output` receives slice r of `root`'s `input` (input.numel() == size() * output.numel());
     elsewhere `input` is not used and may be None."""
-    comm = _communicator()
+    comm = _communicator(comm)
     dtype = _dtype(output, "output")
     if comm.rank != root:
         work = comm.scatter(0, output.data_ptr(), output.numel(), dtype, root, priority,
@@ -284,10 +303,11 @@ def scatter_async(output: torch.Tensor, input: Optional[torch.Tensor], root: int
     return Handle(work, output, input)
 
 
-def all_to_all_async(output: torch.Tensor, input: torch.Tensor, priority: int = 0) -> Handle:
+def all_to_all_async(output: torch.Tensor, input: torch.Tensor, priority: int = 0,
+                     comm: Optional[_dear.Communicator] = None) -> Handle:
     """Slice j of `input` goes to rank j, and slice j of `output` comes from rank j: both hold
     size() equal slices. `output` may be `input` (in place)."""
-    comm = _communicator()
+    comm = _communicator(comm)
     dtype = _dtype(output, "output")
     _dtype(input, "input")
     _same_dtype(output, input)
@@ -308,11 +328,12 @@ def _offsets(sizes: List[int]) -> List[int]:
 
 
 def all_to_all_v_async(output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
-                       input_splits: List[int], priority: int = 0) -> Handle:
+                       input_splits: List[int], priority: int = 0,
+                       comm: Optional[_dear.Communicator] = None) -> Handle:
     """`input` is cut into consecutive parts of input_splits[j] elements, part j going to rank
     j; `output` into parts of output_splits[j] elements, part j coming from rank j. A rank's
     input_splits[j] must equal rank j's output_splits[rank]. Out of place only."""
-    comm = _communicator()
+    comm = _communicator(comm)
     dtype = _dtype(output, "output")
     _dtype(input, "input")
     _same_dtype(output, input)
@@ -331,61 +352,66 @@ def all_to_all_v_async(output: torch.Tensor, input: torch.Tensor, output_splits:
 
 
 def all_to_all_v(output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
-                 input_splits: List[int], priority: int = 0) -> torch.Tensor:
-    all_to_all_v_async(output, input, output_splits, input_splits, priority).wait()
+                 input_splits: List[int], priority: int = 0,
+                 comm: Optional[_dear.Communicator] = None) -> torch.Tensor:
+    all_to_all_v_async(output, input, output_splits, input_splits, priority, comm=comm).wait()
     return output
 
 
-def barrier_async(priority: int = 0) -> Handle:
-    return Handle(_communicator().barrier(priority))
+def barrier_async(priority: int = 0, comm: Optional[_dear.Communicator] = None) -> Handle:
+    return Handle(_communicator(comm).barrier(priority))
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", priority: int = 0) -> torch.Tensor:
-    all_reduce_async(tensor, op, priority).wait()
+def all_reduce(tensor: torch.Tensor, op: str = "sum", priority: int = 0,
+               comm: Optional[_dear.Communicator] = None) -> torch.Tensor:
+    all_reduce_async(tensor, op, priority, comm=comm).wait()
     return tensor
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
-                   priority: int = 0) -> torch.Tensor:
-    reduce_scatter_async(output, input, op, priority).wait()
+                   priority: int = 0, comm: Optional[_dear.Communicator] = None) -> torch.Tensor:
+    reduce_scatter_async(output, input, op, priority, comm=comm).wait()
     return output
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, priority: int = 0) -> torch.Tensor:
-    all_gather_async(output, input, priority).wait()
+def all_gather(output: torch.Tensor, input: torch.Tensor, priority: int = 0,
+               comm: Optional[_dear.Communicator] = None) -> torch.Tensor:
+    all_gather_async(output, input, priority, comm=comm).wait()
     return output
 
 
-def broadcast(tensor: torch.Tensor, root: int = 0, priority: int = 0) -> torch.Tensor:
-    broadcast_async(tensor, root, priority).wait()
+def broadcast(tensor: torch.Tensor, root: int = 0, priority: int = 0,
+              comm: Optional[_dear.Communicator] = None) -> torch.Tensor:
+    broadcast_async(tensor, root, priority, comm=comm).wait()
     return tensor
 
 
 def reduce(tensor: torch.Tensor, root: int = 0, op: str = "sum",
-           priority: int = 0) -> torch.Tensor:
-    reduce_async(tensor, root, op, priority).wait()
+           priority: int = 0, comm: Optional[_dear.Communicator] = None) -> torch.Tensor:
+    reduce_async(tensor, root, op, priority, comm=comm).wait()
     return tensor
 
 
 def gather(output: Optional[torch.Tensor], input: torch.Tensor, root: int = 0,
-           priority: int = 0) -> Optional[torch.Tensor]:
-    gather_async(output, input, root, priority).wait()
+           priority: int = 0, comm: Optional[_dear.Communicator] = None) -> Optional[torch.Tensor]:
+    gather_async(output, input, root, priority, comm=comm).wait()
     return output
 
 
 def scatter(output: torch.Tensor, input: Optional[torch.Tensor], root: int = 0,
-            priority: int = 0) -> torch.Tensor:
-    scatter_async(output, input, root, priority).wait()
+            priority: int = 0, comm: Optional[_dear.Communicator] = None) -> torch.Tensor:
+    scatter_async(output, input, root, priority, comm=comm).wait()
     return output
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, priority: int = 0) -> torch.Tensor:
-    all_to_all_async(output, input, priority).wait()
+def all_to_all(output: torch.Tensor, input: torch.Tensor, priority: int = 0,
+               comm: Optional[_dear.Communicator] = None) -> torch.Tensor:
+    all_to_all_async(output, input, priority, comm=comm).wait()
     return output
 
 
-def barrier(priority: int = 0) -> None:
-    barrier_async(priority).wait()
+def barrier(priority: int = 0, comm: Optional[_dear.Communicator] = None) -> None:
+    barrier_async(priority, comm=comm).wait()
 
 
 def forget_memory(tensor: torch.Tensor) -> None:

@@ -115,6 +115,8 @@ _completers: "weakref.WeakSet[_Completer]" = weakref.WeakSet()
 
 def _stop_completers() -> None:
     dear.shutdown()  # fails whatever is still in flight, so no thread stays blocked on it
+    for comm in list(_group_comms):
+        comm.close()
     for completer in list(_completers):
         completer.close(join=True)
 
@@ -123,8 +125,11 @@ atexit.register(_stop_completers)  # runs before dear's own handler (registered 
 
 
 class ProcessGroupDear(ProcessGroup):
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int,
+                 comm: Optional["dear.Communicator"] = None) -> None:
+        """`comm`: a subgroup's communicator of its own; None for dear.init()'s."""
         super().__init__(rank, size)
+        self._comm = comm
         self._completer = _Completer()
         _completers.add(self._completer)
 
@@ -136,12 +141,13 @@ class ProcessGroupDear(ProcessGroup):
 
     def allreduce(self, tensors: List[torch.Tensor], opts=None) -> Work:
         op = _op(opts) if opts is not None else "sum"
-        return self._completer.submit([dear.all_reduce_async(t, op=op) for t in tensors],
-                                      tensors)
+        return self._completer.submit(
+            [dear.all_reduce_async(t, op=op, comm=self._comm) for t in tensors], tensors)
 
     def broadcast(self, tensors: List[torch.Tensor], opts=None) -> Work:
         root = opts.rootRank if opts is not None else 0
-        return self._completer.submit([dear.broadcast_async(t, root) for t in tensors], tensors)
+        return self._completer.submit(
+            [dear.broadcast_async(t, root, comm=self._comm) for t in tensors], tensors)
 
     def allgather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                   opts=None) -> Work:
@@ -152,7 +158,7 @@ class ProcessGroupDear(ProcessGroup):
                                  f"input, got {len(outputs)}")
             # torch hands separate output tensors; dear gathers into one contiguous buffer.
             flat = torch.empty(t.numel() * len(outputs), dtype=t.dtype, device=t.device)
-            handles.append(dear.all_gather_async(flat, t.contiguous()))
+            handles.append(dear.all_gather_async(flat, t.contiguous(), comm=self._comm))
             copies.append((flat, outputs))
 
         def scatter_out() -> None:
@@ -172,10 +178,10 @@ class ProcessGroupDear(ProcessGroup):
                                  f"output, got {len(inputs)}")
             flat = torch.cat([i.reshape(-1) for i in inputs])
             if out.is_contiguous():
-                handles.append(dear.reduce_scatter_async(out, flat, op=op))
+                handles.append(dear.reduce_scatter_async(out, flat, op=op, comm=self._comm))
             else:
                 staged = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
-                handles.append(dear.reduce_scatter_async(staged, flat, op=op))
+                handles.append(dear.reduce_scatter_async(staged, flat, op=op, comm=self._comm))
                 copies.append((out, staged))
 
         def copy_out() -> None:
@@ -186,16 +192,18 @@ class ProcessGroupDear(ProcessGroup):
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                         opts=None) -> Work:
         """dist.all_gather_into_tensor: dear's all_gather (it checks the shapes)."""
-        return self._completer.submit([dear.all_gather_async(output, input)], [output])
+        return self._completer.submit([dear.all_gather_async(output, input, comm=self._comm)],
+                                      [output])
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                              opts=None) -> Work:
         """dist.reduce_scatter_tensor: dear's reduce_scatter (it checks the shapes)."""
         op = _op(opts) if opts is not None else "sum"
-        return self._completer.submit([dear.reduce_scatter_async(output, input, op=op)], [output])
+        return self._completer.submit(
+            [dear.reduce_scatter_async(output, input, op=op, comm=self._comm)], [output])
 
     def barrier(self, opts=None) -> Work:
-        return self._completer.submit([dear.barrier_async()], [])
+        return self._completer.submit([dear.barrier_async(comm=self._comm)], [])
 
     # What dear does not run yet: an error naming the call and what to use meanwhile, instead
     # of c10d's generic "does not support".
@@ -211,8 +219,8 @@ class ProcessGroupDear(ProcessGroup):
     def reduce(self, tensors: List[torch.Tensor], opts=None) -> Work:
         op = _op(opts) if opts is not None else "sum"
         root = opts.rootRank if opts is not None else 0
-        return self._completer.submit([dear.reduce_async(t, root, op=op) for t in tensors],
-                                      tensors)
+        return self._completer.submit(
+            [dear.reduce_async(t, root, op=op, comm=self._comm) for t in tensors], tensors)
 
     def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                opts=None) -> Work:
@@ -221,7 +229,7 @@ class ProcessGroupDear(ProcessGroup):
             raise ValueError(f"dear backend: gather takes one input tensor, got {len(inputs)}")
         t = inputs[0].contiguous()
         if self.rank() != root:
-            return self._completer.submit([dear.gather_async(None, t, root)], [])
+            return self._completer.submit([dear.gather_async(None, t, root, comm=self._comm)], [])
         if len(output_lists) != 1 or len(output_lists[0]) != self.size():
             raise ValueError(f"dear backend: gather needs one list of {self.size()} outputs on "
                              f"the root, got {[len(o) for o in output_lists]}")
@@ -232,8 +240,8 @@ class ProcessGroupDear(ProcessGroup):
         def scatter_out() -> None:
             for out, part in zip(outputs, flat.chunk(self.size())):
                 out.copy_(part.view_as(out))
-        return self._completer.submit([dear.gather_async(flat, t, root)], list(outputs),
-                                      scatter_out)
+        return self._completer.submit([dear.gather_async(flat, t, root, comm=self._comm)],
+                                      list(outputs), scatter_out)
 
     def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
                 opts=None) -> Work:
@@ -254,7 +262,8 @@ class ProcessGroupDear(ProcessGroup):
         def copy_out() -> None:
             if staged is not out:
                 out.copy_(staged.view_as(out))
-        return self._completer.submit([dear.scatter_async(staged, flat, root)], [out], copy_out)
+        return self._completer.submit(
+            [dear.scatter_async(staged, flat, root, comm=self._comm)], [out], copy_out)
 
     def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                  opts=None) -> Work:
@@ -271,9 +280,10 @@ class ProcessGroupDear(ProcessGroup):
         in_sizes = [t.numel() for t in inputs]
         out_sizes = [t.numel() for t in outputs]
         if len(set(in_sizes + out_sizes)) == 1:
-            handle = dear.all_to_all_async(flat_out, flat_in)
+            handle = dear.all_to_all_async(flat_out, flat_in, comm=self._comm)
         else:
-            handle = dear.all_to_all_v_async(flat_out, flat_in, out_sizes, in_sizes)
+            handle = dear.all_to_all_v_async(flat_out, flat_in, out_sizes, in_sizes,
+                                             comm=self._comm)
 
         def scatter_out() -> None:
             for out, part in zip(outputs, flat_out.split(out_sizes)):
@@ -305,9 +315,10 @@ class ProcessGroupDear(ProcessGroup):
         staged = output if output.is_contiguous() else torch.empty(
             output.shape, dtype=output.dtype, device=output.device)
         if len(set(in_sizes + out_sizes)) == 1 and output.numel() == input.numel():
-            handle = dear.all_to_all_async(staged.view(-1), src.view(-1))
+            handle = dear.all_to_all_async(staged.view(-1), src.view(-1), comm=self._comm)
         else:
-            handle = dear.all_to_all_v_async(staged.view(-1), src.view(-1), out_sizes, in_sizes)
+            handle = dear.all_to_all_v_async(staged.view(-1), src.view(-1), out_sizes,
+                                             in_sizes, comm=self._comm)
 
         def copy_out() -> None:
             if staged is not output:
@@ -320,12 +331,28 @@ class ProcessGroupDear(ProcessGroup):
             completer.close()
 
 
+# Subgroups' communicators (dist.new_group), closed at exit with dear's own.
+_group_comms: "weakref.WeakSet[dear.Communicator]" = weakref.WeakSet()
+
+
 def _create(store, rank: int, size: int, timeout: timedelta) -> ProcessGroup:
     dear.init()
-    if (dear.rank(), dear.size()) != (rank, size):
-        raise RuntimeError(f"dear backend: torch says rank {rank} of {size}, the launcher's "
-                           f"environment says {dear.rank()} of {dear.size()}")
-    return ProcessGroupDear(rank, size)
+    if not dist.is_initialized():
+        # The default group: dear.init()'s communicator.
+        if (dear.rank(), dear.size()) != (rank, size):
+            raise RuntimeError(f"dear backend: torch says rank {rank} of {size}, the "
+                               f"launcher's environment says {dear.rank()} of {dear.size()}")
+        return ProcessGroupDear(rank, size)
+    # dist.new_group: only its members get here, each with the group's own store. Its rank 0
+    # opens a rendezvous and leaves the address in the store; the members connect to it.
+    key = "dear_unique_id"
+    if rank == 0:
+        store.set(key, dear._dear.new_unique_id(dear._communicator().advertise_host))
+    uid = store.get(key).decode()
+    comm = dear.Communicator.from_id(uid, rank, size,
+                                     f"torch group of {size} (world rank {dear.rank()})")
+    _group_comms.add(comm)
+    return ProcessGroupDear(rank, size, comm)
 
 
 def register() -> None:

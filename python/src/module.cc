@@ -84,16 +84,44 @@ void* as_ptr(std::uintptr_t address) { return reinterpret_cast<void*>(address); 
 // destruction.
 class PyCommunicator {
  public:
-  explicit PyCommunicator(std::unique_ptr<dear::Communicator> comm) : comm_(std::move(comm)) {}
+  PyCommunicator(std::unique_ptr<dear::Communicator> comm, std::string advertise_host)
+      : comm_(std::move(comm)), advertise_host_(std::move(advertise_host)) {}
 
   static std::unique_ptr<PyCommunicator> from_env() {
-    std::unique_ptr<dear::Communicator> comm;
-    {
-      py::gil_scoped_release release;  // rendezvous waits for every rank
-      comm = dear::Communicator::create_from_env(dear::Bootstrap::from_env());
-    }
-    return std::make_unique<PyCommunicator>(std::move(comm));
+    py::gil_scoped_release release;  // rendezvous waits for every rank
+    auto bootstrap = dear::Bootstrap::from_env();
+    std::string host = bootstrap->advertise_host();
+    return std::make_unique<PyCommunicator>(
+        dear::Communicator::create_from_env(std::move(bootstrap)), std::move(host));
   }
+
+  // A communicator of its own for `size` ranks that share `id` (new_unique_id()'s text, made by
+  // the one of rank 0 and passed on by the caller, e.g. through a torch store).
+  static std::unique_ptr<PyCommunicator> from_id(const std::string& id, int rank, int size,
+                                                 const std::string& name) {
+    py::gil_scoped_release release;
+    auto bootstrap = dear::Bootstrap::create(dear::UniqueId::parse(id), rank, size);
+    std::string host = bootstrap->advertise_host();
+    dear::CommOptions options;
+    options.name = name;
+    return std::make_unique<PyCommunicator>(
+        dear::Communicator::create_from_env(std::move(bootstrap), std::move(options)),
+        std::move(host));
+  }
+
+  // Communicator::split; None where this rank joins no child.
+  std::unique_ptr<PyCommunicator> split(int color, int key) {
+    dear::Communicator& parent = get();
+    std::unique_ptr<dear::Communicator> child;
+    {
+      py::gil_scoped_release release;
+      child = parent.split(color, key);
+    }
+    if (!child) return nullptr;
+    return std::make_unique<PyCommunicator>(std::move(child), advertise_host_);
+  }
+
+  [[nodiscard]] const std::string& advertise_host() const { return advertise_host_; }
 
   dear::Communicator& get() const {
     if (!comm_) {
@@ -113,6 +141,7 @@ class PyCommunicator {
 
  private:
   std::unique_ptr<dear::Communicator> comm_;
+  std::string advertise_host_;  // where this rank's listeners are reached
 };
 
 // A model of "layers" given as lists of tensor element counts, in forward order.
@@ -203,6 +232,14 @@ PYBIND11_MODULE(_dear, m) {
                   "Slurm).")
       .def_property_readonly("rank", [](const PyCommunicator& c) { return c.get().rank(); })
       .def_property_readonly("size", [](const PyCommunicator& c) { return c.get().size(); })
+      .def_static("from_id", &PyCommunicator::from_id, py::arg("id"), py::arg("rank"),
+                  py::arg("size"), py::arg("name") = "",
+                  "A communicator of `size` ranks that rendezvous at `id` (new_unique_id()), "
+                  "with the DEAR_* options of the environment.")
+      .def("split", &PyCommunicator::split, py::arg("color"), py::arg("key"),
+           "Communicator::split: collective; None for a color of -1.")
+      .def_property_readonly("advertise_host", &PyCommunicator::advertise_host)
+      .def_property_readonly("name", [](const PyCommunicator& c) { return c.get().options().name; })
       .def_property_readonly("closed", &PyCommunicator::closed)
       .def("close", &PyCommunicator::close)
       .def(
@@ -304,6 +341,11 @@ PYBIND11_MODULE(_dear, m) {
           },
           py::arg("ptr"), py::arg("bytes"));
 
+  m.def(
+      "new_unique_id",
+      [](const std::string& host) { return dear::UniqueId::create(host).to_string(); },
+      py::arg("host"),
+      "A rendezvous id on `host` whose listener this process keeps for its rank 0 (from_id).");
   m.def("plan_threshold", &plan_threshold, py::arg("layers"), py::arg("ranks"),
         py::arg("threshold_bytes"), py::arg("element_bytes"),
         "DeAR's threshold fusion (dear::scheduler::plan_threshold): (first, last) layer ranges.");

@@ -124,6 +124,23 @@ def main() -> None:
     check("all_to_all_v", out, torch.cat([part(j, rank) for j in range(n)]))
     checked += 1
 
+    # split: even and odd ranks, keys reversed; each child all_reduces beside the world.
+    child = dear.split(rank % 2, key=-rank)
+    members = sorted((r for r in range(n) if r % 2 == rank % 2), reverse=True)
+    assert child.size == len(members) and child.rank == members.index(rank), \
+        (child.rank, child.size, members)
+    t = torch.full((9,), float(rank + 1))
+    w = torch.ones(5)
+    handles = [dear.all_reduce_async(t, comm=child), dear.all_reduce_async(w)]
+    for h in handles:
+        h.wait()
+    check("all_reduce on a split child", t, torch.full((9,), float(sum(r + 1 for r in members))))
+    check("all_reduce on the world beside it", w, torch.full((5,), float(n)))
+    assert child.name == f"world/{rank % 2}", child.name
+    assert dear.split(-1) is None
+    child.close()
+    checked += 2
+
     # In place, through views of one buffer (the optimizer's usage).
     buf = data(rank, 12 * n, torch.float32)
     dear.reduce_scatter(buf[rank * 12:(rank + 1) * 12], buf, op="avg")

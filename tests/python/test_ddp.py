@@ -147,6 +147,38 @@ def check_collectives(rank: int, n: int) -> None:
     dist.barrier()
 
 
+def check_subgroups(rank: int, n: int) -> None:
+    # dist.new_group on the dear backend (every rank calls it; only members get a group): the
+    # first two ranks, and every rank but rank 0, each with a dear communicator of its own,
+    # used one after the other and then both at once beside the world.
+    first_two = dist.new_group([0, 1])
+    all_but_0 = dist.new_group(list(range(1, n))) if n > 2 else None
+    if rank in (0, 1):
+        t = torch.full((6,), float(rank + 1))
+        dist.all_reduce(t, group=first_two)
+        assert torch.equal(t, torch.full((6,), 3.0)), f"subgroup [0, 1] all_reduce: {t}"
+        assert dist.get_rank(first_two) == rank and dist.get_world_size(first_two) == 2
+        assert dist.get_backend(first_two) == "dear", dist.get_backend(first_two)
+        parts = [torch.empty(2) for _ in range(2)]
+        dist.all_gather(parts, torch.full((2,), 10.0 * rank), group=first_two)
+        assert torch.equal(torch.cat(parts), torch.tensor([0.0, 0, 10, 10])), f"{parts}"
+    if all_but_0 is not None and rank > 0:
+        m = n - 1
+        t = torch.arange(4, dtype=torch.float64) * rank
+        works = [dist.all_reduce(t, group=all_but_0, async_op=True),
+                 dist.all_reduce(torch.ones(3), async_op=True)]  # the world, meanwhile
+        for w in works:
+            w.wait()
+        want = torch.arange(4, dtype=torch.float64) * (m * (m + 1) // 2)
+        assert torch.equal(t, want), f"subgroup [1..{n - 1}] all_reduce: {t} != {want}"
+        out = torch.empty(m)
+        dist.all_to_all_single(out, torch.full((m,), float(rank)), group=all_but_0)
+        assert torch.equal(out, torch.arange(1, n, dtype=torch.float32)), f"a2a: {out}"
+    elif all_but_0 is not None:
+        dist.all_reduce(torch.ones(3))  # rank 0's part of the world's all_reduce above
+    dist.barrier()
+
+
 def main() -> None:
     torch.set_num_threads(1)
     start = time.monotonic()
@@ -155,6 +187,7 @@ def main() -> None:
     assert (rank, n) == (dear.rank(), dear.size())
     assert dist.get_backend() == "dear", dist.get_backend()
     check_collectives(rank, n)
+    check_subgroups(rank, n)
 
     dear_group = dist.group.WORLD
     gloo_group = dist.new_group(backend="gloo")
