@@ -28,8 +28,9 @@ reduce, gather, scatter, barrier, each over a list of tensors; all_gather_into_t
 reduce_scatter_tensor (the flat forms, _allgather_base and _reduce_scatter_base, which run dear's
 own all_gather and reduce_scatter without a copy); all_to_all and all_to_all_single, with and
 without split sizes (dear's all_to_all, or all_to_all_v where the splits differ);
-DistributedDataParallel on CPU tensors. Not supported yet: send/recv (they raise an error
-saying so, with what to use instead). Timeouts are dear's (DEAR_TIMEOUT), not the process group's.
+dist.new_group of any ranks (a dear communicator of its own, rendezvous through the group's
+store); DistributedDataParallel on CPU tensors. Not supported yet: send/recv (they raise an
+error saying so, with what to use instead). Timeouts are dear's (DEAR_TIMEOUT), not the process group's.
 """
 from __future__ import annotations
 
