@@ -276,15 +276,13 @@ class DeviceCommunicator final : public Communicator {
     // Staged whole like all_to_all, over the extents the layouts describe; the inner call
     // checks the layouts (a bad one fails when the staging thread issues it).
     const std::size_t el = dtype_size(dtype);
-    std::vector<std::size_t> send_n(send_counts.begin(), send_counts.end());
-    std::vector<std::size_t> send_at(send_displs.begin(), send_displs.end());
-    std::vector<std::size_t> recv_n(recv_counts.begin(), recv_counts.end());
-    std::vector<std::size_t> recv_at(recv_displs.begin(), recv_displs.end());
+    const AllToAllLists l(send_counts, send_displs, recv_counts, recv_displs);
     return route({OpKind::kAllToAllV, in, out, 0, dtype, ReduceOp::kSum, -1}, "all_to_all_v",
                  StagedKind::kOther, 0, in, layout_extent(send_counts, send_displs, el), out,
                  layout_extent(recv_counts, recv_displs, el), dtype, opts,
                  [=](Communicator& c, const void* i, void* o, std::size_t, const OpOptions& x) {
-                   return c.all_to_all_v(i, send_n, send_at, o, recv_n, recv_at, dtype, x);
+                   return c.all_to_all_v(i, l.send_counts, l.send_displs, o, l.recv_counts,
+                                         l.recv_displs, dtype, x);
                  });
   }
 

@@ -23,10 +23,12 @@ namespace {
 
 std::string view_of(OpKind kind, Schedule schedule, std::uint64_t count, DataType dtype,
                     ReduceOp redop, int root, bool device) {
+  // An all-to-all's schedule is each rank's own (kind_byte): not part of what must agree.
   return std::string(call_name(kind, root)) + " count=" + std::to_string(count) +
          " dtype=" + std::string(dear::to_string(dtype)) +
          " op=" + std::string(dear::to_string(redop)) + " root=" + std::to_string(root) +
-         " schedule=" + to_string(schedule) + (device ? " memory=device" : " memory=host");
+         (is_all_to_all(kind) ? std::string() : std::string(" schedule=") + to_string(schedule)) +
+         (device ? " memory=device" : " memory=host");
 }
 
 }  // namespace

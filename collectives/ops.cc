@@ -147,11 +147,12 @@ void ScratchPool::release(std::unique_ptr<char[]> buf, std::size_t capacity) {
 }
 
 std::uint8_t kind_byte(const Op& op) {
-  // all_to_all's two schedules send the same messages (steps.cc), in another order only: ranks
-  // need not agree on which (all_to_all_v's choice is each rank's own, by its own sizes).
-  const Schedule wire = is_all_to_all(op.kind) ? Schedule::kPairwise : op.schedule;
-  return static_cast<std::uint8_t>(static_cast<unsigned>(op.kind) |
-                                   (static_cast<unsigned>(wire) << 4) | (op.device ? 0x80U : 0U));
+  // Three bits of schedule. all_to_all's two schedules (8 and 9, beyond them) send the same
+  // messages (steps.cc), in another order only: ranks need not agree on which (all_to_all_v's
+  // choice is each rank's own, by its own sizes), so none travels.
+  const unsigned wire = is_all_to_all(op.kind) ? 0U : static_cast<unsigned>(op.schedule);
+  return static_cast<std::uint8_t>(static_cast<unsigned>(op.kind) | ((wire & 0x07U) << 4) |
+                                   (op.device ? 0x80U : 0U));
 }
 
 transport::FrameHeader data_frame(const Op& op, std::uint32_t index, std::size_t bytes) {

@@ -84,9 +84,10 @@ enum class Schedule : std::uint8_t {
   kTree = 7,               // all_reduce: binomial tree reduce to rank 0, then broadcast;
                            // reduce, gather and scatter: a binomial tree with the root on
                            // top, or rooted at rank 0 with a path to the root (steps.h)
-  kPairwise = 8,           // all_to_all: N-1 steps, step k sends to rank + k and receives
-                           // from rank - k
-  kScattered = 9,          // all_to_all: every send at once, then every receive (one round)
+  // all_to_all's own, which never travel in the frame's three bits of schedule (kind_byte):
+  kPairwise = 8,   // all_to_all: N-1 steps, step k sends to rank + k and receives
+                   // from rank - k
+  kScattered = 9,  // all_to_all: every send at once, then every receive (one round)
 };
 [[nodiscard]] const char* to_string(Schedule s) noexcept;
 

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "dear/error.h"
 
@@ -41,5 +42,16 @@ inline std::size_t layout_extent(std::span<const std::size_t> counts,
   }
   return e;
 }
+
+// all_to_all_v's four lists, copied for a call that outlives its caller's spans.
+struct AllToAllLists {
+  std::vector<std::size_t> send_counts, send_displs, recv_counts, recv_displs;
+  AllToAllLists(std::span<const std::size_t> sc, std::span<const std::size_t> sd,
+                std::span<const std::size_t> rc, std::span<const std::size_t> rd)
+      : send_counts(sc.begin(), sc.end()),
+        send_displs(sd.begin(), sd.end()),
+        recv_counts(rc.begin(), rc.end()),
+        recv_displs(rd.begin(), rd.end()) {}
+};
 
 }  // namespace dear

@@ -227,30 +227,28 @@ class NcclCommunicator final : public Communicator {
     check_per_rank(send_displs, "send_displs", size_, rank_, name);
     check_per_rank(recv_counts, "recv_counts", size_, rank_, name);
     check_per_rank(recv_displs, "recv_displs", size_, rank_, name);
-    std::vector<std::size_t> send_n(send_counts.begin(), send_counts.end());
-    std::vector<std::size_t> send_at(send_displs.begin(), send_displs.end());
-    std::vector<std::size_t> recv_n(recv_counts.begin(), recv_counts.end());
-    std::vector<std::size_t> recv_at(recv_displs.begin(), recv_displs.end());
+    const AllToAllLists l(send_counts, send_displs, recv_counts, recv_displs);
     // One group of point-to-point calls, each peer's part at its displacement (out of place).
-    return run(
-        name, 0, dtype, opts, {in, layout_extent(send_counts, send_displs, el)},
-        {out, layout_extent(recv_counts, recv_displs, el)}, false,
-        [=, this](const void* s, void* r) {
-          const auto* from = static_cast<const char*>(s);
-          auto* to = static_cast<char*>(r);
-          ncclResult_t rc = ncclGroupStart();
-          for (int p = 0; p < size_ && rc == ncclSuccess; ++p) {
-            const auto u = static_cast<std::size_t>(p);
-            if (send_n[u] > 0) {
-              rc = ncclSend(from + send_at[u] * el, send_n[u], nccl_type(dtype), p, comm_, stream_);
-            }
-            if (rc == ncclSuccess && recv_n[u] > 0) {
-              rc = ncclRecv(to + recv_at[u] * el, recv_n[u], nccl_type(dtype), p, comm_, stream_);
-            }
-          }
-          const ncclResult_t end = ncclGroupEnd();
-          return rc != ncclSuccess ? rc : end;
-        });
+    return run(name, 0, dtype, opts, {in, layout_extent(send_counts, send_displs, el)},
+               {out, layout_extent(recv_counts, recv_displs, el)}, false,
+               [=, this](const void* s, void* r) {
+                 const auto* from = static_cast<const char*>(s);
+                 auto* to = static_cast<char*>(r);
+                 ncclResult_t rc = ncclGroupStart();
+                 for (int p = 0; p < size_ && rc == ncclSuccess; ++p) {
+                   const auto u = static_cast<std::size_t>(p);
+                   if (l.send_counts[u] > 0) {
+                     rc = ncclSend(from + l.send_displs[u] * el, l.send_counts[u], nccl_type(dtype),
+                                   p, comm_, stream_);
+                   }
+                   if (rc == ncclSuccess && l.recv_counts[u] > 0) {
+                     rc = ncclRecv(to + l.recv_displs[u] * el, l.recv_counts[u], nccl_type(dtype),
+                                   p, comm_, stream_);
+                   }
+                 }
+                 const ncclResult_t end = ncclGroupEnd();
+                 return rc != ncclSuccess ? rc : end;
+               });
   }
 
   Work barrier(const OpOptions& opts) override {

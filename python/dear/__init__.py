@@ -8,7 +8,8 @@
 Tensors are passed zero-copy: the library reads and writes their memory directly, so they must
 be contiguous tensors of a supported dtype, and must not be touched until the operation
 completes (the async forms return a `Handle` that keeps them alive until then). Collectives are
-issued in the same order on every rank, as with NCCL and MPI.
+issued in the same order on every rank, as with NCCL and MPI. `split(color)` makes a child
+communicator of some ranks; every call takes it as `comm=`.
 
 CUDA tensors are accepted when dear was built with CUDA (`HAVE_CUDA`): the operation is ordered
 after the work already queued on the tensor's current stream (as NCCL's are), and the
