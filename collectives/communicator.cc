@@ -222,6 +222,16 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     return launch(std::move(o), opts);
   }
 
+  Work send(const void* buf, std::size_t count, DataType dtype, int peer,
+            const OpOptions& opts) override {
+    return point_to_point(true, const_cast<void*>(buf), count, dtype, peer, opts);
+  }
+
+  Work recv(void* buf, std::size_t count, DataType dtype, int peer,
+            const OpOptions& opts) override {
+    return point_to_point(false, buf, count, dtype, peer, opts);
+  }
+
   Work issue_on_device(const collectives::CollectiveCall& call, const OpOptions& opts,
                        std::unique_ptr<collectives::OpFence> fence) override {
     return issue(call, opts, std::move(fence));
@@ -710,6 +720,43 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     return false;
   }
 
+  Work point_to_point(bool is_send, void* buf, std::size_t count, DataType dtype, int peer,
+                      const OpOptions& opts) {
+    const char* name = is_send ? "send" : "recv";
+    if (!is_valid(dtype)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "dtype=" + std::to_string(static_cast<int>(dtype)) + " is not a DataType", rank_,
+                  Error::kNone, name);
+    }
+    check_peer(peer, size_, rank_, name);
+    // A message's size travels in 32 bits.
+    if (count > std::numeric_limits<std::uint32_t>::max() / dtype_size(dtype)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "count=" + std::to_string(count) + " is more than one message carries (" +
+                      std::to_string(std::numeric_limits<std::uint32_t>::max()) + " bytes)",
+                  rank_, Error::kNone, name);
+    }
+    if (count > 0 && buf == nullptr) null_arg("buf", count, name);
+    if (opts.timeout.count() < 0) {
+      throw Error(ErrorCode::kInvalidArgument, "OpOptions::timeout is negative", rank_,
+                  Error::kNone, name);
+    }
+    if (opts.cuda_stream != nullptr) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "OpOptions::cuda_stream is set but this build of dear has no CUDA support", rank_,
+                  Error::kNone, name);
+    }
+    check_full_mesh(name);
+    collectives::Engine::P2pCall call;
+    call.send = is_send;
+    call.peer = peer;
+    call.src = is_send ? static_cast<const char*>(buf) : nullptr;
+    call.dst = is_send ? nullptr : static_cast<char*>(buf);
+    call.count = count;
+    call.dtype = dtype;
+    call.timeout = opts.timeout.count() > 0 ? opts.timeout : options_.timeout;
+    return engine_->submit_p2p(call);
+  }
   void check_full_mesh(const char* name) const {
     if (full_mesh_) return;
     throw Error(ErrorCode::kInvalidArgument,

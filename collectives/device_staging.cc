@@ -286,6 +286,26 @@ class DeviceCommunicator final : public Communicator {
                  });
   }
 
+  Work send(const void* buf, std::size_t count, DataType dtype, int peer,
+            const OpOptions& opts) override {
+    const std::size_t b = count * dtype_size(dtype);
+    return route({OpKind::kBarrier}, "send", StagedKind::kOther, count, buf, b, nullptr, 0, dtype,
+                 opts,
+                 [=](Communicator& c, const void* i, void*, std::size_t n, const OpOptions& x) {
+                   return c.send(i, n, dtype, peer, x);
+                 });
+  }
+
+  Work recv(void* buf, std::size_t count, DataType dtype, int peer,
+            const OpOptions& opts) override {
+    const std::size_t b = count * dtype_size(dtype);
+    return route({OpKind::kBarrier}, "recv", StagedKind::kOther, count, nullptr, 0, buf, b, dtype,
+                 opts,
+                 [=](Communicator& c, const void*, void* o, std::size_t n, const OpOptions& x) {
+                   return c.recv(o, n, dtype, peer, x);
+                 });
+  }
+
   Work barrier(const OpOptions& opts) override {
     return route({OpKind::kBarrier}, "barrier", StagedKind::kOther, 0, nullptr, 0, nullptr, 0,
                  DataType::kUint8, opts,

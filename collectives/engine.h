@@ -104,6 +104,18 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Takes the operation and returns its handle; thread-safe. Sequence numbers are assigned
   // here, in submission order.
   Work submit(std::unique_ptr<Op> op);
+  // A send to or receive from one peer (Communicator::send/recv; engine_p2p.cc): outside the
+  // collectives' sequence, matched by its place among the pair's sends, in issue order.
+  struct P2pCall {
+    bool send = false;
+    int peer = 0;
+    const char* src = nullptr;  // send
+    char* dst = nullptr;        // receive
+    std::uint64_t count = 0;
+    DataType dtype = DataType::kFloat32;
+    std::chrono::milliseconds timeout{0};
+  };
+  Work submit_p2p(const P2pCall& call);
   // Fails everything with kAborted; thread-safe, returns at once.
   void abort(const std::string& reason);
   // Runs engine turns on the calling thread until `state` completes, `until` passes or no
@@ -137,6 +149,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   class LinkSink;
   friend class LinkSink;
   struct Unexpected;
+  struct P2p;
+  struct P2pEarly;
   struct RecvCtx {
     Op* op = nullptr;             // null: unexpected or control message
     int slot = -1;                // the landing slot the payload goes to
@@ -147,6 +161,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
     bool reduce = false;
     int step = -1;                         // log-step schedules: the local step being received
     struct Unexpected* pending = nullptr;  // an unexpected message being stored
+    struct P2p* p2p = nullptr;             // a receive being filled
+    struct P2pEarly* early = nullptr;      // an early point-to-point message being stored
   };
   struct Unexpected {
     transport::FrameHeader header;
@@ -205,6 +221,48 @@ class Engine : public std::enable_shared_from_this<Engine> {
   transport::RecvTarget log_step_target(Op& op, int link, const transport::FrameHeader& h,
                                         RecvCtx& ctx);
   [[nodiscard]] int mesh_link(int peer) const;  // link index of the mesh channel to `peer`
+
+  // Point-to-point (engine_p2p.cc). Small sends go at once; one larger than eager_bytes waits
+  // for its receiver's kP2pReady, so its bytes land straight in the receive buffer. Every
+  // receive announces itself (kP2pReady) unless its message is already here, so a size that
+  // differs is seen by one end or the other, never waited for.
+  struct P2p {
+    P2pCall call;
+    std::size_t bytes = 0;
+    std::uint64_t pseq = 0;  // its place among the pair's sends (receives), in issue order
+    transport::Clock::time_point deadline{};
+    std::shared_ptr<Work::State> state;
+    bool ready = false;      // send: may leave (eager, or its receiver is posted)
+    bool queued = false;     // send: handed to the channel
+    bool announced = false;  // receive: its kP2pReady is queued
+  };
+  struct P2pEarly {  // an eager message that arrived before its receive was posted
+    transport::FrameHeader header;
+    std::vector<char> data;
+    bool complete = false;
+  };
+  struct PeerP2p {
+    std::uint64_t next_send = 0;
+    std::uint64_t next_recv = 0;
+    std::deque<std::unique_ptr<P2p>> sends;  // posted, not complete, in order
+    std::deque<std::unique_ptr<P2p>> recvs;
+    std::deque<transport::FrameHeader> readies;  // kP2pReady for sends not posted yet
+    std::list<P2pEarly> early;                   // a list: the one being filled keeps its place
+  };
+  PeerP2p& p2p_peer(int rank);
+  bool drain_p2p();
+  bool advance_p2p();
+  void post_p2p(std::unique_ptr<P2p> p);
+  transport::RecvTarget p2p_target(int link, const transport::FrameHeader& h, RecvCtx& ctx);
+  void p2p_arrived(int link, const transport::FrameHeader& h, RecvCtx& ctx);
+  void p2p_ready(int link, const transport::FrameHeader& h);
+  void p2p_sent(int link, std::uint64_t token);
+  void check_p2p(const P2p& p, const transport::FrameHeader& h) const;
+  void complete_p2p(std::deque<std::unique_ptr<P2p>>& queue, const P2p* p);
+  void check_p2p_deadlines(transport::Clock::time_point now);
+  void fail_p2p(std::exception_ptr e);
+  [[nodiscard]] transport::Clock::time_point p2p_deadline() const;
+  [[nodiscard]] static bool is_p2p_token(std::uint64_t token) { return (token >> 62) == 2; }
 
   // Failure and deadlines (engine_failure.cc).
   void fail(const Error& e);
@@ -295,6 +353,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Submission queue, shared with caller threads.
   std::mutex submit_mu_;
   std::deque<std::unique_ptr<Op>> submitted_;
+  std::deque<std::unique_ptr<P2p>> submitted_p2p_;
   // Ranges to forget (forget_memory), each before the operation with sequence number `before`.
   struct Forget {
     const void* addr;
@@ -333,6 +392,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::int64_t announce_ = -1;               // highest seq to announce to the previous rank
   std::int64_t announced_ = -1;              // highest seq announced so far
   std::list<Unexpected> unexpected_;
+  std::vector<PeerP2p> p2p_;     // per rank
+  std::size_t p2p_pending_ = 0;  // sends and receives posted and not complete
   // Direct placement: windows opened by this rank, to announce (in the order posted); windows
   // the next rank announced for operations not started here yet; a kPosted payload arriving.
   std::deque<std::pair<std::uint64_t, transport::Window>> windows_to_announce_;

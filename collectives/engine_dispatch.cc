@@ -180,6 +180,10 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
       ctx.pending = &u;
       return {RecvTarget::kDirect, u.data.data(), 1};
     }
+    case FrameType::kP2pData:
+    case FrameType::kP2pReady:
+      if (link >= 2) return p2p_target(link, h, ctx);
+      break;                           // only on the mesh links
     case FrameType::kConsumed: break;  // the TCP channel's own; never reaches the engine
   }
   throw Error(ErrorCode::kPeerFailed,
@@ -261,6 +265,10 @@ void Engine::on_payload(int link, int channel, const char* data, std::size_t off
 
 void Engine::on_message(int link, int channel, const FrameHeader& h) {
   RecvCtx& ctx = recv_ctx_[link][static_cast<std::size_t>(channel)];
+  if (h.type == FrameType::kP2pData || h.type == FrameType::kP2pReady) {
+    p2p_arrived(link, h, ctx);
+    return;
+  }
   if (h.type == FrameType::kPosted) {
     peer_posted_ = std::max(peer_posted_, static_cast<std::int64_t>(h.seq));
     if (h.bytes == sizeof(transport::Window)) {
@@ -351,6 +359,10 @@ void Engine::on_sent(int link, int channel, std::uint64_t token) {
     if (!window_wire_.empty()) window_wire_.pop_front();
     return;
   }
+  if (is_p2p_token(token)) {
+    p2p_sent(link, token);
+    return;
+  }
   if (link < 2 && is_slot_token(token)) {
     slot_sent(link, channel, token);
     return;
@@ -375,6 +387,17 @@ void Engine::on_closed(int link, int channel) {
   // A peer that finished its part and destroyed its communicator closes cleanly; that is an
   // error only for an operation that still needs this link.
   for (const auto& holder : active_) check_link_needed(*holder, link, channel);
+  if (link >= 2 && !p2p_.empty()) {
+    const int peer = peer_of(link);
+    const PeerP2p& p = p2p_[static_cast<std::size_t>(peer)];
+    if (!p.sends.empty() || !p.recvs.empty()) {
+      throw Error(ErrorCode::kPeerFailed,
+                  "rank " + std::to_string(peer) + " closed its link with " +
+                      std::to_string(p.sends.size()) + " send(s) and " +
+                      std::to_string(p.recvs.size()) + " receive(s) to it pending",
+                  cfg_.rank, peer, p.sends.empty() ? "recv" : "send");
+    }
+  }
 }
 
 void Engine::check_link_needed(const Op& op, int link, int channel) {

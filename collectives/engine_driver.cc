@@ -154,6 +154,7 @@ bool Engine::turn() {
       abort_requested_.store(false);
     }
     moved = drain_submissions();
+    moved |= drain_p2p();
     apply_priorities();
     announce();
     moved |= progress_links();
@@ -163,6 +164,7 @@ bool Engine::turn() {
       moved = true;
       flush_links();
     }
+    moved |= advance_p2p();
     // A turn that moved nothing is waiting for the network: time for the deferred copies.
     if (!moved) moved = copy_while_waiting();
     complete_finished();
@@ -174,7 +176,7 @@ bool Engine::turn() {
     fail(Error(ErrorCode::kInternal, e.what(), cfg_.rank));
     moved = true;
   }
-  has_active_.store(!active_.empty());
+  has_active_.store(!active_.empty() || p2p_pending_ > 0);
   return moved;
 }
 
@@ -250,6 +252,7 @@ void Engine::wait_for_events(std::unique_lock<std::mutex>& turn) {
   }
   auto deadline = transport::Deadline::max();
   for (const auto& op : active_) deadline = std::min(deadline, op->deadline);
+  deadline = std::min(deadline, p2p_deadline());
   if (probe_deadline_ != transport::Clock::time_point{}) deadline = probe_deadline_;
   // Executors that cannot wake the engine, and device input that nobody signals, are looked
   // at again after a short sleep.

@@ -129,8 +129,9 @@ Error Engine::timeout_error(const Op& op, const std::string& prefix) const {
 }
 
 void Engine::check_deadlines() {
-  if (active_.empty()) return;
+  if (active_.empty() && p2p_pending_ == 0) return;
   const auto now = transport::Clock::now();
+  check_p2p_deadlines(now);
   for (const auto& holder : active_) {
     if (now < holder->deadline) continue;
     const Op& op = *holder;
@@ -240,6 +241,7 @@ void Engine::fail_all(std::exception_ptr e) {
     op->state->complete(e);
   }
   active_.clear();
+  fail_p2p(e);
 }
 
 }  // namespace dear::collectives

@@ -20,6 +20,17 @@ inline void check_root(int root, int size, int rank, const char* op) {
   }
 }
 
+// send/recv: throws Error(kInvalidArgument) unless `peer` is another rank of [0, size).
+inline void check_peer(int peer, int size, int rank, const char* op) {
+  if (peer < 0 || peer >= size || peer == rank) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "peer=" + std::to_string(peer) +
+                    (peer == rank ? " is this rank (send and receive to itself are not supported)"
+                                  : " is outside [0, " + std::to_string(size) + ")"),
+                rank, Error::kNone, op);
+  }
+}
+
 // all_to_all_v: throws Error(kInvalidArgument) unless `list` (counts or displacements, named
 // `arg`) has one entry per rank.
 inline void check_per_rank(std::span<const std::size_t> list, const char* arg, int size, int rank,

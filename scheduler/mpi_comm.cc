@@ -267,6 +267,28 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
+  Work send(const void* buf, std::size_t count, DataType dtype, int peer,
+            const OpOptions& opts) override {
+    const int n = int_count(count, "send");
+    check_peer(peer, size_, rank_, "send");
+    if (count > 0 && buf == nullptr) null_arg("buf", count, "send");
+    auto p = pending("send", count, dtype, ReduceOp::kSum, opts);
+    return submit(std::move(p), [&](MPI_Request* req) {
+      return MPI_Isend(buf, n, mpi_type(dtype), peer, 0, comm_, req);
+    });
+  }
+
+  Work recv(void* buf, std::size_t count, DataType dtype, int peer,
+            const OpOptions& opts) override {
+    const int n = int_count(count, "recv");
+    check_peer(peer, size_, rank_, "recv");
+    if (count > 0 && buf == nullptr) null_arg("buf", count, "recv");
+    auto p = pending("recv", count, dtype, ReduceOp::kSum, opts);
+    return submit(std::move(p), [&](MPI_Request* req) {
+      return MPI_Irecv(buf, n, mpi_type(dtype), peer, 0, comm_, req);
+    });
+  }
+
   Work barrier(const OpOptions& opts) override {
     auto p = pending("barrier", 0, DataType::kUint8, ReduceOp::kSum, opts);
     return submit(std::move(p), [&](MPI_Request* req) { return MPI_Ibarrier(comm_, req); });

@@ -251,6 +251,24 @@ class NcclCommunicator final : public Communicator {
                });
   }
 
+  Work send(const void* buf, std::size_t count, DataType dtype, int peer,
+            const OpOptions& opts) override {
+    check_peer(peer, size_, rank_, "send");
+    return run("send", count, dtype, opts, {buf, count * dtype_size(dtype)}, {nullptr, 0}, false,
+               [=, this](const void* s, void*) {
+                 return ncclSend(s, count, nccl_type(dtype), peer, comm_, stream_);
+               });
+  }
+
+  Work recv(void* buf, std::size_t count, DataType dtype, int peer,
+            const OpOptions& opts) override {
+    check_peer(peer, size_, rank_, "recv");
+    return run("recv", count, dtype, opts, {nullptr, 0}, {buf, count * dtype_size(dtype)}, false,
+               [=, this](const void*, void* r) {
+                 return ncclRecv(r, count, nccl_type(dtype), peer, comm_, stream_);
+               });
+  }
+
   Work barrier(const OpOptions& opts) override {
     // NCCL has no barrier: an all_reduce of one byte holds every rank back the same way.
     return run("barrier", 1, DataType::kUint8, opts, {nullptr, 1}, {nullptr, 1}, false,

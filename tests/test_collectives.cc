@@ -484,6 +484,83 @@ TEST_P(Conformance, SplitChildrenRunBesideTheirParentAndSplitAgain) {
   });
 }
 
+TEST_P(Conformance, SendRecvMatchInIssueOrderPerPairBesideCollectives) {
+  // Every rank sends to every other rank messages of several sizes (eager ones and ones that
+  // wait for their receive), with an all_reduce issued between them, and receives the same
+  // from every rank: message k from rank j holds j, this rank and k. Half the ranks post their
+  // receives first, the others their sends; every byte is checked.
+  const int n = GetParam();
+  if (n < 2) GTEST_SKIP() << "send and recv need a peer";
+  const std::size_t sizes[] = {0, 1, 700, 20000, 300000};
+  constexpr int kRounds = 2;
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const auto value = [](int from, int to, std::size_t k, std::size_t i) {
+      return static_cast<std::int32_t>(from * 1000003 + to * 1009 + static_cast<int>(k) * 31 +
+                                       static_cast<int>(i % 977));
+    };
+    std::vector<std::vector<std::int32_t>> out, in;
+    std::vector<Work> sends, recvs;
+    const auto post_sends = [&] {
+      for (int round = 0; round < kRounds; ++round) {
+        for (std::size_t k = 0; k < std::size(sizes); ++k) {
+          for (int p = 0; p < n; ++p) {
+            if (p == r) continue;
+            const std::size_t m = static_cast<std::size_t>(round) * std::size(sizes) + k;
+            auto& buf = out.emplace_back(sizes[k]);
+            for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = value(r, p, m, i);
+            sends.push_back(comm.send(buf.data(), buf.size(), DataType::kInt32, p));
+          }
+        }
+      }
+    };
+    const auto post_recvs = [&] {
+      for (int round = 0; round < kRounds; ++round) {
+        for (std::size_t k = 0; k < std::size(sizes); ++k) {
+          for (int p = 0; p < n; ++p) {
+            if (p == r) continue;
+            auto& buf = in.emplace_back(sizes[k], -1);
+            recvs.push_back(comm.recv(buf.data(), buf.size(), DataType::kInt32, p));
+          }
+        }
+      }
+    };
+    out.reserve(static_cast<std::size_t>(kRounds * n) * std::size(sizes));
+    in.reserve(out.capacity());
+    std::vector<float> sum(100, 1.0f);
+    if (r % 2 == 0) {
+      post_recvs();
+      Work ar =
+          comm.all_reduce(sum.data(), sum.data(), sum.size(), DataType::kFloat32, ReduceOp::kSum);
+      post_sends();
+      ar.wait();
+    } else {
+      post_sends();
+      Work ar =
+          comm.all_reduce(sum.data(), sum.data(), sum.size(), DataType::kFloat32, ReduceOp::kSum);
+      post_recvs();
+      ar.wait();
+    }
+    for (auto& w : sends) w.wait();
+    for (auto& w : recvs) w.wait();
+    for (float v : sum) ASSERT_EQ(v, static_cast<float>(n)) << "the all_reduce between them";
+    std::size_t at = 0;
+    for (int round = 0; round < kRounds; ++round) {
+      for (std::size_t k = 0; k < std::size(sizes); ++k) {
+        for (int p = 0; p < n; ++p) {
+          if (p == r) continue;
+          const std::size_t m = static_cast<std::size_t>(round) * std::size(sizes) + k;
+          const auto& buf = in[at++];
+          for (std::size_t i = 0; i < buf.size(); ++i) {
+            ASSERT_EQ(buf[i], value(p, r, m, i))
+                << "message " << m << " from rank " << p << " element " << i;
+          }
+        }
+      }
+    }
+  });
+}
+
 TEST_P(Conformance, BarrierHoldsEveryRankBack) {
   const int n = GetParam();
   constexpr int kRounds = 20;

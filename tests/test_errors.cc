@@ -107,6 +107,11 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
       });
       EXPECT_NE(std::string(e.what()).find("all_to_all only"), std::string::npos) << e.what();
     }
+    e = expect_error([&] { comm.send(buf.data(), 1, DataType::kFloat32, comm.rank()); });
+    EXPECT_NE(std::string(e.what()).find("is this rank"), std::string::npos) << e.what();
+    e = expect_error([&] { comm.recv(buf.data(), 1, DataType::kFloat32, comm.size()); });
+    EXPECT_NE(std::string(e.what()).find("peer="), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("recv"), std::string::npos) << e.what();
     e = expect_error([&] { (void)comm.split(-2, 0); });
     EXPECT_NE(std::string(e.what()).find("color=-2"), std::string::npos) << e.what();
     {
@@ -500,6 +505,58 @@ TEST(Mismatch, AChildsFailureNamesTheChildAndSparesItsParentAndSibling) {
     EXPECT_NE(e.find("count=5"), std::string::npos) << "rank " << r << ": " << e;
   }
   for (int r : {1, 3}) EXPECT_EQ(child_errors[static_cast<std::size_t>(r)], "") << "rank " << r;
+}
+
+TEST(Mismatch, SendAndRecvOfDifferentSizesFailBothNamingBoth) {
+  // A small send against a larger receive (the receiver sees it), and a large send against a
+  // smaller receive (the sender sees it in the receive's announcement).
+  for (const std::size_t sent : {std::size_t{10}, std::size_t{100000}}) {
+    CommOptions o;
+    o.timeout = 20s;
+    const std::size_t expected = sent == 10 ? 12 : 90000;
+    const auto start = std::chrono::steady_clock::now();
+    const auto errors = run_ranks_collect(
+        2,
+        [&](Communicator& comm) {
+          std::vector<float> buf(200000, 1.0f);
+          if (comm.rank() == 0) {
+            comm.send(buf.data(), sent, DataType::kFloat32, 1).wait();
+          } else {
+            comm.recv(buf.data(), expected, DataType::kFloat32, 0).wait();
+          }
+          // The failure reaches the other rank through the links at the latest here.
+          comm.barrier().wait();
+        },
+        o);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "mismatch took the deadline";
+    for (int r = 0; r < 2; ++r) {
+      const auto& e = errors[static_cast<std::size_t>(r)];
+      ASSERT_TRUE(e) << "rank " << r << " did not fail (sent " << sent << ")";
+      const std::string what = what_of(e);
+      EXPECT_EQ(code_of(e), ErrorCode::kMismatch) << what;
+      EXPECT_NE(what.find("count=" + std::to_string(sent)), std::string::npos) << what;
+      EXPECT_NE(what.find("count=" + std::to_string(expected)), std::string::npos) << what;
+    }
+  }
+}
+
+TEST(Timeout, ASendNobodyReceivesFailsWithinItsDeadlineNamingThePeer) {
+  CommOptions o;
+  o.timeout = 2s;
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = run_ranks_collect(
+      2,
+      [&](Communicator& comm) {
+        std::vector<float> buf(100000, 1.0f);
+        if (comm.rank() == 0) comm.send(buf.data(), buf.size(), DataType::kFloat32, 1).wait();
+        comm.barrier().wait();
+      },
+      o);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+  ASSERT_TRUE(errors[0]) << "the send did not fail";
+  const std::string what = what_of(errors[0]);
+  EXPECT_NE(what.find("has posted no receive"), std::string::npos) << what;
+  ASSERT_TRUE(errors[1]) << "rank 1 did not fail";
 }
 
 // A rank that never issues the operation: the others fail at their deadline, naming it.

@@ -208,6 +208,24 @@ TEST(MpiCommunicator, RootedCollectivesAndAllToAll) {
   }
 }
 
+TEST(MpiCommunicator, SendRecvAroundTheRing) {
+  Communicator& comm = *g_comm;
+  const int n = comm.size();
+  const int r = comm.rank();
+  for (const std::size_t count : {std::size_t{1}, std::size_t{100000}}) {
+    std::vector<std::int64_t> out(count), in(count, -1);
+    for (std::size_t i = 0; i < count; ++i) out[i] = r * 1000003 + static_cast<std::int64_t>(i);
+    Work rw = comm.recv(in.data(), count, DataType::kInt64, (r - 1 + n) % n);
+    Work sw = comm.send(out.data(), count, DataType::kInt64, (r + 1) % n);
+    sw.wait();
+    rw.wait();
+    const int from = (r - 1 + n) % n;
+    for (std::size_t i = 0; i < count; ++i) {
+      ASSERT_EQ(in[i], from * 1000003 + static_cast<std::int64_t>(i)) << "element " << i;
+    }
+  }
+}
+
 TEST(MpiCommunicator, BadArgumentsNameTheArgumentAndRank) {
   Communicator& comm = *g_comm;
   float x = 0;

@@ -51,6 +51,10 @@ enum class FrameType : std::uint8_t {
   // Internal to a back-end, never handed to a RecvSink: the TCP channel's "consumed" notice
   // for payloads it sent without copying them (tcp_channel.h); count = messages consumed.
   kConsumed = 4,
+  // Point-to-point (Communicator::send/recv), on the mesh channel between the two ranks; seq is
+  // the message's place among that pair's sends, count and dtype the caller's.
+  kP2pData = 5,   // the message; payload = its bytes
+  kP2pReady = 6,  // "the receive for message `seq` is posted": a large send may go
 };
 
 struct FrameHeader {

@@ -249,6 +249,17 @@ class Communicator {
                             std::span<const std::size_t> recv_counts,
                             std::span<const std::size_t> recv_displs, DataType dtype,
                             const OpOptions& opts = {}) = 0;
+  // Point-to-point (ncclSend/ncclRecv, MPI_Isend/MPI_Irecv): `count` elements of `buf` to rank
+  // `peer`, or from it into `buf`. A rank's sends to a peer match that peer's receives from it
+  // in issue order, whatever else runs meanwhile, and a count or dtype that differs fails both
+  // ends, naming both views. Sends of up to CommOptions::eager_bytes leave at once (and wait in
+  // the receiver's memory if they arrive first); larger ones wait until the receive is posted
+  // and land straight in its buffer. Over the direct link between the two ranks (communicators
+  // of up to 64 ranks); device buffers are staged whole. `peer` must be another rank.
+  virtual Work send(const void* buf, std::size_t count, DataType dtype, int peer,
+                    const OpOptions& opts = {}) = 0;
+  virtual Work recv(void* buf, std::size_t count, DataType dtype, int peer,
+                    const OpOptions& opts = {}) = 0;
   virtual Work barrier(const OpOptions& opts = {}) = 0;
 
   // What this communicator's progress engine has used so far, for benchmarks: the CPU time of

@@ -31,7 +31,8 @@ __all__ = [
     "all_reduce", "all_reduce_async", "reduce_scatter", "reduce_scatter_async",
     "all_gather", "all_gather_async", "broadcast", "broadcast_async", "reduce", "reduce_async",
     "gather", "gather_async", "scatter", "scatter_async", "all_to_all", "all_to_all_async",
-    "all_to_all_v", "all_to_all_v_async", "split", "Communicator",
+    "all_to_all_v", "all_to_all_v_async", "send", "send_async", "recv", "recv_async",
+    "split", "Communicator",
     "barrier", "barrier_async", "broadcast_parameters", "forget_memory", "DistributedOptimizer",
 ]
 
@@ -357,6 +358,35 @@ def all_to_all_v(output: torch.Tensor, input: torch.Tensor, output_splits: List[
                  comm: Optional[_dear.Communicator] = None) -> torch.Tensor:
     all_to_all_v_async(output, input, output_splits, input_splits, priority, comm=comm).wait()
     return output
+
+
+def send_async(tensor: torch.Tensor, peer: int,
+               comm: Optional[_dear.Communicator] = None) -> Handle:
+    """`tensor` to rank `peer`, whose receives from this rank take this rank's sends to it in
+    issue order (a count or dtype that differs fails both)."""
+    dtype = _dtype(tensor, "tensor")
+    work = _communicator(comm).send(tensor.data_ptr(), tensor.numel(), dtype, peer,
+                                    _stream(tensor))
+    return Handle(work, tensor)
+
+
+def recv_async(tensor: torch.Tensor, peer: int,
+               comm: Optional[_dear.Communicator] = None) -> Handle:
+    """Rank `peer`'s next send to this rank, into `tensor`."""
+    dtype = _dtype(tensor, "tensor")
+    work = _communicator(comm).recv(tensor.data_ptr(), tensor.numel(), dtype, peer,
+                                    _stream(tensor))
+    return Handle(work, tensor)
+
+
+def send(tensor: torch.Tensor, peer: int, comm: Optional[_dear.Communicator] = None) -> None:
+    send_async(tensor, peer, comm=comm).wait()
+
+
+def recv(tensor: torch.Tensor, peer: int,
+         comm: Optional[_dear.Communicator] = None) -> torch.Tensor:
+    recv_async(tensor, peer, comm=comm).wait()
+    return tensor
 
 
 def barrier_async(priority: int = 0, comm: Optional[_dear.Communicator] = None) -> Handle:

@@ -124,6 +124,16 @@ def main() -> None:
     check("all_to_all_v", out, torch.cat([part(j, rank) for j in range(n)]))
     checked += 1
 
+    # send/recv: a ring exchange, small then large (beyond the eager size), receives posted
+    # before the sends.
+    for count in (3, 50_000):
+        inbox = torch.full((count,), -1, dtype=torch.int64)
+        h = dear.recv_async(inbox, (rank - 1) % n)
+        dear.send(torch.arange(count, dtype=torch.int64) * (rank + 1), (rank + 1) % n)
+        h.wait()
+        check(f"recv {count}", inbox, torch.arange(count, dtype=torch.int64) * ((rank - 1) % n + 1))
+        checked += 1
+
     # split: even and odd ranks, keys reversed; each child all_reduces beside the world.
     child = dear.split(rank % 2, key=-rank)
     members = sorted((r for r in range(n) if r % 2 == rank % 2), reverse=True)

@@ -126,7 +126,31 @@ def check_collectives(rank: int, n: int) -> None:
     dist.all_to_all(outs, [part(rank, j) for j in range(n)])
     for j in range(n):
         assert torch.equal(outs[j], part(j, rank)), f"all_to_all unequal from {j}: {outs[j]}"
-    for name, call in (("send", lambda: dist.send(rank_data(rank), dst=(rank + 1) % n)),):
+    # send/recv around the ring, both ways, a small and a large message each (isend, irecv),
+    # then blocking ones: what arrives is the sender's data.
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    big = 100_000  # 400 KB: beyond the eager size, so it waits for the receive
+    reqs, got = [], []
+    for size in (10, big):
+        inbox = torch.full((size,), -1.0)
+        reqs.append(dist.irecv(inbox, src=prv))
+        got.append(inbox)
+        reqs.append(dist.isend(torch.arange(size, dtype=torch.float32) + 1000 * rank, dst=nxt))
+    for r in reqs:
+        r.wait()
+    for size, inbox in zip((10, big), got):
+        assert torch.equal(inbox, torch.arange(size, dtype=torch.float32) + 1000 * prv), \
+            f"irecv of {size} from {prv}: {inbox[:4]}"
+    if rank % 2 == 0:
+        dist.send(rank_data(rank), dst=prv)
+        t = torch.empty(10)
+        dist.recv(t, src=nxt)
+    else:
+        t = torch.empty(10)
+        dist.recv(t, src=nxt)
+        dist.send(rank_data(rank), dst=prv)
+    assert torch.equal(t, rank_data(nxt)), f"recv from {nxt}: {t}"
+    for name, call in (("recv from any source", lambda: dist.recv(torch.empty(3))),):
         try:
             call()
         except RuntimeError as e:

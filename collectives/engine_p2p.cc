@@ -1,0 +1,361 @@
+// Point-to-point sends and receives (Communicator::send/recv) on the mesh channel between two
+// ranks, outside the collectives' sequence: each pair numbers its messages by their place among
+// its sends, in issue order, and a receive takes the message of its own place (NCCL's
+// matching). A send of at most eager_bytes leaves at once and waits in the receiver's memory if
+// it arrives first (P2pEarly); a larger one waits for its receiver's kP2pReady, so its bytes land
+// straight in the receive buffer. Every receive announces itself unless its message is already
+// there, which lets the sender see a size that differs from its own. See docs/architecture.md
+// ("Point-to-point").
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "collectives/engine.h"
+#include "collectives/engine_internal.h"
+
+namespace dear::collectives {
+
+using engine_detail::kControlToken;
+using engine_detail::kMaxUnexpectedBytes;
+using engine_detail::kQueueMessagesPerChannel;
+using transport::FrameHeader;
+using transport::FrameType;
+using transport::RecvTarget;
+
+namespace {
+
+constexpr std::uint64_t kP2pTokenBase = std::uint64_t{2} << 62;
+
+std::string view_of(bool send, std::uint64_t pseq, std::uint64_t count, std::uint8_t dtype) {
+  return std::string(send ? "send" : "recv") + " #" + std::to_string(pseq) +
+         " count=" + std::to_string(count) +
+         " dtype=" + std::string(dear::to_string(static_cast<DataType>(dtype)));
+}
+
+}  // namespace
+
+Engine::PeerP2p& Engine::p2p_peer(int rank) {
+  // Made with the first message: the vector never grows (its elements do not move).
+  if (p2p_.empty()) p2p_ = std::vector<PeerP2p>(static_cast<std::size_t>(cfg_.size));
+  return p2p_[static_cast<std::size_t>(rank)];
+}
+
+Work Engine::submit_p2p(const P2pCall& call) {
+  auto p = std::make_unique<P2p>();
+  p->call = call;
+  p->bytes = call.count * dtype_size(call.dtype);
+  auto state = std::make_shared<Work::State>();
+  p->state = state;
+  state->wait_spin_us = cfg_.wait_spin_us;
+  state->engine = weak_from_this();
+  state->driven = p->bytes <= cfg_.eager_bytes;
+  // Not a collective's sequence number: set_priority() finds no operation by it.
+  state->seq = std::numeric_limits<std::uint64_t>::max();
+  std::exception_ptr failed;
+  {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    if (failed_) {
+      failed = failed_;
+    } else {
+      submitted_p2p_.push_back(std::move(p));
+      pending_submissions_.fetch_add(1);
+    }
+  }
+  if (failed) {
+    state->complete(failed);
+    return Work(state);
+  }
+  if (!wake_if(kActiveSleep) && !wake_if(kDeepSleep)) wake_if(kIdleSleep);
+  return Work(state);
+}
+
+bool Engine::drain_p2p() {
+  std::deque<std::unique_ptr<P2p>> batch;
+  {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    batch.swap(submitted_p2p_);
+  }
+  if (batch.empty()) return false;
+  while (!batch.empty()) {
+    std::unique_ptr<P2p> p = std::move(batch.front());
+    batch.pop_front();
+    const std::shared_ptr<Work::State> state = p->state;
+    try {
+      post_p2p(std::move(p));
+    } catch (...) {
+      // Not posted: fail() would not find it. The ones behind it go back to the queue, where
+      // fail() completes them.
+      if (state->status.load(std::memory_order_acquire) == 0) {
+        state->complete(std::current_exception());
+      }
+      std::lock_guard<std::mutex> lock(submit_mu_);
+      while (!batch.empty()) {
+        submitted_p2p_.push_front(std::move(batch.back()));
+        batch.pop_back();
+      }
+      throw;
+    }
+  }
+  return true;
+}
+
+void Engine::post_p2p(std::unique_ptr<P2p> p) {
+  PeerP2p& peer = p2p_peer(p->call.peer);
+  (void)mesh_link(p->call.peer);  // throws where there is no direct link
+  p->deadline = transport::deadline_after(p->call.timeout);
+  if (p->call.send) {
+    p->pseq = peer.next_send++;
+    p->ready = p->bytes <= cfg_.eager_bytes;
+    // Its receiver may have announced itself already.
+    while (!peer.readies.empty() && peer.readies.front().seq < p->pseq) peer.readies.pop_front();
+    if (!peer.readies.empty() && peer.readies.front().seq == p->pseq) {
+      check_p2p(*p, peer.readies.front());
+      peer.readies.pop_front();
+      p->ready = true;
+    }
+    peer.sends.push_back(std::move(p));
+    ++p2p_pending_;
+    return;
+  }
+  p->pseq = peer.next_recv++;
+  // Its message may be here already, whole or in part.
+  for (auto it = peer.early.begin(); it != peer.early.end(); ++it) {
+    if (it->header.seq != p->pseq) continue;
+    check_p2p(*p, it->header);
+    if (it->complete) {
+      if (p->bytes > 0) std::memcpy(p->call.dst, it->data.data(), p->bytes);
+      unexpected_bytes_ -= it->data.size();
+      peer.early.erase(it);
+      p->state->complete(nullptr);
+      return;
+    }
+    p->announced = true;  // no kP2pReady: the sender has sent it; p2p_arrived() copies it
+    break;
+  }
+  peer.recvs.push_back(std::move(p));
+  ++p2p_pending_;
+}
+
+bool Engine::advance_p2p() {
+  if (p2p_pending_ == 0) return false;
+  bool moved = false;
+  for (std::size_t r = 0; r < p2p_.size(); ++r) {
+    PeerP2p& peer = p2p_[r];
+    if (peer.sends.empty() && peer.recvs.empty()) continue;
+    transport::Channel& ch = *links_[static_cast<std::size_t>(mesh_link(static_cast<int>(r)))][0];
+    if (ch.closed()) continue;  // on_closed() fails what still needs it
+    for (auto& p : peer.recvs) {
+      if (p->announced) continue;
+      if (ch.queued() >= kQueueMessagesPerChannel) break;
+      FrameHeader h;
+      h.type = FrameType::kP2pReady;
+      h.seq = p->pseq;
+      h.count = p->call.count;
+      h.dtype = static_cast<std::uint8_t>(p->call.dtype);
+      if (!ch.try_send(h, nullptr, kControlToken)) break;
+      p->announced = true;
+      moved = true;
+    }
+    for (auto& p : peer.sends) {
+      if (!p->ready || p->queued) continue;
+      if (ch.queued() >= kQueueMessagesPerChannel) break;
+      FrameHeader h;
+      h.type = FrameType::kP2pData;
+      h.seq = p->pseq;
+      h.count = p->call.count;
+      h.dtype = static_cast<std::uint8_t>(p->call.dtype);
+      h.bytes = static_cast<std::uint32_t>(p->bytes);
+      if (!ch.try_send(h, p->call.src, kP2pTokenBase | p->pseq)) break;
+      p->queued = true;
+      moved = true;
+    }
+  }
+  if (moved) flush_links();
+  return moved;
+}
+
+void Engine::check_p2p(const P2p& p, const FrameHeader& h) const {
+  // h is the other end's view: a kP2pReady (a receive) for a send, a kP2pData (a send) for a
+  // receive.
+  if (h.count == p.call.count && h.dtype == static_cast<std::uint8_t>(p.call.dtype)) return;
+  const int peer = p.call.peer;
+  throw Error(
+      ErrorCode::kMismatch,
+      "point-to-point message #" + std::to_string(p.pseq) + " between ranks " +
+          std::to_string(cfg_.rank) + " and " + std::to_string(peer) + " differs: rank " +
+          std::to_string(peer) + " has " + view_of(!p.call.send, h.seq, h.count, h.dtype) +
+          ", rank " + std::to_string(cfg_.rank) + " has " +
+          view_of(p.call.send, p.pseq, p.call.count, static_cast<std::uint8_t>(p.call.dtype)),
+      cfg_.rank, peer, p.call.send ? "send" : "recv");
+}
+
+RecvTarget Engine::p2p_target(int link, const FrameHeader& h, RecvCtx& ctx) {
+  const int from = peer_of(link);
+  PeerP2p& peer = p2p_peer(from);
+  if (h.type == FrameType::kP2pReady) {
+    if (h.bytes != 0) {
+      throw Error(
+          ErrorCode::kPeerFailed,
+          "protocol violation: a kP2pReady with a payload from rank " + std::to_string(from),
+          cfg_.rank, from);
+    }
+    return {RecvTarget::kDiscard, nullptr, 1};
+  }
+  for (auto& p : peer.recvs) {
+    if (p->pseq != h.seq) continue;
+    check_p2p(*p, h);
+    if (h.bytes != p->bytes) {
+      throw Error(ErrorCode::kMismatch,
+                  "point-to-point message #" + std::to_string(h.seq) + " from rank " +
+                      std::to_string(from) + " has " + std::to_string(h.bytes) +
+                      " bytes, this rank's receive " + std::to_string(p->bytes),
+                  cfg_.rank, from, "recv");
+    }
+    ctx.p2p = p.get();
+    return {RecvTarget::kDirect, p->call.dst, 1};
+  }
+  if (h.seq < peer.next_recv &&
+      std::none_of(peer.recvs.begin(), peer.recvs.end(),
+                   [&](const std::unique_ptr<P2p>& p) { return p->pseq == h.seq; })) {
+    throw Error(ErrorCode::kMismatch,
+                "rank " + std::to_string(from) + " sent point-to-point message #" +
+                    std::to_string(h.seq) + " again, or after its receive completed",
+                cfg_.rank, from, "recv");
+  }
+  if (h.bytes > cfg_.eager_bytes) {
+    throw Error(ErrorCode::kPeerFailed,
+                "protocol violation: rank " + std::to_string(from) + " sent " +
+                    std::to_string(h.bytes) + " bytes of point-to-point message #" +
+                    std::to_string(h.seq) + " before this rank posted its receive",
+                cfg_.rank, from);
+  }
+  unexpected_bytes_ += h.bytes;
+  if (unexpected_bytes_ > kMaxUnexpectedBytes) {
+    throw Error(ErrorCode::kMismatch,
+                "rank " + std::to_string(from) + " sent more than " +
+                    std::to_string(kMaxUnexpectedBytes >> 20) +
+                    " MiB that this rank has posted no receive for",
+                cfg_.rank, from, "recv");
+  }
+  peer.early.push_back(P2pEarly{h, std::vector<char>(h.bytes), false});
+  ctx.early = &peer.early.back();
+  return {RecvTarget::kDirect, ctx.early->data.data(), 1};
+}
+
+void Engine::p2p_arrived(int link, const FrameHeader& h, RecvCtx& ctx) {
+  const int from = peer_of(link);
+  PeerP2p& peer = p2p_peer(from);
+  if (h.type == FrameType::kP2pReady) {
+    p2p_ready(link, h);
+    return;
+  }
+  if (ctx.p2p != nullptr) {
+    P2p* p = ctx.p2p;
+    p->state->complete(nullptr);
+    complete_p2p(peer.recvs, p);
+    return;
+  }
+  if (ctx.early == nullptr) return;
+  ctx.early->complete = true;
+  // Its receive may have been posted while the payload was arriving.
+  for (auto& p : peer.recvs) {
+    if (p->pseq != h.seq) continue;
+    if (p->bytes > 0) std::memcpy(p->call.dst, ctx.early->data.data(), p->bytes);
+    unexpected_bytes_ -= ctx.early->data.size();
+    for (auto it = peer.early.begin(); it != peer.early.end(); ++it) {
+      if (&*it == ctx.early) {
+        peer.early.erase(it);
+        break;
+      }
+    }
+    p->state->complete(nullptr);
+    complete_p2p(peer.recvs, p.get());
+    return;
+  }
+}
+
+void Engine::p2p_ready(int link, const FrameHeader& h) {
+  PeerP2p& peer = p2p_peer(peer_of(link));
+  for (auto& p : peer.sends) {
+    if (p->pseq != h.seq) continue;
+    check_p2p(*p, h);
+    p->ready = true;
+    return;
+  }
+  // A send not posted yet keeps it; an eager one that has left already needs it no more (a
+  // size that differs is the receiver's to see).
+  if (h.seq >= peer.next_send) peer.readies.push_back(h);
+}
+
+void Engine::p2p_sent(int link, std::uint64_t token) {
+  PeerP2p& peer = p2p_peer(peer_of(link));
+  const std::uint64_t pseq = token & ~kP2pTokenBase;
+  for (auto& p : peer.sends) {
+    if (p->pseq != pseq) continue;
+    p->state->complete(nullptr);
+    complete_p2p(peer.sends, p.get());
+    return;
+  }
+}
+
+void Engine::complete_p2p(std::deque<std::unique_ptr<P2p>>& queue, const P2p* p) {
+  for (auto it = queue.begin(); it != queue.end(); ++it) {
+    if (it->get() == p) {
+      queue.erase(it);
+      --p2p_pending_;
+      return;
+    }
+  }
+}
+
+transport::Clock::time_point Engine::p2p_deadline() const {
+  auto deadline = transport::Deadline::max();
+  if (p2p_pending_ == 0) return deadline;
+  for (const PeerP2p& peer : p2p_) {
+    for (const auto& p : peer.sends) deadline = std::min(deadline, p->deadline);
+    for (const auto& p : peer.recvs) deadline = std::min(deadline, p->deadline);
+  }
+  return deadline;
+}
+
+void Engine::check_p2p_deadlines(transport::Clock::time_point now) {
+  if (p2p_pending_ == 0) return;
+  for (const PeerP2p& peer : p2p_) {
+    for (const auto* queue : {&peer.sends, &peer.recvs}) {
+      for (const auto& p : *queue) {
+        if (now < p->deadline) continue;
+        const bool send = p->call.send;
+        const std::string what =
+            view_of(send, p->pseq, p->call.count, static_cast<std::uint8_t>(p->call.dtype));
+        throw Error(ErrorCode::kTimeout,
+                    what + (send ? " to" : " from") + " rank " + std::to_string(p->call.peer) +
+                        " timed out after " + std::to_string(p->call.timeout.count()) + " ms: " +
+                        (send ? (p->queued ? "its bytes are still on their way"
+                                           : "rank " + std::to_string(p->call.peer) +
+                                                 " has posted no receive for it")
+                              : "rank " + std::to_string(p->call.peer) + " has not sent it"),
+                    cfg_.rank, p->call.peer, send ? "send" : "recv");
+      }
+    }
+  }
+}
+
+void Engine::fail_p2p(std::exception_ptr e) {
+  std::deque<std::unique_ptr<P2p>> queued;
+  {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    queued.swap(submitted_p2p_);
+  }
+  for (auto& p : queued) p->state->complete(e);
+  for (PeerP2p& peer : p2p_) {
+    for (auto* queue : {&peer.sends, &peer.recvs}) {
+      for (auto& p : *queue) p->state->complete(e);
+      queue->clear();
+    }
+    peer.early.clear();
+    peer.readies.clear();
+  }
+  p2p_pending_ = 0;
+}
+
+}  // namespace dear::collectives
