@@ -115,6 +115,24 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
           [&comm, send, recv, count, t, o] { return comm.all_to_all(send, recv, count, t, o); });
       bound.input = const_cast<void*>(send);
       return bound;
+    case Collective::kSendRecv: {
+      // In place it has no meaning (a send and a receive into one buffer): out of place only.
+      if (r.in_place) return std::nullopt;
+      const int next = (comm.rank() + 1) % comm.size();
+      const int prev = (comm.rank() - 1 + comm.size()) % comm.size();
+      const auto exchange = [&comm, send, recv, count, t, next, prev, o] {
+        Work rw = comm.recv(recv, count, t, prev, o);
+        Work sw = comm.send(send, count, t, next, o);
+        return std::pair{std::move(sw), std::move(rw)};
+      };
+      bound.run = [exchange] {
+        auto [sw, rw] = exchange();
+        sw.wait();
+        rw.wait();
+      };
+      bound.input = const_cast<void*>(send);
+      return bound;
+    }
     case Collective::kScatter: {
       // In place: the root's output is its own block of the input (NCCL's convention for
       // reduce_scatter); elsewhere the block at the same place of a buffer of that size.

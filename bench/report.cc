@@ -287,6 +287,7 @@ std::string_view to_string(Collective c) noexcept {
     case Collective::kGather: return "gather";
     case Collective::kScatter: return "scatter";
     case Collective::kAllToAll: return "all_to_all";
+    case Collective::kSendRecv: return "send_recv";
   }
   return "invalid";
 }
@@ -413,12 +414,13 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
              throw CLI::ValidationError("COLLECTIVE",
                                         "'" + text +
                                             "' is not one of all_reduce reduce_scatter all_gather "
-                                            "broadcast reduce gather scatter all_to_all");
+                                            "broadcast reduce gather scatter all_to_all "
+                                            "send_recv");
            }
            args.collective = *c;
          },
          "all_reduce | reduce_scatter | all_gather | broadcast | reduce | gather | scatter | "
-         "all_to_all")
+         "all_to_all | send_recv")
       ->required();
 }
 
@@ -505,7 +507,8 @@ double bus_factor(Collective c, int nranks) noexcept {
     case Collective::kScatter:
     case Collective::kAllToAll: return (n - 1.0) / n;
     case Collective::kBroadcast:
-    case Collective::kReduce: return 1.0;  // nccl-tests' factor: the root's link carries it all
+    case Collective::kReduce:
+    case Collective::kSendRecv: return 1.0;  // nccl-tests' factor: the root's link carries it all
   }
   return 0.0;
 }
@@ -927,6 +930,11 @@ double expected_value(const CheckSpec& spec, std::uint64_t out_index) {
                         static_cast<std::uint64_t>(spec.rank) * spec.rank_count + out_index,
                         spec.seed),
           spec.dtype);
+    case Collective::kSendRecv: {
+      // What rank - 1 sent.
+      const int from = (spec.rank - 1 + spec.nranks) % spec.nranks;
+      return round_to(pattern_value(spec.op, from, out_index, spec.seed), spec.dtype);
+    }
     case Collective::kAllToAll: {
       // Block j came from rank j, which sent this rank's block of its input.
       if (spec.rank_count == 0) return 0;

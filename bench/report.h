@@ -45,14 +45,15 @@ enum class Collective : std::uint8_t {
   kReduce,
   kGather,
   kScatter,
-  kAllToAll
+  kAllToAll,
+  kSendRecv  // nccl-tests' sendrecv: every rank sends to rank + 1 and receives from rank - 1
 };
-inline constexpr std::array<Collective, 8> kAllCollectives{
+inline constexpr std::array<Collective, 9> kAllCollectives{
     Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather,
     Collective::kBroadcast, Collective::kReduce,        Collective::kGather,
-    Collective::kScatter,   Collective::kAllToAll};
+    Collective::kScatter,   Collective::kAllToAll,      Collective::kSendRecv};
 
-// all_reduce reduce_scatter all_gather broadcast reduce gather scatter all_to_all
+// all_reduce reduce_scatter all_gather broadcast reduce gather scatter all_to_all send_recv
 [[nodiscard]] std::string_view to_string(Collective c) noexcept;
 // Accepts the names above, also with '-' for '_' (all-reduce) and without it (allreduce).
 [[nodiscard]] std::optional<Collective> parse_collective(std::string_view name) noexcept;

@@ -222,19 +222,21 @@ class Engine : public std::enable_shared_from_this<Engine> {
                                         RecvCtx& ctx);
   [[nodiscard]] int mesh_link(int peer) const;  // link index of the mesh channel to `peer`
 
-  // Point-to-point (engine_p2p.cc). Small sends go at once; one larger than eager_bytes waits
-  // for its receiver's kP2pReady, so its bytes land straight in the receive buffer. Every
-  // receive announces itself (kP2pReady) unless its message is already here, so a size that
-  // differs is seen by one end or the other, never waited for.
+  // Point-to-point (engine_p2p.cc). Small sends go at once; one larger than eager_bytes asks
+  // (kP2pRequest) and waits for its receive's kP2pReady, so its bytes land straight in the
+  // receive buffer. Either end sees a size that differs from its own in what the other sent
+  // (the data, the request, the ready), so it fails rather than waits.
   struct P2p {
     P2pCall call;
     std::size_t bytes = 0;
     std::uint64_t pseq = 0;  // its place among the pair's sends (receives), in issue order
     transport::Clock::time_point deadline{};
     std::shared_ptr<Work::State> state;
-    bool ready = false;      // send: may leave (eager, or its receiver is posted)
+    bool ready = false;      // send: may leave (eager, or its receive is posted)
     bool queued = false;     // send: handed to the channel
-    bool announced = false;  // receive: its kP2pReady is queued
+    bool requested = false;  // large send: its kP2pRequest is queued
+    bool answer = false;     // receive: its sender asked (a kP2pReady is due)
+    bool answered = false;   // receive: its kP2pReady is queued
   };
   struct P2pEarly {  // an eager message that arrived before its receive was posted
     transport::FrameHeader header;
@@ -246,8 +248,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
     std::uint64_t next_recv = 0;
     std::deque<std::unique_ptr<P2p>> sends;  // posted, not complete, in order
     std::deque<std::unique_ptr<P2p>> recvs;
-    std::deque<transport::FrameHeader> readies;  // kP2pReady for sends not posted yet
-    std::list<P2pEarly> early;                   // a list: the one being filled keeps its place
+    std::deque<transport::FrameHeader> requests;  // kP2pRequest for receives not posted yet
+    std::list<P2pEarly> early;                    // a list: the one being filled keeps its place
   };
   PeerP2p& p2p_peer(int rank);
   bool drain_p2p();
@@ -256,6 +258,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   transport::RecvTarget p2p_target(int link, const transport::FrameHeader& h, RecvCtx& ctx);
   void p2p_arrived(int link, const transport::FrameHeader& h, RecvCtx& ctx);
   void p2p_ready(int link, const transport::FrameHeader& h);
+  void p2p_request(int link, const transport::FrameHeader& h);
   void p2p_sent(int link, std::uint64_t token);
   void check_p2p(const P2p& p, const transport::FrameHeader& h) const;
   void complete_p2p(std::deque<std::unique_ptr<P2p>>& queue, const P2p* p);

@@ -182,6 +182,7 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
     }
     case FrameType::kP2pData:
     case FrameType::kP2pReady:
+    case FrameType::kP2pRequest:
       if (link >= 2) return p2p_target(link, h, ctx);
       break;                           // only on the mesh links
     case FrameType::kConsumed: break;  // the TCP channel's own; never reaches the engine
@@ -265,7 +266,8 @@ void Engine::on_payload(int link, int channel, const char* data, std::size_t off
 
 void Engine::on_message(int link, int channel, const FrameHeader& h) {
   RecvCtx& ctx = recv_ctx_[link][static_cast<std::size_t>(channel)];
-  if (h.type == FrameType::kP2pData || h.type == FrameType::kP2pReady) {
+  if (h.type == FrameType::kP2pData || h.type == FrameType::kP2pReady ||
+      h.type == FrameType::kP2pRequest) {
     p2p_arrived(link, h, ctx);
     return;
   }

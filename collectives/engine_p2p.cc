@@ -2,10 +2,10 @@
 // ranks, outside the collectives' sequence: each pair numbers its messages by their place among
 // its sends, in issue order, and a receive takes the message of its own place (NCCL's
 // matching). A send of at most eager_bytes leaves at once and waits in the receiver's memory if
-// it arrives first (P2pEarly); a larger one waits for its receiver's kP2pReady, so its bytes land
-// straight in the receive buffer. Every receive announces itself unless its message is already
-// there, which lets the sender see a size that differs from its own. See docs/architecture.md
-// ("Point-to-point").
+// it arrives first (P2pEarly): one frame, nothing back. A larger one sends a request and waits
+// for its receive's ready, so its bytes land straight in the receive buffer. Each frame carries
+// its end's count and dtype, so the end that gets one sees a difference. See
+// docs/architecture.md ("Point-to-point").
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -65,7 +65,14 @@ Work Engine::submit_p2p(const P2pCall& call) {
     state->complete(failed);
     return Work(state);
   }
-  if (!wake_if(kActiveSleep) && !wake_if(kDeepSleep)) wake_if(kIdleSleep);
+  // As Engine::submit: a small one leaves from this thread when the engine is free.
+  bool started = false;
+  if (state->driven && turn_mu_.try_lock()) {
+    turn();
+    turn_mu_.unlock();
+    started = true;
+  }
+  if (!wake_if(kActiveSleep) && !wake_if(kDeepSleep) && !started) wake_if(kIdleSleep);
   return Work(state);
 }
 
@@ -105,14 +112,7 @@ void Engine::post_p2p(std::unique_ptr<P2p> p) {
   p->deadline = transport::deadline_after(p->call.timeout);
   if (p->call.send) {
     p->pseq = peer.next_send++;
-    p->ready = p->bytes <= cfg_.eager_bytes;
-    // Its receiver may have announced itself already.
-    while (!peer.readies.empty() && peer.readies.front().seq < p->pseq) peer.readies.pop_front();
-    if (!peer.readies.empty() && peer.readies.front().seq == p->pseq) {
-      check_p2p(*p, peer.readies.front());
-      peer.readies.pop_front();
-      p->ready = true;
-    }
+    p->ready = p->bytes <= cfg_.eager_bytes;  // else it asks first (advance_p2p)
     peer.sends.push_back(std::move(p));
     ++p2p_pending_;
     return;
@@ -129,7 +129,14 @@ void Engine::post_p2p(std::unique_ptr<P2p> p) {
       p->state->complete(nullptr);
       return;
     }
-    p->announced = true;  // no kP2pReady: the sender has sent it; p2p_arrived() copies it
+    break;  // arriving now: p2p_arrived() copies it
+  }
+  // Its large sender may have asked already.
+  for (auto it = peer.requests.begin(); it != peer.requests.end(); ++it) {
+    if (it->seq != p->pseq) continue;
+    check_p2p(*p, *it);
+    p->answer = true;
+    peer.requests.erase(it);
     break;
   }
   peer.recvs.push_back(std::move(p));
@@ -144,29 +151,37 @@ bool Engine::advance_p2p() {
     if (peer.sends.empty() && peer.recvs.empty()) continue;
     transport::Channel& ch = *links_[static_cast<std::size_t>(mesh_link(static_cast<int>(r)))][0];
     if (ch.closed()) continue;  // on_closed() fails what still needs it
-    for (auto& p : peer.recvs) {
-      if (p->announced) continue;
-      if (ch.queued() >= kQueueMessagesPerChannel) break;
+    // Each frame carries this end's view (count, dtype) for the other end to check.
+    const auto frame = [](FrameType type, const P2p& p) {
       FrameHeader h;
-      h.type = FrameType::kP2pReady;
-      h.seq = p->pseq;
-      h.count = p->call.count;
-      h.dtype = static_cast<std::uint8_t>(p->call.dtype);
-      if (!ch.try_send(h, nullptr, kControlToken)) break;
-      p->announced = true;
+      h.type = type;
+      h.seq = p.pseq;
+      h.count = p.call.count;
+      h.dtype = static_cast<std::uint8_t>(p.call.dtype);
+      return h;
+    };
+    for (auto& p : peer.recvs) {
+      if (!p->answer || p->answered) continue;
+      if (ch.queued() >= kQueueMessagesPerChannel ||
+          !ch.try_send(frame(FrameType::kP2pReady, *p), nullptr, kControlToken)) {
+        break;
+      }
+      p->answered = true;
       moved = true;
     }
     for (auto& p : peer.sends) {
-      if (!p->ready || p->queued) continue;
+      // Left: its data, or (a large one not asked yet) its request.
+      if (p->queued || (!p->ready && p->requested)) continue;
       if (ch.queued() >= kQueueMessagesPerChannel) break;
-      FrameHeader h;
-      h.type = FrameType::kP2pData;
-      h.seq = p->pseq;
-      h.count = p->call.count;
-      h.dtype = static_cast<std::uint8_t>(p->call.dtype);
-      h.bytes = static_cast<std::uint32_t>(p->bytes);
-      if (!ch.try_send(h, p->call.src, kP2pTokenBase | p->pseq)) break;
-      p->queued = true;
+      if (!p->ready) {
+        if (!ch.try_send(frame(FrameType::kP2pRequest, *p), nullptr, kControlToken)) break;
+        p->requested = true;
+      } else {
+        FrameHeader h = frame(FrameType::kP2pData, *p);
+        h.bytes = static_cast<std::uint32_t>(p->bytes);
+        if (!ch.try_send(h, p->call.src, kP2pTokenBase | p->pseq)) break;
+        p->queued = true;
+      }
       moved = true;
     }
   }
@@ -192,12 +207,12 @@ void Engine::check_p2p(const P2p& p, const FrameHeader& h) const {
 RecvTarget Engine::p2p_target(int link, const FrameHeader& h, RecvCtx& ctx) {
   const int from = peer_of(link);
   PeerP2p& peer = p2p_peer(from);
-  if (h.type == FrameType::kP2pReady) {
+  if (h.type != FrameType::kP2pData) {
     if (h.bytes != 0) {
-      throw Error(
-          ErrorCode::kPeerFailed,
-          "protocol violation: a kP2pReady with a payload from rank " + std::to_string(from),
-          cfg_.rank, from);
+      throw Error(ErrorCode::kPeerFailed,
+                  "protocol violation: a point-to-point control frame with a payload from rank " +
+                      std::to_string(from),
+                  cfg_.rank, from);
     }
     return {RecvTarget::kDiscard, nullptr, 1};
   }
@@ -249,6 +264,10 @@ void Engine::p2p_arrived(int link, const FrameHeader& h, RecvCtx& ctx) {
     p2p_ready(link, h);
     return;
   }
+  if (h.type == FrameType::kP2pRequest) {
+    p2p_request(link, h);
+    return;
+  }
   if (ctx.p2p != nullptr) {
     P2p* p = ctx.p2p;
     p->state->complete(nullptr);
@@ -275,16 +294,37 @@ void Engine::p2p_arrived(int link, const FrameHeader& h, RecvCtx& ctx) {
 }
 
 void Engine::p2p_ready(int link, const FrameHeader& h) {
-  PeerP2p& peer = p2p_peer(peer_of(link));
+  const int from = peer_of(link);
+  PeerP2p& peer = p2p_peer(from);
   for (auto& p : peer.sends) {
-    if (p->pseq != h.seq) continue;
+    if (p->pseq != h.seq || !p->requested) continue;
     check_p2p(*p, h);
     p->ready = true;
     return;
   }
-  // A send not posted yet keeps it; an eager one that has left already needs it no more (a
-  // size that differs is the receiver's to see).
-  if (h.seq >= peer.next_send) peer.readies.push_back(h);
+  throw Error(ErrorCode::kPeerFailed,
+              "protocol violation: rank " + std::to_string(from) +
+                  " is ready for point-to-point message #" + std::to_string(h.seq) +
+                  ", which this rank did not ask to send",
+              cfg_.rank, from);
+}
+
+void Engine::p2p_request(int link, const FrameHeader& h) {
+  const int from = peer_of(link);
+  PeerP2p& peer = p2p_peer(from);
+  for (auto& p : peer.recvs) {
+    if (p->pseq != h.seq) continue;
+    check_p2p(*p, h);
+    p->answer = true;
+    return;
+  }
+  if (h.seq < peer.next_recv) {
+    throw Error(ErrorCode::kMismatch,
+                "rank " + std::to_string(from) + " asks to send point-to-point message #" +
+                    std::to_string(h.seq) + ", whose receive has completed here",
+                cfg_.rank, from, "recv");
+  }
+  peer.requests.push_back(h);  // for a receive not posted yet
 }
 
 void Engine::p2p_sent(int link, std::uint64_t token) {
@@ -353,7 +393,7 @@ void Engine::fail_p2p(std::exception_ptr e) {
       queue->clear();
     }
     peer.early.clear();
-    peer.readies.clear();
+    peer.requests.clear();
   }
   p2p_pending_ = 0;
 }

@@ -53,8 +53,9 @@ enum class FrameType : std::uint8_t {
   kConsumed = 4,
   // Point-to-point (Communicator::send/recv), on the mesh channel between the two ranks; seq is
   // the message's place among that pair's sends, count and dtype the caller's.
-  kP2pData = 5,   // the message; payload = its bytes
-  kP2pReady = 6,  // "the receive for message `seq` is posted": a large send may go
+  kP2pData = 5,     // the message; payload = its bytes
+  kP2pReady = 6,    // "the receive for message `seq` is posted": the large send may go
+  kP2pRequest = 7,  // "a large message `seq` waits for its receive" (no payload)
 };
 
 struct FrameHeader {

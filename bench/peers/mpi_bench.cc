@@ -180,6 +180,19 @@ std::optional<BoundOp> bind_mpi(const OpRequest& r, const MpiComm& world) {
       bound.output = r.in_place ? own : recv;
       return bound;
     }
+    case Collective::kSendRecv: {
+      if (r.in_place) return std::nullopt;
+      const int next = (world.rank() + 1) % world.size();
+      const int prev = (world.rank() - 1 + world.size()) % world.size();
+      bound.run = [=] {
+        check_mpi(MPI_Sendrecv(send, count, type, next, 0, recv, count, type, prev, 0, comm,
+                               MPI_STATUS_IGNORE),
+                  "MPI_Sendrecv");
+      };
+      bound.input = const_cast<void*>(send);
+      bound.output = recv;
+      return bound;
+    }
     case Collective::kAllToAll: {
       const void* in = r.in_place ? MPI_IN_PLACE : send;
       bound.run = [=] {
