@@ -269,24 +269,12 @@ class MpiCommunicator final : public Communicator {
 
   Work send(const void* buf, std::size_t count, DataType dtype, int peer,
             const OpOptions& opts) override {
-    const int n = int_count(count, "send");
-    check_peer(peer, size_, rank_, "send");
-    if (count > 0 && buf == nullptr) null_arg("buf", count, "send");
-    auto p = pending("send", count, dtype, ReduceOp::kSum, opts);
-    return submit(std::move(p), [&](MPI_Request* req) {
-      return MPI_Isend(buf, n, mpi_type(dtype), peer, 0, comm_, req);
-    });
+    return point_to_point(true, const_cast<void*>(buf), count, dtype, peer, opts);
   }
 
   Work recv(void* buf, std::size_t count, DataType dtype, int peer,
             const OpOptions& opts) override {
-    const int n = int_count(count, "recv");
-    check_peer(peer, size_, rank_, "recv");
-    if (count > 0 && buf == nullptr) null_arg("buf", count, "recv");
-    auto p = pending("recv", count, dtype, ReduceOp::kSum, opts);
-    return submit(std::move(p), [&](MPI_Request* req) {
-      return MPI_Irecv(buf, n, mpi_type(dtype), peer, 0, comm_, req);
-    });
+    return point_to_point(false, buf, count, dtype, peer, opts);
   }
 
   Work barrier(const OpOptions& opts) override {
@@ -324,6 +312,20 @@ class MpiCommunicator final : public Communicator {
       }
     }
   };
+
+  // MPI_Isend / MPI_Irecv with tag 0: MPI matches them in order per pair, as dear does.
+  Work point_to_point(bool is_send, void* buf, std::size_t count, DataType dtype, int peer,
+                      const OpOptions& opts) {
+    const char* name = is_send ? "send" : "recv";
+    const int n = int_count(count, name);
+    check_peer(peer, size_, rank_, name);
+    if (count > 0 && buf == nullptr) null_arg("buf", count, name);
+    auto p = pending(name, count, dtype, ReduceOp::kSum, opts);
+    return submit(std::move(p), [&](MPI_Request* req) {
+      return is_send ? MPI_Isend(buf, n, mpi_type(dtype), peer, 0, comm_, req)
+                     : MPI_Irecv(buf, n, mpi_type(dtype), peer, 0, comm_, req);
+    });
+  }
 
   void check(int rc, const char* call) const {
     if (rc != MPI_SUCCESS) {
