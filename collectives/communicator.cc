@@ -746,8 +746,14 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
                   "OpOptions::cuda_stream is set but this build of dear has no CUDA support", rank_,
                   Error::kNone, name);
     }
+    if (opts.tag < 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "OpOptions::tag=" + std::to_string(opts.tag) + " is negative", rank_,
+                  Error::kNone, name);
+    }
     check_full_mesh(name);
     collectives::Engine::P2pCall call;
+    call.tag = opts.tag;
     call.send = is_send;
     call.peer = peer;
     call.src = is_send ? static_cast<const char*>(buf) : nullptr;

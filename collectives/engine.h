@@ -113,6 +113,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
     char* dst = nullptr;        // receive
     std::uint64_t count = 0;
     DataType dtype = DataType::kFloat32;
+    int tag = 0;  // messages match per (pair, tag); it travels in the frame's root
     std::chrono::milliseconds timeout{0};
   };
   Work submit_p2p(const P2pCall& call);
@@ -229,7 +230,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   struct P2p {
     P2pCall call;
     std::size_t bytes = 0;
-    std::uint64_t pseq = 0;  // its place among the pair's sends (receives), in issue order
+    std::uint64_t pseq = 0;  // its place among the pair's sends (receives) of its tag
+    std::uint64_t id = 0;    // send: its channel token, unique per peer
     transport::Clock::time_point deadline{};
     std::shared_ptr<Work::State> state;
     bool ready = false;      // send: may leave (eager, or its receive is posted)
@@ -244,8 +246,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
     bool complete = false;
   };
   struct PeerP2p {
-    std::uint64_t next_send = 0;
-    std::uint64_t next_recv = 0;
+    std::map<int, std::uint64_t> next_send;  // per tag
+    std::map<int, std::uint64_t> next_recv;
+    std::uint64_t next_id = 0;
     std::deque<std::unique_ptr<P2p>> sends;  // posted, not complete, in order
     std::deque<std::unique_ptr<P2p>> recvs;
     std::deque<transport::FrameHeader> requests;  // kP2pRequest for receives not posted yet

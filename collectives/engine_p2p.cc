@@ -1,11 +1,11 @@
 // Point-to-point sends and receives (Communicator::send/recv) on the mesh channel between two
 // ranks, outside the collectives' sequence: each pair numbers its messages by their place among
 // its sends, in issue order, and a receive takes the message of its own place (NCCL's
-// matching). A send of at most eager_bytes leaves at once and waits in the receiver's memory if
-// it arrives first (P2pEarly): one frame, nothing back. A larger one sends a request and waits
-// for its receive's ready, so its bytes land straight in the receive buffer. Each frame carries
-// its end's count and dtype, so the end that gets one sees a difference. See
-// docs/architecture.md ("Point-to-point").
+// matching; with tags, per pair and tag, MPI's). A send of at most eager_bytes leaves at once and
+// waits in the receiver's memory if it arrives first (P2pEarly): one frame, nothing back. A larger
+// one sends a request and waits for its receive's ready, so its bytes land straight in the receive
+// buffer. Each frame carries its end's count and dtype, so the end that gets one sees a difference.
+// See docs/architecture.md ("Point-to-point").
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -26,8 +26,10 @@ namespace {
 
 constexpr std::uint64_t kP2pTokenBase = std::uint64_t{2} << 62;
 
-std::string view_of(bool send, std::uint64_t pseq, std::uint64_t count, std::uint8_t dtype) {
+std::string view_of(bool send, std::uint64_t pseq, int tag, std::uint64_t count,
+                    std::uint8_t dtype) {
   return std::string(send ? "send" : "recv") + " #" + std::to_string(pseq) +
+         (tag != 0 ? " tag=" + std::to_string(tag) : std::string()) +
          " count=" + std::to_string(count) +
          " dtype=" + std::string(dear::to_string(static_cast<DataType>(dtype)));
 }
@@ -111,16 +113,17 @@ void Engine::post_p2p(std::unique_ptr<P2p> p) {
   (void)mesh_link(p->call.peer);  // throws where there is no direct link
   p->deadline = transport::deadline_after(p->call.timeout);
   if (p->call.send) {
-    p->pseq = peer.next_send++;
+    p->pseq = peer.next_send[p->call.tag]++;
+    p->id = peer.next_id++;
     p->ready = p->bytes <= cfg_.eager_bytes;  // else it asks first (advance_p2p)
     peer.sends.push_back(std::move(p));
     ++p2p_pending_;
     return;
   }
-  p->pseq = peer.next_recv++;
+  p->pseq = peer.next_recv[p->call.tag]++;
   // Its message may be here already, whole or in part.
   for (auto it = peer.early.begin(); it != peer.early.end(); ++it) {
-    if (it->header.seq != p->pseq) continue;
+    if (it->header.seq != p->pseq || it->header.root != p->call.tag) continue;
     check_p2p(*p, it->header);
     if (it->complete) {
       if (p->bytes > 0) std::memcpy(p->call.dst, it->data.data(), p->bytes);
@@ -133,7 +136,7 @@ void Engine::post_p2p(std::unique_ptr<P2p> p) {
   }
   // Its large sender may have asked already.
   for (auto it = peer.requests.begin(); it != peer.requests.end(); ++it) {
-    if (it->seq != p->pseq) continue;
+    if (it->seq != p->pseq || it->root != p->call.tag) continue;
     check_p2p(*p, *it);
     p->answer = true;
     peer.requests.erase(it);
@@ -156,6 +159,7 @@ bool Engine::advance_p2p() {
       FrameHeader h;
       h.type = type;
       h.seq = p.pseq;
+      h.root = p.call.tag;
       h.count = p.call.count;
       h.dtype = static_cast<std::uint8_t>(p.call.dtype);
       return h;
@@ -179,7 +183,7 @@ bool Engine::advance_p2p() {
       } else {
         FrameHeader h = frame(FrameType::kP2pData, *p);
         h.bytes = static_cast<std::uint32_t>(p->bytes);
-        if (!ch.try_send(h, p->call.src, kP2pTokenBase | p->pseq)) break;
+        if (!ch.try_send(h, p->call.src, kP2pTokenBase | p->id)) break;
         p->queued = true;
       }
       moved = true;
@@ -194,14 +198,15 @@ void Engine::check_p2p(const P2p& p, const FrameHeader& h) const {
   // receive.
   if (h.count == p.call.count && h.dtype == static_cast<std::uint8_t>(p.call.dtype)) return;
   const int peer = p.call.peer;
-  throw Error(
-      ErrorCode::kMismatch,
-      "point-to-point message #" + std::to_string(p.pseq) + " between ranks " +
-          std::to_string(cfg_.rank) + " and " + std::to_string(peer) + " differs: rank " +
-          std::to_string(peer) + " has " + view_of(!p.call.send, h.seq, h.count, h.dtype) +
-          ", rank " + std::to_string(cfg_.rank) + " has " +
-          view_of(p.call.send, p.pseq, p.call.count, static_cast<std::uint8_t>(p.call.dtype)),
-      cfg_.rank, peer, p.call.send ? "send" : "recv");
+  throw Error(ErrorCode::kMismatch,
+              "point-to-point message #" + std::to_string(p.pseq) + " between ranks " +
+                  std::to_string(cfg_.rank) + " and " + std::to_string(peer) + " differs: rank " +
+                  std::to_string(peer) + " has " +
+                  view_of(!p.call.send, h.seq, h.root, h.count, h.dtype) + ", rank " +
+                  std::to_string(cfg_.rank) + " has " +
+                  view_of(p.call.send, p.pseq, p.call.tag, p.call.count,
+                          static_cast<std::uint8_t>(p.call.dtype)),
+              cfg_.rank, peer, p.call.send ? "send" : "recv");
 }
 
 RecvTarget Engine::p2p_target(int link, const FrameHeader& h, RecvCtx& ctx) {
@@ -216,8 +221,11 @@ RecvTarget Engine::p2p_target(int link, const FrameHeader& h, RecvCtx& ctx) {
     }
     return {RecvTarget::kDiscard, nullptr, 1};
   }
+  const auto same = [&](const std::unique_ptr<P2p>& p) {
+    return p->pseq == h.seq && p->call.tag == h.root;
+  };
   for (auto& p : peer.recvs) {
-    if (p->pseq != h.seq) continue;
+    if (!same(p)) continue;
     check_p2p(*p, h);
     if (h.bytes != p->bytes) {
       throw Error(ErrorCode::kMismatch,
@@ -229,9 +237,7 @@ RecvTarget Engine::p2p_target(int link, const FrameHeader& h, RecvCtx& ctx) {
     ctx.p2p = p.get();
     return {RecvTarget::kDirect, p->call.dst, 1};
   }
-  if (h.seq < peer.next_recv &&
-      std::none_of(peer.recvs.begin(), peer.recvs.end(),
-                   [&](const std::unique_ptr<P2p>& p) { return p->pseq == h.seq; })) {
+  if (h.seq < peer.next_recv[h.root] && std::none_of(peer.recvs.begin(), peer.recvs.end(), same)) {
     throw Error(ErrorCode::kMismatch,
                 "rank " + std::to_string(from) + " sent point-to-point message #" +
                     std::to_string(h.seq) + " again, or after its receive completed",
@@ -278,7 +284,7 @@ void Engine::p2p_arrived(int link, const FrameHeader& h, RecvCtx& ctx) {
   ctx.early->complete = true;
   // Its receive may have been posted while the payload was arriving.
   for (auto& p : peer.recvs) {
-    if (p->pseq != h.seq) continue;
+    if (p->pseq != h.seq || p->call.tag != h.root) continue;
     if (p->bytes > 0) std::memcpy(p->call.dst, ctx.early->data.data(), p->bytes);
     unexpected_bytes_ -= ctx.early->data.size();
     for (auto it = peer.early.begin(); it != peer.early.end(); ++it) {
@@ -297,7 +303,7 @@ void Engine::p2p_ready(int link, const FrameHeader& h) {
   const int from = peer_of(link);
   PeerP2p& peer = p2p_peer(from);
   for (auto& p : peer.sends) {
-    if (p->pseq != h.seq || !p->requested) continue;
+    if (p->pseq != h.seq || p->call.tag != h.root || !p->requested) continue;
     check_p2p(*p, h);
     p->ready = true;
     return;
@@ -313,12 +319,12 @@ void Engine::p2p_request(int link, const FrameHeader& h) {
   const int from = peer_of(link);
   PeerP2p& peer = p2p_peer(from);
   for (auto& p : peer.recvs) {
-    if (p->pseq != h.seq) continue;
+    if (p->pseq != h.seq || p->call.tag != h.root) continue;
     check_p2p(*p, h);
     p->answer = true;
     return;
   }
-  if (h.seq < peer.next_recv) {
+  if (h.seq < peer.next_recv[h.root]) {
     throw Error(ErrorCode::kMismatch,
                 "rank " + std::to_string(from) + " asks to send point-to-point message #" +
                     std::to_string(h.seq) + ", whose receive has completed here",
@@ -329,9 +335,9 @@ void Engine::p2p_request(int link, const FrameHeader& h) {
 
 void Engine::p2p_sent(int link, std::uint64_t token) {
   PeerP2p& peer = p2p_peer(peer_of(link));
-  const std::uint64_t pseq = token & ~kP2pTokenBase;
+  const std::uint64_t id = token & ~kP2pTokenBase;
   for (auto& p : peer.sends) {
-    if (p->pseq != pseq) continue;
+    if (p->id != id) continue;
     p->state->complete(nullptr);
     complete_p2p(peer.sends, p.get());
     return;
@@ -365,8 +371,8 @@ void Engine::check_p2p_deadlines(transport::Clock::time_point now) {
       for (const auto& p : *queue) {
         if (now < p->deadline) continue;
         const bool send = p->call.send;
-        const std::string what =
-            view_of(send, p->pseq, p->call.count, static_cast<std::uint8_t>(p->call.dtype));
+        const std::string what = view_of(send, p->pseq, p->call.tag, p->call.count,
+                                         static_cast<std::uint8_t>(p->call.dtype));
         throw Error(ErrorCode::kTimeout,
                     what + (send ? " to" : " from") + " rank " + std::to_string(p->call.peer) +
                         " timed out after " + std::to_string(p->call.timeout.count()) + " ms: " +

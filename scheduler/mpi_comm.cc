@@ -313,7 +313,7 @@ class MpiCommunicator final : public Communicator {
     }
   };
 
-  // MPI_Isend / MPI_Irecv with tag 0: MPI matches them in order per pair, as dear does.
+  // MPI_Isend / MPI_Irecv: MPI matches them in order per pair and tag, as dear does.
   Work point_to_point(bool is_send, void* buf, std::size_t count, DataType dtype, int peer,
                       const OpOptions& opts) {
     const char* name = is_send ? "send" : "recv";
@@ -321,9 +321,14 @@ class MpiCommunicator final : public Communicator {
     check_peer(peer, size_, rank_, name);
     if (count > 0 && buf == nullptr) null_arg("buf", count, name);
     auto p = pending(name, count, dtype, ReduceOp::kSum, opts);
+    if (opts.tag < 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "OpOptions::tag=" + std::to_string(opts.tag) + " is negative", rank_,
+                  Error::kNone, name);
+    }
     return submit(std::move(p), [&](MPI_Request* req) {
-      return is_send ? MPI_Isend(buf, n, mpi_type(dtype), peer, 0, comm_, req)
-                     : MPI_Irecv(buf, n, mpi_type(dtype), peer, 0, comm_, req);
+      return is_send ? MPI_Isend(buf, n, mpi_type(dtype), peer, opts.tag, comm_, req)
+                     : MPI_Irecv(buf, n, mpi_type(dtype), peer, opts.tag, comm_, req);
     });
   }
 

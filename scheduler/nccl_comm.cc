@@ -254,6 +254,11 @@ class NcclCommunicator final : public Communicator {
   Work send(const void* buf, std::size_t count, DataType dtype, int peer,
             const OpOptions& opts) override {
     check_peer(peer, size_, rank_, "send");
+    if (opts.tag != 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "OpOptions::tag=" + std::to_string(opts.tag) + ": NCCL has no tags (only 0)",
+                  rank_, Error::kNone, "send");
+    }
     return run("send", count, dtype, opts, {buf, count * dtype_size(dtype)}, {nullptr, 0}, false,
                [=, this](const void* s, void*) {
                  return ncclSend(s, count, nccl_type(dtype), peer, comm_, stream_);
@@ -263,6 +268,11 @@ class NcclCommunicator final : public Communicator {
   Work recv(void* buf, std::size_t count, DataType dtype, int peer,
             const OpOptions& opts) override {
     check_peer(peer, size_, rank_, "recv");
+    if (opts.tag != 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "OpOptions::tag=" + std::to_string(opts.tag) + ": NCCL has no tags (only 0)",
+                  rank_, Error::kNone, "recv");
+    }
     return run("recv", count, dtype, opts, {nullptr, 0}, {buf, count * dtype_size(dtype)}, false,
                [=, this](const void*, void* r) {
                  return ncclRecv(r, count, nccl_type(dtype), peer, comm_, stream_);

@@ -561,6 +561,52 @@ TEST_P(Conformance, SendRecvMatchInIssueOrderPerPairBesideCollectives) {
   });
 }
 
+TEST_P(Conformance, SendRecvMatchPerTag) {
+  // Rank r sends to r + 1: tag 1 a small message, tag 2 a large one, tag 1 a large one, tag 2
+  // a small one; the receiver posts tag 2's two first, then tag 1's: each takes its tag's
+  // messages in their order.
+  const int n = GetParam();
+  if (n < 2) GTEST_SKIP() << "send and recv need a peer";
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const int next = (r + 1) % n;
+    const int prev = (r - 1 + n) % n;
+    struct Message {
+      int tag;
+      std::size_t count;
+    };
+    const Message sent[] = {{1, 5}, {2, 40000}, {1, 30000}, {2, 3}};
+    std::vector<std::vector<std::int64_t>> out, in;
+    std::vector<Work> works;
+    const auto fill = [](int from, std::size_t k, std::size_t i) {
+      return static_cast<std::int64_t>(from) * 100000000 + static_cast<std::int64_t>(k) * 1000000 +
+             static_cast<std::int64_t>(i);
+    };
+    for (std::size_t k = 0; k < std::size(sent); ++k) {
+      auto& b = out.emplace_back(sent[k].count);
+      for (std::size_t i = 0; i < b.size(); ++i) b[i] = fill(r, k, i);
+      OpOptions o;
+      o.tag = sent[k].tag;
+      works.push_back(comm.send(b.data(), b.size(), DataType::kInt64, next, o));
+    }
+    // Receives: tag 2 (messages 1 and 3), then tag 1 (messages 0 and 2).
+    const std::size_t order[] = {1, 3, 0, 2};
+    in.resize(std::size(sent));
+    for (std::size_t k : order) {
+      in[k].assign(sent[k].count, -1);
+      OpOptions o;
+      o.tag = sent[k].tag;
+      works.push_back(comm.recv(in[k].data(), in[k].size(), DataType::kInt64, prev, o));
+    }
+    for (auto& w : works) w.wait();
+    for (std::size_t k = 0; k < std::size(sent); ++k) {
+      for (std::size_t i = 0; i < in[k].size(); ++i) {
+        ASSERT_EQ(in[k][i], fill(prev, k, i)) << "message " << k << " element " << i;
+      }
+    }
+  });
+}
+
 TEST_P(Conformance, BarrierHoldsEveryRankBack) {
   const int n = GetParam();
   constexpr int kRounds = 20;

@@ -109,6 +109,14 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
     }
     e = expect_error([&] { comm.send(buf.data(), 1, DataType::kFloat32, comm.rank()); });
     EXPECT_NE(std::string(e.what()).find("is this rank"), std::string::npos) << e.what();
+    {
+      OpOptions negative;
+      negative.tag = -3;
+      e = expect_error([&] {
+        comm.send(buf.data(), 1, DataType::kFloat32, (comm.rank() + 1) % comm.size(), negative);
+      });
+      EXPECT_NE(std::string(e.what()).find("tag=-3"), std::string::npos) << e.what();
+    }
     e = expect_error([&] { comm.recv(buf.data(), 1, DataType::kFloat32, comm.size()); });
     EXPECT_NE(std::string(e.what()).find("peer="), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("recv"), std::string::npos) << e.what();

@@ -62,6 +62,9 @@ struct OpOptions {
   // stream. Device buffers (in, out) are detected automatically, with or without a stream; see
   // collectives/device_staging.h.
   void* cuda_stream = nullptr;
+  // send/recv only: messages match per pair of ranks and tag, in issue order (MPI's tags, >= 0;
+  // the NCCL communicator has none but 0).
+  int tag = 0;
 };
 
 struct CommOptions {
@@ -251,7 +254,8 @@ class Communicator {
                             const OpOptions& opts = {}) = 0;
   // Point-to-point (ncclSend/ncclRecv, MPI_Isend/MPI_Irecv): `count` elements of `buf` to rank
   // `peer`, or from it into `buf`. A rank's sends to a peer match that peer's receives from it
-  // in issue order, whatever else runs meanwhile, and a count or dtype that differs fails both
+  // of the same OpOptions::tag in issue order, whatever else runs meanwhile, and a count or
+  // dtype that differs fails both
   // ends, naming both views. Sends of up to CommOptions::eager_bytes leave at once (and wait in
   // the receiver's memory if they arrive first); larger ones wait until the receive is posted
   // and land straight in its buffer. Over the direct link between the two ranks (communicators

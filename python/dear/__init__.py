@@ -360,32 +360,33 @@ def all_to_all_v(output: torch.Tensor, input: torch.Tensor, output_splits: List[
     return output
 
 
-def send_async(tensor: torch.Tensor, peer: int,
+def send_async(tensor: torch.Tensor, peer: int, tag: int = 0,
                comm: Optional[_dear.Communicator] = None) -> Handle:
-    """`tensor` to rank `peer`, whose receives from this rank take this rank's sends to it in
-    issue order (a count or dtype that differs fails both)."""
+    """`tensor` to rank `peer`, whose receives from this rank of the same `tag` take this
+    rank's sends to it in issue order (a count or dtype that differs fails both)."""
     dtype = _dtype(tensor, "tensor")
     work = _communicator(comm).send(tensor.data_ptr(), tensor.numel(), dtype, peer,
-                                    _stream(tensor))
+                                    _stream(tensor), tag)
     return Handle(work, tensor)
 
 
-def recv_async(tensor: torch.Tensor, peer: int,
+def recv_async(tensor: torch.Tensor, peer: int, tag: int = 0,
                comm: Optional[_dear.Communicator] = None) -> Handle:
-    """Rank `peer`'s next send to this rank, into `tensor`."""
+    """Rank `peer`'s next send of `tag` to this rank, into `tensor`."""
     dtype = _dtype(tensor, "tensor")
     work = _communicator(comm).recv(tensor.data_ptr(), tensor.numel(), dtype, peer,
-                                    _stream(tensor))
+                                    _stream(tensor), tag)
     return Handle(work, tensor)
 
 
-def send(tensor: torch.Tensor, peer: int, comm: Optional[_dear.Communicator] = None) -> None:
-    send_async(tensor, peer, comm=comm).wait()
+def send(tensor: torch.Tensor, peer: int, tag: int = 0,
+         comm: Optional[_dear.Communicator] = None) -> None:
+    send_async(tensor, peer, tag, comm=comm).wait()
 
 
-def recv(tensor: torch.Tensor, peer: int,
+def recv(tensor: torch.Tensor, peer: int, tag: int = 0,
          comm: Optional[_dear.Communicator] = None) -> torch.Tensor:
-    recv_async(tensor, peer, comm=comm).wait()
+    recv_async(tensor, peer, tag, comm=comm).wait()
     return tensor
 
 

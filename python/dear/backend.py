@@ -29,9 +29,9 @@ reduce_scatter_tensor (the flat forms, _allgather_base and _reduce_scatter_base,
 own all_gather and reduce_scatter without a copy); all_to_all and all_to_all_single, with and
 without split sizes (dear's all_to_all, or all_to_all_v where the splits differ);
 dist.new_group of any ranks (a dear communicator of its own, rendezvous through the group's
-store); send and recv (isend, irecv) from a named rank with tag 0; DistributedDataParallel on
-CPU tensors. Not supported yet: recv from any source and tags other than 0 (they raise an
-error saying so, with what to use instead). Timeouts are dear's (DEAR_TIMEOUT), not the process group's.
+store); send and recv (isend, irecv) from a named rank, with tags; DistributedDataParallel on
+CPU tensors. Not supported yet: recv from any source (it raises an error saying so, with what
+to use instead). Timeouts are dear's (DEAR_TIMEOUT), not the process group's.
 """
 from __future__ import annotations
 
@@ -103,12 +103,6 @@ def _op(opts) -> str:
         return _OPS[opts.reduceOp]
     except KeyError:
         raise ValueError(f"dear backend: unsupported reduction {opts.reduceOp}") from None
-
-
-def _check_tag(call: str, tag: int) -> None:
-    if tag != 0:
-        raise _unsupported(f"{call} with tag={tag}",
-                           "tag 0 (messages between two ranks match in issue order)")
 
 
 def _unsupported(call: str, instead: str = "a Gloo group: dist.new_group(backend=\"gloo\")"
@@ -216,15 +210,13 @@ class ProcessGroupDear(ProcessGroup):
     # What dear does not run yet: an error naming the call and what to use meanwhile, instead
     # of c10d's generic "does not support".
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> Work:
-        """dist.send / isend: dear's send, matched with dst's receives from this rank in issue
-        order (tags other than 0 are not supported)."""
-        _check_tag("send", tag)
+        """dist.send / isend: dear's send, matched with dst's receives of the same tag from
+        this rank in issue order."""
         return self._completer.submit(
-            [dear.send_async(t.contiguous(), dst, comm=self._comm) for t in tensors], [])
+            [dear.send_async(t.contiguous(), dst, tag, comm=self._comm) for t in tensors], [])
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> Work:
         """dist.recv / irecv from one rank (src): dear's recv."""
-        _check_tag("recv", tag)
         staged = [t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
                   for t in tensors]
 
@@ -233,7 +225,8 @@ class ProcessGroupDear(ProcessGroup):
                 if s is not t:
                     t.copy_(s)
         return self._completer.submit(
-            [dear.recv_async(s, src, comm=self._comm) for s in staged], list(tensors), copy_out)
+            [dear.recv_async(s, src, tag, comm=self._comm) for s in staged], list(tensors),
+            copy_out)
 
     def recv_anysource(self, tensors, tag=0) -> Work:
         raise _unsupported("recv from any source", "recv(src=...) with the sender's rank")

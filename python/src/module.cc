@@ -332,19 +332,23 @@ PYBIND11_MODULE(_dear, m) {
       .def(
           "send",
           [](PyCommunicator& c, std::uintptr_t buf, std::size_t count, dear::DataType dtype,
-             int peer, std::uintptr_t stream) {
-            return c.get().send(as_ptr(buf), count, dtype, peer, op_options(0, stream));
+             int peer, std::uintptr_t stream, int tag) {
+            dear::OpOptions o = op_options(0, stream);
+            o.tag = tag;
+            return c.get().send(as_ptr(buf), count, dtype, peer, o);
           },
           py::arg("buf_ptr"), py::arg("count"), py::arg("dtype"), py::arg("peer"),
-          py::arg("cuda_stream") = 0)
+          py::arg("cuda_stream") = 0, py::arg("tag") = 0)
       .def(
           "recv",
           [](PyCommunicator& c, std::uintptr_t buf, std::size_t count, dear::DataType dtype,
-             int peer, std::uintptr_t stream) {
-            return c.get().recv(as_ptr(buf), count, dtype, peer, op_options(0, stream));
+             int peer, std::uintptr_t stream, int tag) {
+            dear::OpOptions o = op_options(0, stream);
+            o.tag = tag;
+            return c.get().recv(as_ptr(buf), count, dtype, peer, o);
           },
           py::arg("buf_ptr"), py::arg("count"), py::arg("dtype"), py::arg("peer"),
-          py::arg("cuda_stream") = 0)
+          py::arg("cuda_stream") = 0, py::arg("tag") = 0)
       .def(
           "barrier",
           [](PyCommunicator& c, int priority) { return c.get().barrier(op_options(priority, 0)); },

@@ -150,6 +150,15 @@ def check_collectives(rank: int, n: int) -> None:
         dist.recv(t, src=nxt)
         dist.send(rank_data(rank), dst=prv)
     assert torch.equal(t, rank_data(nxt)), f"recv from {nxt}: {t}"
+    # Tags: two messages to the next rank, received in the other order by their tags.
+    first, second = torch.full((4,), -1.0), torch.full((7,), -1.0)
+    reqs = [dist.isend(torch.full((4,), 10.0 * rank), dst=nxt, tag=5),
+            dist.isend(torch.full((7,), 20.0 * rank), dst=nxt, tag=9),
+            dist.irecv(second, src=prv, tag=9), dist.irecv(first, src=prv, tag=5)]
+    for r in reqs:
+        r.wait()
+    assert torch.equal(first, torch.full((4,), 10.0 * prv)), f"tag 5: {first}"
+    assert torch.equal(second, torch.full((7,), 20.0 * prv)), f"tag 9: {second}"
     for name, call in (("recv from any source", lambda: dist.recv(torch.empty(3))),):
         try:
             call()
