@@ -186,7 +186,11 @@ void Engine::start(std::unique_ptr<Op> op) {
   start_local(*op);
   open_window(*op);
   posted_ = static_cast<std::int64_t>(op->seq);
-  if (!op->eager || op->seq % kAnnounceEvery == 0) announce_ = posted_;
+  // An all_to_all_v's ranks decide by their own sizes whether it is eager, so one that is
+  // eager here may be waited for by a sender that is not: it is announced all the same.
+  if (!op->eager || op->kind == OpKind::kAllToAllV || op->seq % kAnnounceEvery == 0) {
+    announce_ = posted_;
+  }
   Op* raw = op.get();
   const auto pos = std::upper_bound(
       active_.begin(), active_.end(), raw,

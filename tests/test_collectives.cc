@@ -484,6 +484,49 @@ TEST_P(Conformance, SplitChildrenRunBesideTheirParentAndSplitAgain) {
   });
 }
 
+TEST_P(Conformance, AllToAllVWhoseRanksDisagreeAboutEagerness) {
+  // Rank 0 receives far more than eager_bytes, the others next to nothing: each rank decides
+  // by its own sizes whether its messages may run ahead, and whoever waits for its receivers
+  // must hear from them (after an operation that used the announcement every 16th gets).
+  const int n = GetParam();
+  if (n < 2) GTEST_SKIP() << "needs a peer";
+  const auto nn = static_cast<std::size_t>(n);
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    comm.barrier().wait();
+    std::vector<std::size_t> send_counts(nn, 1), send_displs(nn), recv_counts(nn, 1),
+        recv_displs(nn);
+    if (r != 0) send_counts[0] = 50000;  // to rank 0
+    if (r == 0) {
+      for (std::size_t j = 1; j < nn; ++j) recv_counts[j] = 50000;
+    }
+    std::size_t in_total = 0;
+    std::size_t out_total = 0;
+    for (std::size_t j = 0; j < nn; ++j) {
+      send_displs[j] = in_total;
+      in_total += send_counts[j];
+      recv_displs[j] = out_total;
+      out_total += recv_counts[j];
+    }
+    std::vector<std::int32_t> in(in_total), out(out_total, -1);
+    for (std::size_t j = 0; j < nn; ++j) {
+      for (std::size_t e = 0; e < send_counts[j]; ++e) {
+        in[send_displs[j] + e] = r * 1000000 + static_cast<int>(j) * 100000 + static_cast<int>(e);
+      }
+    }
+    comm.all_to_all_v(in.data(), send_counts, send_displs, out.data(), recv_counts, recv_displs,
+                      DataType::kInt32)
+        .wait();
+    for (std::size_t j = 0; j < nn; ++j) {
+      for (std::size_t e = 0; e < recv_counts[j]; ++e) {
+        ASSERT_EQ(out[recv_displs[j] + e],
+                  static_cast<int>(j) * 1000000 + r * 100000 + static_cast<int>(e))
+            << "from rank " << j << " element " << e;
+      }
+    }
+  });
+}
+
 TEST_P(Conformance, SendRecvMatchInIssueOrderPerPairBesideCollectives) {
   // Every rank sends to every other rank messages of several sizes (eager ones and ones that
   // wait for their receive), with an all_reduce issued between them, and receives the same
