@@ -535,15 +535,30 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     return o;
   }
 
-  std::unique_ptr<Op> make(OpKind kind, const void* in, void* out, std::size_t count,
-                           DataType dtype, ReduceOp op, int root, const OpOptions& opts,
-                           bool device = false) const {
-    const char* name = collectives::call_name(kind, root);
+  // What every call checks alike: the dtype, the deadline, and a stream this build cannot use
+  // (with CUDA the device wrapper consumes it before this point, for `device` memory).
+  void check_call(DataType dtype, const OpOptions& opts, bool device, const char* name) const {
     if (!is_valid(dtype)) {
       throw Error(ErrorCode::kInvalidArgument,
                   "dtype=" + std::to_string(static_cast<int>(dtype)) + " is not a DataType", rank_,
                   Error::kNone, name);
     }
+    if (opts.timeout.count() < 0) {
+      throw Error(ErrorCode::kInvalidArgument, "OpOptions::timeout is negative", rank_,
+                  Error::kNone, name);
+    }
+    if (opts.cuda_stream != nullptr && !device) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "OpOptions::cuda_stream is set but this build of dear has no CUDA support", rank_,
+                  Error::kNone, name);
+    }
+  }
+
+  std::unique_ptr<Op> make(OpKind kind, const void* in, void* out, std::size_t count,
+                           DataType dtype, ReduceOp op, int root, const OpOptions& opts,
+                           bool device = false) const {
+    const char* name = collectives::call_name(kind, root);
+    check_call(dtype, opts, device, name);
     if ((kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter) && !is_valid(op)) {
       throw Error(ErrorCode::kInvalidArgument,
                   "op=" + std::to_string(static_cast<int>(op)) + " is not a ReduceOp", rank_,
@@ -567,17 +582,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
                       " is below the minimum of 64",
                   rank_, Error::kNone, name);
     }
-    if (opts.timeout.count() < 0) {
-      throw Error(ErrorCode::kInvalidArgument, "OpOptions::timeout is negative", rank_,
-                  Error::kNone, name);
-    }
     check_algorithm(opts.algorithm, kind, root, "OpOptions::algorithm");
-    if (opts.cuda_stream != nullptr && !device) {
-      // With CUDA the device wrapper consumes the stream before this point.
-      throw Error(ErrorCode::kInvalidArgument,
-                  "OpOptions::cuda_stream is set but this build of dear has no CUDA support", rank_,
-                  Error::kNone, name);
-    }
     auto o = std::make_unique<Op>();
     o->kind = kind;
     o->dtype = dtype;
@@ -723,11 +728,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
   Work point_to_point(bool is_send, void* buf, std::size_t count, DataType dtype, int peer,
                       const OpOptions& opts) {
     const char* name = is_send ? "send" : "recv";
-    if (!is_valid(dtype)) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "dtype=" + std::to_string(static_cast<int>(dtype)) + " is not a DataType", rank_,
-                  Error::kNone, name);
-    }
+    check_call(dtype, opts, false, name);
     check_peer(peer, size_, rank_, name);
     // A message's size travels in 32 bits.
     if (count > std::numeric_limits<std::uint32_t>::max() / dtype_size(dtype)) {
@@ -737,15 +738,6 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
                   rank_, Error::kNone, name);
     }
     if (count > 0 && buf == nullptr) null_arg("buf", count, name);
-    if (opts.timeout.count() < 0) {
-      throw Error(ErrorCode::kInvalidArgument, "OpOptions::timeout is negative", rank_,
-                  Error::kNone, name);
-    }
-    if (opts.cuda_stream != nullptr) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "OpOptions::cuda_stream is set but this build of dear has no CUDA support", rank_,
-                  Error::kNone, name);
-    }
     if (opts.tag < 0) {
       throw Error(ErrorCode::kInvalidArgument,
                   "OpOptions::tag=" + std::to_string(opts.tag) + " is negative", rank_,

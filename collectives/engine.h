@@ -360,6 +360,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::mutex submit_mu_;
   std::deque<std::unique_ptr<Op>> submitted_;
   std::deque<std::unique_ptr<P2p>> submitted_p2p_;
+  std::atomic<bool> p2p_submitted_{false};  // submitted_p2p_ may hold entries
   // Ranges to forget (forget_memory), each before the operation with sequence number `before`.
   struct Forget {
     const void* addr;

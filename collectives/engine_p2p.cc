@@ -60,6 +60,7 @@ Work Engine::submit_p2p(const P2pCall& call) {
       failed = failed_;
     } else {
       submitted_p2p_.push_back(std::move(p));
+      p2p_submitted_.store(true, std::memory_order_release);
       pending_submissions_.fetch_add(1);
     }
   }
@@ -79,6 +80,8 @@ Work Engine::submit_p2p(const P2pCall& call) {
 }
 
 bool Engine::drain_p2p() {
+  // Every turn passes here: the lock is taken only when something was queued.
+  if (!p2p_submitted_.exchange(false, std::memory_order_acq_rel)) return false;
   std::deque<std::unique_ptr<P2p>> batch;
   {
     std::lock_guard<std::mutex> lock(submit_mu_);
@@ -102,6 +105,7 @@ bool Engine::drain_p2p() {
         submitted_p2p_.push_front(std::move(batch.back()));
         batch.pop_back();
       }
+      p2p_submitted_.store(true, std::memory_order_release);
       throw;
     }
   }
