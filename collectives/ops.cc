@@ -186,6 +186,24 @@ bool Op::finished() const {
   return true;
 }
 
+namespace {
+
+// A ring reduce or gather: the all-gather steps (all_reduce's second half, all_gather's only
+// one) carry each block only as far as the root. At all-gather step s rank r forwards the
+// block of rank r - s, which is wanted at r + 1 only if r + 1 lies on its way to the root:
+// a rank d hops before the root (d = root - r mod N) sends steps 0 .. N-d-1 of them and
+// receives steps 0 .. N-d-2, the root receives all N-1 and sends none. The steps kept are a
+// prefix of the all-gather's, so every message keeps its index and chunk (chunk_sent).
+void trim_to_root(Op& op) {
+  const int n = op.nranks;
+  const int d = ring_mod(op.root - op.rank, n);
+  const int before = op.kind == OpKind::kAllReduce ? n - 1 : 0;  // the reduce-scatter's steps
+  op.ring.send_steps[kForward] = before + (d == 0 ? 0 : n - d);
+  op.ring.recv_steps[kForward] = before + (d == 0 ? n - 1 : n - d - 1);
+}
+
+}  // namespace
+
 void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
   op.rank = rank;
   op.nranks = nranks;
@@ -259,6 +277,8 @@ void plan(Op& op, int rank, int nranks, const SliceGeometryOptions& geo) {
                                                              op.ring.recv_steps[kForward])) <=
              geo.eager_bytes;
   op.work = op.out;
+  // After the eagerness, which every rank must decide alike: the step counts below differ.
+  if (is_rooted_result(op.kind, op.root) && op.schedule == Schedule::kRing) trim_to_root(op);
 }
 
 namespace {
@@ -429,6 +449,9 @@ void start_local(Op& op) {
       break;
     case OpKind::kAllGather:
     case OpKind::kBarrier: {
+      // A ring gather's other ranks send their own block from the input (send_source) and
+      // nobody reads their sink.
+      if (is_gather(op.kind, op.root) && op.rank != op.root && !is_log_step(op.schedule)) break;
       char* own = op.out + static_cast<std::size_t>(op.rank) * block;
       if (own != op.in && block > 0) copy_or_defer(op, own, op.in, block);
       break;

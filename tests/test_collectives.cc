@@ -721,6 +721,57 @@ TEST_P(Conformance, LargeMultiChannelAllReduceReduceScatterAllGather) {
       options);
 }
 
+// Beyond the eager size, over several channels and slices, to every root: the ring reduce and
+// gather carry each block only as far as the root (ops.cc, trim_to_root), and the receivers
+// place what they only copy through their windows.
+TEST_P(Conformance, LargeRingReduceAndGatherToEveryRoot) {
+  const int n = GetParam();
+  CommOptions options;
+  options.channels = 3;
+  options.slice_bytes = 16 * 1024;
+  run_ranks(
+      n,
+      [&](Communicator& comm) {
+        const int r = comm.rank();
+        const auto nn = static_cast<std::size_t>(n);
+        OpOptions ring;
+        ring.algorithm = Algorithm::kRing;
+        for (int root = 0; root < n; ++root) {
+          const DataType t = root % 2 == 0 ? DataType::kFloat32 : DataType::kInt32;
+          const ReduceOp op = root % 2 == 0 ? ReduceOp::kSum : ReduceOp::kMax;
+          const std::size_t count = 100003;  // prime: uneven chunks, channels and slices
+          const std::string what = std::string(to_string(t)) + " root=" + std::to_string(root) +
+                                   " rank=" + std::to_string(r);
+          auto in = make_input(r, count, t, op);
+          std::vector<char> out(in.size(), 0x5a);
+          comm.reduce(in.data(), out.data(), count, t, op, root, ring).wait();
+          if (r == root) {
+            Mismatches bad = check_all_reduce(out.data(), count, n, t, op);
+            ASSERT_EQ(bad.count, 0u) << "reduce " << what << ": " << bad.first;
+          } else {
+            ASSERT_EQ(out, std::vector<char>(out.size(), 0x5a)) << "reduce " << what;
+          }
+
+          const std::size_t gc = count / nn + 1;
+          const auto g_in = make_input(r, gc, t, ReduceOp::kSum, root);
+          std::vector<char> g_out(gc * nn * dtype_size(t), 0x5a);
+          comm.gather(g_in.data(), g_out.data(), gc, t, root, ring).wait();
+          if (r != root) {
+            ASSERT_EQ(g_out, std::vector<char>(g_out.size(), 0x5a)) << "gather " << what;
+            continue;
+          }
+          for (int b = 0; b < n; ++b) {
+            const auto want = make_input(b, gc, t, ReduceOp::kSum, root);
+            const auto first = g_out.begin() + static_cast<std::ptrdiff_t>(
+                                                   static_cast<std::size_t>(b) * want.size());
+            ASSERT_TRUE(std::equal(want.begin(), want.end(), first))
+                << "gather " << what << ": block " << b;
+          }
+        }
+      },
+      options);
+}
+
 // Many operations in flight at once, with different priorities: all complete, all correct.
 TEST_P(Conformance, ConcurrentOperationsWithPriorities) {
   const int n = GetParam();
