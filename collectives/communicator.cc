@@ -404,10 +404,11 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
       const bool rooted = collectives::is_rooted_result(c.kind, c.root);
       // A gather's tree is its own (the all_gather has none): select() does not know it. A
       // scatter has no other schedule.
-      o->schedule =
-          collectives::is_scatter(c.kind, c.root) || (rooted && a == Algorithm::kTree && mesh_)
-              ? Schedule::kTree
-              : select(c.kind, a, c.count, c.dtype, opts);
+      const bool scatter = collectives::is_scatter(c.kind, c.root);
+      o->schedule = (rooted || scatter) && a == Algorithm::kScattered ? Schedule::kScattered
+                    : scatter || (rooted && a == Algorithm::kTree && mesh_)
+                        ? Schedule::kTree
+                        : select(c.kind, a, c.count, c.dtype, opts);
       // A reduce takes the tree, which ends at the root, wherever the all_reduce would not take
       // the ring (whose reduce-scatter halves what each link carries); a gather takes it at
       // every size: the other schedules bring the result to every rank (steps.h), and the
@@ -416,6 +417,13 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
       if (rooted && a == Algorithm::kAuto && mesh_ &&
           (o->schedule != Schedule::kRing || collectives::is_gather(c.kind, c.root))) {
         o->schedule = Schedule::kTree;
+      }
+      // A gather and a scatter go straight between the root and every rank once the blocks
+      // together pass kDirectMinBytes: each block then crosses one link instead of climbing
+      // the tree (measured on 4 ranks over TCP, docs/results.md "gather" and "scatter").
+      if ((collectives::is_gather(c.kind, c.root) || scatter) && a == Algorithm::kAuto &&
+          full_mesh_ && c.count * dtype_size(c.dtype) * n > kDirectMinBytes) {
+        o->schedule = Schedule::kScattered;
       }
       // Device memory runs the schedules of the ring links only (the log-step ones keep their
       // work buffers in host memory): the ring in their place.
@@ -683,15 +691,18 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
       throw Error(
           ErrorCode::kInvalidArgument,
           std::string(what) + "=" + to_string(a) + " does not apply to " + name +
-              (collectives::is_scatter(kind, root) ? " (a scatter runs the tree only)"
+              (collectives::is_scatter(kind, root) ? " (a scatter runs the tree or scattered)"
                : collectives::is_all_to_all(kind)  ? " (an all_to_all runs pairwise or scattered)"
-               : a == Algorithm::kPairwise || a == Algorithm::kScattered ? " (all_to_all only)"
+               : a == Algorithm::kPairwise         ? " (all_to_all only)"
+               : a == Algorithm::kScattered    ? " (all_to_all, reduce, gather and scatter only)"
                : a == Algorithm::kGatherReduce ? " (all_reduce and reduce only)"
                : a == Algorithm::kTree
                    ? " (all_reduce, reduce and gather only)"
                    : " (all_reduce, reduce_scatter, all_gather, reduce and gather only)"),
           rank_, Error::kNone, name);
     }
+    // A rooted kScattered exchanges with every rank, as all_to_all does.
+    if (a == Algorithm::kScattered && size_ > 1) check_full_mesh(name);
     const bool log_step = a == Algorithm::kHalvingDoubling || a == Algorithm::kRecursiveDoubling ||
                           a == Algorithm::kTree;
     if (log_step && size_ > 1 && !mesh_) {
@@ -709,8 +720,9 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     }
     switch (a) {
       case Algorithm::kAuto: return true;
-      case Algorithm::kPairwise:
-      case Algorithm::kScattered: return false;
+      case Algorithm::kPairwise: return false;
+      case Algorithm::kScattered:
+        return collectives::is_rooted_result(kind, root) || collectives::is_scatter(kind, root);
       case Algorithm::kRing: return !collectives::is_scatter(kind, root);
       case Algorithm::kGatherReduce: return kind == OpKind::kAllReduce;
       case Algorithm::kTree:
@@ -807,6 +819,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
   }
   // Measured on 4 ranks over TCP loopback (docs/results.md, "all_to_all").
   static constexpr std::size_t kScatteredMaxBlockBytes = 64 * 1024;
+  static constexpr std::size_t kDirectMinBytes = 32 * 1024;
 
   // The schedule of an all_reduce, reduce_scatter or all_gather: see
   // collectives::select_schedule. The communicator-wide choice (CommOptions::algorithm) falls

@@ -34,8 +34,8 @@ std::string view_of(OpKind kind, Schedule schedule, std::uint64_t count, DataTyp
 }  // namespace
 
 std::string view_of(const FrameHeader& h) {
-  return view_of(static_cast<OpKind>(h.kind & 0x0f), static_cast<Schedule>((h.kind >> 4) & 0x07),
-                 h.count, static_cast<DataType>(h.dtype), static_cast<ReduceOp>(h.redop), h.root,
+  return view_of(static_cast<OpKind>(h.kind & 0x0f), schedule_of_wire(h.kind), h.count,
+                 static_cast<DataType>(h.dtype), static_cast<ReduceOp>(h.redop), h.root,
                  (h.kind & 0x80) != 0);
 }
 

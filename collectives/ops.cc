@@ -149,10 +149,18 @@ void ScratchPool::release(std::unique_ptr<char[]> buf, std::size_t capacity) {
 std::uint8_t kind_byte(const Op& op) {
   // Three bits of schedule. all_to_all's two schedules (8 and 9, beyond them) send the same
   // messages (steps.cc), in another order only: ranks need not agree on which (all_to_all_v's
-  // choice is each rank's own, by its own sizes), so none travels.
-  const unsigned wire = is_all_to_all(op.kind) ? 0U : static_cast<unsigned>(op.schedule);
+  // choice is each rank's own, by its own sizes), so none travels. A rooted operation's
+  // kScattered travels as 0, which no other schedule uses (schedule_of_wire).
+  const unsigned wire = is_all_to_all(op.kind) || op.schedule == Schedule::kScattered
+                            ? 0U
+                            : static_cast<unsigned>(op.schedule);
   return static_cast<std::uint8_t>(static_cast<unsigned>(op.kind) | ((wire & 0x07U) << 4) |
                                    (op.device ? 0x80U : 0U));
+}
+
+Schedule schedule_of_wire(std::uint8_t kind) noexcept {
+  const unsigned bits = (static_cast<unsigned>(kind) >> 4) & 0x07U;
+  return bits == 0 ? Schedule::kScattered : static_cast<Schedule>(bits);
 }
 
 transport::FrameHeader data_frame(const Op& op, std::uint32_t index, std::size_t bytes) {
@@ -449,9 +457,12 @@ void start_local(Op& op) {
       break;
     case OpKind::kAllGather:
     case OpKind::kBarrier: {
-      // A ring gather's other ranks send their own block from the input (send_source) and
-      // nobody reads their sink.
-      if (is_gather(op.kind, op.root) && op.rank != op.root && !is_log_step(op.schedule)) break;
+      // A ring or scattered gather's other ranks send their own block from the input
+      // (send_source, Step::send_input) and nobody reads their sink.
+      if (is_gather(op.kind, op.root) && op.rank != op.root &&
+          (!is_log_step(op.schedule) || op.schedule == Schedule::kScattered)) {
+        break;
+      }
       char* own = op.out + static_cast<std::size_t>(op.rank) * block;
       if (own != op.in && block > 0) copy_or_defer(op, own, op.in, block);
       break;

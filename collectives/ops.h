@@ -87,7 +87,8 @@ enum class Schedule : std::uint8_t {
   // all_to_all's own, which never travel in the frame's three bits of schedule (kind_byte):
   kPairwise = 8,   // all_to_all: N-1 steps, step k sends to rank + k and receives
                    // from rank - k
-  kScattered = 9,  // all_to_all: every send at once, then every receive (one round)
+  kScattered = 9,  // all_to_all: every send at once, then every receive (one round); reduce,
+                   // gather and scatter: straight between the root and every rank (one round)
 };
 [[nodiscard]] const char* to_string(Schedule s) noexcept;
 
@@ -325,6 +326,8 @@ struct SliceGeometryOptions {
 // The frame kind byte: collective, schedule, and whether the memory is device memory, which
 // every rank must agree on (a header that differs is a mismatch).
 [[nodiscard]] std::uint8_t kind_byte(const Op& op);
+// The schedule a kind byte carries (an all-to-all's carries none that matters).
+[[nodiscard]] Schedule schedule_of_wire(std::uint8_t kind) noexcept;
 // The header of data message `index` of `op`, carrying `bytes` of payload.
 [[nodiscard]] transport::FrameHeader data_frame(const Op& op, std::uint32_t index,
                                                 std::size_t bytes);

@@ -410,6 +410,39 @@ void plan_all_to_all(Builder& b, Schedule s, int r, int n, std::size_t block) {
   plan_shifts(b, s, r, n, at, at, false);
 }
 
+// reduce, gather and scatter straight between the root and every other rank (kScattered over
+// the mesh, one round): every other rank sends its input to the root (reduce, gather) or
+// receives its block from it (scatter); the root takes or sends all N-1 messages at once, each
+// tagged 0 (one per peer). A reduce's root reduces the vectors in the order of the ranks after
+// it (they wait in the staging area until their turn), so each element is reduced N-1 times, the
+// last time final; a gather's land in their blocks, and a scatter's root sends each block from
+// its input (the others receive straight into their output: no work buffer).
+void plan_direct(Builder& b, OpKind kind, int r, int n, int root, std::size_t count,
+                 std::size_t el) {
+  const std::size_t bytes = count * el;
+  const auto block = [bytes](int j) { return Range{static_cast<std::size_t>(j) * bytes, bytes}; };
+  if (kind == OpKind::kReduceScatter) {
+    if (r != root) {
+      b.recv(0, root, {0, bytes}, false);
+      return;
+    }
+    for (int k = 1; k < n; ++k) b.send(0, (root + k) % n, block((root + k) % n));
+    return;
+  }
+  if (r != root) {
+    b.shift(0, root, {0, bytes}, -1, {});  // from the input
+    return;
+  }
+  for (int k = 1; k < n; ++k) {
+    const int from = (root + k) % n;
+    if (kind == OpKind::kAllReduce) {
+      b.recv(0, from, {0, bytes}, true, k == n - 1);
+    } else {
+      b.recv(0, from, block(from), false);
+    }
+  }
+}
+
 }  // namespace
 
 bool is_log_step(Schedule s) noexcept {
@@ -433,19 +466,28 @@ bool log_step_supports(OpKind kind, Schedule s) noexcept {
 
 StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t count,
                     std::size_t el, int root) {
-  const bool rooted_tree =
-      (is_rooted_result(kind, root) || is_scatter(kind, root)) && s == Schedule::kTree;
-  if ((!log_step_supports(kind, s) && !rooted_tree) || nranks < 2 || rank < 0 || rank >= nranks) {
+  const bool rooted = is_rooted_result(kind, root) || is_scatter(kind, root);
+  const bool rooted_tree = rooted && s == Schedule::kTree;
+  const bool direct = rooted && s == Schedule::kScattered;
+  if ((!log_step_supports(kind, s) && !rooted_tree && !direct) || nranks < 2 || rank < 0 ||
+      rank >= nranks) {
     throw std::invalid_argument(std::string("plan_steps: ") + to_string(kind) + " with " +
                                 to_string(s) + " on rank " + std::to_string(rank) + " of " +
                                 std::to_string(nranks));
   }
-  if (rooted_tree && root >= nranks) {
+  if (rooted && root >= nranks) {
     throw std::invalid_argument(std::string("plan_steps: ") + call_name(kind, root) + " to root " +
                                 std::to_string(root) + " of " + std::to_string(nranks));
   }
   StepPlan plan;
   Builder b(plan);
+  if (direct) {
+    // The same size on every rank, which decides eagerness by it alike.
+    plan.work_bytes =
+        (kind == OpKind::kAllReduce ? 1 : static_cast<std::size_t>(nranks)) * count * el;
+    plan_direct(b, kind, rank, nranks, root, count, el);
+    return plan;
+  }
   switch (kind) {
     case OpKind::kAllReduce:
       plan.work_bytes = count * el;

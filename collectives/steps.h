@@ -41,8 +41,9 @@ namespace dear::collectives {
 // all_gather), `el` the element size; `root` >= 0 makes an all_reduce a reduce, an all_gather
 // a gather and a reduce_scatter a scatter (ops.h), which kTree runs as a binomial tree with
 // the root on top (a power of two of ranks) or rooted at rank 0 with a path of the tree's edges
-// between rank 0 and the root (the other schedules run as without a root; kTree is a gather's
-// and a scatter's beyond log_step_supports(), and a scatter's only). Throws
+// between rank 0 and the root, and kScattered as one round between the root and every other
+// rank (the other schedules run as without a root; kTree and kScattered are a reduce's, a
+// gather's and a scatter's beyond log_step_supports(), and a scatter's only ones). Throws
 // std::invalid_argument for an unsupported pair.
 [[nodiscard]] StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t count,
                                   std::size_t el, int root = -1);

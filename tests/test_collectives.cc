@@ -175,7 +175,9 @@ TEST_P(Conformance, ReduceToEveryRootEveryTypeOpAndAlgorithm) {
   run_ranks(n, [&](Communicator& comm) {
     const int r = comm.rank();
     int next_root = 0;
-    for (const auto algo : kAllReduceAlgorithms) {
+    std::vector<Algorithm> algos = kAllReduceAlgorithms;
+    algos.push_back(Algorithm::kScattered);
+    for (const auto algo : algos) {
       for (const auto t : kAllTypes) {
         for (const auto op : kAllOps) {
           const int root = next_root++ % n;
@@ -219,7 +221,8 @@ TEST_P(Conformance, GatherToEveryRootEveryTypeAndAlgorithm) {
   // place on the root: its block already in the output.
   const int n = GetParam();
   const std::vector<Algorithm> algos{Algorithm::kAuto, Algorithm::kRing,
-                                     Algorithm::kRecursiveDoubling, Algorithm::kTree};
+                                     Algorithm::kRecursiveDoubling, Algorithm::kTree,
+                                     Algorithm::kScattered};
   run_ranks(n, [&](Communicator& comm) {
     const int r = comm.rank();
     int next_root = 0;
@@ -274,7 +277,7 @@ TEST_P(Conformance, ScatterFromEveryRootEveryType) {
   run_ranks(n, [&](Communicator& comm) {
     const int r = comm.rank();
     int next_root = 0;
-    for (const auto algo : {Algorithm::kAuto, Algorithm::kTree}) {
+    for (const auto algo : {Algorithm::kAuto, Algorithm::kTree, Algorithm::kScattered}) {
       for (const auto t : kAllTypes) {
         const int root = next_root++ % n;
         for (const std::size_t count : {std::size_t{0}, std::size_t{5}, std::size_t{1031}}) {

@@ -77,6 +77,10 @@ std::vector<std::vector<Elem>> simulate(OpKind kind, Schedule s, int n, std::siz
     } else {
       for (std::size_t i = 0; i < elems; ++i) st.work[i] = {input(r, i), 0};
     }
+    if (kind != OpKind::kAllToAll) {
+      // A rooted kScattered's senders read their input (count elements).
+      for (std::size_t i = 0; i < count; ++i) st.input.push_back({input(r, i), 0});
+    }
     const std::size_t k = st.plan.steps.size();
     st.sent.assign(k, false);
     st.delivered.assign(k, false);
@@ -200,10 +204,13 @@ void check(OpKind kind, Schedule s, int n, std::size_t count, std::uint32_t seed
   for (int r = 0; r < n; ++r) {
     const auto& w = work[static_cast<std::size_t>(r)];
     if (is_scatter(kind, root)) {
-      // Every rank's own block, from the root's input.
+      // Every rank's own block, from the root's input: at its place in the tree's scratch
+      // (and the root's input), at the start of a scattered scatter's output.
+      const bool at_start = s == Schedule::kScattered && r != root;
       for (std::size_t i = 0; i < count; ++i) {
         const std::size_t g = static_cast<std::size_t>(r) * count + i;
-        ASSERT_EQ(w[g].sum, input(root, g)) << what << " rank " << r << " element " << i;
+        ASSERT_EQ(w[at_start ? i : g].sum, input(root, g))
+            << what << " rank " << r << " element " << i;
       }
       continue;
     }
@@ -377,6 +384,42 @@ TEST(LogStepSchedules, ScatterTreeReachesEveryRankFromEveryRootOverMeshLinks) {
   EXPECT_EQ(p4.steps[1].send_peer, 0);
   EXPECT_EQ(p4.steps[1].send_bytes, 4 * block);
   EXPECT_TRUE(p4.work_is_scratch);
+}
+
+TEST(LogStepSchedules, ScatteredReduceGatherAndScatterGoStraightToAndFromTheRoot) {
+  for (int n = 2; n <= 17; ++n) {
+    for (int root = 0; root < n; ++root) {
+      for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{5}}) {
+        for (std::uint32_t seed = 1; seed <= 2; ++seed) {
+          const auto salt = seed * 7919U + static_cast<std::uint32_t>(n * 43 + root);
+          check(OpKind::kAllReduce, Schedule::kScattered, n, count, salt, root);
+          check(OpKind::kAllGather, Schedule::kScattered, n, count, salt, root);
+          check(OpKind::kReduceScatter, Schedule::kScattered, n, count, salt, root);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+  // 5 ranks, root 3: the root receives from 4, 0, 1, 2 and finalises the last; the others send
+  // their input once.
+  const StepPlan reduce3 = plan_steps(OpKind::kAllReduce, Schedule::kScattered, 3, 5, 4, 4, 3);
+  ASSERT_EQ(reduce3.steps.size(), 4U);
+  EXPECT_EQ(reduce3.steps[0].recv_peer, 4);
+  EXPECT_EQ(reduce3.steps[3].recv_peer, 2);
+  EXPECT_TRUE(reduce3.steps[3].final);
+  EXPECT_FALSE(reduce3.steps[2].final);
+  const StepPlan gather1 = plan_steps(OpKind::kAllGather, Schedule::kScattered, 1, 5, 4, 4, 3);
+  ASSERT_EQ(gather1.steps.size(), 1U);
+  EXPECT_EQ(gather1.steps[0].send_peer, 3);
+  EXPECT_TRUE(gather1.steps[0].send_input);
+  const StepPlan scatter1 = plan_steps(OpKind::kReduceScatter, Schedule::kScattered, 1, 5, 4, 4, 3);
+  ASSERT_EQ(scatter1.steps.size(), 1U);
+  EXPECT_EQ(scatter1.steps[0].recv_peer, 3);
+  EXPECT_EQ(scatter1.steps[0].recv_offset, 0U);
+  EXPECT_FALSE(scatter1.work_is_scratch);
+  // Without a root there is no scattered reduce, gather or scatter.
+  EXPECT_THROW((void)plan_steps(OpKind::kAllReduce, Schedule::kScattered, 0, 4, 1, 4),
+               std::invalid_argument);
 }
 
 // An out-of-place log-step all_reduce reads its input where the work buffer (its output) has
