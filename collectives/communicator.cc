@@ -107,6 +107,11 @@ std::exception_ptr Work::error() const {
 
 std::uint64_t Work::seq() const { return state_ ? state_->seq : 0; }
 
+int Work::source() const {
+  if (!state_ || state_->status.load(std::memory_order_acquire) != 1) return -1;
+  return state_->source;
+}
+
 namespace {
 
 using collectives::Op;
@@ -741,7 +746,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
                       const OpOptions& opts) {
     const char* name = is_send ? "send" : "recv";
     check_call(dtype, opts, false, name);
-    check_peer(peer, size_, rank_, name);
+    check_peer(peer, size_, rank_, name, !is_send);
     // A message's size travels in 32 bits.
     if (count > std::numeric_limits<std::uint32_t>::max() / dtype_size(dtype)) {
       throw Error(ErrorCode::kInvalidArgument,

@@ -138,6 +138,7 @@ struct Job {
   bool peers_told = false;  // the wrapped communicator was aborted for this job
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<Work::State> state;
+  int source = -1;  // a receive's sender (Work::source), from the wrapped communicator's Work
 };
 
 using cuda::CurrentDevice;
@@ -602,6 +603,7 @@ class DeviceCommunicator final : public Communicator {
         const Staging& st = *job.staging;
         signal_->publish(st.first_ticket + st.pieces() - 1);
       }
+      job.state->source = job.source;
       job.state->complete(error);
     }
   }
@@ -617,6 +619,7 @@ class DeviceCommunicator final : public Communicator {
       --queued_;
     }
     (void)w.wait();
+    job.source = w.source();
   }
 
   // Fails the peers of an operation this rank will not (fully) hand to the engine, rather
@@ -749,6 +752,8 @@ class DeviceCommunicator final : public Communicator {
       std::this_thread::sleep_for(std::chrono::microseconds(10));
     }
     pool_.give_back(st.block);
+    // A receive is one piece (StagedKind::kOther), so one message and one sender.
+    if (!works.empty()) job.source = works.back().source();
   }
 
   std::unique_ptr<Communicator> inner_;

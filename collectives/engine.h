@@ -56,6 +56,7 @@ struct Work::State {
   std::condition_variable cv;
   std::exception_ptr error;
   std::uint64_t seq = 0;
+  int source = -1;  // a receive: the rank its message came from, set before it completes
   int wait_spin_us = 0;  // wait() drives the engine (or yields) this long before it sleeps
   // The engine that runs it; empty for operations finished at once.
   std::weak_ptr<collectives::Engine> engine;
@@ -108,7 +109,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // collectives' sequence, matched by its place among the pair's sends, in issue order.
   struct P2pCall {
     bool send = false;
-    int peer = 0;
+    int peer = 0;  // a receive's kAnySource: the first message of its tag from any rank
     const char* src = nullptr;  // send
     char* dst = nullptr;        // receive
     std::uint64_t count = 0;
@@ -255,6 +256,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
     std::list<P2pEarly> early;                    // a list: the one being filled keeps its place
   };
   PeerP2p& p2p_peer(int rank);
+  // Receives of one tag that wait for a sender: one from any source (kAnySource) and every
+  // receive posted after it, which may not take a message before it does (MPI's order).
+  std::map<int, std::deque<std::unique_ptr<P2p>>> p2p_waiting_;
+  int p2p_any_next_ = 0;  // where the next any-source receive starts looking (round robin)
+  // Posts the waiting receives of `tag` in order, each any-source one with the first rank that
+  // has an unclaimed message of that tag here, until one finds none.
+  void bind_waiting(int tag);
+  // The rank with an unclaimed message of `tag` (its next receive's), or -1.
+  [[nodiscard]] int p2p_sender_of(int tag) const;
+  void post_p2p_recv(std::unique_ptr<P2p> p);
   bool drain_p2p();
   bool advance_p2p();
   void post_p2p(std::unique_ptr<P2p> p);

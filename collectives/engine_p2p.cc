@@ -5,7 +5,8 @@
 // waits in the receiver's memory if it arrives first (P2pEarly): one frame, nothing back. A larger
 // one sends a request and waits for its receive's ready, so its bytes land straight in the receive
 // buffer. Each frame carries its end's count and dtype, so the end that gets one sees a difference.
-// See docs/architecture.md ("Point-to-point").
+// A receive from any source takes the unclaimed message of its tag that some rank has sent here
+// (p2p_waiting_). See docs/architecture.md ("Point-to-point").
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -113,10 +114,12 @@ bool Engine::drain_p2p() {
 }
 
 void Engine::post_p2p(std::unique_ptr<P2p> p) {
-  PeerP2p& peer = p2p_peer(p->call.peer);
-  (void)mesh_link(p->call.peer);  // throws where there is no direct link
   p->deadline = transport::deadline_after(p->call.timeout);
+  if (p->call.peer != Communicator::kAnySource) {
+    (void)mesh_link(p->call.peer);  // throws where there is no direct link
+  }
   if (p->call.send) {
+    PeerP2p& peer = p2p_peer(p->call.peer);
     p->pseq = peer.next_send[p->call.tag]++;
     p->id = peer.next_id++;
     p->ready = p->bytes <= cfg_.eager_bytes;  // else it asks first (advance_p2p)
@@ -124,6 +127,68 @@ void Engine::post_p2p(std::unique_ptr<P2p> p) {
     ++p2p_pending_;
     return;
   }
+  // Behind an any-source receive of its tag, or one itself: it waits its turn (bind_waiting).
+  const auto waiting = p2p_waiting_.find(p->call.tag);
+  if (p->call.peer == Communicator::kAnySource ||
+      (waiting != p2p_waiting_.end() && !waiting->second.empty())) {
+    const int tag = p->call.tag;
+    p2p_waiting_[tag].push_back(std::move(p));
+    ++p2p_pending_;
+    bind_waiting(tag);
+    return;
+  }
+  post_p2p_recv(std::move(p));
+}
+
+int Engine::p2p_sender_of(int tag) const {
+  // A rank's messages of one tag arrive in their order (one channel), so its unclaimed one,
+  // if any, is its next receive's: waiting whole or in part, or asked for.
+  const int n = static_cast<int>(p2p_.size());
+  for (int i = 0; i < n; ++i) {
+    const int r = (p2p_any_next_ + i) % n;
+    const PeerP2p& peer = p2p_[static_cast<std::size_t>(r)];
+    const auto next = peer.next_recv.find(tag);
+    const std::uint64_t seq = next == peer.next_recv.end() ? 0 : next->second;
+    const auto unclaimed = [&](const FrameHeader& h) { return h.seq == seq && h.root == tag; };
+    if (std::any_of(peer.early.begin(), peer.early.end(),
+                    [&](const P2pEarly& e) { return unclaimed(e.header); }) ||
+        std::any_of(peer.requests.begin(), peer.requests.end(), unclaimed)) {
+      return r;
+    }
+  }
+  return -1;
+}
+
+void Engine::bind_waiting(int tag) {
+  const auto it = p2p_waiting_.find(tag);
+  if (it == p2p_waiting_.end()) return;
+  auto& queue = it->second;
+  while (!queue.empty()) {
+    P2p& p = *queue.front();
+    if (p.call.peer == Communicator::kAnySource) {
+      const int from = p2p_.empty() ? -1 : p2p_sender_of(tag);
+      if (from < 0) break;
+      p.call.peer = from;
+      p2p_any_next_ = (from + 1) % cfg_.size;
+    }
+    std::unique_ptr<P2p> bound = std::move(queue.front());
+    queue.pop_front();
+    --p2p_pending_;
+    const std::shared_ptr<Work::State> state = bound->state;
+    try {
+      post_p2p_recv(std::move(bound));
+    } catch (...) {
+      // Posted nowhere (its sizes differ from its message's): fail() would not find it.
+      state->complete(std::current_exception());
+      throw;
+    }
+  }
+  if (queue.empty()) p2p_waiting_.erase(it);
+}
+
+void Engine::post_p2p_recv(std::unique_ptr<P2p> p) {
+  PeerP2p& peer = p2p_peer(p->call.peer);
+  p->state->source = p->call.peer;
   p->pseq = peer.next_recv[p->call.tag]++;
   // Its message may be here already, whole or in part.
   for (auto it = peer.early.begin(); it != peer.early.end(); ++it) {
@@ -264,6 +329,8 @@ RecvTarget Engine::p2p_target(int link, const FrameHeader& h, RecvCtx& ctx) {
   }
   peer.early.push_back(P2pEarly{h, std::vector<char>(h.bytes), false});
   ctx.early = &peer.early.back();
+  // An any-source receive may take it (p2p_arrived copies it once it is whole).
+  if (!p2p_waiting_.empty()) bind_waiting(h.root);
   return {RecvTarget::kDirect, ctx.early->data.data(), 1};
 }
 
@@ -335,6 +402,7 @@ void Engine::p2p_request(int link, const FrameHeader& h) {
                 cfg_.rank, from, "recv");
   }
   peer.requests.push_back(h);  // for a receive not posted yet
+  if (!p2p_waiting_.empty()) bind_waiting(h.root);
 }
 
 void Engine::p2p_sent(int link, std::uint64_t token) {
@@ -365,11 +433,29 @@ transport::Clock::time_point Engine::p2p_deadline() const {
     for (const auto& p : peer.sends) deadline = std::min(deadline, p->deadline);
     for (const auto& p : peer.recvs) deadline = std::min(deadline, p->deadline);
   }
+  for (const auto& [tag, queue] : p2p_waiting_) {
+    for (const auto& p : queue) deadline = std::min(deadline, p->deadline);
+  }
   return deadline;
 }
 
 void Engine::check_p2p_deadlines(transport::Clock::time_point now) {
   if (p2p_pending_ == 0) return;
+  for (const auto& [tag, queue] : p2p_waiting_) {
+    for (const auto& p : queue) {
+      if (now < p->deadline) continue;
+      const bool any = p->call.peer == Communicator::kAnySource;
+      throw Error(ErrorCode::kTimeout,
+                  "recv" + (tag != 0 ? " tag=" + std::to_string(tag) : std::string()) +
+                      " count=" + std::to_string(p->call.count) +
+                      " dtype=" + std::string(dear::to_string(p->call.dtype)) +
+                      (any ? " from any rank" : " from rank " + std::to_string(p->call.peer)) +
+                      " timed out after " + std::to_string(p->call.timeout.count()) + " ms: " +
+                      (any ? "no rank has sent it"
+                           : "it waits behind a receive from any rank that no rank has sent"),
+                  cfg_.rank, any ? Error::kNone : p->call.peer, "recv");
+    }
+  }
   for (const PeerP2p& peer : p2p_) {
     for (const auto* queue : {&peer.sends, &peer.recvs}) {
       for (const auto& p : *queue) {
@@ -405,6 +491,10 @@ void Engine::fail_p2p(std::exception_ptr e) {
     peer.early.clear();
     peer.requests.clear();
   }
+  for (auto& [tag, queue] : p2p_waiting_) {
+    for (auto& p : queue) p->state->complete(e);
+  }
+  p2p_waiting_.clear();
   p2p_pending_ = 0;
 }
 

@@ -20,13 +20,16 @@ inline void check_root(int root, int size, int rank, const char* op) {
   }
 }
 
-// send/recv: throws Error(kInvalidArgument) unless `peer` is another rank of [0, size).
-inline void check_peer(int peer, int size, int rank, const char* op) {
+// send/recv: throws Error(kInvalidArgument) unless `peer` is another rank of [0, size), or
+// (with `any_source`: a receive) Communicator::kAnySource.
+inline void check_peer(int peer, int size, int rank, const char* op, bool any_source = false) {
+  if (any_source && peer == -1) return;  // Communicator::kAnySource
   if (peer < 0 || peer >= size || peer == rank) {
     throw Error(ErrorCode::kInvalidArgument,
                 "peer=" + std::to_string(peer) +
                     (peer == rank ? " is this rank (send and receive to itself are not supported)"
-                                  : " is outside [0, " + std::to_string(size) + ")"),
+                                  : " is outside [0, " + std::to_string(size) + ")" +
+                                        (any_source ? " and is not kAnySource (-1)" : "")),
                 rank, Error::kNone, op);
   }
 }

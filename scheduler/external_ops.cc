@@ -92,6 +92,7 @@ void ExternalOps::progress_loop() {
           ++it;
           continue;
         }
+        (*it)->state->source = (*it)->source;
         succeeded.push_back((*it)->state);
         it = pending_.erase(it);
       }

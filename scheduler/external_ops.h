@@ -45,6 +45,7 @@ class ExternalOps {
     std::string what;  // "all_reduce count=... dtype=..." for errors
     Clock::time_point deadline = Clock::time_point::max();
     std::shared_ptr<Work::State> state;
+    int source = -1;  // a receive's sender, set by test() or finish() (Work::source)
   };
 
   // `on_timeout` runs under the library lock before an expired operation fails everything.

@@ -297,15 +297,18 @@ class MpiCommunicator final : public Communicator {
     std::vector<char> scratch;  // in-place reduce_scatter: where MPI writes the block
     void* copy_to = nullptr;    // ... and where it goes on completion
     std::vector<int> layout;    // all_to_all_v: counts and displacements, alive until done
+    bool recv = false;          // a receive: its sender becomes Work::source()
+    MPI_Status status{};
 
     bool test() override {
       int flag = 0;
-      const int rc = MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
+      const int rc = MPI_Test(&request, &flag, recv ? &status : MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS)
         throw Error(ErrorCode::kPeerFailed, what + ": " + mpi_error_text(rc), rank);
       return flag != 0;
     }
     void finish() override {
+      if (recv) source = status.MPI_SOURCE;
       if (copy_to != nullptr) std::memcpy(copy_to, scratch.data(), scratch.size());
       if (avg_at != nullptr) {
         collectives::finish_single(avg_at, avg_at, count, dtype, ReduceOp::kAvg, nranks);
@@ -313,14 +316,16 @@ class MpiCommunicator final : public Communicator {
     }
   };
 
-  // MPI_Isend / MPI_Irecv: MPI matches them in order per pair and tag, as dear does.
+  // MPI_Isend / MPI_Irecv: MPI matches them in order per pair and tag, as dear does, and
+  // kAnySource is MPI_ANY_SOURCE.
   Work point_to_point(bool is_send, void* buf, std::size_t count, DataType dtype, int peer,
                       const OpOptions& opts) {
     const char* name = is_send ? "send" : "recv";
     const int n = int_count(count, name);
-    check_peer(peer, size_, rank_, name);
+    check_peer(peer, size_, rank_, name, !is_send);
     if (count > 0 && buf == nullptr) null_arg("buf", count, name);
     auto p = pending(name, count, dtype, ReduceOp::kSum, opts);
+    p->recv = !is_send;
     if (opts.tag < 0) {
       throw Error(ErrorCode::kInvalidArgument,
                   "OpOptions::tag=" + std::to_string(opts.tag) + " is negative", rank_,
@@ -328,7 +333,8 @@ class MpiCommunicator final : public Communicator {
     }
     return submit(std::move(p), [&](MPI_Request* req) {
       return is_send ? MPI_Isend(buf, n, mpi_type(dtype), peer, opts.tag, comm_, req)
-                     : MPI_Irecv(buf, n, mpi_type(dtype), peer, opts.tag, comm_, req);
+                     : MPI_Irecv(buf, n, mpi_type(dtype),
+                                 peer == kAnySource ? MPI_ANY_SOURCE : peer, opts.tag, comm_, req);
     });
   }
 

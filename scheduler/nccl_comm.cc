@@ -267,6 +267,11 @@ class NcclCommunicator final : public Communicator {
 
   Work recv(void* buf, std::size_t count, DataType dtype, int peer,
             const OpOptions& opts) override {
+    if (peer == kAnySource) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "peer=kAnySource: NCCL has no receive from any source (name the sender)", rank_,
+                  Error::kNone, "recv");
+    }
     check_peer(peer, size_, rank_, "recv");
     if (opts.tag != 0) {
       throw Error(ErrorCode::kInvalidArgument,

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -648,6 +649,94 @@ TEST_P(Conformance, SendRecvMatchPerTag) {
     for (std::size_t k = 0; k < std::size(sent); ++k) {
       for (std::size_t i = 0; i < in[k].size(); ++i) {
         ASSERT_EQ(in[k][i], fill(prev, k, i)) << "message " << k << " element " << i;
+      }
+    }
+  });
+}
+
+TEST_P(Conformance, RecvFromAnySourceTakesEachMessageOnceAndNamesItsSender) {
+  // Every other rank sends rank 0 a small message (tag 3) and a large one (tag 4, beyond the
+  // eager size: asked for, then sent into the receive); rank 0 takes both kinds with receives
+  // from any source. Its receives from each rank by name (tag 3 again), posted behind the
+  // any-source ones, must not take a first message: their count differs, so taking one would
+  // fail. The senders send those second messages only after the barrier, which rank 0 enters
+  // once its any-source receives have completed.
+  const int n = GetParam();
+  if (n < 2) GTEST_SKIP() << "send and recv need a peer";
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const auto fill = [](int from, int k, std::size_t i) {
+      return static_cast<std::int64_t>(from) * 100000000 + static_cast<std::int64_t>(k) * 1000000 +
+             static_cast<std::int64_t>(i);
+    };
+    const std::size_t counts[] = {7, 30000, 9};
+    const int tags[] = {3, 4, 3};
+    const auto opts = [&](int k) {
+      OpOptions o;
+      o.tag = tags[k];
+      return o;
+    };
+    if (r != 0) {
+      std::vector<std::vector<std::int64_t>> out(3);
+      for (int k = 0; k < 3; ++k) {
+        out[static_cast<std::size_t>(k)].resize(counts[k]);
+        for (std::size_t i = 0; i < counts[k]; ++i)
+          out[static_cast<std::size_t>(k)][i] = fill(r, k, i);
+      }
+      Work a = comm.send(out[0].data(), counts[0], DataType::kInt64, 0, opts(0));
+      Work b = comm.send(out[1].data(), counts[1], DataType::kInt64, 0, opts(1));
+      comm.barrier().wait();
+      Work c = comm.send(out[2].data(), counts[2], DataType::kInt64, 0, opts(2));
+      for (Work* w : {&a, &b, &c}) {
+        w->wait();
+        EXPECT_EQ(w->source(), -1) << "a send has no source";
+      }
+      return;
+    }
+    const auto nn = static_cast<std::size_t>(n);
+    std::vector<std::vector<std::int64_t>> small(nn - 1), large(nn - 1), named(nn - 1);
+    std::vector<Work> any, by_name;
+    for (std::size_t j = 0; j + 1 < nn; ++j) {
+      small[j].assign(counts[0], -1);
+      any.push_back(comm.recv(small[j].data(), counts[0], DataType::kInt64,
+                              Communicator::kAnySource, opts(0)));
+      large[j].assign(counts[1], -1);
+      any.push_back(comm.recv(large[j].data(), counts[1], DataType::kInt64,
+                              Communicator::kAnySource, opts(1)));
+    }
+    for (std::size_t j = 0; j + 1 < nn; ++j) {
+      named[j].assign(counts[2], -1);
+      by_name.push_back(comm.recv(named[j].data(), counts[2], DataType::kInt64,
+                                  static_cast<int>(j) + 1, opts(2)));
+    }
+    std::vector<int> seen_small, seen_large;
+    for (std::size_t j = 0; j + 1 < nn; ++j) {
+      for (int k = 0; k < 2; ++k) {
+        Work& w = any[2 * j + static_cast<std::size_t>(k)];
+        w.wait();
+        const int from = w.source();
+        ASSERT_GE(from, 1) << "any-source receive " << j << " kind " << k;
+        ASSERT_LT(from, n);
+        const auto& got = k == 0 ? small[j] : large[j];
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          ASSERT_EQ(got[i], fill(from, k, i))
+              << "from rank " << from << " kind " << k << " element " << i;
+        }
+        (k == 0 ? seen_small : seen_large).push_back(from);
+      }
+    }
+    std::sort(seen_small.begin(), seen_small.end());
+    std::sort(seen_large.begin(), seen_large.end());
+    std::vector<int> everyone(nn - 1);
+    std::iota(everyone.begin(), everyone.end(), 1);
+    EXPECT_EQ(seen_small, everyone) << "each rank's small message taken exactly once";
+    EXPECT_EQ(seen_large, everyone) << "each rank's large message taken exactly once";
+    comm.barrier().wait();
+    for (std::size_t j = 0; j + 1 < nn; ++j) {
+      by_name[j].wait();
+      EXPECT_EQ(by_name[j].source(), static_cast<int>(j) + 1);
+      for (std::size_t i = 0; i < counts[2]; ++i) {
+        ASSERT_EQ(named[j][i], fill(static_cast<int>(j) + 1, 2, i)) << "element " << i;
       }
     }
   });

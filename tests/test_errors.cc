@@ -120,6 +120,11 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
     e = expect_error([&] { comm.recv(buf.data(), 1, DataType::kFloat32, comm.size()); });
     EXPECT_NE(std::string(e.what()).find("peer="), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("recv"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("kAnySource"), std::string::npos) << e.what();
+    // Only a receive may come from any source.
+    e = expect_error(
+        [&] { comm.send(buf.data(), 1, DataType::kFloat32, Communicator::kAnySource); });
+    EXPECT_NE(std::string(e.what()).find("peer=-1"), std::string::npos) << e.what();
     e = expect_error([&] { (void)comm.split(-2, 0); });
     EXPECT_NE(std::string(e.what()).find("color=-2"), std::string::npos) << e.what();
     {
@@ -565,6 +570,29 @@ TEST(Timeout, ASendNobodyReceivesFailsWithinItsDeadlineNamingThePeer) {
   const std::string what = what_of(errors[0]);
   EXPECT_NE(what.find("has posted no receive"), std::string::npos) << what;
   ASSERT_TRUE(errors[1]) << "rank 1 did not fail";
+}
+
+TEST(Timeout, ARecvFromAnySourceNobodySendsFailsWithinItsDeadline) {
+  CommOptions o;
+  o.timeout = 1s;
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = run_ranks_collect(
+      3,
+      [&](Communicator& comm) {
+        std::vector<float> buf(10, 1.0f);
+        if (comm.rank() == 0) {
+          comm.recv(buf.data(), buf.size(), DataType::kFloat32, Communicator::kAnySource).wait();
+        }
+        comm.barrier().wait();
+      },
+      o);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+  ASSERT_TRUE(errors[0]) << "the receive did not fail";
+  const std::string what = what_of(errors[0]);
+  EXPECT_NE(what.find("from any rank"), std::string::npos) << what;
+  EXPECT_NE(what.find("no rank has sent it"), std::string::npos) << what;
+  ASSERT_TRUE(errors[1]) << "rank 1 did not fail";
+  ASSERT_TRUE(errors[2]) << "rank 2 did not fail";
 }
 
 // A rank that never issues the operation: the others fail at their deadline, naming it.

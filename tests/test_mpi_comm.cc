@@ -215,11 +215,14 @@ TEST(MpiCommunicator, SendRecvAroundTheRing) {
   for (const std::size_t count : {std::size_t{1}, std::size_t{100000}}) {
     std::vector<std::int64_t> out(count), in(count, -1);
     for (std::size_t i = 0; i < count; ++i) out[i] = r * 1000003 + static_cast<std::int64_t>(i);
-    Work rw = comm.recv(in.data(), count, DataType::kInt64, (r - 1 + n) % n);
+    // The large one from any source: its only sender is the previous rank, which it names.
+    const int peer = count == 1 ? (r - 1 + n) % n : Communicator::kAnySource;
+    Work rw = comm.recv(in.data(), count, DataType::kInt64, peer);
     Work sw = comm.send(out.data(), count, DataType::kInt64, (r + 1) % n);
     sw.wait();
     rw.wait();
     const int from = (r - 1 + n) % n;
+    EXPECT_EQ(rw.source(), from);
     for (std::size_t i = 0; i < count; ++i) {
       ASSERT_EQ(in[i], from * 1000003 + static_cast<std::int64_t>(i)) << "element " << i;
     }

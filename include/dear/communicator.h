@@ -180,6 +180,9 @@ class Work {
   // The failure, or null while pending or after success.
   [[nodiscard]] std::exception_ptr error() const;
   [[nodiscard]] std::uint64_t seq() const;
+  // A receive's sender (the rank a Communicator::kAnySource receive took its message from),
+  // once it has completed; -1 for every other operation and while pending.
+  [[nodiscard]] int source() const;
   [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
 
   struct State;
@@ -260,6 +263,10 @@ class Communicator {
   // the receiver's memory if they arrive first); larger ones wait until the receive is posted
   // and land straight in its buffer. Over the direct link between the two ranks (communicators
   // of up to 64 ranks); device buffers are staged whole. `peer` must be another rank.
+  // A receive's `peer` may be kAnySource (MPI_ANY_SOURCE): it takes the first message of its
+  // tag that any rank sends it and that no receive posted before it takes; receives of that
+  // tag posted after it wait until it has one. Work::source() names the sender.
+  static constexpr int kAnySource = -1;
   virtual Work send(const void* buf, std::size_t count, DataType dtype, int peer,
                     const OpOptions& opts = {}) = 0;
   virtual Work recv(void* buf, std::size_t count, DataType dtype, int peer,
