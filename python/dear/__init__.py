@@ -99,6 +99,12 @@ class Handle:
     def seq(self) -> int:
         return self._work.seq
 
+    @property
+    def source(self) -> int:
+        """A completed receive's sender (which rank a receive from any source took its
+        message from); -1 for other operations and while pending."""
+        return self._work.source
+
 
 def init() -> None:
     """Joins the job described by the launcher's environment. Calling it again is a no-op."""
@@ -370,11 +376,14 @@ def send_async(tensor: torch.Tensor, peer: int, tag: int = 0,
     return Handle(work, tensor)
 
 
-def recv_async(tensor: torch.Tensor, peer: int, tag: int = 0,
+def recv_async(tensor: torch.Tensor, peer: Optional[int] = None, tag: int = 0,
                comm: Optional[_dear.Communicator] = None) -> Handle:
-    """Rank `peer`'s next send of `tag` to this rank, into `tensor`."""
+    """Rank `peer`'s next send of `tag` to this rank, into `tensor`. `peer=None` takes the
+    first message of `tag` that any rank sends (MPI_ANY_SOURCE); the handle's `source` then
+    names the sender."""
     dtype = _dtype(tensor, "tensor")
-    work = _communicator(comm).recv(tensor.data_ptr(), tensor.numel(), dtype, peer,
+    work = _communicator(comm).recv(tensor.data_ptr(), tensor.numel(), dtype,
+                                    _dear.ANY_SOURCE if peer is None else peer,
                                     _stream(tensor), tag)
     return Handle(work, tensor)
 
@@ -384,10 +393,13 @@ def send(tensor: torch.Tensor, peer: int, tag: int = 0,
     send_async(tensor, peer, tag, comm=comm).wait()
 
 
-def recv(tensor: torch.Tensor, peer: int, tag: int = 0,
-         comm: Optional[_dear.Communicator] = None) -> torch.Tensor:
-    recv_async(tensor, peer, tag, comm=comm).wait()
-    return tensor
+def recv(tensor: torch.Tensor, peer: Optional[int] = None, tag: int = 0,
+         comm: Optional[_dear.Communicator] = None) -> int:
+    """As recv_async, waited for; returns the sender's rank (torch.distributed.recv's
+    answer), which is `peer` unless that is None."""
+    handle = recv_async(tensor, peer, tag, comm=comm)
+    handle.wait()
+    return handle.source
 
 
 def barrier_async(priority: int = 0, comm: Optional[_dear.Communicator] = None) -> Handle:

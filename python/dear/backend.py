@@ -29,9 +29,9 @@ reduce_scatter_tensor (the flat forms, _allgather_base and _reduce_scatter_base,
 own all_gather and reduce_scatter without a copy); all_to_all and all_to_all_single, with and
 without split sizes (dear's all_to_all, or all_to_all_v where the splits differ);
 dist.new_group of any ranks (a dear communicator of its own, rendezvous through the group's
-store); send and recv (isend, irecv) from a named rank, with tags; DistributedDataParallel on
-CPU tensors. Not supported yet: recv from any source (it raises an error saying so, with what
-to use instead). Timeouts are dear's (DEAR_TIMEOUT), not the process group's.
+store); send and recv (isend, irecv) with tags, from a named rank or from any source
+(dist.recv(t) returns the sender); DistributedDataParallel on CPU tensors. Timeouts are dear's
+(DEAR_TIMEOUT), not the process group's.
 """
 from __future__ import annotations
 
@@ -105,9 +105,34 @@ def _op(opts) -> str:
         raise ValueError(f"dear backend: unsupported reduction {opts.reduceOp}") from None
 
 
-def _unsupported(call: str, instead: str = "a Gloo group: dist.new_group(backend=\"gloo\")"
-                 ) -> RuntimeError:
-    return RuntimeError(f"dear backend: {call} is not supported yet; use {instead}")
+class _AnySourceWork(Work):
+    """recv_anysource's Work: torch's future-backed one, which also names the sender
+    (dist.recv(src=None) asks _source_rank()). A Python subclass is safe here, unlike for the
+    other calls: only torch.distributed's Python code calls recv_anysource and holds what it
+    returns."""
+
+    def __init__(self, inner: Work, handles: List[dear.Handle]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._handles = handles
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:  # noqa: B008
+        return self._inner.wait() if not timeout else self._inner.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._inner.get_future()
+
+    def _source_rank(self) -> int:
+        return self._handles[0].source
+
+    def source_rank(self) -> int:
+        return self._source_rank()
 
 
 # Completion threads still running. At exit they are stopped before the interpreter goes down
@@ -228,8 +253,20 @@ class ProcessGroupDear(ProcessGroup):
             [dear.recv_async(s, src, tag, comm=self._comm) for s in staged], list(tensors),
             copy_out)
 
-    def recv_anysource(self, tensors, tag=0) -> Work:
-        raise _unsupported("recv from any source", "recv(src=...) with the sender's rank")
+    def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Work:
+        """dist.recv / irecv with src=None: dear's recv from any source; the Work names the
+        sender (dist.recv returns it)."""
+        if len(tensors) != 1:
+            raise ValueError(f"dear backend: recv from any source takes one tensor, got "
+                             f"{len(tensors)}")
+        t = tensors[0]
+        staged = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        handles = [dear.recv_async(staged, None, tag, comm=self._comm)]
+
+        def copy_out() -> None:
+            if staged is not t:
+                t.copy_(staged)
+        return _AnySourceWork(self._completer.submit(handles, [t], copy_out), handles)
 
     def reduce(self, tensors: List[torch.Tensor], opts=None) -> Work:
         op = _op(opts) if opts is not None else "sum"

@@ -224,7 +224,10 @@ PYBIND11_MODULE(_dear, m) {
           py::arg("timeout") = py::none(),
           "Waits (GIL released); True on success, False on timeout, raises dear.Error on "
           "failure.")
-      .def_property_readonly("seq", &dear::Work::seq);
+      .def_property_readonly("seq", &dear::Work::seq)
+      .def_property_readonly("source", &dear::Work::source,
+                             "A receive's sender once it has completed (the rank a receive "
+                             "from any source took its message from); -1 otherwise.");
 
   py::class_<PyCommunicator>(m, "Communicator")
       .def_static("from_env", &PyCommunicator::from_env,
@@ -398,6 +401,7 @@ PYBIND11_MODULE(_dear, m) {
         return v;
       });
   m.attr("ALL_GATHER_PRIORITY") = dear::scheduler::kAllGatherPriority;
+  m.attr("ANY_SOURCE") = dear::Communicator::kAnySource;
 #ifdef DEAR_HAVE_CUDA
   m.attr("HAVE_CUDA") = true;  // device pointers are accepted (and staged by the communicator)
 #else

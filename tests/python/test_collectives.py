@@ -133,6 +133,16 @@ def main() -> None:
         h.wait()
         check(f"recv {count}", inbox, torch.arange(count, dtype=torch.int64) * ((rank - 1) % n + 1))
         checked += 1
+    # From any source (peer=None): the only sender of tag 7 to this rank is the previous one,
+    # which the receive names.
+    if n > 1:
+        inbox = torch.full((4,), -1, dtype=torch.int64)
+        h = dear.recv_async(inbox, None, tag=7)
+        dear.send(torch.full((4,), rank, dtype=torch.int64), (rank + 1) % n, tag=7)
+        h.wait()
+        assert h.source == (rank - 1) % n, (h.source, rank)
+        check("recv from any source", inbox, torch.full((4,), (rank - 1) % n, dtype=torch.int64))
+        checked += 1
 
     # split: even and odd ranks, keys reversed; each child all_reduces beside the world.
     child = dear.split(rank % 2, key=-rank)

@@ -159,13 +159,27 @@ def check_collectives(rank: int, n: int) -> None:
         r.wait()
     assert torch.equal(first, torch.full((4,), 10.0 * prv)), f"tag 5: {first}"
     assert torch.equal(second, torch.full((7,), 20.0 * prv)), f"tag 9: {second}"
-    for name, call in (("recv from any source", lambda: dist.recv(torch.empty(3))),):
-        try:
-            call()
-        except RuntimeError as e:
-            assert f"{name} is not supported yet" in str(e), e
-        else:
-            raise AssertionError(f"{name} on the dear backend did not raise")
+    # Receives from any source: rank 0 takes one message from every other rank (tag 3) with
+    # dist.recv(src=None), which returns the sender, then one more each with irecv(src=None)
+    # (tag 4), whose Work names it; each payload is its sender's.
+    if rank == 0:
+        senders = []
+        for _ in range(n - 1):
+            t = torch.full((6,), -1.0)
+            src = dist.recv(t, tag=3)
+            assert torch.equal(t, torch.full((6,), 100.0 + src)), f"any source {src}: {t}"
+            senders.append(src)
+        inboxes = [torch.full((5,), -1.0) for _ in range(n - 1)]
+        reqs = [dist.irecv(b, tag=4) for b in inboxes]
+        for r, b in zip(reqs, inboxes):
+            r.wait()
+            src = r._source_rank()
+            assert torch.equal(b, torch.full((5,), 200.0 + src)), f"irecv any {src}: {b}"
+            senders.append(src)
+        assert sorted(senders) == sorted(list(range(1, n)) * 2), senders
+    else:
+        dist.send(torch.full((6,), 100.0 + rank), dst=0, tag=3)
+        dist.send(torch.full((5,), 200.0 + rank), dst=0, tag=4)
 
     # Several asynchronous operations in flight, waited for in reverse order.
     ts = [rank_data(rank) * (i + 1) for i in range(5)]
