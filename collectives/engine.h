@@ -56,7 +56,7 @@ struct Work::State {
   std::condition_variable cv;
   std::exception_ptr error;
   std::uint64_t seq = 0;
-  int source = -1;  // a receive: the rank its message came from, set before it completes
+  int source = -1;       // a receive: the rank its message came from, set before it completes
   int wait_spin_us = 0;  // wait() drives the engine (or yields) this long before it sleeps
   // The engine that runs it; empty for operations finished at once.
   std::weak_ptr<collectives::Engine> engine;
