@@ -930,6 +930,57 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
 
 }  // namespace
 
+namespace {
+
+// What a rank gathers from itself must be what it sends.
+void check_own_count(std::span<const std::size_t> recv_counts, std::size_t send_count, int rank,
+                     const char* op) {
+  const std::size_t own = recv_counts[static_cast<std::size_t>(rank)];
+  if (own != send_count) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "recv_counts[" + std::to_string(rank) + "]=" + std::to_string(own) +
+                    " differs from send_count=" + std::to_string(send_count) +
+                    " (what this rank gathers from itself)",
+                rank, Error::kNone, op);
+  }
+}
+
+}  // namespace
+
+// all_gather_v and gather_v are all_to_all_v's with every send reading the one input block: the
+// same messages for every communicator (dear's, MPI's, NCCL's), and the size checks its own.
+Work Communicator::all_gather_v(const void* in, std::size_t send_count, void* out,
+                                std::span<const std::size_t> recv_counts,
+                                std::span<const std::size_t> recv_displs, DataType dtype,
+                                const OpOptions& opts) {
+  check_per_rank(recv_counts, "recv_counts", size(), rank(), "all_gather_v");
+  check_per_rank(recv_displs, "recv_displs", size(), rank(), "all_gather_v");
+  check_own_count(recv_counts, send_count, rank(), "all_gather_v");
+  const auto n = static_cast<std::size_t>(size());
+  const std::vector<std::size_t> counts(n, send_count), displs(n, 0);
+  return all_to_all_v(in, counts, displs, out, recv_counts, recv_displs, dtype, opts);
+}
+
+Work Communicator::gather_v(const void* in, std::size_t send_count, void* out,
+                            std::span<const std::size_t> recv_counts,
+                            std::span<const std::size_t> recv_displs, DataType dtype, int root,
+                            const OpOptions& opts) {
+  check_root(root, size(), rank(), "gather_v");
+  const auto n = static_cast<std::size_t>(size());
+  const auto r = static_cast<std::size_t>(root);
+  std::vector<std::size_t> counts(n, 0), displs(n, 0);
+  counts[r] = send_count;
+  if (rank() == root) {
+    check_per_rank(recv_counts, "recv_counts", size(), rank(), "gather_v");
+    check_per_rank(recv_displs, "recv_displs", size(), rank(), "gather_v");
+    check_own_count(recv_counts, send_count, rank(), "gather_v");
+    return all_to_all_v(in, counts, displs, out, recv_counts, recv_displs, dtype, opts);
+  }
+  // Nothing arrives here: every other rank sends this one an empty part.
+  const std::vector<std::size_t> none(n, 0);
+  return all_to_all_v(in, counts, displs, out, none, none, dtype, opts);
+}
+
 std::unique_ptr<Communicator> Communicator::split(int color, int key) {
   (void)color;
   (void)key;

@@ -742,6 +742,52 @@ TEST_P(Conformance, RecvFromAnySourceTakesEachMessageOnceAndNamesItsSender) {
   });
 }
 
+TEST_P(Conformance, AllGatherVAndGatherVPlaceEveryRanksBlock) {
+  // Rank j sends (j * 3 + round) % 5 elements (zero included), placed in reverse rank order
+  // with a gap of 2 before each block; gather_v to every root, where only the root's output is
+  // written.
+  const int n = GetParam();
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const auto nn = static_cast<std::size_t>(n);
+    for (int round = 0; round < 3; ++round) {
+      std::vector<std::size_t> counts(nn), displs(nn);
+      std::size_t at = 0;
+      for (int j = n - 1; j >= 0; --j) {
+        const auto u = static_cast<std::size_t>(j);
+        counts[u] = static_cast<std::size_t>(j * 3 + round) % 5;
+        at += 2;
+        displs[u] = at;
+        at += counts[u];
+      }
+      const auto value = [&](int j, std::size_t i) {
+        return static_cast<std::int32_t>(j * 1000 + round * 100) + static_cast<std::int32_t>(i);
+      };
+      std::vector<std::int32_t> in(counts[static_cast<std::size_t>(r)]);
+      for (std::size_t i = 0; i < in.size(); ++i) in[i] = value(r, i);
+      const auto check = [&](const std::vector<std::int32_t>& out, const std::string& what) {
+        std::vector<std::int32_t> want(at, -7);
+        for (int j = 0; j < n; ++j) {
+          const auto u = static_cast<std::size_t>(j);
+          for (std::size_t i = 0; i < counts[u]; ++i) want[displs[u] + i] = value(j, i);
+        }
+        ASSERT_EQ(out, want) << what << " round " << round << " rank " << r;
+      };
+      std::vector<std::int32_t> out(at, -7);
+      comm.all_gather_v(in.data(), in.size(), out.data(), counts, displs, DataType::kInt32).wait();
+      check(out, "all_gather_v");
+      const int root = round % n;
+      std::vector<std::int32_t> g(at, -7);
+      comm.gather_v(in.data(), in.size(), g.data(), counts, displs, DataType::kInt32, root).wait();
+      if (r == root) {
+        check(g, "gather_v root=" + std::to_string(root));
+      } else {
+        ASSERT_EQ(g, std::vector<std::int32_t>(at, -7)) << "gather_v wrote a non-root output";
+      }
+    }
+  });
+}
+
 TEST_P(Conformance, BarrierHoldsEveryRankBack) {
   const int n = GetParam();
   constexpr int kRounds = 20;

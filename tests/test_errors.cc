@@ -125,6 +125,28 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
     e = expect_error(
         [&] { comm.send(buf.data(), 1, DataType::kFloat32, Communicator::kAnySource); });
     EXPECT_NE(std::string(e.what()).find("peer=-1"), std::string::npos) << e.what();
+    {
+      // all_gather_v / gather_v: one entry per rank, and this rank's own count its send_count.
+      const std::vector<std::size_t> ones(static_cast<std::size_t>(comm.size()), 1);
+      std::vector<std::size_t> displs(ones.size());
+      for (std::size_t j = 0; j < displs.size(); ++j) displs[j] = j;
+      std::vector<float> gathered(ones.size());
+      e = expect_error([&] {
+        comm.all_gather_v(buf.data(), 2, gathered.data(), ones, displs, DataType::kFloat32);
+      });
+      EXPECT_NE(std::string(e.what()).find("differs from send_count=2"), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("all_gather_v"), std::string::npos) << e.what();
+      e = expect_error([&] {
+        comm.gather_v(buf.data(), 1, gathered.data(), std::span(ones).first(1), displs,
+                      DataType::kFloat32, comm.rank());
+      });
+      EXPECT_NE(std::string(e.what()).find("recv_counts"), std::string::npos) << e.what();
+      e = expect_error([&] {
+        comm.gather_v(buf.data(), 1, gathered.data(), ones, displs, DataType::kFloat32, -1);
+      });
+      EXPECT_NE(std::string(e.what()).find("root=-1"), std::string::npos) << e.what();
+    }
     e = expect_error([&] { (void)comm.split(-2, 0); });
     EXPECT_NE(std::string(e.what()).find("color=-2"), std::string::npos) << e.what();
     {

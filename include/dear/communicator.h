@@ -263,6 +263,20 @@ class Communicator {
   // the receiver's memory if they arrive first); larger ones wait until the receive is posted
   // and land straight in its buffer. Over the direct link between the two ranks (communicators
   // of up to 64 ranks); device buffers are staged whole. `peer` must be another rank.
+  // MPI_Allgatherv: rank j's in[send_count] lands at out + recv_displs[j] on every rank, whose
+  // recv_counts[j] must equal rank j's send_count (a difference fails both, naming the sizes).
+  // Out of place only. Runs as all_to_all_v (each rank's block straight to every rank), whose
+  // name its errors carry.
+  virtual Work all_gather_v(const void* in, std::size_t send_count, void* out,
+                            std::span<const std::size_t> recv_counts,
+                            std::span<const std::size_t> recv_displs, DataType dtype,
+                            const OpOptions& opts = {});
+  // MPI_Gatherv: as all_gather_v, into the root's out only. Elsewhere recv_counts and
+  // recv_displs are not read (they may be empty) and out may be null.
+  virtual Work gather_v(const void* in, std::size_t send_count, void* out,
+                        std::span<const std::size_t> recv_counts,
+                        std::span<const std::size_t> recv_displs, DataType dtype, int root,
+                        const OpOptions& opts = {});
   // A receive's `peer` may be kAnySource (MPI_ANY_SOURCE): it takes the first message of its
   // tag that any rank sends it and that no receive posted before it takes; receives of that
   // tag posted after it wait until it has one. Work::source() names the sender.

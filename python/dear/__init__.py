@@ -31,7 +31,8 @@ __all__ = [
     "all_reduce", "all_reduce_async", "reduce_scatter", "reduce_scatter_async",
     "all_gather", "all_gather_async", "broadcast", "broadcast_async", "reduce", "reduce_async",
     "gather", "gather_async", "scatter", "scatter_async", "all_to_all", "all_to_all_async",
-    "all_to_all_v", "all_to_all_v_async", "send", "send_async", "recv", "recv_async",
+    "all_to_all_v", "all_to_all_v_async", "all_gather_v", "all_gather_v_async", "gather_v",
+    "gather_v_async", "send", "send_async", "recv", "recv_async",
     "split", "Communicator",
     "barrier", "barrier_async", "broadcast_parameters", "forget_memory", "DistributedOptimizer",
 ]
@@ -357,6 +358,66 @@ def all_to_all_v_async(output: torch.Tensor, input: torch.Tensor, output_splits:
                              output.data_ptr(), list(output_splits), _offsets(output_splits),
                              dtype, priority, _stream(output))
     return Handle(work, output, input)
+
+
+def _check_splits(call: str, splits: List[int], t: torch.Tensor, nranks: int) -> None:
+    if len(splits) != nranks:
+        raise ValueError(f"{call}: output_splits has {len(splits)} entries, expected one per "
+                         f"rank ({nranks})")
+    if any(s < 0 for s in splits) or sum(splits) > t.numel():
+        raise ValueError(f"{call}: output_splits {list(splits)} do not fit the {t.numel()} "
+                         f"elements of output")
+
+
+def all_gather_v_async(output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
+                       priority: int = 0, comm: Optional[_dear.Communicator] = None) -> Handle:
+    """Every rank's `input` on every rank: `output` is cut into consecutive parts of
+    output_splits[j] elements, part j rank j's input (whose numel must be output_splits[j]).
+    Out of place only."""
+    comm = _communicator(comm)
+    dtype = _dtype(output, "output")
+    _dtype(input, "input")
+    _same_dtype(output, input)
+    _check_splits("all_gather_v", output_splits, output, comm.size)
+    work = comm.all_gather_v(input.data_ptr(), input.numel(), output.data_ptr(),
+                             list(output_splits), _offsets(output_splits), dtype, priority,
+                             _stream(output))
+    return Handle(work, output, input)
+
+
+def all_gather_v(output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
+                 priority: int = 0, comm: Optional[_dear.Communicator] = None) -> torch.Tensor:
+    all_gather_v_async(output, input, output_splits, priority, comm=comm).wait()
+    return output
+
+
+def gather_v_async(output: Optional[torch.Tensor], input: torch.Tensor,
+                   output_splits: Optional[List[int]], root: int = 0, priority: int = 0,
+                   comm: Optional[_dear.Communicator] = None) -> Handle:
+    """all_gather_v into the root's `output` only; elsewhere `output` and `output_splits` are
+    not used and may be None."""
+    comm = _communicator(comm)
+    dtype = _dtype(input, "input")
+    if comm.rank != root:
+        work = comm.gather_v(input.data_ptr(), input.numel(), 0, [], [], dtype, root, priority,
+                             _stream(input))
+        return Handle(work, input)
+    if output is None or output_splits is None:
+        raise ValueError(f"gather_v: output and output_splits are needed on the root (rank "
+                         f"{root})")
+    _dtype(output, "output")
+    _same_dtype(output, input)
+    _check_splits("gather_v", output_splits, output, comm.size)
+    work = comm.gather_v(input.data_ptr(), input.numel(), output.data_ptr(), list(output_splits),
+                         _offsets(output_splits), dtype, root, priority, _stream(output))
+    return Handle(work, output, input)
+
+
+def gather_v(output: Optional[torch.Tensor], input: torch.Tensor,
+             output_splits: Optional[List[int]], root: int = 0, priority: int = 0,
+             comm: Optional[_dear.Communicator] = None) -> Optional[torch.Tensor]:
+    gather_v_async(output, input, output_splits, root, priority, comm=comm).wait()
+    return output
 
 
 def all_to_all_v(output: torch.Tensor, input: torch.Tensor, output_splits: List[int],

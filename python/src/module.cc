@@ -333,6 +333,30 @@ PYBIND11_MODULE(_dear, m) {
           py::arg("recv_counts"), py::arg("recv_displs"), py::arg("dtype"), py::arg("priority") = 0,
           py::arg("cuda_stream") = 0)
       .def(
+          "all_gather_v",
+          [](PyCommunicator& c, std::uintptr_t in, std::size_t send_count, std::uintptr_t out,
+             const std::vector<std::size_t>& recv_counts,
+             const std::vector<std::size_t>& recv_displs, dear::DataType dtype, int priority,
+             std::uintptr_t stream) {
+            return c.get().all_gather_v(as_ptr(in), send_count, as_ptr(out), recv_counts,
+                                        recv_displs, dtype, op_options(priority, stream));
+          },
+          py::arg("in_ptr"), py::arg("send_count"), py::arg("out_ptr"), py::arg("recv_counts"),
+          py::arg("recv_displs"), py::arg("dtype"), py::arg("priority") = 0,
+          py::arg("cuda_stream") = 0)
+      .def(
+          "gather_v",
+          [](PyCommunicator& c, std::uintptr_t in, std::size_t send_count, std::uintptr_t out,
+             const std::vector<std::size_t>& recv_counts,
+             const std::vector<std::size_t>& recv_displs, dear::DataType dtype, int root,
+             int priority, std::uintptr_t stream) {
+            return c.get().gather_v(as_ptr(in), send_count, as_ptr(out), recv_counts, recv_displs,
+                                    dtype, root, op_options(priority, stream));
+          },
+          py::arg("in_ptr"), py::arg("send_count"), py::arg("out_ptr"), py::arg("recv_counts"),
+          py::arg("recv_displs"), py::arg("dtype"), py::arg("root"), py::arg("priority") = 0,
+          py::arg("cuda_stream") = 0)
+      .def(
           "send",
           [](PyCommunicator& c, std::uintptr_t buf, std::size_t count, dear::DataType dtype,
              int peer, std::uintptr_t stream, int tag) {

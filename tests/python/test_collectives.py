@@ -124,6 +124,20 @@ def main() -> None:
     check("all_to_all_v", out, torch.cat([part(j, rank) for j in range(n)]))
     checked += 1
 
+    # all_gather_v and gather_v: rank j contributes j + 1 elements (rank j's value).
+    splits = [j + 1 for j in range(n)]
+    want = torch.cat([torch.full((j + 1,), float(j), dtype=torch.float64) for j in range(n)])
+    mine = torch.full((rank + 1,), float(rank), dtype=torch.float64)
+    out = torch.full((sum(splits),), -1.0, dtype=torch.float64)
+    dear.all_gather_v(out, mine, splits)
+    check("all_gather_v", out, want)
+    root = n - 1
+    out = torch.full((sum(splits),), -1.0, dtype=torch.float64)
+    dear.gather_v(out if rank == root else None, mine, splits if rank == root else None, root)
+    if rank == root:
+        check("gather_v", out, want)
+    checked += 2
+
     # send/recv: a ring exchange, small then large (beyond the eager size), receives posted
     # before the sends.
     for count in (3, 50_000):
