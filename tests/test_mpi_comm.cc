@@ -229,6 +229,39 @@ TEST(MpiCommunicator, SendRecvAroundTheRing) {
   }
 }
 
+TEST(MpiCommunicator, AllGatherVAndGatherV) {
+  // Rank j gives j + 1 elements, placed in reverse rank order; gather_v to the last rank.
+  Communicator& comm = *g_comm;
+  const int n = comm.size();
+  const int r = comm.rank();
+  const auto nn = static_cast<std::size_t>(n);
+  std::vector<std::size_t> counts(nn), displs(nn);
+  std::size_t at = 0;
+  for (int j = n - 1; j >= 0; --j) {
+    counts[static_cast<std::size_t>(j)] = static_cast<std::size_t>(j) + 1;
+    displs[static_cast<std::size_t>(j)] = at;
+    at += static_cast<std::size_t>(j) + 1;
+  }
+  std::vector<std::int64_t> in(counts[static_cast<std::size_t>(r)]);
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = r * 1000 + static_cast<std::int64_t>(i);
+  std::vector<std::int64_t> want(at);
+  for (int j = 0; j < n; ++j) {
+    for (std::size_t i = 0; i < counts[static_cast<std::size_t>(j)]; ++i) {
+      want[displs[static_cast<std::size_t>(j)] + i] = j * 1000 + static_cast<std::int64_t>(i);
+    }
+  }
+  std::vector<std::int64_t> out(at, -1);
+  comm.all_gather_v(in.data(), in.size(), out.data(), counts, displs, DataType::kInt64).wait();
+  EXPECT_EQ(out, want) << "all_gather_v on rank " << r;
+  std::vector<std::int64_t> g(at, -1);
+  comm.gather_v(in.data(), in.size(), g.data(), counts, displs, DataType::kInt64, n - 1).wait();
+  if (r == n - 1) {
+    EXPECT_EQ(g, want) << "gather_v on the root";
+  } else {
+    EXPECT_EQ(g, std::vector<std::int64_t>(at, -1)) << "gather_v wrote rank " << r << "'s output";
+  }
+}
+
 TEST(MpiCommunicator, BadArgumentsNameTheArgumentAndRank) {
   Communicator& comm = *g_comm;
   float x = 0;
