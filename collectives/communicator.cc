@@ -406,36 +406,43 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
         throw Error(ErrorCode::kInternal, "issue() makes no barrier and no all_to_all_v", rank_);
     }
     if (size_ > 1 && c.kind != OpKind::kBroadcast) {
-      const bool rooted = collectives::is_rooted_result(c.kind, c.root);
-      // A gather's tree is its own (the all_gather has none): select() does not know it. A
-      // scatter has no other schedule.
-      const bool scatter = collectives::is_scatter(c.kind, c.root);
-      o->schedule = (rooted || scatter) && a == Algorithm::kScattered ? Schedule::kScattered
-                    : scatter || (rooted && a == Algorithm::kTree && mesh_)
-                        ? Schedule::kTree
-                        : select(c.kind, a, c.count, c.dtype, opts);
-      // A reduce takes the tree, which ends at the root, wherever the all_reduce would not take
-      // the ring (whose reduce-scatter halves what each link carries); a gather takes it at
-      // every size: the other schedules bring the result to every rank (steps.h), and the
-      // gather's tree moves each block up its subtrees only. Measured on 4 and 5 ranks over
-      // TCP (docs/results.md, "reduce" and "gather").
-      if (rooted && a == Algorithm::kAuto && mesh_ &&
-          (o->schedule != Schedule::kRing || collectives::is_gather(c.kind, c.root))) {
-        o->schedule = Schedule::kTree;
-      }
-      // A gather and a scatter go straight between the root and every rank once the blocks
-      // together pass kDirectMinBytes: each block then crosses one link instead of climbing
-      // the tree (measured on 4 ranks over TCP, docs/results.md "gather" and "scatter").
-      if ((collectives::is_gather(c.kind, c.root) || scatter) && a == Algorithm::kAuto &&
-          full_mesh_ && c.count * dtype_size(c.dtype) * n > kDirectMinBytes) {
-        o->schedule = Schedule::kScattered;
-      }
+      o->schedule = schedule_of(c, a, opts);
       // Device memory runs the schedules of the ring links only (the log-step ones keep their
       // work buffers in host memory): the ring in their place.
       if (fence && is_log_step(o->schedule)) o->schedule = Schedule::kRing;
     }
     o->fence = std::move(fence);
     return launch(std::move(o), opts);
+  }
+
+  // The schedule of an all_reduce, reduce_scatter, all_gather, reduce, gather or scatter on
+  // more than one rank (before a device operation's move to the ring). A forced algorithm runs
+  // as asked; a scatter's only others are the tree and scattered. Measured on 4 and 5 ranks
+  // over TCP (docs/results.md, "reduce" and "gather").
+  Schedule schedule_of(const collectives::CollectiveCall& c, Algorithm a,
+                       const OpOptions& opts) const {
+    const bool scatter = collectives::is_scatter(c.kind, c.root);
+    const bool gather = collectives::is_gather(c.kind, c.root);
+    if (!collectives::is_rooted_result(c.kind, c.root) && !scatter) {
+      return select(c.kind, a, c.count, c.dtype, opts);
+    }
+    if (a == Algorithm::kScattered) return Schedule::kScattered;
+    // A gather and a scatter go straight between the root and every rank once the blocks
+    // together pass kDirectMinBytes: each block then crosses one link instead of climbing
+    // the tree.
+    const std::size_t total = c.count * dtype_size(c.dtype) * static_cast<std::size_t>(size_);
+    if ((gather || scatter) && a == Algorithm::kAuto && full_mesh_ && total > kDirectMinBytes) {
+      return Schedule::kScattered;
+    }
+    // A gather's tree is its own (the all_gather has none): select() does not know it.
+    if (scatter || (a == Algorithm::kTree && mesh_)) return Schedule::kTree;
+    const Schedule s = select(c.kind, a, c.count, c.dtype, opts);
+    // A reduce takes the tree, which ends at the root, wherever the all_reduce would not take
+    // the ring (whose reduce-scatter halves what each link carries); a gather below that takes it
+    // at every size: the other schedules bring the result to every rank (steps.h), and the
+    // gather's tree moves each block up its subtrees only.
+    if (a == Algorithm::kAuto && mesh_ && (s != Schedule::kRing || gather)) return Schedule::kTree;
+    return s;
   }
 
   void validate_options() {

@@ -336,6 +336,18 @@ def _offsets(sizes: List[int]) -> List[int]:
     return out
 
 
+def _check_splits(call: str, name: str, splits: List[int], t: torch.Tensor,
+                  nranks: int) -> None:
+    """`splits` (named `name`, e.g. "output_splits") has one entry per rank and its parts fit
+    `t`, the tensor the name's first word names."""
+    if len(splits) != nranks:
+        raise ValueError(f"{call}: {name} has {len(splits)} entries, expected one per rank "
+                         f"({nranks})")
+    if any(s < 0 for s in splits) or sum(splits) > t.numel():
+        raise ValueError(f"{call}: {name} {list(splits)} do not fit the {t.numel()} elements of "
+                         f"{name.split('_')[0]}")
+
+
 def all_to_all_v_async(output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
                        input_splits: List[int], priority: int = 0,
                        comm: Optional[_dear.Communicator] = None) -> Handle:
@@ -346,27 +358,12 @@ def all_to_all_v_async(output: torch.Tensor, input: torch.Tensor, output_splits:
     dtype = _dtype(output, "output")
     _dtype(input, "input")
     _same_dtype(output, input)
-    for name, splits, t in (("output_splits", output_splits, output),
-                            ("input_splits", input_splits, input)):
-        if len(splits) != comm.size:
-            raise ValueError(f"all_to_all_v: {name} has {len(splits)} entries, expected one per "
-                             f"rank ({comm.size})")
-        if any(s < 0 for s in splits) or sum(splits) > t.numel():
-            raise ValueError(f"all_to_all_v: {name} {list(splits)} do not fit the "
-                             f"{t.numel()} elements of {name.split('_')[0]}")
+    _check_splits("all_to_all_v", "output_splits", output_splits, output, comm.size)
+    _check_splits("all_to_all_v", "input_splits", input_splits, input, comm.size)
     work = comm.all_to_all_v(input.data_ptr(), list(input_splits), _offsets(input_splits),
                              output.data_ptr(), list(output_splits), _offsets(output_splits),
                              dtype, priority, _stream(output))
     return Handle(work, output, input)
-
-
-def _check_splits(call: str, splits: List[int], t: torch.Tensor, nranks: int) -> None:
-    if len(splits) != nranks:
-        raise ValueError(f"{call}: output_splits has {len(splits)} entries, expected one per "
-                         f"rank ({nranks})")
-    if any(s < 0 for s in splits) or sum(splits) > t.numel():
-        raise ValueError(f"{call}: output_splits {list(splits)} do not fit the {t.numel()} "
-                         f"elements of output")
 
 
 def all_gather_v_async(output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
@@ -378,7 +375,7 @@ def all_gather_v_async(output: torch.Tensor, input: torch.Tensor, output_splits:
     dtype = _dtype(output, "output")
     _dtype(input, "input")
     _same_dtype(output, input)
-    _check_splits("all_gather_v", output_splits, output, comm.size)
+    _check_splits("all_gather_v", "output_splits", output_splits, output, comm.size)
     work = comm.all_gather_v(input.data_ptr(), input.numel(), output.data_ptr(),
                              list(output_splits), _offsets(output_splits), dtype, priority,
                              _stream(output))
@@ -407,7 +404,7 @@ def gather_v_async(output: Optional[torch.Tensor], input: torch.Tensor,
                          f"{root})")
     _dtype(output, "output")
     _same_dtype(output, input)
-    _check_splits("gather_v", output_splits, output, comm.size)
+    _check_splits("gather_v", "output_splits", output_splits, output, comm.size)
     work = comm.gather_v(input.data_ptr(), input.numel(), output.data_ptr(), list(output_splits),
                          _offsets(output_splits), dtype, root, priority, _stream(output))
     return Handle(work, output, input)
