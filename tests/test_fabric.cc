@@ -888,6 +888,132 @@ TEST_P(FabricPath, CollectivesWriteStraightIntoTheirDestination) {
   }
 }
 
+// A communicator's links on one completion queue (transport::fabric::connect): 4 ranks, two
+// ring channels each way and a mesh link to every other rank, so that each neighbour is reached
+// over three channels. Every channel carries messages of several sizes both ways at once, each
+// with bytes that name the pair of ranks and the kind of channel; every byte is checked, on the
+// channel it must arrive on, so a completion handed to the wrong channel fails the test (or the
+// protocol's own checks).
+TEST_P(FabricPath, SharedCompletionQueueHandsEveryCompletionToItsChannel) {
+  const int n = 4;
+  const std::vector<std::size_t> sizes = {0, 1, 4096, 300007};
+  const auto fo = fabric_options();
+  const UniqueId id = UniqueId::create("127.0.0.1");
+  std::vector<std::string> failures(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      std::string& failure = failures[static_cast<std::size_t>(r)];
+      try {
+        auto bs = Bootstrap::create(id, r, n);
+        std::vector<int> others;
+        for (int p = 0; p < n; ++p) {
+          if (p != r) others.push_back(p);
+        }
+        auto links = transport::fabric::connect(*bs, 2, fo, others, fo);
+        // Every channel with its sink, its peer and the salt both of its ends agree on.
+        struct End {
+          transport::Channel* ch;
+          CollectSink* sink;
+          int index;
+          int peer;
+          int salt;
+        };
+        CollectSink next_sink(2), prev_sink(2), mesh_sink(others.size());
+        std::vector<End> ends;
+        for (int c = 0; c < 2; ++c) {
+          ends.push_back({links.ring.to_next[static_cast<std::size_t>(c)].get(), &next_sink, c,
+                          (r + 1) % n, c + 1});
+          ends.push_back({links.ring.from_prev[static_cast<std::size_t>(c)].get(), &prev_sink, c,
+                          (r + n - 1) % n, c + 1});
+        }
+        for (std::size_t i = 0; i < others.size(); ++i) {
+          ends.push_back({links.mesh[i].get(), &mesh_sink, static_cast<int>(i), others[i], 9});
+        }
+        for (const End& e : ends) {
+          const std::size_t shared = transport::fabric::queue_members(*e.ch);
+          if (shared != ends.size()) {
+            failure = e.ch->describe() + " shares its completion queue with " +
+                      std::to_string(shared) + " channels, want " + std::to_string(ends.size());
+            return;
+          }
+        }
+        const auto payload = [&](int from, int to, int salt, std::size_t m) {
+          std::vector<char> p(sizes[m]);
+          for (std::size_t i = 0; i < p.size(); ++i) {
+            p[i] = peer_byte(from, to, static_cast<int>(m) + 16 * salt, i);
+          }
+          return p;
+        };
+        std::vector<std::vector<std::vector<char>>> out;
+        for (const End& e : ends) {
+          out.emplace_back();
+          for (std::size_t m = 0; m < sizes.size(); ++m) {
+            out.back().push_back(payload(r, e.peer, e.salt, m));
+          }
+        }
+        // The messages, then (once everything from the peer is in) an acknowledgement, so that
+        // no rank closes before its peers have all it sent.
+        std::vector<std::size_t> next(ends.size(), 0);
+        std::vector<bool> ack_sent(ends.size(), false);
+        const auto deadline = std::chrono::steady_clock::now() + 30s;
+        for (;;) {
+          bool done = true;
+          for (std::size_t k = 0; k < ends.size(); ++k) {
+            const End& e = ends[k];
+            while (next[k] < sizes.size()) {
+              transport::FrameHeader h;
+              h.bytes = static_cast<std::uint32_t>(sizes[next[k]]);
+              h.seq = next[k];
+              if (!e.ch->try_send(h, out[k][next[k]].data(), next[k])) break;
+              ++next[k];
+            }
+            const auto& got = e.sink->got[static_cast<std::size_t>(e.index)];
+            if (got.size() >= sizes.size() && !ack_sent[k]) {
+              transport::FrameHeader h;
+              h.type = transport::FrameType::kPosted;
+              h.seq = 1000;
+              ack_sent[k] = e.ch->try_send(h, nullptr, 1000);
+            }
+            e.ch->progress(*e.sink, true);
+            done = done && next[k] == sizes.size() && ack_sent[k] && got.size() > sizes.size();
+          }
+          if (done) break;
+          if (std::chrono::steady_clock::now() > deadline) {
+            failure = "timed out; received";
+            for (const End& e : ends) {
+              failure += " " +
+                         std::to_string(e.sink->got[static_cast<std::size_t>(e.index)].size()) +
+                         " on " + e.ch->describe() + ";";
+            }
+            return;
+          }
+          std::this_thread::yield();
+        }
+        for (const End& e : ends) {
+          const auto& got = e.sink->got[static_cast<std::size_t>(e.index)];
+          if (got.size() != sizes.size() + 1) {
+            failure = std::to_string(got.size()) + " messages on " + e.ch->describe();
+            return;
+          }
+          for (std::size_t m = 0; m < sizes.size(); ++m) {
+            if (got[m] != payload(e.peer, r, e.salt, m)) {
+              failure = "message " + std::to_string(m) + " on " + e.ch->describe() +
+                        " is not the one its peer sent on it";
+              return;
+            }
+          }
+        }
+        for (const End& e : ends) e.ch->close();
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) EXPECT_EQ(failures[static_cast<std::size_t>(r)], "") << "rank " << r;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Providers, FabricPath,
     ::testing::Combine(::testing::ValuesIn(kPathProviders), ::testing::Values("write", "send")),

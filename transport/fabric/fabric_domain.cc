@@ -103,8 +103,20 @@ std::optional<std::string> write_unavailable_reason(const std::string& provider)
          "' cannot take the write data path: " + why;
 }
 
-std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank, std::size_t endpoints,
-                                    FabricOptions& o) {
+FabricOptions fitted(const Domain& dom, const FabricOptions& options, int rank) {
+  FabricOptions o = options;
+  const std::size_t max_msg = dom.info->ep_attr->max_msg_size;
+  if (max_msg < o.slot_bytes) o.slot_bytes = max_msg - max_msg % 64;
+  if (o.slot_bytes < rma::kPrefix + sizeof(FrameHeader) + 64) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "fabric: provider '" + dom.provider + "' limits messages to " +
+                    std::to_string(max_msg) + " bytes, too small for a fragment",
+                rank);
+  }
+  return o;
+}
+
+std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank, std::size_t endpoints) {
   auto dom = std::make_shared<Domain>();
   int rc = 0;
   InfoPtr list = query(options.provider, &rc);
@@ -139,15 +151,7 @@ std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank, std:
   const fi_info* use = writes ? writes.get() : chosen;
   dom->info.reset(fi_dupinfo(use));
   dom->register_sends = options.register_in_place || (use->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
-  o = options;
-  const std::size_t max_msg = use->ep_attr->max_msg_size;
-  if (max_msg < o.slot_bytes) o.slot_bytes = max_msg - max_msg % 64;
-  if (o.slot_bytes < rma::kPrefix + sizeof(FrameHeader) + 64) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "fabric: provider '" + dom->provider + "' limits messages to " +
-                    std::to_string(max_msg) + " bytes, too small for a fragment",
-                rank);
-  }
+  (void)fitted(*dom, options, rank);  // a provider whose messages are too small fails here
   fid_fabric* fabric = nullptr;
   rc = fi_fabric(dom->info->fabric_attr, &fabric, nullptr);
   if (rc != 0) throw_fi("fi_fabric(" + dom->provider + ")", rc, rank);

@@ -7,6 +7,7 @@
 // they are destroyed).
 #pragma once
 
+#include <poll.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
@@ -18,6 +19,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -183,30 +185,129 @@ inline bool peer_write(std::uint64_t flags) {
          ((flags & FI_REMOTE_WRITE) != 0 || (flags & (FI_WRITE | FI_SEND)) == 0);
 }
 
-// Endpoints of destroyed channels, kept until their peer has closed too. Why: a
-// peer may still send before it learns of the close (its engine may be busy
-// closing its other channels), and with some providers (shm, ranks in one
-// process) such a send writes into this endpoint's memory directly, so
-// releasing it at once could crash the peer. Entries are freed once their
-// completion queue shows the peer's goodbye, or after kRetireFor, or at exit.
+// A destroyed channel's endpoint and memory are kept (see Retired) until the peer has said
+// goodbye too, or for this long.
+constexpr auto kRetireFor = std::chrono::seconds(10);
+// Without a wait descriptor (shm) an engine asleep with nothing in flight wakes on a timer to
+// progress the provider. An engine with work in flight never sleeps on such a channel (it keeps
+// polling, see Channel::polled()), so the timer need not be fast, and it runs only while the
+// engine sleeps: armed, once, when the engine asks what to sleep on (wait_spec). A periodic
+// 50 us timer while traffic flowed cost its interrupts on every period: an 8-byte all_reduce
+// over shm (2 ranks) took 20-40 us instead of 2.
+constexpr auto kTimerPeriod = std::chrono::milliseconds(2);
+
+// What a destroyed channel leaves behind: its endpoint and memory, kept until its peer has
+// closed too. Why: a peer may still send before it learns of the close (its engine may be busy
+// closing its other channels), and with some providers (shm, ranks in one process) such a send
+// writes into this endpoint's memory directly, so releasing it at once could crash the peer.
+struct Retired {
+  std::unique_ptr<char, FreeDeleter> memory;
+  std::vector<Buf> bufs;  // the completions' contexts point into this storage
+  FidPtr<fid_mr> slot_mr;
+  FidPtr<fid_mr> mr;
+  FidPtr<fid_ep> ep;  // last: closed first
+  std::uint64_t tag = 0;
+  bool peer_bye = false;
+  // shm: kept, untouched, until exit. Its peers (other endpoints of this host, possibly in
+  // this process) may still be progressing sends into this endpoint's memory after they saw
+  // its goodbye; freeing it then crashed them inside the provider.
+  bool keep = false;
+  Clock::time_point until{};
+};
+
+// The completion queue the channels of one communicator share (one per rank and provider, as
+// Open MPI's BTLs and NCCL's net plugins keep one per device): an engine turn reads it once,
+// and each completion goes to the channel it belongs to, found by its context (the channel's
+// own buffers) or, for a peer's RMA write that carries no context of ours, by the member number
+// the writer put in the high half of the remote CQ data. Channels whose completions cannot be
+// told apart that way (providers with 4 bytes of CQ data on the write data path) get a hub of
+// their own.
+//
+// Used by one thread at a time: the engine's, or the thread that destroys the communicator, or
+// (once no channel is left) the Graveyard's.
+class Hub {
+ public:
+  // `entries`: completions the queue must hold (every member's posts together).
+  Hub(std::shared_ptr<Domain> dom, std::size_t entries, int rank);
+  Hub(const Hub&) = delete;
+  Hub& operator=(const Hub&) = delete;
+
+  // Adds a member whose operations carry contexts in `bufs` (kept in place until it leaves);
+  // returns its number.
+  std::uint32_t join(const std::vector<Buf>& bufs);
+  // The member `m` is gone: what it left behind waits here for its peer's goodbye. False while
+  // other members are still live.
+  bool retire(std::uint32_t m, std::optional<Retired> left);
+
+  // Reads the queue unless another member read it since `seen` (the reads counted when this
+  // member last looked), so that each engine turn reads it about once; `seen` is updated.
+  void read_for(std::uint64_t& seen) {
+    if (seen == reads_) read();
+    seen = reads_;
+  }
+  // Reads what the queue holds now (up to 64 batches) and routes it.
+  void read();
+  // What arrived for member `m` since it last took them (swapped into `out`, which is cleared
+  // first), and an error completion for it, if one came.
+  void take(std::uint32_t m, std::vector<fi_cq_data_entry>& out);
+  [[nodiscard]] std::optional<fi_cq_err_entry> take_error(std::uint32_t m);
+  // An error completion no member owns: its text (every member fails with it).
+  [[nodiscard]] const std::string& stray() const { return stray_; }
+  [[nodiscard]] std::string error_text(const fi_cq_err_entry& err) const;
+
+  // Routes peer writes by the high half of their CQ data (see above); else by context.
+  [[nodiscard]] bool routes_writes() const { return routes_writes_; }
+  // Whether channels of this domain can share one hub at all.
+  [[nodiscard]] static bool shareable(const Domain& dom);
+
+  [[nodiscard]] fid_cq* cq() const { return cq_.get(); }
+  // Members not yet retired.
+  [[nodiscard]] std::size_t live() const { return live_; }
+  // What the engine sleeps on when no member has work in flight (see FabricChannel::wait_spec).
+  [[nodiscard]] pollfd wait_spec() const;
+  [[nodiscard]] int ready_fd() const { return ready_fd_.get(); }
+  void tend_timer();
+
+  // The Graveyard: true once every retired member is released (peer's goodbye, or timed out).
+  bool reap(Clock::time_point now);
+
+ private:
+  struct Member {
+    const Buf* first = nullptr;
+    std::size_t count = 0;
+    bool live = true;
+    std::vector<fi_cq_data_entry> inbox;
+    std::vector<fi_cq_err_entry> errors;
+    std::optional<Retired> left;
+  };
+  // The member whose buffer `ctx` is, or -1.
+  [[nodiscard]] int owner(const void* ctx) const;
+  void route(const fi_cq_data_entry& e);
+  void route_error(const fi_cq_err_entry& e);
+  // A completion for a retired member: notes its peer's goodbye.
+  static void note_retired(Member& m, const fi_cq_data_entry& e);
+
+  std::shared_ptr<Domain> dom_;  // first: released last
+  int rank_;
+  FidPtr<fid_cq> cq_;  // before the members: closed after their endpoints
+  int wait_fd_ = -1;   // the CQ's, owned by the provider; -1 when it has none
+  Fd ready_fd_;        // always readable
+  Fd timer_fd_;        // providers without a wait descriptor; one-shot, see kTimerPeriod
+  // Armed and not yet drained, and when it expires (wait_spec() arms it).
+  mutable bool timer_armed_ = false;
+  mutable Clock::time_point timer_due_{};
+  bool routes_writes_ = false;
+  std::uint64_t reads_ = 0;
+  std::size_t live_ = 0;
+  std::deque<Member> members_;
+  std::string stray_;
+};
+
+// Hubs whose channels are all destroyed but some of whose endpoints still wait for their
+// peer's goodbye (see Retired). Entries are freed once their queue shows the peer's goodbye,
+// or after kRetireFor, or at exit. Any thread.
 class Graveyard {
  public:
-  struct Entry {
-    std::shared_ptr<Domain> dom;  // first: released last
-    std::unique_ptr<char, FreeDeleter> memory;
-    std::vector<Buf> bufs;
-    FidPtr<fid_mr> slot_mr;
-    FidPtr<fid_mr> mr;
-    FidPtr<fid_cq> cq;
-    FidPtr<fid_ep> ep;
-    std::uint64_t tag = 0;
-    bool peer_bye = false;
-    // shm: kept, untouched, until exit. Its peers (other endpoints of this host, possibly in
-    // this process) may still be progressing sends into this endpoint's memory after they saw
-    // its goodbye; freeing it then crashed them inside the provider.
-    bool keep = false;
-    Clock::time_point until{};
-  };
   static Graveyard& get() {
     // Never destroyed: channels may retire during static destruction. What is left at exit is
     // released by an exit handler, which runs before libfabric's own finalisation.
@@ -219,12 +320,12 @@ class Graveyard {
   }
   void release_all() {
     std::lock_guard<std::mutex> lock(mu_);
-    entries_.clear();
+    hubs_.clear();
   }
-  void retire(Entry e) {
+  void retire(std::shared_ptr<Hub> hub) {
     std::lock_guard<std::mutex> lock(mu_);
     reap_locked();
-    if (!e.peer_bye || e.keep) entries_.push_back(std::move(e));
+    if (!hub->reap(Clock::now())) hubs_.push_back(std::move(hub));
   }
   void reap() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -234,33 +335,10 @@ class Graveyard {
  private:
   void reap_locked() {
     const auto now = Clock::now();
-    std::erase_if(entries_, [&](Entry& e) {
-      if (e.keep) return false;
-      std::array<fi_cq_data_entry, 16> c{};
-      for (int i = 0; i < 16 && !e.peer_bye; ++i) {
-        const ssize_t n = fi_cq_read(e.cq.get(), c.data(), c.size());
-        if (n == -FI_EAVAIL) {
-          fi_cq_err_entry err{};
-          (void)fi_cq_readerr(e.cq.get(), &err, 0);
-          continue;
-        }
-        if (n <= 0) break;
-        for (ssize_t k = 0; k < n; ++k) {
-          // Writes of the peer carry no context of ours (or a receive with no message in it).
-          const fi_cq_data_entry& ck = c[static_cast<std::size_t>(k)];
-          const Buf* b = peer_write(ck.flags) ? nullptr : own(e.bufs, ck.op_context);
-          if (b != nullptr && b->recv && ck.len >= rma::kPrefix) {
-            rma::Prefix p;
-            std::memcpy(&p, b->data, rma::kPrefix);
-            if (p.tag == e.tag && p.kind == rma::Kind::kBye) e.peer_bye = true;
-          }
-        }
-      }
-      return e.peer_bye || now >= e.until;
-    });
+    std::erase_if(hubs_, [&](const std::shared_ptr<Hub>& h) { return h->reap(now); });
   }
   std::mutex mu_;
-  std::list<Entry> entries_;
+  std::list<std::shared_ptr<Hub>> hubs_;
 };
 
 // The provider `provider` names ("" = the first that reaches other hosts) in `list`.
@@ -272,9 +350,11 @@ class Graveyard {
 [[nodiscard]] InfoPtr write_info(const fi_info* chosen, std::string* why);
 
 // Chooses the provider (the one asked for, or the first that reaches other hosts) and opens
-// its fabric, domain and an address vector for `endpoints` peers. `o` gets the slot size the
-// provider allows.
+// its fabric, domain and an address vector for `endpoints` peers.
 [[nodiscard]] std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank,
-                                                  std::size_t endpoints, FabricOptions& o);
+                                                  std::size_t endpoints);
+// `options` with the slot size the domain's provider allows; throws kInvalidArgument where its
+// messages cannot hold a fragment.
+[[nodiscard]] FabricOptions fitted(const Domain& dom, const FabricOptions& options, int rank);
 
 }  // namespace dear::transport::fabric

@@ -41,18 +41,6 @@ using rma::SendQueue;
 constexpr std::size_t kMaxName = 240;  // endpoint names: sockaddrs, shm paths
 // The write data path's control buffers (a Prefix fits; data goes to the slots).
 constexpr std::size_t kControlBytes = 64;
-// A destroyed channel's endpoint and memory are kept (see Graveyard) until the
-// peer has said goodbye too, or for this long.
-constexpr auto kRetireFor = std::chrono::seconds(10);
-// Without a wait descriptor (shm) an engine asleep with nothing in flight
-// wakes on a timer to progress the provider. An engine with work in flight
-// never sleeps on such a channel (it keeps polling, see polled()), so the timer
-// need not be fast, and it runs only while the engine sleeps: armed, once, when
-// the engine asks what to sleep on (wait_spec). A periodic 50 us timer while
-// traffic flowed cost its interrupts on every period: an 8-byte all_reduce over
-// shm (2 ranks) took 20-40 us instead of 2.
-constexpr auto kTimerPeriod = std::chrono::milliseconds(2);
-
 // Messages received written directly, by every channel of this process (for tests).
 std::atomic<std::uint64_t> g_direct_received{0};
 
@@ -71,8 +59,10 @@ std::optional<SockAddr> socket_address(const fi_info* info, const char* name, st
 
 class FabricChannel final : public rma::RmaChannel<FabricChannel> {
  public:
-  FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, int index, std::uint64_t tag,
-                const FabricOptions& o);
+  // `hub`: the completion queue shared with the communicator's other channels; null for one
+  // of its own.
+  FabricChannel(std::shared_ptr<Domain> dom, std::shared_ptr<Hub> hub, int self, int peer,
+                int index, std::uint64_t tag, const FabricOptions& o);
   ~FabricChannel() override;
   FabricChannel(const FabricChannel&) = delete;
   FabricChannel& operator=(const FabricChannel&) = delete;
@@ -81,8 +71,12 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   [[nodiscard]] std::vector<char> name() const;
   // Write data path: where the peer writes into this channel's data slots; zeros otherwise.
   [[nodiscard]] rma::SlotRegion region() const;
-  // The peer's endpoint name and (write data path) data slots.
-  void set_peer(const char* name, std::size_t len, const rma::SlotRegion& region);
+  // What the peer puts in the high half of its writes' CQ data: this channel's member number
+  // in its hub where the hub routes writes by it, else 0.
+  [[nodiscard]] std::uint32_t route() const { return hub_->routes_writes() ? member_ : 0; }
+  // The peer's endpoint name, (write data path) data slots and route().
+  void set_peer(const char* name, std::size_t len, const rma::SlotRegion& region,
+                std::uint32_t route);
 
   std::optional<Window> open_window(char* base, std::size_t bytes,
                                     std::size_t message_bytes) override {
@@ -98,6 +92,7 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   // Callers' memory ranges the domain has registered for in-place sends so far.
   [[nodiscard]] std::uint64_t registrations_made() const { return dom_->sends.made(); }
   [[nodiscard]] std::uint64_t window_registrations_made() const { return dom_->windows.made(); }
+  [[nodiscard]] std::size_t queue_members() const { return hub_->live(); }
   void begin_close() override;
   std::string describe() const override;
 
@@ -139,11 +134,10 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
     m |= poll_cq(sink);
     return m;
   }
-  void end_progress() {
-    if (timer_fd_.valid()) tend_timer();
-  }
+  void end_progress() { hub_->tend_timer(); }
   void drain() {
     NullSink null_sink;
+    hub_->read();
     poll_cq(null_sink);
   }
   bool in_flight() const { return in_flight_ > 0; }
@@ -158,8 +152,10 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   void* desc() const { return mr_ ? fi_mr_desc(mr_.get()) : nullptr; }
   void post_recv(Buf& b);
   bool repost_pending();
+  // Handles what the hub has routed to this channel (reading the queue first when no other
+  // channel did since this one last looked).
   bool poll_cq(RecvSink& sink);
-  [[noreturn]] void fail_completion();
+  [[noreturn]] void fail_completion(const fi_cq_err_entry& err);
   void on_arrival(Buf& b, std::size_t len);
   void on_written(const fi_cq_data_entry& e);
   // A post of buffer `b` the provider answered `rc` to: true once taken, false when it said try
@@ -170,33 +166,28 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   ssize_t write_msg(Buf& b, std::uint32_t seq, const iovec* iov, void** descs, std::size_t count,
                     std::uint64_t addr, std::size_t bytes, std::uint64_t key);
   bool is_control(const Buf& b) const { return b.index >= bufs_.size() - kControlSlots; }
-  // The poll timer (providers without a wait descriptor): wait_spec() arms it, this drains it.
-  void tend_timer();
 
   std::shared_ptr<Domain> dom_;  // first: outlives the endpoint resources below
+  std::shared_ptr<Hub> hub_;     // the completion queue (before the endpoint: outlives it)
   bool write_;                   // the write data path (else send)
   std::uint64_t corrupt_key_;    // FabricOptions::corrupt_write_key
   std::uint32_t recv_bufs_;      // receive buffers kept posted
   std::size_t recv_bytes_;       // bytes of each
 
-  FidPtr<fid_cq> cq_;
   FidPtr<fid_ep> ep_;
   FidPtr<fid_mr> mr_;       // local buffers, where the provider needs that (FI_MR_LOCAL)
   FidPtr<fid_mr> slot_mr_;  // write data path: the data slots, for the peer's writes
   char* slot_mem_ = nullptr;
   rma::SlotRegion remote_{};  // write data path: the peer's data slots
   fi_addr_t peer_addr_ = FI_ADDR_UNSPEC;
+  std::uint32_t peer_route_ = 0;           // the high half of this end's writes' CQ data (route())
+  std::uint32_t member_ = 0;               // in hub_
+  std::uint64_t seen_ = 0;                 // the hub's reads when this channel last looked
+  std::vector<fi_cq_data_entry> arrived_;  // poll_cq's scratch
   // Providers over TCP sockets (tcp;ofi_rxm, sockets): both endpoints' socket addresses, for
   // giving the provider's connection dear's congestion control once it exists (at the first
   // completion); empty once done, or for other providers.
   std::vector<SockAddr> socket_ends_;
-  int wait_fd_ = -1;  // the CQ's, owned by the provider; -1 when it has none
-  Fd ready_fd_;       // always readable
-  Fd timer_fd_;       // providers without a wait descriptor; one-shot, see kTimerPeriod
-  // Armed and not yet drained, and when it expires (wait_spec() arms it, so both are mutable).
-  mutable bool timer_armed_ = false;
-  mutable Clock::time_point timer_due_{};
-
   std::unique_ptr<char, FreeDeleter> memory_;
   // [0, recv_bufs_): receives; then `slots` data sends, then kControlSlots control sends.
   std::vector<Buf> bufs_;
@@ -225,49 +216,24 @@ rma::ChannelCore::Params core_params(const Domain& dom, int self, int peer, int 
   return p;
 }
 
-FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, int index,
-                             std::uint64_t tag, const FabricOptions& o)
+FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, std::shared_ptr<Hub> hub, int self,
+                             int peer, int index, std::uint64_t tag, const FabricOptions& o)
     : RmaChannel(core_params(*dom, self, peer, index, tag, o)),
       dom_(std::move(dom)),
+      hub_(std::move(hub)),
       write_(dom_->write),
       corrupt_key_(o.corrupt_write_key),
       recv_bufs_(o.slots + kControlSlots),
       recv_bytes_(write_ ? kControlBytes : o.slot_bytes) {
   const fi_info* info = dom_->info.get();
   const std::uint32_t pool = slots_ + kControlSlots;
-
-  fi_cq_attr cq_attr{};
-  cq_attr.size = 4 * pool;
-  cq_attr.format = FI_CQ_FORMAT_DATA;
-  cq_attr.wait_obj = FI_WAIT_FD;
-  cq_attr.wait_cond = FI_CQ_COND_NONE;
-  fid_cq* cq = nullptr;
-  int rc = fi_cq_open(dom_->domain.get(), &cq_attr, &cq, nullptr);
-  if (rc == 0) {
-    cq_.reset(cq);
-    if (fi_control(&cq->fid, FI_GETWAIT, &wait_fd_) != 0) wait_fd_ = -1;
-  } else {
-    cq_attr.wait_obj = FI_WAIT_NONE;
-    check("fi_cq_open", fi_cq_open(dom_->domain.get(), &cq_attr, &cq, nullptr));
-    cq_.reset(cq);
-  }
-  ready_fd_ = Fd(::eventfd(1, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!ready_fd_.valid()) {
-    throw Error(ErrorCode::kSystem, "eventfd: " + std::string(std::strerror(errno)), self_);
-  }
-  if (wait_fd_ < 0) {
-    timer_fd_ = Fd(::timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK));
-    if (!timer_fd_.valid()) {
-      throw Error(ErrorCode::kSystem, "timerfd_create: " + std::string(std::strerror(errno)),
-                  self_);
-    }
-  }
+  if (!hub_) hub_ = std::make_shared<Hub>(dom_, 4 * pool, self_);
 
   fid_ep* ep = nullptr;
   check("fi_endpoint", fi_endpoint(dom_->domain.get(), dom_->info.get(), &ep, nullptr));
   ep_.reset(ep);
   check("fi_ep_bind(av)", fi_ep_bind(ep, &dom_->av->fid, 0));
-  check("fi_ep_bind(cq)", fi_ep_bind(ep, &cq_->fid, FI_TRANSMIT | FI_RECV));
+  check("fi_ep_bind(cq)", fi_ep_bind(ep, &hub_->cq()->fid, FI_TRANSMIT | FI_RECV));
   check("fi_enable", fi_enable(ep));
 
   // One allocation for every buffer. Send path: the receives (data slots and control
@@ -316,25 +282,30 @@ FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, int self, int peer, in
   for (std::uint32_t i = 0; i < kControlSlots; ++i) {
     free_ctrl_.push_back(static_cast<std::uint32_t>(bufs_.size()) - 1 - i);
   }
-  for (std::uint32_t i = 0; i < recv_bufs_; ++i) post_recv(bufs_[i]);
+  member_ = hub_->join(bufs_);
+  try {
+    for (std::uint32_t i = 0; i < recv_bufs_; ++i) post_recv(bufs_[i]);
+  } catch (...) {
+    (void)hub_->retire(member_, std::nullopt);
+    throw;
+  }
 }
 
 FabricChannel::~FabricChannel() {
   close();
-  if (!ep_) return;
-  Graveyard::Entry e;
-  e.dom = dom_;
-  e.memory = std::move(memory_);
-  e.bufs = std::move(bufs_);  // the completions' contexts point into this storage: kept
-  e.slot_mr = std::move(slot_mr_);
-  e.mr = std::move(mr_);
-  e.cq = std::move(cq_);
-  e.ep = std::move(ep_);
-  e.tag = tag_;
-  e.peer_bye = peer_bye_;
-  e.keep = dom_->provider == "shm";
-  e.until = Clock::now() + kRetireFor;
-  Graveyard::get().retire(std::move(e));
+  Retired left;
+  left.memory = std::move(memory_);
+  left.bufs = std::move(bufs_);  // the completions' contexts point into this storage: kept
+  left.slot_mr = std::move(slot_mr_);
+  left.mr = std::move(mr_);
+  left.ep = std::move(ep_);
+  left.tag = tag_;
+  left.peer_bye = peer_bye_;
+  left.keep = dom_->provider == "shm";
+  left.until = Clock::now() + kRetireFor;
+  // The last channel of the hub hands it to the Graveyard, which keeps what still waits for
+  // a peer's goodbye.
+  if (hub_->retire(member_, std::move(left))) Graveyard::get().retire(std::move(hub_));
 }
 
 std::vector<char> FabricChannel::name() const {
@@ -362,7 +333,9 @@ rma::SlotRegion FabricChannel::region() const {
   return r;
 }
 
-void FabricChannel::set_peer(const char* name, std::size_t len, const rma::SlotRegion& region) {
+void FabricChannel::set_peer(const char* name, std::size_t len, const rma::SlotRegion& region,
+                             std::uint32_t route) {
+  peer_route_ = route;
   if (write_) {
     if (auto bad = rma::check_region(region, slot_bytes_, slots_, self_, peer_)) {
       throw Error(ErrorCode::kMismatch, *bad + " on " + describe(), self_, peer_, "create");
@@ -416,86 +389,51 @@ pollfd FabricChannel::wait_spec() const {
   if (closed()) return {-1, 0, 0};
   // Sends in the provider's hands may need this side's progress to leave
   // (manual progress).
-  if (in_flight_ > 0 || !repost_.empty()) return {ready_fd_.get(), POLLIN, 0};
-  if (wait_fd_ < 0) {
-    if (!timer_armed_) {
-      itimerspec t{};
-      t.it_value.tv_nsec = std::chrono::nanoseconds(kTimerPeriod).count();
-      ::timerfd_settime(timer_fd_.get(), 0, &t, nullptr);
-      timer_armed_ = true;
-      timer_due_ = Clock::now() + kTimerPeriod;
-    }
-    return {timer_fd_.get(), POLLIN, 0};
-  }
-  fid* f = &cq_->fid;
-  if (fi_trywait(dom_->fabric.get(), &f, 1) != FI_SUCCESS) return {ready_fd_.get(), POLLIN, 0};
-  return {wait_fd_, POLLIN, 0};
-}
-
-void FabricChannel::tend_timer() {
-  // Drain the expiration, so that the engine does not find the descriptor readable when it
-  // next sleeps, once it can have happened: the engine calls progress() every turn while it has
-  // work, and a read() per channel per turn cost more than the polling it serves.
-  if (!timer_armed_ || Clock::now() < timer_due_) return;
-  std::uint64_t ticks = 0;
-  [[maybe_unused]] const ssize_t n = ::read(timer_fd_.get(), &ticks, sizeof(ticks));
-  timer_armed_ = false;
+  if (in_flight_ > 0 || !repost_.empty()) return {hub_->ready_fd(), POLLIN, 0};
+  return hub_->wait_spec();
 }
 
 bool FabricChannel::poll_cq(RecvSink& sink) {
-  bool moved = false;
-  // Not cleared: this runs every engine turn, and clearing 640 bytes was most of its cost
-  // (fi_cq_read fills the first n entries, the only ones read).
-  std::array<fi_cq_data_entry, 16> entries;
-  for (int batch = 0; batch < 64; ++batch) {
-    const ssize_t n = fi_cq_read(cq_.get(), entries.data(), entries.size());
-    if (n == -FI_EAGAIN) break;
-    if (n == -FI_EAVAIL) fail_completion();
-    if (n < 0) fail("fi_cq_read failed: " + fi_text(static_cast<int>(n)));
-    moved = true;
-    for (ssize_t i = 0; i < n; ++i) {
-      const fi_cq_data_entry& e = entries[static_cast<std::size_t>(i)];
-      if (peer_write(e.flags)) {
-        on_written(e);
-        continue;
+  hub_->read_for(seen_);
+  if (const auto err = hub_->take_error(member_)) fail_completion(*err);
+  if (!hub_->stray().empty()) fail(hub_->stray());
+  hub_->take(member_, arrived_);
+  if (arrived_.empty()) return false;
+  for (const fi_cq_data_entry& e : arrived_) {
+    if (peer_write(e.flags)) {
+      on_written(e);
+      continue;
+    }
+    Buf* const b = own(bufs_, e.op_context);
+    if (b == nullptr) {
+      fail("a completion (flags " + std::to_string(e.flags) +
+           ") whose context is none of this channel's buffers");
+    } else if (b->recv) {
+      on_arrival(*b, e.len);
+    } else {
+      --in_flight_;
+      if (b->held != kNotHeld) {
+        const std::uint32_t id = b->held;
+        b->held = kNotHeld;
+        dom_->sends.done();
+        if (const auto sent = in_place_.completed(id)) sink.on_sent(index_, *sent);
       }
-      Buf* const b = own(bufs_, e.op_context);
-      if (b == nullptr) {
-        fail("a completion (flags " + std::to_string(e.flags) +
-             ") whose context is none of this channel's buffers");
-      } else if (b->recv) {
-        on_arrival(*b, e.len);
+      if (is_control(*b)) {
+        free_ctrl_.push_back(b->index);
       } else {
-        --in_flight_;
-        if (b->held != kNotHeld) {
-          const std::uint32_t id = b->held;
-          b->held = kNotHeld;
-          dom_->sends.done();
-          if (const auto sent = in_place_.completed(id)) sink.on_sent(index_, *sent);
-        }
-        if (is_control(*b)) {
-          free_ctrl_.push_back(b->index);
-        } else {
-          free_data_.push_back(b->index);
-        }
+        free_data_.push_back(b->index);
       }
     }
-    if (static_cast<std::size_t>(n) < entries.size()) break;
   }
-  if (moved && !socket_ends_.empty()) {
+  if (!socket_ends_.empty()) {
     // The provider opens its connection on first use; a completion says it is there.
     (void)adopt_congestion_control(socket_ends_[0], socket_ends_[1]);
     socket_ends_.clear();
   }
-  return moved;
+  return true;
 }
 
-void FabricChannel::fail_completion() {
-  fi_cq_err_entry err{};
-  const ssize_t r = fi_cq_readerr(cq_.get(), &err, 0);
-  if (r < 0) fail("fi_cq_readerr failed: " + fi_text(static_cast<int>(r)));
-  char buf[256] = {};
-  const char* detail = fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, buf, sizeof(buf));
+void FabricChannel::fail_completion(const fi_cq_err_entry& err) {
   // What failed: a write of the peer's arriving here carries no context of ours (or, where
   // such writes consume a receive, a receive's), so flags say it first.
   const Buf* b = peer_write(err.flags) ? nullptr : own(bufs_, err.op_context);
@@ -509,8 +447,7 @@ void FabricChannel::fail_completion() {
   } else {
     what = "an operation with rank ";
   }
-  fail(what + std::to_string(peer_) + " failed: " + fi_text(err.err) +
-       (detail != nullptr && *detail != '\0' ? std::string(" (") + detail + ")" : ""));
+  fail(what + std::to_string(peer_) + " failed: " + hub_->error_text(err));
 }
 
 void FabricChannel::on_written(const fi_cq_data_entry& e) {
@@ -614,7 +551,7 @@ ssize_t FabricChannel::write_msg(Buf& b, std::uint32_t seq, const iovec* iov, vo
   msg.rma_iov = &target;
   msg.rma_iov_count = 1;
   msg.context = &b.ctx;
-  msg.data = seq;
+  msg.data = (static_cast<std::uint64_t>(peer_route_) << 32) | seq;
   return fi_writemsg(ep_.get(), &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION);
 }
 
@@ -659,8 +596,18 @@ std::uint64_t random_u64() {
 // where its data slots are.
 struct EndpointRecord {
   std::uint32_t len = 0;
+  std::uint32_t route = 0;  // FabricChannel::route()
   char bytes[kMaxName] = {};
   rma::SlotRegion region;
+
+  EndpointRecord() = default;
+  explicit EndpointRecord(const FabricChannel& ch) {
+    const std::vector<char> n = ch.name();
+    len = static_cast<std::uint32_t>(n.size());
+    std::memcpy(bytes, n.data(), n.size());
+    region = ch.region();
+    route = ch.route();
+  }
 };
 
 // What each rank gives the ring: its choices (all must agree) and its channels' endpoints.
@@ -686,6 +633,11 @@ std::uint64_t direct_received_total() { return g_direct_received.load(); }
 std::uint64_t registrations_made(const Channel& channel) {
   const auto* f = dynamic_cast<const FabricChannel*>(&channel);
   return f != nullptr ? f->registrations_made() : 0;
+}
+
+std::size_t queue_members(const Channel& channel) {
+  const auto* f = dynamic_cast<const FabricChannel*>(&channel);
+  return f != nullptr ? f->queue_members() : 0;
 }
 
 std::uint64_t window_registrations_made(const Channel& channel) {
@@ -716,15 +668,39 @@ std::uint64_t gather_tag(Bootstrap& bootstrap) {
 
 }  // namespace
 
-RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& options) {
+namespace {
+
+// What the channels of one connect share: the domain (and its address vector), and the
+// completion queue where the provider lets channels share one (Hub::shareable; else null, and
+// each channel opens its own).
+struct Shared {
+  std::shared_ptr<Domain> dom;
+  std::shared_ptr<Hub> hub;
+};
+
+// `channels` endpoints to each ring neighbour with `ring` slots, and one to each of `peers`
+// with `mesh` slots.
+Shared open_shared(const FabricOptions& options, int rank, int channels, const FabricOptions& ring,
+                   std::size_t peers, const FabricOptions& mesh) {
+  Shared sh;
+  const std::size_t endpoints = 2 * static_cast<std::size_t>(channels) + peers;
+  sh.dom = open_domain(options, rank, endpoints);
+  if (Hub::shareable(*sh.dom)) {
+    // What every member may have posted at once: as many completions as its buffers, each
+    // channel's queue having held 4 times that before they were shared.
+    const std::size_t entries =
+        4 * (2 * static_cast<std::size_t>(channels) * (ring.slots + kControlSlots) +
+             peers * (mesh.slots + kControlSlots));
+    sh.hub = std::make_shared<Hub>(sh.dom, entries, rank);
+  }
+  return sh;
+}
+
+RingLinks ring_part(Bootstrap& bootstrap, const Shared& sh, int channels,
+                    const FabricOptions& options, const FabricOptions& o) {
   const int rank = bootstrap.rank();
   const int size = bootstrap.size();
-  Graveyard::get().reap();
-  rma::check_channel_count("fabric", channels, rank);
-  check_options(options, rank);
-  FabricOptions o;
-  auto dom = open_domain(options, rank, 2 * static_cast<std::size_t>(channels), o);
-
+  const auto& dom = sh.dom;
   const int next = (rank + 1) % size;
   const int prev = (rank - 1 + size) % size;
   NameRecord mine;
@@ -738,16 +714,10 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
   const std::uint64_t tag = gather_tag(bootstrap);
   mine.tag = tag;
   for (int c = 0; c < channels; ++c) {
-    to_next.push_back(std::make_unique<FabricChannel>(dom, rank, next, c, tag, o));
-    from_prev.push_back(std::make_unique<FabricChannel>(dom, rank, prev, c, tag, o));
-    const auto put = [](NameRecord::Name& slot, const FabricChannel& ch) {
-      const std::vector<char> n = ch.name();
-      slot.len = static_cast<std::uint32_t>(n.size());
-      std::memcpy(slot.bytes, n.data(), n.size());
-      slot.region = ch.region();
-    };
-    put(mine.to_next[static_cast<std::size_t>(c)], *to_next.back());
-    put(mine.from_prev[static_cast<std::size_t>(c)], *from_prev.back());
+    to_next.push_back(std::make_unique<FabricChannel>(dom, sh.hub, rank, next, c, tag, o));
+    from_prev.push_back(std::make_unique<FabricChannel>(dom, sh.hub, rank, prev, c, tag, o));
+    mine.to_next[static_cast<std::size_t>(c)] = EndpointRecord(*to_next.back());
+    mine.from_prev[static_cast<std::size_t>(c)] = EndpointRecord(*from_prev.back());
   }
   rma::check_setup_deadline("fabric", options.deadline, rank);
   bootstrap.all_gather(&mine, sizeof(mine), all.data());
@@ -778,21 +748,18 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
   for (int c = 0; c < channels; ++c) {
     const auto& n = all[static_cast<std::size_t>(next)].from_prev[static_cast<std::size_t>(c)];
     const auto& p = all[static_cast<std::size_t>(prev)].to_next[static_cast<std::size_t>(c)];
-    to_next[static_cast<std::size_t>(c)]->set_peer(n.bytes, n.len, n.region);
-    from_prev[static_cast<std::size_t>(c)]->set_peer(p.bytes, p.len, p.region);
+    to_next[static_cast<std::size_t>(c)]->set_peer(n.bytes, n.len, n.region, n.route);
+    from_prev[static_cast<std::size_t>(c)]->set_peer(p.bytes, p.len, p.region, p.route);
   }
   return rma::ring_links(to_next, from_prev);
 }
 
-std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
-                                                    const std::vector<int>& peers,
-                                                    const FabricOptions& options) {
+std::vector<std::unique_ptr<Channel>> peers_part(Bootstrap& bootstrap, const Shared& sh,
+                                                 const std::vector<int>& peers,
+                                                 const FabricOptions& options,
+                                                 const FabricOptions& o) {
   const int rank = bootstrap.rank();
-  Graveyard::get().reap();
-  check_peer_list(peers, rank, bootstrap.size(), "fabric connect_peers");
-  check_options(options, rank);
-  FabricOptions o;
-  auto dom = open_domain(options, rank, peers.size(), o);
+  const auto& dom = sh.dom;
   const std::uint64_t tag = gather_tag(bootstrap);
 
   // What each end tells the other: its provider (both must agree) and its endpoint's name.
@@ -806,14 +773,11 @@ std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
   std::vector<std::vector<char>> mine;
   for (std::size_t i = 0; i < peers.size(); ++i) {
     chans.push_back(
-        std::make_unique<FabricChannel>(dom, rank, peers[i], static_cast<int>(i), tag, o));
+        std::make_unique<FabricChannel>(dom, sh.hub, rank, peers[i], static_cast<int>(i), tag, o));
     PeerName rec;
     std::snprintf(rec.provider, sizeof(rec.provider), "%s", dom->provider.c_str());
     rec.write = dom->write ? 1 : 0;
-    const std::vector<char> n = chans.back()->name();
-    rec.name.len = static_cast<std::uint32_t>(n.size());
-    std::memcpy(rec.name.bytes, n.data(), n.size());
-    rec.name.region = chans.back()->region();
+    rec.name = EndpointRecord(*chans.back());
     const char* raw = reinterpret_cast<const char*>(&rec);
     mine.emplace_back(raw, raw + sizeof(rec));
   }
@@ -842,9 +806,46 @@ std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
                   "rank " + std::to_string(peers[i]) + " sent a malformed endpoint name", rank,
                   peers[i], "create");
     }
-    chans[i]->set_peer(rec.name.bytes, rec.name.len, rec.name.region);
+    chans[i]->set_peer(rec.name.bytes, rec.name.len, rec.name.region, rec.name.route);
     out.push_back(std::move(chans[i]));
   }
+  return out;
+}
+
+}  // namespace
+
+RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& options) {
+  const int rank = bootstrap.rank();
+  Graveyard::get().reap();
+  rma::check_channel_count("fabric", channels, rank);
+  check_options(options, rank);
+  const Shared sh = open_shared(options, rank, channels, options, 0, options);
+  return ring_part(bootstrap, sh, channels, options, fitted(*sh.dom, options, rank));
+}
+
+std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
+                                                    const std::vector<int>& peers,
+                                                    const FabricOptions& options) {
+  const int rank = bootstrap.rank();
+  Graveyard::get().reap();
+  check_peer_list(peers, rank, bootstrap.size(), "fabric connect_peers");
+  check_options(options, rank);
+  const Shared sh = open_shared(options, rank, 0, options, peers.size(), options);
+  return peers_part(bootstrap, sh, peers, options, fitted(*sh.dom, options, rank));
+}
+
+Connected connect(Bootstrap& bootstrap, int channels, const FabricOptions& ring,
+                  const std::vector<int>& peers, const FabricOptions& mesh) {
+  const int rank = bootstrap.rank();
+  Graveyard::get().reap();
+  rma::check_channel_count("fabric", channels, rank);
+  check_peer_list(peers, rank, bootstrap.size(), "fabric connect");
+  check_options(ring, rank);
+  check_options(mesh, rank);
+  const Shared sh = open_shared(ring, rank, channels, ring, peers.size(), mesh);
+  Connected out;
+  out.ring = ring_part(bootstrap, sh, channels, ring, fitted(*sh.dom, ring, rank));
+  out.mesh = peers_part(bootstrap, sh, peers, mesh, fitted(*sh.dom, mesh, rank));
   return out;
 }
 

@@ -1,10 +1,18 @@
 // libfabric back-end of the link contract (transport/link.h).
 //
-// Each channel is one reliable-datagram endpoint (FI_EP_RDM) with its own
-// completion queue and a one-entry address vector holding the peer's endpoint,
-// so channels never wait behind each other and two ranks joined twice (a ring
-// of two) keep the two links apart. Endpoint names are exchanged over the
-// bootstrap; an RDM endpoint needs no connection handshake.
+// Each channel is one reliable-datagram endpoint (FI_EP_RDM), so channels never wait behind
+// each other and two ranks joined twice (a ring of two) keep the two links apart. Endpoint
+// names are exchanged over the bootstrap; an RDM endpoint needs no connection handshake.
+//
+// Completions: the channels of one connect (connect() makes a communicator's ring and mesh
+// links at once) share one domain, one address vector holding every peer's endpoints, and one
+// completion queue (fabric_domain.h, Hub). An engine turn reads that queue once, whichever
+// channel it progresses first, instead of one queue per channel (each read takes the
+// provider's locks and progresses its endpoints); each completion goes to the channel whose
+// buffer is its context, and a peer's write, which carries no context of ours, to the channel
+// whose number the writer put in the high half of its remote CQ data (the low half is the
+// fragment's sequence number). Providers with 4 bytes of CQ data on the write data path (no
+// room for the number) keep one queue per channel.
 //
 // Data path (see transport/rma/slot_window.h for the protocol): the sender cuts each message
 // into fragments of at most one slot (the provider's message size limit included), spends one
@@ -155,6 +163,10 @@ using RingLinks = transport::RingLinks;
 // another back-end. For tests.
 [[nodiscard]] std::uint64_t window_registrations_made(const Channel& channel);
 
+// Channels on the completion queue `channel` reads (itself included); 0 for a channel of another
+// back-end. For tests.
+[[nodiscard]] std::size_t queue_members(const Channel& channel);
+
 // Messages received written directly into a window (FabricOptions::direct_bytes) by every
 // fabric channel of this process so far. For tests.
 [[nodiscard]] std::uint64_t direct_received_total();
@@ -180,5 +192,16 @@ using RingLinks = transport::RingLinks;
 [[nodiscard]] std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
                                                                   const std::vector<int>& peers,
                                                                   const FabricOptions& options);
+
+// A communicator's links: connect_ring() and connect_peers() at once, every channel on one
+// domain, one address vector and (where the provider lets completions be told apart) one
+// completion queue, which each engine turn reads once (see "Completions" above). Collective
+// over the bootstrap, as the two are; throws as they do.
+struct Connected {
+  RingLinks ring;
+  std::vector<std::unique_ptr<Channel>> mesh;
+};
+[[nodiscard]] Connected connect(Bootstrap& bootstrap, int channels, const FabricOptions& ring,
+                                const std::vector<int>& peers, const FabricOptions& mesh);
 
 }  // namespace dear::transport::fabric

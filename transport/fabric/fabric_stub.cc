@@ -23,6 +23,7 @@ std::optional<std::string> write_unavailable_reason(const std::string&) {
 std::uint64_t registrations_made(const Channel&) { return 0; }
 std::uint64_t window_registrations_made(const Channel&) { return 0; }
 std::uint64_t direct_received_total() { return 0; }
+std::size_t queue_members(const Channel&) { return 0; }
 
 RingLinks connect_ring(Bootstrap& bootstrap, int, const FabricOptions&) {
   throw Error(ErrorCode::kInvalidArgument, kWhy, bootstrap.rank());
@@ -30,6 +31,11 @@ RingLinks connect_ring(Bootstrap& bootstrap, int, const FabricOptions&) {
 
 std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap, const std::vector<int>&,
                                                     const FabricOptions&) {
+  throw Error(ErrorCode::kInvalidArgument, kWhy, bootstrap.rank());
+}
+
+Connected connect(Bootstrap& bootstrap, int, const FabricOptions&, const std::vector<int>&,
+                  const FabricOptions&) {
   throw Error(ErrorCode::kInvalidArgument, kWhy, bootstrap.rank());
 }
 

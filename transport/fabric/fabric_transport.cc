@@ -49,8 +49,8 @@ class FabricTransport final : public rma::RmaTransport {
     if (o.fabric_slot_bytes == 0) {
       ring.slot_bytes = std::min(o.slice_bytes, kMaxRingSlotPayload) + kSlotHeadroom;
     }
-    auto r = connect_ring(bootstrap, o.channels, ring);
-    return links_of(std::move(r), connect_peers(bootstrap, mesh_peers, mesh));
+    auto c = fabric::connect(bootstrap, o.channels, ring, mesh_peers, mesh);
+    return links_of(std::move(c.ring), std::move(c.mesh));
   }
 };
 
