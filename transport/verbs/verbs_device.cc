@@ -1,8 +1,11 @@
 // Compiled, not run on RDMA hardware: see verbs_link.h.
 #include "transport/verbs/verbs_device.h"
 
+#include <fcntl.h>
 #include <sys/random.h>
 
+#include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -264,6 +267,88 @@ GpuRegistration register_gpu_memory(ibv_pd* pd, void* addr, std::size_t bytes, i
 void deregister(GpuRegistration& registration) {
   if (registration.mr != nullptr) ibv_dereg_mr(registration.mr);
   registration = {};
+}
+
+CompletionQueue::CompletionQueue(ibv_context* ctx, std::size_t entries, int rank) : rank_(rank) {
+  cc_ = ibv_create_comp_channel(ctx);
+  if (cc_ == nullptr) throw_sys("ibv_create_comp_channel", errno, rank_);
+  const int fl = ::fcntl(cc_->fd, F_GETFL);
+  if (fl < 0 || ::fcntl(cc_->fd, F_SETFL, fl | O_NONBLOCK) != 0) {
+    const int e = errno;
+    ibv_destroy_comp_channel(cc_);
+    throw_sys("fcntl(O_NONBLOCK)", e, rank_);
+  }
+  cq_ = ibv_create_cq(ctx, static_cast<int>(std::max<std::size_t>(entries, 64)), nullptr, cc_, 0);
+  if (cq_ == nullptr) {
+    const int e = errno;
+    ibv_destroy_comp_channel(cc_);
+    throw_sys("ibv_create_cq(" + std::to_string(entries) + " entries)", e, rank_);
+  }
+}
+
+CompletionQueue::~CompletionQueue() {
+  // Events taken from the channel were acknowledged one by one in arm().
+  ibv_destroy_cq(cq_);
+  ibv_destroy_comp_channel(cc_);
+}
+
+std::uint32_t CompletionQueue::join(std::uint32_t qpn) {
+  members_.push_back({qpn, true, {}});
+  return static_cast<std::uint32_t>(members_.size() - 1);
+}
+
+void CompletionQueue::leave(std::uint32_t m) {
+  members_[m].live = false;
+  members_[m].inbox.clear();
+}
+
+std::string CompletionQueue::arm() {
+  ibv_cq* ev_cq = nullptr;
+  void* ev_ctx = nullptr;
+  while (ibv_get_cq_event(cc_, &ev_cq, &ev_ctx) == 0) {
+    ibv_ack_cq_events(ev_cq, 1);
+    armed_ = false;
+  }
+  if (!armed_) {
+    if (ibv_req_notify_cq(cq_, 0) != 0) {
+      return "ibv_req_notify_cq failed: " + std::string(std::strerror(errno));
+    }
+    armed_ = true;
+  }
+  return {};
+}
+
+std::string CompletionQueue::poll() {
+  ++polls_;
+  // Not cleared: this runs every engine turn, and ibv_poll_cq fills the first n entries, the
+  // only ones read.
+  std::array<ibv_wc, 16> wc;
+  for (int batch = 0; batch < 64; ++batch) {
+    const int n = ibv_poll_cq(cq_, static_cast<int>(wc.size()), wc.data());
+    if (n < 0) return "ibv_poll_cq failed";
+    for (int i = 0; i < n; ++i) {
+      const ibv_wc& c = wc[static_cast<std::size_t>(i)];
+      // A linear search: a communicator's queue pairs are few, and most turns find nothing.
+      // Only live members: a queue pair made after another was destroyed may reuse its number.
+      for (Member& m : members_) {
+        if (m.live && m.qpn == c.qp_num) {
+          m.inbox.push_back(c);
+          break;
+        }
+      }
+    }
+    if (static_cast<std::size_t>(n) < wc.size()) break;
+  }
+  return {};
+}
+
+std::string CompletionQueue::take(std::uint32_t m, std::uint64_t& seen, std::vector<ibv_wc>& out) {
+  std::string failed;
+  if (seen == polls_) failed = poll();
+  seen = polls_;
+  out.clear();
+  out.swap(members_[m].inbox);
+  return failed;
 }
 
 }  // namespace dear::transport::verbs

@@ -150,6 +150,50 @@ struct DeviceSource {
   ibv_mr* mr = nullptr;
 };
 
+// The completion queue (and its completion channel, the engine's wait descriptor) that every
+// queue pair of one connect call completes on, as NCCL's and Open MPI's IB transports keep one
+// per device: an engine turn polls it once, whichever channel it progresses first, and each
+// completion goes to the channel of its queue pair (ibv_wc::qp_num; a peer's write with
+// immediate consumes a receive of the queue pair it arrived on). Completions of a queue pair
+// no longer here are dropped. Used by one thread at a time, as its channels are.
+class CompletionQueue {
+ public:
+  // Room for `entries` completions; throws dear::Error(kSystem) naming the failed call.
+  CompletionQueue(ibv_context* ctx, std::size_t entries, int rank);
+  ~CompletionQueue();
+  CompletionQueue(const CompletionQueue&) = delete;
+  CompletionQueue& operator=(const CompletionQueue&) = delete;
+
+  [[nodiscard]] ibv_cq* cq() const { return cq_; }
+  [[nodiscard]] int fd() const { return cc_->fd; }
+  // The queue pair `qpn` completes here from now on; returns its member number.
+  std::uint32_t join(std::uint32_t qpn);
+  // The member's queue pair is destroyed: what arrives for it is dropped.
+  void leave(std::uint32_t m);
+  // Takes the completion channel's events and asks for the next one (before polling, so that
+  // nothing completing afterwards goes unsignalled). Empty, or what failed.
+  [[nodiscard]] std::string arm();
+  // Polls the queue unless another member polled it since `seen` (the polls counted when this
+  // member last looked), then hands over what arrived for member `m` (into `out`, cleared
+  // first). Empty, or what failed.
+  [[nodiscard]] std::string take(std::uint32_t m, std::uint64_t& seen, std::vector<ibv_wc>& out);
+
+ private:
+  struct Member {
+    std::uint32_t qpn = 0;
+    bool live = true;
+    std::vector<ibv_wc> inbox;
+  };
+  [[nodiscard]] std::string poll();
+
+  int rank_;
+  ibv_comp_channel* cc_ = nullptr;
+  ibv_cq* cq_ = nullptr;
+  bool armed_ = false;
+  std::uint64_t polls_ = 0;
+  std::vector<Member> members_;
+};
+
 // One opened device and port, shared by the channels of one connect call.
 struct Context {
   ibv_context* ctx = nullptr;
@@ -185,11 +229,14 @@ struct Context {
   std::vector<Window> device_windows;
   std::unique_ptr<Flusher> flusher;
   bool flusher_failed = false;  // once failed, device windows are refused
+  // Where the channels' queue pairs complete; made by the connect call, sized for them all.
+  std::unique_ptr<CompletionQueue> completions;
 
   Context() = default;
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
   ~Context() {
+    completions.reset();  // every queue pair completing on it is gone by now
     flusher.reset();
     windows.clear();
     sources.clear();

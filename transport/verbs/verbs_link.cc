@@ -160,9 +160,10 @@ class VerbsChannel final : public rma::RmaChannel<VerbsChannel> {
   std::shared_ptr<Context> ctx_;  // first: outlives the resources below
   std::uint32_t psn_;
 
-  ibv_comp_channel* cc_ = nullptr;
-  ibv_cq* cq_ = nullptr;
   ibv_qp* qp_ = nullptr;
+  std::uint32_t member_ = 0;     // in ctx_->completions
+  std::uint64_t seen_ = 0;       // its polls when this channel last looked
+  std::vector<ibv_wc> arrived_;  // poll_cq's scratch
   ibv_mr* recv_mr_ = nullptr;
   ibv_mr* send_mr_ = nullptr;
   std::unique_ptr<char, FreeDeleter> recv_mem_;  // data slots the peer writes into
@@ -178,7 +179,6 @@ class VerbsChannel final : public rma::RmaChannel<VerbsChannel> {
   // flush once posted.
   std::optional<Window> flush_window_;
   std::optional<std::uint64_t> flush_ticket_;
-  bool armed_ = false;
   bool connected_ = false;
 
   std::vector<std::uint32_t> free_data_;
@@ -224,16 +224,14 @@ VerbsChannel::VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int
   const std::uint32_t rq_depth = slots_ + kControlSlots;
   const auto sys = [&](const std::string& call) { throw_sys(call, errno, self_, peer_); };
 
-  cc_ = ibv_create_comp_channel(ctx_->ctx);
-  if (cc_ == nullptr) sys("ibv_create_comp_channel");
-  const int fl = ::fcntl(cc_->fd, F_GETFL);
-  if (fl < 0 || ::fcntl(cc_->fd, F_SETFL, fl | O_NONBLOCK) != 0) sys("fcntl(O_NONBLOCK)");
-  cq_ = ibv_create_cq(ctx_->ctx, static_cast<int>(sq_depth + rq_depth), nullptr, cc_, 0);
-  if (cq_ == nullptr) sys("ibv_create_cq");
-
-  qp_ = create_rc_qp(ctx_->pd, cq_, sq_depth, rq_depth, static_cast<std::uint32_t>(kControlBytes),
-                     &max_inline_);
+  if (!ctx_->completions) {
+    // A channel made on its own: a queue for its queue pair alone.
+    ctx_->completions = std::make_unique<CompletionQueue>(ctx_->ctx, sq_depth + rq_depth, self_);
+  }
+  qp_ = create_rc_qp(ctx_->pd, ctx_->completions->cq(), sq_depth, rq_depth,
+                     static_cast<std::uint32_t>(kControlBytes), &max_inline_);
   if (qp_ == nullptr) sys("ibv_create_qp");
+  member_ = ctx_->completions->join(qp_->qp_num);
 
   const std::size_t recv_bytes = static_cast<std::size_t>(slots_) * slot_bytes_;
   const std::size_t send_bytes = recv_bytes + (2 * kControlSlots + rq_depth) * kControlBytes;
@@ -263,14 +261,12 @@ VerbsChannel::VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int
 
 VerbsChannel::~VerbsChannel() {
   close();
-  if (qp_ != nullptr) ibv_destroy_qp(qp_);
+  if (qp_ != nullptr) {
+    ibv_destroy_qp(qp_);
+    ctx_->completions->leave(member_);
+  }
   if (recv_mr_ != nullptr) ibv_dereg_mr(recv_mr_);
   if (send_mr_ != nullptr) ibv_dereg_mr(send_mr_);
-  if (cq_ != nullptr) {
-    // Events taken from the channel were acknowledged one by one in arm().
-    ibv_destroy_cq(cq_);
-  }
-  if (cc_ != nullptr) ibv_destroy_comp_channel(cc_);
 }
 
 QpRecord VerbsChannel::record() const {
@@ -375,18 +371,7 @@ bool VerbsChannel::flush_chain() {
 }
 
 void VerbsChannel::arm() {
-  // Take (and acknowledge) what the completion channel signalled, then ask for the next
-  // event before polling, so nothing that completes afterwards goes unsignalled.
-  ibv_cq* ev_cq = nullptr;
-  void* ev_ctx = nullptr;
-  while (ibv_get_cq_event(cc_, &ev_cq, &ev_ctx) == 0) {
-    ibv_ack_cq_events(ev_cq, 1);
-    armed_ = false;
-  }
-  if (!armed_) {
-    if (ibv_req_notify_cq(cq_, 0) != 0) fail("ibv_req_notify_cq failed: " + errno_text(errno));
-    armed_ = true;
-  }
+  if (auto bad = ctx_->completions->arm(); !bad.empty()) fail(bad);
 }
 
 void VerbsChannel::retire(std::uint64_t id) {
@@ -403,18 +388,11 @@ void VerbsChannel::retire(std::uint64_t id) {
 }
 
 bool VerbsChannel::poll_cq() {
-  bool moved = false;
-  // Not cleared, as in the fabric channel: this runs every engine turn, and ibv_poll_cq
-  // fills the first n entries, the only ones read.
-  std::array<ibv_wc, 16> wc;
-  for (int batch = 0; batch < 64; ++batch) {
-    const int n = ibv_poll_cq(cq_, static_cast<int>(wc.size()), wc.data());
-    if (n < 0) fail("ibv_poll_cq failed");
-    if (n == 0) break;
-    moved = true;
+  if (auto bad = ctx_->completions->take(member_, seen_, arrived_); !bad.empty()) fail(bad);
+  if (arrived_.empty()) return false;
+  {
     const ibv_wc* failed = nullptr;
-    for (int i = 0; i < n; ++i) {
-      const ibv_wc& c = wc[static_cast<std::size_t>(i)];
+    for (const ibv_wc& c : arrived_) {
       if (c.status != IBV_WC_SUCCESS) {
         // The first error is the cause; flushed requests behind it only follow from it.
         if (failed == nullptr ||
@@ -455,9 +433,8 @@ bool VerbsChannel::poll_cq() {
            std::to_string(peer_) + " failed: " + ibv_wc_status_str(failed->status) +
            " (vendor error 0x" + hex(failed->vendor_err) + ")");
     }
-    if (static_cast<std::size_t>(n) < wc.size()) break;
   }
-  return moved;
+  return true;
 }
 
 void VerbsChannel::check_staged(const FrameHeader& h, const void* payload) const {
@@ -521,7 +498,7 @@ bool VerbsChannel::register_device_source(const char* base, std::size_t bytes,
 
 pollfd VerbsChannel::wait_spec() const {
   if (closed()) return {-1, 0, 0};
-  return {cc_->fd, POLLIN, 0};
+  return {ctx_->completions->fd(), POLLIN, 0};
 }
 
 bool VerbsChannel::writes_visible() {
@@ -597,12 +574,24 @@ struct RingRecord {
 
 bool built() { return true; }
 
-RingLinks connect_ring(Bootstrap& bootstrap, int channels, const VerbsOptions& options) {
+namespace {
+
+// Opens the device for `channels` queue pairs to each ring neighbour and one to each of
+// `peers`, all completing on one queue.
+std::shared_ptr<Context> open_shared(const VerbsOptions& options, int rank, int channels,
+                                     std::size_t peers) {
+  auto ctx = open_context(options, rank);
+  const std::size_t qps = 2 * static_cast<std::size_t>(channels) + peers;
+  // Each queue pair's send and receive queues, (slots + kControlSlots) deep each.
+  const std::size_t per_qp = 2 * (static_cast<std::size_t>(options.slots) + kControlSlots);
+  ctx->completions = std::make_unique<CompletionQueue>(ctx->ctx, qps * per_qp, rank);
+  return ctx;
+}
+
+RingLinks ring_part(Bootstrap& bootstrap, const std::shared_ptr<Context>& ctx, int channels,
+                    const VerbsOptions& options) {
   const int rank = bootstrap.rank();
   const int size = bootstrap.size();
-  rma::check_channel_count("verbs", channels, rank);
-  check_options(options, rank);
-  auto ctx = open_context(options, rank);
   const int next = (rank + 1) % size;
   const int prev = (rank - 1 + size) % size;
   std::vector<std::unique_ptr<VerbsChannel>> to_next, from_prev;
@@ -637,13 +626,11 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const VerbsOptions& o
   return rma::ring_links(to_next, from_prev);
 }
 
-std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
-                                                    const std::vector<int>& peers,
-                                                    const VerbsOptions& options) {
+std::vector<std::unique_ptr<Channel>> peers_part(Bootstrap& bootstrap,
+                                                 const std::shared_ptr<Context>& ctx,
+                                                 const std::vector<int>& peers,
+                                                 const VerbsOptions& options) {
   const int rank = bootstrap.rank();
-  check_peer_list(peers, rank, bootstrap.size(), "verbs connect_peers");
-  check_options(options, rank);
-  auto ctx = open_context(options, rank);
   std::vector<std::unique_ptr<VerbsChannel>> chans;
   std::vector<std::vector<char>> mine;
   for (std::size_t i = 0; i < peers.size(); ++i) {
@@ -664,6 +651,37 @@ std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
   bootstrap.barrier();
   std::vector<std::unique_ptr<Channel>> out;
   for (auto& ch : chans) out.push_back(std::move(ch));
+  return out;
+}
+
+}  // namespace
+
+RingLinks connect_ring(Bootstrap& bootstrap, int channels, const VerbsOptions& options) {
+  const int rank = bootstrap.rank();
+  rma::check_channel_count("verbs", channels, rank);
+  check_options(options, rank);
+  return ring_part(bootstrap, open_shared(options, rank, channels, 0), channels, options);
+}
+
+std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
+                                                    const std::vector<int>& peers,
+                                                    const VerbsOptions& options) {
+  const int rank = bootstrap.rank();
+  check_peer_list(peers, rank, bootstrap.size(), "verbs connect_peers");
+  check_options(options, rank);
+  return peers_part(bootstrap, open_shared(options, rank, 0, peers.size()), peers, options);
+}
+
+Connected connect(Bootstrap& bootstrap, int channels, const std::vector<int>& peers,
+                  const VerbsOptions& options) {
+  const int rank = bootstrap.rank();
+  rma::check_channel_count("verbs", channels, rank);
+  check_peer_list(peers, rank, bootstrap.size(), "verbs connect");
+  check_options(options, rank);
+  const auto ctx = open_shared(options, rank, channels, peers.size());
+  Connected out;
+  out.ring = ring_part(bootstrap, ctx, channels, options);
+  out.mesh = peers_part(bootstrap, ctx, peers, options);
   return out;
 }
 

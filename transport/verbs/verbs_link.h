@@ -139,6 +139,16 @@ struct VerbsOptions {
                                                                   const std::vector<int>& peers,
                                                                   const VerbsOptions& options);
 
+// A communicator's links: connect_ring() and connect_peers() at once, every queue pair on one
+// protection domain and one completion queue (verbs_device.h, CompletionQueue), which each
+// engine turn polls once. Collective over the bootstrap, as the two are; throws as they do.
+struct Connected {
+  RingLinks ring;
+  std::vector<std::unique_ptr<Channel>> mesh;
+};
+[[nodiscard]] Connected connect(Bootstrap& bootstrap, int channels, const std::vector<int>& peers,
+                                const VerbsOptions& options);
+
 // ---- GPUDirect RDMA registration (compiled, NOT run: needs a GPU and an RDMA NIC) ----------
 
 enum class GpuPath : std::uint8_t {

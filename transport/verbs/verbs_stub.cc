@@ -24,6 +24,10 @@ std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap, const 
   throw Error(ErrorCode::kInvalidArgument, kWhy, bootstrap.rank());
 }
 
+Connected connect(Bootstrap& bootstrap, int, const std::vector<int>&, const VerbsOptions&) {
+  throw Error(ErrorCode::kInvalidArgument, kWhy, bootstrap.rank());
+}
+
 GpuRegistration register_gpu_memory(ibv_pd*, void*, std::size_t, int, std::uint64_t) {
   GpuRegistration r;
   r.why = kWhy;

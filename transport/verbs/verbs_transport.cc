@@ -41,8 +41,8 @@ const Transport& transport() {
 Links VerbsTransport::connect(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
                               const TransportOptions& o) const {
   const VerbsOptions vo = verbs_options(o);
-  auto ring = connect_ring(bootstrap, o.channels, vo);
-  return links_of(std::move(ring), connect_peers(bootstrap, mesh_peers, vo));
+  auto c = verbs::connect(bootstrap, o.channels, mesh_peers, vo);
+  return links_of(std::move(c.ring), std::move(c.mesh));
 }
 
 }  // namespace dear::transport::verbs
