@@ -128,7 +128,7 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   }
   void direct_started(const char*) { g_direct_received.fetch_add(1, std::memory_order_relaxed); }
   bool writes_visible() { return true; }
-  void begin_progress() { first_poll_ = true; }
+  void begin_progress(bool may_read) { first_poll_ = may_read; }
   bool poll(RecvSink& sink) {
     bool m = repost_pending();
     m |= poll_cq(sink);

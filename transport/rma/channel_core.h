@@ -43,7 +43,9 @@
 //   void slot_consumed(std::uint32_t buffer);  // the fragment there was delivered
 //   void direct_started(const char* destination);  // a direct message's header delivered
 //   bool writes_visible();  // the last direct write may be announced now (a GPU flush)
-//   void begin_progress(); bool poll(RecvSink&); void end_progress();  // around progress()
+//   // Around progress(); `may_read`: progress()'s (false: the caller read the links a moment
+//   // ago and only wants what is queued sent, so a shared queue need not be read again).
+//   void begin_progress(bool may_read); bool poll(RecvSink&); void end_progress();
 //   void drain();             // takes completions while closing
 //   bool in_flight() const;  // posts the provider has not completed yet
 //
@@ -209,10 +211,9 @@ class RmaChannel : public ChannelCore {
 
 template <class Backend>
 bool RmaChannel<Backend>::progress(RecvSink& sink, bool may_read) {
-  (void)may_read;  // polling completions is cheap and also completes sends
   if (closed()) return false;
   Backend& b = backend();
-  b.begin_progress();
+  b.begin_progress(may_read);
   bool moved = false;
   for (int round = 0; round < 8 && !closed(); ++round) {
     bool m = b.poll(sink);
