@@ -190,16 +190,61 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
                     std::span<const std::size_t> recv_counts,
                     std::span<const std::size_t> recv_displs, DataType dtype,
                     const OpOptions& opts) override {
-    const char* name = "all_to_all_v";
-    auto o = make(OpKind::kAllToAllV, in, out, 0, dtype, ReduceOp::kSum, -1, opts);
+    return exchange_v(nullptr, -1, in, send_counts, send_displs, out, recv_counts, recv_displs,
+                      dtype, opts);
+  }
+
+  // all_gather_v and gather_v (the base class's argument checks, then all_to_all_v's messages
+  // under their own names in errors; a gather_v's only to the root, N-1 instead of N(N-1)).
+  Work all_gather_v(const void* in, std::size_t send_count, void* out,
+                    std::span<const std::size_t> recv_counts,
+                    std::span<const std::size_t> recv_displs, DataType dtype,
+                    const OpOptions& opts) override {
+    check_per_rank(recv_counts, "recv_counts", size_, rank_, "all_gather_v");
+    check_per_rank(recv_displs, "recv_displs", size_, rank_, "all_gather_v");
+    check_own_count(recv_counts, send_count, rank_, "all_gather_v");
+    const auto n = static_cast<std::size_t>(size_);
+    const std::vector<std::size_t> counts(n, send_count), displs(n, 0);
+    return exchange_v("all_gather_v", -1, in, counts, displs, out, recv_counts, recv_displs, dtype,
+                      opts);
+  }
+
+  Work gather_v(const void* in, std::size_t send_count, void* out,
+                std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs,
+                DataType dtype, int root, const OpOptions& opts) override {
+    dear::check_root(root, size_, rank_, "gather_v");
+    const auto n = static_cast<std::size_t>(size_);
+    std::vector<std::size_t> counts(n, 0), displs(n, 0);
+    counts[static_cast<std::size_t>(root)] = send_count;
+    if (rank_ == root) {
+      check_per_rank(recv_counts, "recv_counts", size_, rank_, "gather_v");
+      check_per_rank(recv_displs, "recv_displs", size_, rank_, "gather_v");
+      check_own_count(recv_counts, send_count, rank_, "gather_v");
+      return exchange_v(nullptr, root, in, counts, displs, out, recv_counts, recv_displs, dtype,
+                        opts);
+    }
+    const std::vector<std::size_t> none(n, 0);  // nothing arrives here
+    return exchange_v(nullptr, root, in, counts, displs, out, none, none, dtype, opts);
+  }
+
+  // all_to_all_v's operation: `called` names the public call where it is not all_to_all_v or
+  // (`root` >= 0, only the messages to the root) gather_v.
+  Work exchange_v(const char* called, int root, const void* in,
+                  std::span<const std::size_t> send_counts,
+                  std::span<const std::size_t> send_displs, void* out,
+                  std::span<const std::size_t> recv_counts,
+                  std::span<const std::size_t> recv_displs, DataType dtype, const OpOptions& opts) {
+    auto o = make(OpKind::kAllToAllV, in, out, 0, dtype, ReduceOp::kSum, root, opts, false, called);
+    const char* name = o->name();
     const std::size_t el = dtype_size(dtype);
     auto layout = std::make_shared<collectives::AllToAllLayout>();
+    layout->root = root;
     const std::size_t send_extent =
         to_bytes(send_counts, send_displs, el, "send_counts", "send_displs", layout->send_bytes,
-                 layout->send_offset);
+                 layout->send_offset, name);
     const std::size_t recv_extent =
         to_bytes(recv_counts, recv_displs, el, "recv_counts", "recv_displs", layout->recv_bytes,
-                 layout->recv_offset);
+                 layout->recv_offset, name);
     const auto me = static_cast<std::size_t>(rank_);
     if (layout->send_bytes[me] != layout->recv_bytes[me]) {
       throw Error(ErrorCode::kInvalidArgument,
@@ -212,8 +257,8 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     if (recv_extent > 0 && out == nullptr) null_arg("out", recv_extent / el, name);
     if (overlaps(o->in, send_extent, o->out, recv_extent)) {
       throw Error(ErrorCode::kInvalidArgument,
-                  "in and out overlap; all_to_all_v runs out of place only", rank_, Error::kNone,
-                  name);
+                  "in and out overlap; " + std::string(name) + " runs out of place only", rank_,
+                  Error::kNone, name);
     }
     if (size_ > 1) {
       check_full_mesh(name);
@@ -574,10 +619,11 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     }
   }
 
+  // `called`: the public call's name where it is not call_name()'s (all_gather_v).
   std::unique_ptr<Op> make(OpKind kind, const void* in, void* out, std::size_t count,
                            DataType dtype, ReduceOp op, int root, const OpOptions& opts,
-                           bool device = false) const {
-    const char* name = collectives::call_name(kind, root);
+                           bool device = false, const char* called = nullptr) const {
+    const char* name = called != nullptr ? called : collectives::call_name(kind, root);
     check_call(dtype, opts, device, name);
     if ((kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter) && !is_valid(op)) {
       throw Error(ErrorCode::kInvalidArgument,
@@ -613,6 +659,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     o->in = static_cast<const char*>(in);
     o->out = static_cast<char*>(out);
     o->device = device;
+    o->called = called;
     return o;
   }
 
@@ -794,8 +841,8 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
   // returns the extent of the buffer they describe. Names the argument that is wrong.
   std::size_t to_bytes(std::span<const std::size_t> counts, std::span<const std::size_t> displs,
                        std::size_t el, const char* counts_name, const char* displs_name,
-                       std::vector<std::size_t>& bytes, std::vector<std::size_t>& offsets) const {
-    const char* name = "all_to_all_v";
+                       std::vector<std::size_t>& bytes, std::vector<std::size_t>& offsets,
+                       const char* name) const {
     const auto n = static_cast<std::size_t>(size_);
     check_per_rank(counts, counts_name, size_, rank_, name);
     check_per_rank(displs, displs_name, size_, rank_, name);
@@ -934,23 +981,6 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
   bool mesh_ = false;       // the engine has the log-step schedules' direct links
   bool full_mesh_ = false;  // ... to every rank (all_to_all)
 };
-
-}  // namespace
-
-namespace {
-
-// What a rank gathers from itself must be what it sends.
-void check_own_count(std::span<const std::size_t> recv_counts, std::size_t send_count, int rank,
-                     const char* op) {
-  const std::size_t own = recv_counts[static_cast<std::size_t>(rank)];
-  if (own != send_count) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "recv_counts[" + std::to_string(rank) + "]=" + std::to_string(own) +
-                    " differs from send_count=" + std::to_string(send_count) +
-                    " (what this rank gathers from itself)",
-                rank, Error::kNone, op);
-  }
-}
 
 }  // namespace
 

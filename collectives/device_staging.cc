@@ -287,6 +287,22 @@ class DeviceCommunicator final : public Communicator {
                  });
   }
 
+  // Staged whole as all_to_all_v is, and issued as the inner communicator's own all_gather_v
+  // and gather_v (whose messages and errors are theirs).
+  Work all_gather_v(const void* in, std::size_t send_count, void* out,
+                    std::span<const std::size_t> recv_counts,
+                    std::span<const std::size_t> recv_displs, DataType dtype,
+                    const OpOptions& opts) override {
+    return gather_lists(-1, in, send_count, out, recv_counts, recv_displs, dtype, opts);
+  }
+
+  Work gather_v(const void* in, std::size_t send_count, void* out,
+                std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs,
+                DataType dtype, int root, const OpOptions& opts) override {
+    dear::check_root(root, size(), rank(), "gather_v");
+    return gather_lists(root, in, send_count, out, recv_counts, recv_displs, dtype, opts);
+  }
+
   Work send(const void* buf, std::size_t count, DataType dtype, int peer,
             const OpOptions& opts) override {
     const std::size_t b = count * dtype_size(dtype);
@@ -338,6 +354,26 @@ class DeviceCommunicator final : public Communicator {
  private:
   using Call =
       std::function<Work(Communicator&, const void*, void*, std::size_t, const OpOptions&)>;
+
+  // all_gather_v (`root` -1) or gather_v (a valid root): the lists are read where this rank
+  // receives (a gather_v's root only).
+  Work gather_lists(int root, const void* in, std::size_t send_count, void* out,
+                    std::span<const std::size_t> recv_counts,
+                    std::span<const std::size_t> recv_displs, DataType dtype,
+                    const OpOptions& opts) {
+    const char* name = root < 0 ? "all_gather_v" : "gather_v";
+    const std::size_t el = dtype_size(dtype);
+    const bool receives = root < 0 || root == rank();
+    const std::vector<std::size_t> counts(recv_counts.begin(), recv_counts.end());
+    const std::vector<std::size_t> displs(recv_displs.begin(), recv_displs.end());
+    const std::size_t out_bytes = receives ? layout_extent(counts, displs, el) : 0;
+    return route({OpKind::kAllToAllV, in, out, 0, dtype, ReduceOp::kSum, root}, name,
+                 StagedKind::kOther, 0, in, send_count * el, out, out_bytes, dtype, opts,
+                 [=](Communicator& c, const void* i, void* o, std::size_t, const OpOptions& x) {
+                   return root < 0 ? c.all_gather_v(i, send_count, o, counts, displs, dtype, x)
+                                   : c.gather_v(i, send_count, o, counts, displs, dtype, root, x);
+                 });
+  }
 
   Work route(const CollectiveCall& cc, const char* name, StagedKind kind, std::size_t count,
              const void* in, std::size_t in_bytes, void* out, std::size_t out_bytes, DataType dtype,

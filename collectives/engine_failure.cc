@@ -21,10 +21,10 @@ using transport::FrameType;
 namespace engine_detail {
 namespace {
 
-std::string view_of(OpKind kind, Schedule schedule, std::uint64_t count, DataType dtype,
-                    ReduceOp redop, int root, bool device) {
+std::string view_of(const char* name, OpKind kind, Schedule schedule, std::uint64_t count,
+                    DataType dtype, ReduceOp redop, int root, bool device) {
   // An all-to-all's schedule is each rank's own (kind_byte): not part of what must agree.
-  return std::string(call_name(kind, root)) + " count=" + std::to_string(count) +
+  return std::string(name) + " count=" + std::to_string(count) +
          " dtype=" + std::string(dear::to_string(dtype)) +
          " op=" + std::string(dear::to_string(redop)) + " root=" + std::to_string(root) +
          (is_all_to_all(kind) ? std::string() : std::string(" schedule=") + to_string(schedule)) +
@@ -34,13 +34,15 @@ std::string view_of(OpKind kind, Schedule schedule, std::uint64_t count, DataTyp
 }  // namespace
 
 std::string view_of(const FrameHeader& h) {
-  return view_of(static_cast<OpKind>(h.kind & 0x0f), schedule_of_wire(h.kind), h.count,
+  const auto kind = static_cast<OpKind>(h.kind & 0x0f);
+  return view_of(call_name(kind, h.root), kind, schedule_of_wire(h.kind), h.count,
                  static_cast<DataType>(h.dtype), static_cast<ReduceOp>(h.redop), h.root,
                  (h.kind & 0x80) != 0);
 }
 
 std::string view_of(const Op& op) {
-  return view_of(op.kind, op.schedule, op.user_count, op.dtype, op.redop, op.root, op.device);
+  return view_of(op.name(), op.kind, op.schedule, op.user_count, op.dtype, op.redop, op.root,
+                 op.device);
 }
 
 }  // namespace engine_detail

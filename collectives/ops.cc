@@ -63,6 +63,7 @@ const char* to_string(OpKind k) noexcept {
 const char* call_name(OpKind kind, int root) noexcept {
   if (is_reduce(kind, root)) return "reduce";
   if (is_scatter(kind, root)) return "scatter";
+  if (kind == OpKind::kAllToAllV && root >= 0) return "gather_v";
   return is_gather(kind, root) ? "gather" : to_string(kind);
 }
 

@@ -65,7 +65,8 @@ enum class OpKind : std::uint8_t {
 [[nodiscard]] constexpr bool is_rooted_result(OpKind kind, int root) noexcept {
   return is_reduce(kind, root) || is_gather(kind, root);
 }
-// The name of the call an operation came from ("reduce", "gather", "scatter"), for messages.
+// The name of the call an operation came from ("reduce", "gather", "scatter", "gather_v"), for
+// messages. An all_to_all_v with a root is a gather_v (its root travels in every frame).
 [[nodiscard]] const char* call_name(OpKind kind, int root) noexcept;
 
 // How an operation is carried out; part of what ranks must agree on.
@@ -113,6 +114,9 @@ class ScratchPool {
 // j, recv_bytes[j] from rank j land at out + recv_offset[j].
 struct AllToAllLayout {
   std::vector<std::size_t> send_bytes, send_offset, recv_bytes, recv_offset;
+  // gather_v: only the messages to this rank exist (every other rank sends it its part, the
+  // root receives them all, nothing else travels); -1: all_to_all_v's N(N-1) messages.
+  int root = -1;
 };
 
 // One step of a log-step schedule (steps.h), from one rank's point of view. Offsets are bytes
@@ -296,7 +300,12 @@ struct Op {
   RingState ring;
   LogStepState log_step;
 
-  [[nodiscard]] const char* name() const noexcept { return call_name(kind, root); }
+  // The public call it came from where that is not call_name()'s (all_gather_v).
+  const char* called = nullptr;
+
+  [[nodiscard]] const char* name() const noexcept {
+    return called != nullptr ? called : call_name(kind, root);
+  }
   [[nodiscard]] OpState life() const noexcept { return life_; }
   // Moves the operation to `to`. A move that transition_allowed() refuses throws
   // Error(kInternal) naming the rank, the operation and both states: the engine's record of

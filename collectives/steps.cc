@@ -547,6 +547,21 @@ StepPlan plan_all_to_all_v(Schedule s, int rank, int nranks, const AllToAllLayou
     const auto u = static_cast<std::size_t>(j);
     return Range{layout.recv_offset[u], layout.recv_bytes[u]};
   };
+  if (layout.root >= 0 && layout.root < nranks) {
+    // gather_v: each message keeps the tag of its shift in the full exchange (the root is k
+    // ranks after the sender), empty ones included, so that a part the root expects and a
+    // sender that has nothing still meet and compare sizes.
+    const int root = layout.root;
+    if (rank != root) {
+      b.shift((root - rank + nranks) % nranks, root, sent(root), -1, {}, true);
+      return plan;
+    }
+    for (int k = 1; k < nranks; ++k) {
+      b.shift(k, -1, {}, (root - k + nranks) % nranks, received((root - k + nranks) % nranks),
+              true);
+    }
+    return plan;
+  }
   plan_shifts(b, s, rank, nranks, sent, received, true);
   return plan;
 }

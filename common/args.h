@@ -46,6 +46,20 @@ inline void check_per_rank(std::span<const std::size_t> list, const char* arg, i
   }
 }
 
+// all_gather_v, gather_v: what a rank gathers from itself (recv_counts[rank], the lists checked
+// by check_per_rank) must be what it sends.
+inline void check_own_count(std::span<const std::size_t> recv_counts, std::size_t send_count,
+                            int rank, const char* op) {
+  const std::size_t own = recv_counts[static_cast<std::size_t>(rank)];
+  if (own != send_count) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "recv_counts[" + std::to_string(rank) + "]=" + std::to_string(own) +
+                    " differs from send_count=" + std::to_string(send_count) +
+                    " (what this rank gathers from itself)",
+                rank, Error::kNone, op);
+  }
+}
+
 // The bytes from the start of a buffer that all_to_all_v's `counts` at `displs` (elements of
 // `el` bytes, the lists checked by check_per_rank) reach.
 inline std::size_t layout_extent(std::span<const std::size_t> counts,

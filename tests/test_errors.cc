@@ -506,6 +506,65 @@ TEST(Mismatch, AllToAllVSizesThatDisagreeFailEveryRankNamingBoth) {
   EXPECT_NE(at1.find("expect 16"), std::string::npos) << at1;
 }
 
+// all_gather_v: rank 1 gives 3 elements where the others expect 2 from it. The ranks that
+// receive them name the call they made (not all_to_all_v, which carries it), and nobody waits
+// for the deadline.
+TEST(Mismatch, AllGatherVSizesThatDisagreeNameAllGatherV) {
+  CommOptions o;
+  o.timeout = 20s;
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = run_ranks_collect(
+      3,
+      [&](Communicator& comm) {
+        const auto u = static_cast<std::size_t>(comm.rank());
+        std::vector<float> in(4, 1.0f), out(12);
+        std::vector<std::size_t> counts(3, 2), displs{0, 4, 8};
+        counts[u] = comm.rank() == 1 ? 3 : 2;
+        comm.all_gather_v(in.data(), counts[u], out.data(), counts, displs, DataType::kFloat32)
+            .wait();
+      },
+      o);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "the mismatch took the deadline";
+  for (const int r : {0, 2}) {
+    ASSERT_TRUE(errors[static_cast<std::size_t>(r)]) << "rank " << r << " did not fail";
+    const std::string e = what_of(errors[static_cast<std::size_t>(r)]);
+    EXPECT_EQ(code_of(errors[static_cast<std::size_t>(r)]), ErrorCode::kMismatch) << e;
+    EXPECT_NE(e.find("all_gather_v"), std::string::npos) << "rank " << r << ": " << e;
+    EXPECT_EQ(e.find("all_to_all_v"), std::string::npos) << "rank " << r << ": " << e;
+  }
+}
+
+// gather_v where rank 2 names root 1 and the others root 0. Rank 2's part reaches rank 1,
+// which (a non-root of root 0) expects none: once it arrives, while rank 1 goes on to a
+// barrier, rank 1 fails with a mismatch naming gather_v and root 1, every rank fails, and none
+// waits for the deadline. (gather_v sends only to the root, so this is found when the stray
+// part arrives, not by an exchange between every pair of ranks.)
+TEST(Mismatch, GatherVRootsThatDisagreeFailEveryRank) {
+  CommOptions o;
+  o.timeout = 20s;
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = run_ranks_collect(
+      3,
+      [&](Communicator& comm) {
+        std::vector<float> in(4, 1.0f), out(12);
+        const std::vector<std::size_t> counts(3, 2), displs{0, 4, 8};
+        comm.gather_v(in.data(), 2, out.data(), counts, displs, DataType::kFloat32,
+                      comm.rank() == 2 ? 1 : 0)
+            .wait();
+        comm.barrier().wait();
+      },
+      o);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "the mismatch took the deadline";
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(errors[static_cast<std::size_t>(r)]) << "rank " << r << " did not fail";
+  }
+  const std::string e = what_of(errors[1]);
+  EXPECT_EQ(code_of(errors[1]), ErrorCode::kMismatch) << e;
+  EXPECT_NE(e.find("gather_v"), std::string::npos) << e;
+  EXPECT_EQ(e.find("all_to_all_v"), std::string::npos) << e;
+  EXPECT_NE(e.find("root=1"), std::string::npos) << e;
+}
+
 TEST(Mismatch, AChildsFailureNamesTheChildAndSparesItsParentAndSibling) {
   // 4 ranks split into {0, 2} and {1, 3}; in the first, the ranks disagree about a count.
   CommOptions o;

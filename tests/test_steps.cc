@@ -555,5 +555,61 @@ TEST(LogStepSchedules, AllToAllShiftsOneBlockPerPeer) {
   EXPECT_TRUE(plan_steps(OpKind::kAllToAll, Schedule::kPairwise, 0, 4, 0, 4).steps.empty());
 }
 
+// gather_v's messages (an all_to_all_v layout with a root): on every rank count of 2-7 and every
+// root, each other rank sends its one part to the root, under the tag the root's receive from
+// it carries, and the root receives N-1 parts; nothing else travels (all_to_all_v would send
+// N(N-1) messages, most of them empty), and every message is kept when empty, so that sizes
+// that disagree still meet.
+TEST(LogStepSchedules, GatherVSendsOnlyToTheRoot) {
+  for (int n = 2; n <= 7; ++n) {
+    for (int root = 0; root < n; ++root) {
+      // tag -> (sender, bytes), from the senders' plans; then matched against the root's.
+      std::map<int, std::pair<int, std::size_t>> sent;
+      for (int r = 0; r < n; ++r) {
+        AllToAllLayout l;
+        l.root = root;
+        const auto u = static_cast<std::size_t>(n);
+        l.send_bytes.assign(u, 0);
+        l.send_offset.assign(u, 0);
+        l.recv_bytes.assign(u, 0);
+        l.recv_offset.assign(u, 0);
+        l.send_bytes[static_cast<std::size_t>(root)] = static_cast<std::size_t>(r) * 8;
+        if (r == root) {
+          for (int j = 0; j < n; ++j) {
+            l.recv_bytes[static_cast<std::size_t>(j)] = static_cast<std::size_t>(j) * 8;
+            l.recv_offset[static_cast<std::size_t>(j)] = static_cast<std::size_t>(j) * 64;
+          }
+        }
+        for (const Schedule s : {Schedule::kPairwise, Schedule::kScattered}) {
+          const StepPlan p = plan_all_to_all_v(s, r, n, l);
+          if (r != root) {
+            ASSERT_EQ(p.steps.size(), 1U) << "n=" << n << " root=" << root << " rank=" << r;
+            const Step& st = p.steps[0];
+            EXPECT_EQ(st.send_peer, root);
+            EXPECT_LT(st.recv_peer, 0);
+            EXPECT_EQ(st.send_bytes, static_cast<std::size_t>(r) * 8);
+            EXPECT_EQ(st.tag, (root - r + n) % n);
+            sent[st.tag] = {r, st.send_bytes};
+            continue;
+          }
+          ASSERT_EQ(p.steps.size(), static_cast<std::size_t>(n - 1)) << "n=" << n;
+          std::set<int> from;
+          for (const Step& st : p.steps) {
+            EXPECT_LT(st.send_peer, 0);
+            ASSERT_GE(st.recv_peer, 0);
+            from.insert(st.recv_peer);
+            EXPECT_EQ(st.recv_bytes, static_cast<std::size_t>(st.recv_peer) * 8);
+            EXPECT_EQ(st.recv_offset, static_cast<std::size_t>(st.recv_peer) * 64);
+            EXPECT_EQ(st.tag, (root - st.recv_peer + n) % n);
+          }
+          EXPECT_EQ(from.size(), static_cast<std::size_t>(n - 1));
+          EXPECT_EQ(from.count(root), 0U);
+        }
+      }
+      EXPECT_EQ(sent.size(), static_cast<std::size_t>(n - 1)) << "tags collide, n=" << n;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dear::collectives

@@ -265,14 +265,16 @@ class Communicator {
   // of up to 64 ranks); device buffers are staged whole. `peer` must be another rank.
   // MPI_Allgatherv: rank j's in[send_count] lands at out + recv_displs[j] on every rank, whose
   // recv_counts[j] must equal rank j's send_count (a difference fails both, naming the sizes).
-  // Out of place only. Runs as all_to_all_v (each rank's block straight to every rank), whose
-  // name its errors carry.
+  // Out of place only. Runs as all_to_all_v (each rank's block straight to every rank); its
+  // errors name all_gather_v (those of the MPI and NCCL communicators: all_to_all_v).
   virtual Work all_gather_v(const void* in, std::size_t send_count, void* out,
                             std::span<const std::size_t> recv_counts,
                             std::span<const std::size_t> recv_displs, DataType dtype,
                             const OpOptions& opts = {});
   // MPI_Gatherv: as all_gather_v, into the root's out only. Elsewhere recv_counts and
-  // recv_displs are not read (they may be empty) and out may be null.
+  // recv_displs are not read (they may be empty) and out may be null. Only the N-1 parts to
+  // the root travel; a rank that names another root fails with a mismatch once a part reaches
+  // a rank that expects none.
   virtual Work gather_v(const void* in, std::size_t send_count, void* out,
                         std::span<const std::size_t> recv_counts,
                         std::span<const std::size_t> recv_displs, DataType dtype, int root,
