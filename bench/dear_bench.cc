@@ -351,9 +351,9 @@ int run(int argc, char** argv) {
   app.add_option("--slice", slice, "Pipelining slice size, e.g. 512K; default DEAR_SLICE_BYTES");
   app.add_option("--algo", algo,
                  "Algorithm: auto, ring, gather_reduce (all_reduce), halving_doubling, "
-                 "recursive_doubling, tree (all_reduce), pairwise, scattered (all_to_all)")
+                 "recursive_doubling, tree (all_reduce), pairwise, scattered, bruck (all_to_all)")
       ->check(CLI::IsMember({"auto", "ring", "gather_reduce", "halving_doubling",
-                             "recursive_doubling", "tree", "pairwise", "scattered"}));
+                             "recursive_doubling", "tree", "pairwise", "scattered", "bruck"}));
   std::string compare;
   app.add_option("--compare", compare,
                  "Time these algorithms (comma-separated --algo names) interleaved at each size "
@@ -387,7 +387,7 @@ int run(int argc, char** argv) {
         std::fprintf(stderr,
                      "dear-bench: --compare: '%s' is not an algorithm (auto, ring, "
                      "gather_reduce, halving_doubling, recursive_doubling, tree, pairwise, "
-                     "scattered)\n",
+                     "scattered, bruck)\n",
                      a.c_str());
         return 2;
       }

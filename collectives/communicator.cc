@@ -35,6 +35,7 @@ const char* to_string(Algorithm a) noexcept {
     case Algorithm::kTree: return "tree";
     case Algorithm::kPairwise: return "pairwise";
     case Algorithm::kScattered: return "scattered";
+    case Algorithm::kBruck: return "bruck";
   }
   return "invalid";
 }
@@ -42,7 +43,7 @@ const char* to_string(Algorithm a) noexcept {
 std::optional<Algorithm> parse_algorithm(std::string_view name) noexcept {
   for (const auto a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kGatherReduce,
                        Algorithm::kHalvingDoubling, Algorithm::kRecursiveDoubling, Algorithm::kTree,
-                       Algorithm::kPairwise, Algorithm::kScattered}) {
+                       Algorithm::kPairwise, Algorithm::kScattered, Algorithm::kBruck}) {
     if (name == to_string(a)) return a;
   }
   return std::nullopt;
@@ -442,7 +443,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
                       rank_, Error::kNone, "all_to_all");
         }
         if (size_ > 1) check_full_mesh("all_to_all");
-        o->schedule = all_to_all_schedule(a, c.count * dtype_size(c.dtype));
+        o->schedule = equal_all_to_all_schedule(a, c.count * dtype_size(c.dtype));
         o->fence = std::move(fence);
         return launch(std::move(o), opts);
       }
@@ -751,8 +752,10 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
           ErrorCode::kInvalidArgument,
           std::string(what) + "=" + to_string(a) + " does not apply to " + name +
               (collectives::is_scatter(kind, root) ? " (a scatter runs the tree or scattered)"
-               : collectives::is_all_to_all(kind)  ? " (an all_to_all runs pairwise or scattered)"
-               : a == Algorithm::kPairwise         ? " (all_to_all only)"
+               : kind == OpKind::kAllToAllV        ? " (an all_to_all_v runs pairwise or scattered)"
+               : collectives::is_all_to_all(kind)
+                   ? " (an all_to_all runs pairwise, scattered or bruck)"
+               : a == Algorithm::kPairwise || a == Algorithm::kBruck ? " (all_to_all only)"
                : a == Algorithm::kScattered    ? " (all_to_all, reduce, gather and scatter only)"
                : a == Algorithm::kGatherReduce ? " (all_reduce and reduce only)"
                : a == Algorithm::kTree
@@ -775,11 +778,13 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
 
   static bool algorithm_fits(Algorithm a, OpKind kind, int root = -1) {
     if (collectives::is_all_to_all(kind)) {
-      return a == Algorithm::kAuto || a == Algorithm::kPairwise || a == Algorithm::kScattered;
+      return a == Algorithm::kAuto || a == Algorithm::kPairwise || a == Algorithm::kScattered ||
+             (a == Algorithm::kBruck && kind == OpKind::kAllToAll);
     }
     switch (a) {
       case Algorithm::kAuto: return true;
-      case Algorithm::kPairwise: return false;
+      case Algorithm::kPairwise:
+      case Algorithm::kBruck: return false;
       case Algorithm::kScattered:
         return collectives::is_rooted_result(kind, root) || collectives::is_scatter(kind, root);
       case Algorithm::kRing: return !collectives::is_scatter(kind, root);
@@ -876,8 +881,23 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     if (a == Algorithm::kScattered) return Schedule::kScattered;
     return block_bytes <= kScatteredMaxBlockBytes ? Schedule::kScattered : Schedule::kPairwise;
   }
+  // An all_to_all's (equal blocks): Bruck's where asked for or, under auto, for blocks of at
+  // most kBruckMaxBlockBytes on at least kBruckMinRanks ranks; else as all_to_all_v's.
+  Schedule equal_all_to_all_schedule(Algorithm a, std::size_t block_bytes) const {
+    if (a == Algorithm::kBruck) return Schedule::kBruck;
+    if (a == Algorithm::kAuto && size_ >= kBruckMinRanks && block_bytes <= kBruckMaxBlockBytes) {
+      return Schedule::kBruck;
+    }
+    return all_to_all_schedule(a == Algorithm::kBruck ? Algorithm::kAuto : a, block_bytes);
+  }
   // Measured on 4 ranks over TCP loopback (docs/results.md, "all_to_all").
   static constexpr std::size_t kScatteredMaxBlockBytes = 64 * 1024;
+  // Where auto takes Bruck's all_to_all: log2(N) packed messages in turn against N-1 at once.
+  // Measured over TCP loopback (docs/results.md, "all_to_all"): on 6 ranks Bruck's took
+  // 0.64-0.77x scattered's time up to 2 KiB blocks and lost at 8 KiB; on 8 ranks 0.57-0.88x up
+  // to 8 KiB and lost at 16 KiB; on 4 ranks it was level with pairwise.
+  static constexpr int kBruckMinRanks = 6;
+  static constexpr std::size_t kBruckMaxBlockBytes = 2 * 1024;
   static constexpr std::size_t kDirectMinBytes = 32 * 1024;
 
   // The schedule of an all_reduce, reduce_scatter or all_gather: see

@@ -2,6 +2,8 @@
 // binomial tree, steps.h) on the mesh links: each operation's steps run one after another,
 // a step's send leaving once the steps before it are complete and the step completing once
 // its receive has arrived and been applied; an arriving message is placed by its tag.
+#include <cstring>
+
 #include "collectives/engine.h"
 #include "collectives/engine_internal.h"
 #include "collectives/steps.h"
@@ -49,6 +51,22 @@ bool Engine::advance_log_steps(Op& op) {
       const FrameHeader h = data_frame(op, static_cast<std::uint32_t>(s.tag), s.send_bytes);
       const char* src = s.send_input ? op.log_step.send_base + s.send_offset
                                      : work_source(op, s.send_offset, s.send_bytes);
+      if (!s.send_pieces.empty()) {
+        // Bruck: the blocks gathered into the staging area once (the steps before this one are
+        // complete, so they hold their value), sent from there.
+        char* packed = op.log_step.stage + s.pack_offset;
+        if ((st & LogStepState::kStepPacked) == 0) {
+          std::size_t at = 0;
+          for (const StepPiece& p : s.send_pieces) {
+            const char* from =
+                p.input ? op.log_step.send_base + p.offset : work_source(op, p.offset, p.bytes);
+            std::memcpy(packed + at, from, p.bytes);
+            at += p.bytes;
+          }
+          st |= LogStepState::kStepPacked;
+        }
+        src = packed;
+      }
       if (!ch.try_send(h, src, (op.seq << 8) | k)) break;
       st |= LogStepState::kStepSent;
       ++op.log_step.sends_in_flight;
@@ -74,8 +92,22 @@ bool Engine::advance_log_steps(Op& op) {
         }
         if ((st & LogStepState::kStepApplied) == 0) break;
       }
-      // A copied receive wrote its range when it arrived; no earlier step touches it.
-      work_written(op, s.recv_offset, s.recv_bytes);
+      if (!s.recv_pieces.empty()) {
+        // Bruck: the message waited in the staging area; its blocks go to their places now
+        // (the send of this step was packed before, so it reads none of them).
+        if ((st & LogStepState::kStepApplied) == 0) {
+          const char* from = op.log_step.stage + s.stage_offset;
+          for (const StepPiece& p : s.recv_pieces) {
+            std::memcpy(op.work + p.offset, from, p.bytes);
+            from += p.bytes;
+            work_written(op, p.offset, p.bytes);
+          }
+          st |= LogStepState::kStepApplied;
+        }
+      } else {
+        // A copied receive wrote its range when it arrived; no earlier step touches it.
+        work_written(op, s.recv_offset, s.recv_bytes);
+      }
     }
     ++op.log_step.step_next;
     moved = true;
@@ -110,7 +142,8 @@ RecvTarget Engine::log_step_target(Op& op, int link, const FrameHeader& h, RecvC
     if (received || s.recv_bytes != h.bytes) break;
     ctx.op = &op;
     ctx.step = static_cast<int>(k);
-    char* dst = s.reduce ? op.log_step.stage + s.stage_offset : op.work + s.recv_offset;
+    char* dst = s.reduce || !s.recv_pieces.empty() ? op.log_step.stage + s.stage_offset
+                                                   : op.work + s.recv_offset;
     return {RecvTarget::kDirect, dst, 1};
   }
   throw Error(ErrorCode::kMismatch,

@@ -78,6 +78,7 @@ const char* to_string(Schedule s) noexcept {
     case Schedule::kTree: return "tree";
     case Schedule::kPairwise: return "pairwise";
     case Schedule::kScattered: return "scattered";
+    case Schedule::kBruck: return "bruck";
   }
   return "unknown";
 }

@@ -90,6 +90,7 @@ enum class Schedule : std::uint8_t {
                    // from rank - k
   kScattered = 9,  // all_to_all: every send at once, then every receive (one round); reduce,
                    // gather and scatter: straight between the root and every rank (one round)
+  kBruck = 10,     // all_to_all (equal blocks): Bruck's ceil(log2 N) rounds (steps.h)
 };
 [[nodiscard]] const char* to_string(Schedule s) noexcept;
 
@@ -119,6 +120,14 @@ struct AllToAllLayout {
   int root = -1;
 };
 
+// A piece of a Bruck step's message (steps.h): `bytes` at `offset` of the work buffer, or
+// (`input`, sends only) of what steps with send_input read.
+struct StepPiece {
+  std::size_t offset = 0;
+  std::size_t bytes = 0;
+  bool input = false;
+};
+
 // One step of a log-step schedule (steps.h), from one rank's point of view. Offsets are bytes
 // in the operation's work buffer.
 struct Step {
@@ -134,6 +143,12 @@ struct Step {
   std::size_t stage_offset = 0;  // reduce: where the operand waits in the staging area
   bool wait_send = false;        // the send must have left before the receive is applied
   bool send_input = false;       // the send reads the input (LogStepState::send_base), not work
+  // Bruck's all_to_all: the message gathers `send_pieces`, packed into the staging area at
+  // `pack_offset` as the send leaves, and scatters into `recv_pieces`: it lands in the staging
+  // area at `stage_offset` and is copied out when its step comes. Empty for every other
+  // schedule (send_offset and recv_offset say where).
+  std::vector<StepPiece> send_pieces, recv_pieces;
+  std::size_t pack_offset = 0;
 };
 
 struct StepPlan {
@@ -225,7 +240,8 @@ struct LogStepState {
   static constexpr std::uint8_t kStepSendDone = 2;  // the transport is done with it
   static constexpr std::uint8_t kStepReceived = 4;  // its receive arrived (and was copied)
   static constexpr std::uint8_t kStepApplying = 8;  // its reduction is issued
-  static constexpr std::uint8_t kStepApplied = 16;  // its reduction is done
+  static constexpr std::uint8_t kStepApplied = 16;  // its reduction (or unpacking) is done
+  static constexpr std::uint8_t kStepPacked = 32;   // its send's pieces are packed
   std::vector<std::uint8_t> step_state;
   std::uint32_t step_next = 0;
   std::uint32_t sends_in_flight = 0;

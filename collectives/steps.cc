@@ -410,6 +410,41 @@ void plan_all_to_all(Builder& b, Schedule s, int r, int n, std::size_t block) {
   plan_shifts(b, s, r, n, at, at, false);
 }
 
+// Bruck's all_to_all: ceil(log2 N) rounds. Number the blocks by how far their destination is
+// from this rank (block i goes to rank + i). In round k (distance d = 2^k) a rank sends to
+// rank + d every block whose i has bit k set and receives the same i from rank - d; after its
+// last round block i holds what rank - i sent this rank. A block still holds the input until
+// the round of its lowest set bit, so that round reads it from the input (rank + i's block);
+// its first receive lands it at the output's block rank - i, where later rounds read it and
+// where it ends: no rotation before or after. Each round's message gathers its blocks (packed
+// in the staging area) and scatters them on arrival; tags kBruckTag + k, apart from every other
+// schedule's, so that ranks that chose differently fail instead of matching.
+constexpr int kBruckTag = 128;
+
+void plan_bruck(StepPlan& plan, int r, int n, std::size_t block) {
+  if (block == 0) return;
+  const auto at = [&](int rank) { return static_cast<std::size_t>((rank % n + n) % n) * block; };
+  for (int k = 0, d = 1; d < n; ++k, d <<= 1) {
+    Step s;
+    s.tag = kBruckTag + k;
+    s.send_peer = (r + d) % n;
+    s.recv_peer = (r - d + n) % n;
+    for (int i = 1; i < n; ++i) {
+      if ((i & d) == 0) continue;
+      const bool from_input = (i & (d - 1)) == 0;  // no lower bit: not received yet
+      s.send_pieces.push_back({from_input ? at(r + i) : at(r - i), block, from_input});
+      s.recv_pieces.push_back({at(r - i), block, false});
+    }
+    s.send_bytes = s.send_pieces.size() * block;
+    s.recv_bytes = s.recv_pieces.size() * block;
+    s.stage_offset = plan.stage_bytes;
+    plan.stage_bytes += s.recv_bytes;
+    s.pack_offset = plan.stage_bytes;
+    plan.stage_bytes += s.send_bytes;
+    plan.steps.push_back(std::move(s));
+  }
+}
+
 // reduce, gather and scatter straight between the root and every other rank (kScattered over
 // the mesh, one round): every other rank sends its input to the root (reduce, gather) or
 // receives its block from it (scatter); the root takes or sends all N-1 messages at once, each
@@ -447,7 +482,8 @@ void plan_direct(Builder& b, OpKind kind, int r, int n, int root, std::size_t co
 
 bool is_log_step(Schedule s) noexcept {
   return s == Schedule::kRecursiveDoubling || s == Schedule::kHalvingDoubling ||
-         s == Schedule::kTree || s == Schedule::kPairwise || s == Schedule::kScattered;
+         s == Schedule::kTree || s == Schedule::kPairwise || s == Schedule::kScattered ||
+         s == Schedule::kBruck;
 }
 
 bool log_step_supports(OpKind kind, Schedule s) noexcept {
@@ -456,6 +492,7 @@ bool log_step_supports(OpKind kind, Schedule s) noexcept {
       return s == Schedule::kRecursiveDoubling || s == Schedule::kHalvingDoubling ||
              s == Schedule::kTree;
     case OpKind::kAllToAll:
+      return s == Schedule::kPairwise || s == Schedule::kScattered || s == Schedule::kBruck;
     case OpKind::kAllToAllV: return s == Schedule::kPairwise || s == Schedule::kScattered;
     case OpKind::kReduceScatter: return s == Schedule::kHalvingDoubling;
     case OpKind::kAllGather:
@@ -512,7 +549,11 @@ StepPlan plan_steps(OpKind kind, Schedule s, int rank, int nranks, std::size_t c
       throw std::invalid_argument("plan_steps: all_to_all_v is planned by plan_all_to_all_v");
     case OpKind::kAllToAll:
       plan.work_bytes = static_cast<std::size_t>(nranks) * count * el;
-      plan_all_to_all(b, s, rank, nranks, count * el);
+      if (s == Schedule::kBruck) {
+        plan_bruck(plan, rank, nranks, count * el);
+      } else {
+        plan_all_to_all(b, s, rank, nranks, count * el);
+      }
       break;
     default:
       plan.work_bytes = static_cast<std::size_t>(nranks) * count * el;
@@ -607,6 +648,8 @@ StepCost step_cost(OpKind kind, Schedule s, int nranks, std::size_t count, std::
       // socket): one more pass over it.
       c.copied_bytes += st.recv_bytes;
     }
+    // Bruck: each message packed before it leaves and unpacked when its step comes.
+    if (!st.send_pieces.empty()) c.copied_bytes += st.send_bytes + st.recv_bytes;
   }
   // Local copies: reduce_scatter's input into its work buffer and the result out of it;
   // all_gather's own block. all_reduce reads its input where the output is not yet written

@@ -323,7 +323,8 @@ TEST_P(Conformance, AllToAllEveryTypeAndAlgorithm) {
   const auto nn = static_cast<std::size_t>(n);
   run_ranks(n, [&](Communicator& comm) {
     const int r = comm.rank();
-    for (const auto algo : {Algorithm::kAuto, Algorithm::kPairwise, Algorithm::kScattered}) {
+    for (const auto algo :
+         {Algorithm::kAuto, Algorithm::kPairwise, Algorithm::kScattered, Algorithm::kBruck}) {
       for (const auto t : kAllTypes) {
         for (const std::size_t count :
              {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{4099}}) {

@@ -99,7 +99,8 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
       ring.algorithm = Algorithm::kRing;
       e = expect_error(
           [&] { comm.all_to_all(buf.data(), buf.data(), 1, DataType::kFloat32, ring); });
-      EXPECT_NE(std::string(e.what()).find("pairwise or scattered"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("pairwise, scattered or bruck"), std::string::npos)
+          << e.what();
       OpOptions pairwise;
       pairwise.algorithm = Algorithm::kPairwise;
       e = expect_error([&] {
@@ -186,6 +187,30 @@ TEST(InvalidArguments, NameTheArgumentAndTheRank) {
     e = expect_error([&] { comm.all_gather(buf.data(), buf.data(), 1, DataType::kFloat32, tree); });
     EXPECT_NE(std::string(e.what()).find("does not apply to all_gather"), std::string::npos)
         << e.what();
+    // Bruck's exchange needs equal blocks: all_to_all only, never all_to_all_v or all_reduce.
+    {
+      OpOptions bruck;
+      bruck.algorithm = Algorithm::kBruck;
+      const std::vector<std::size_t> ones(static_cast<std::size_t>(comm.size()), 1);
+      std::vector<std::size_t> displs(ones.size());
+      for (std::size_t j = 0; j < displs.size(); ++j) displs[j] = j;
+      std::vector<float> src(ones.size()), dst(ones.size());
+      e = expect_error([&] {
+        comm.all_to_all_v(src.data(), ones, displs, dst.data(), ones, displs, DataType::kFloat32,
+                          bruck);
+      });
+      EXPECT_NE(std::string(e.what()).find("OpOptions::algorithm=bruck does not apply to "
+                                           "all_to_all_v (an all_to_all_v runs pairwise or "
+                                           "scattered)"),
+                std::string::npos)
+          << e.what();
+      e = expect_error([&] {
+        comm.all_reduce(buf.data(), buf.data(), 4, DataType::kFloat32, ReduceOp::kSum, bruck);
+      });
+      EXPECT_NE(std::string(e.what()).find("bruck does not apply to all_reduce (all_to_all only)"),
+                std::string::npos)
+          << e.what();
+    }
 
     e = expect_error([&] {
       comm.all_reduce(buf.data(), buf.data() + 2, 8, DataType::kFloat32, ReduceOp::kSum);

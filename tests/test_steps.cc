@@ -118,9 +118,12 @@ std::vector<std::vector<Elem>> simulate(OpKind kind, Schedule s, int n, std::siz
     ASSERT_EQ(ss.send_bytes, rs.recv_bytes) << "message " << m.tag << " " << m.src << "->" << m.dst;
     ASSERT_FALSE(to.received[k]) << "message " << m.tag << " delivered twice";
     // The sender's memory is read now: what it holds at delivery time.
-    const Elem* src =
-        ss.send_input ? at(from.input, ss.send_offset) : at(from.work, ss.send_offset);
-    Elem* dst = rs.reduce ? at(to.stage, rs.stage_offset) : at(to.work, rs.recv_offset);
+    // (Bruck's messages were packed into the staging area as they left.)
+    const Elem* src = !ss.send_pieces.empty() ? at(from.stage, ss.pack_offset)
+                      : ss.send_input         ? at(from.input, ss.send_offset)
+                                              : at(from.work, ss.send_offset);
+    Elem* dst = rs.reduce || !rs.recv_pieces.empty() ? at(to.stage, rs.stage_offset)
+                                                     : at(to.work, rs.recv_offset);
     std::memcpy(dst, src, rs.recv_bytes);
     from.delivered[m.src_step] = true;
     to.received[k] = true;
@@ -132,6 +135,12 @@ std::vector<std::vector<Elem>> simulate(OpKind kind, Schedule s, int n, std::siz
       const std::size_t k = st.next;
       const Step& step = st.plan.steps[k];
       if (step.send_peer >= 0 && !st.sent[k]) {
+        std::size_t packed = step.pack_offset;
+        for (const StepPiece& p : step.send_pieces) {
+          std::memcpy(at(st.stage, packed),
+                      p.input ? at(st.input, p.offset) : at(st.work, p.offset), p.bytes);
+          packed += p.bytes;
+        }
         flight.push_back({r, step.send_peer, step.tag, k});
         st.sent[k] = true;
         moved = true;
@@ -139,6 +148,11 @@ std::vector<std::vector<Elem>> simulate(OpKind kind, Schedule s, int n, std::siz
       if (step.recv_peer >= 0) {
         if (!st.received[k]) break;
         if (step.wait_send && !st.delivered[k]) break;
+        std::size_t landed = step.stage_offset;
+        for (const StepPiece& p : step.recv_pieces) {
+          std::memcpy(at(st.work, p.offset), at(st.stage, landed), p.bytes);
+          landed += p.bytes;
+        }
         if (step.reduce) {
           Elem* dst = at(st.work, step.recv_offset);
           const Elem* op = at(st.stage, step.stage_offset);
@@ -262,6 +276,7 @@ TEST(LogStepSchedules, EveryKindRankCountAndSizeUnderRandomInterleavings) {
       {OpKind::kAllGather, Schedule::kHalvingDoubling},
       {OpKind::kAllToAll, Schedule::kPairwise},
       {OpKind::kAllToAll, Schedule::kScattered},
+      {OpKind::kAllToAll, Schedule::kBruck},
   };
   for (const auto& [kind, s] : cases) {
     for (int n = 2; n <= 17; ++n) {

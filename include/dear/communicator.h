@@ -45,6 +45,8 @@ enum class Algorithm : std::uint8_t {
   // all_to_all only, over direct links to every rank:
   kPairwise,   // N-1 steps, step k sends to rank + k and receives from rank - k (large)
   kScattered,  // every send at once, then every receive: one round of latency (small)
+  kBruck,      // all_to_all (equal blocks) only: Bruck's log2(N) rounds, each sending about
+               // half the blocks packed into one message (small blocks, many ranks)
 };
 [[nodiscard]] const char* to_string(Algorithm a) noexcept;
 [[nodiscard]] std::optional<Algorithm> parse_algorithm(std::string_view name) noexcept;
