@@ -282,6 +282,8 @@ class Hub {
   };
   // The member whose buffer `ctx` is, or -1.
   [[nodiscard]] int owner(const void* ctx) const;
+  // The member a completion with these flags, CQ data and context belongs to, or -1.
+  [[nodiscard]] int member_of(std::uint64_t flags, std::uint64_t data, const void* ctx) const;
   void route(const fi_cq_data_entry& e);
   void route_error(const fi_cq_err_entry& e);
   // A completion for a retired member: notes its peer's goodbye.

@@ -107,21 +107,17 @@ void Hub::note_retired(Member& m, const fi_cq_data_entry& e) {
   }
 }
 
+int Hub::member_of(std::uint64_t flags, std::uint64_t data, const void* ctx) const {
+  if (!peer_write(flags)) return owner(ctx);
+  // A peer's write: the writer named the member in the data's high half, or (where such writes
+  // consume a posted receive) the receive's context says whose; a hub of one member needs
+  // neither.
+  if (routes_writes_) return static_cast<int>(data >> 32);
+  return members_.size() == 1 ? 0 : owner(ctx);
+}
+
 void Hub::route(const fi_cq_data_entry& e) {
-  int m = -1;
-  if (peer_write(e.flags)) {
-    // Where such writes consume a posted receive, its context says whose; else the writer
-    // named the member in the data's high half; a hub of one member needs neither.
-    if (routes_writes_) {
-      m = static_cast<int>(e.data >> 32);
-    } else if (members_.size() == 1) {
-      m = 0;
-    } else {
-      m = owner(e.op_context);
-    }
-  } else {
-    m = owner(e.op_context);
-  }
+  const int m = member_of(e.flags, e.data, e.op_context);
   if (m < 0 || static_cast<std::size_t>(m) >= members_.size()) {
     if (stray_.empty()) {
       stray_ = "a completion (flags " + std::to_string(e.flags) +
@@ -138,16 +134,7 @@ void Hub::route(const fi_cq_data_entry& e) {
 }
 
 void Hub::route_error(const fi_cq_err_entry& e) {
-  int m = -1;
-  if (peer_write(e.flags)) {
-    if (routes_writes_) {
-      m = static_cast<int>(e.data >> 32);
-    } else if (members_.size() == 1) {
-      m = 0;
-    }
-  } else {
-    m = owner(e.op_context);
-  }
+  int m = member_of(e.flags, e.data, e.op_context);
   if (m < 0 || static_cast<std::size_t>(m) >= members_.size()) {
     // Whose it was is unknown: with one member it is that member's, else everyone fails.
     if (members_.size() == 1) {
