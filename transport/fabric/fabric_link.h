@@ -45,12 +45,11 @@
 // closing message says how many fragments preceded it, so the peer reports on_closed() only
 // after it has delivered all of them.
 //
-// Waiting: wait_spec() returns the completion queue's wait descriptor
-// (FI_WAIT_FD) after fi_trywait() said it is safe to sleep on; when it is not,
-// or while sends are still in the provider's hands, a descriptor that is always
-// readable, so the engine keeps progressing. A provider without wait
-// descriptors (shm) gets a timer descriptor instead: the engine then polls the
-// channel every 50 us while traffic flows and every 2 ms when idle.
+// Waiting: wait_spec() returns the shared completion queue's wait descriptor (FI_WAIT_FD)
+// after fi_trywait() said it is safe to sleep on; when it is not, or while sends are still in
+// the provider's hands, a descriptor that is always readable, so the engine keeps progressing.
+// A provider without wait descriptors (shm) gets the hub's one-shot 2 ms timer instead, armed
+// when the engine goes to sleep (an engine with work in flight polls and never sleeps on it).
 //
 // Errors: a failed completion (a send, a receive, or an RMA write at either end) is thrown from
 // progress() as dear::Error(kPeerFailed) with the peer's rank and the provider's error text;

@@ -3,11 +3,13 @@
 // (the machines it was written on have no RDMA device). scripts/verbs-check.sh is what a user
 // with an InfiniBand or RoCE cluster runs to validate it.
 //
-// Each channel is one reliable-connected (RC) queue pair with its own completion queue, so
-// channels never wait behind each other. Setup: the device and port are chosen (VerbsOptions),
-// the queue pair is created, its connection data (LID, GID, QPN, PSN, and the address and key
-// of its receive slots) is exchanged over the bootstrap, and it is moved INIT -> RTR -> RTS with
-// the attributes plan_connection() (qp_plan.h) chooses.
+// Each channel is one reliable-connected (RC) queue pair, so channels never wait behind each
+// other; the queue pairs of one connect (verbs::connect() makes a communicator's ring and mesh
+// links at once) complete on one completion queue, which an engine turn polls once, each
+// completion going to the channel of its queue pair (verbs_device.h, CompletionQueue). Setup: the
+// device and port are chosen (VerbsOptions), the queue pair is created, its connection data (LID,
+// GID, QPN, PSN, and the address and key of its receive slots) is exchanged over the bootstrap, and
+// it is moved INIT -> RTR -> RTS with the attributes plan_connection() (qp_plan.h) chooses.
 //
 // Data path: the slot/credit protocol of transport/rma/slot_window.h. The receiver registers
 // `slots` data slots of `slot_bytes` each for remote writes and tells the sender where they
