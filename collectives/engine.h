@@ -188,7 +188,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   // The driver: turns, sleeping and waking (engine_driver.cc).
   void run();
-  bool turn();  // one turn of the engine; the caller holds turn_mu_
+  // One turn of the engine; the caller holds turn_mu_. `read_links` false: a submitting
+  // thread's turn, which starts what was submitted and hands its first messages to the links
+  // without reading them (the waiting thread or the engine thread reads them next).
+  bool turn(bool read_links = true);
   void sleep_idle();
   bool drain_submissions();
   void wait_for_events(std::unique_lock<std::mutex>& turn);

@@ -72,7 +72,7 @@ Work Engine::submit_p2p(const P2pCall& call) {
   // As Engine::submit: a small one leaves from this thread when the engine is free.
   bool started = false;
   if (state->driven && turn_mu_.try_lock()) {
-    turn();
+    turn(false);  // sends only, as Engine::submit
     turn_mu_.unlock();
     started = true;
   }
