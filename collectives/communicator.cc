@@ -195,37 +195,15 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
                       dtype, opts);
   }
 
-  // all_gather_v and gather_v (the base class's argument checks, then all_to_all_v's messages
-  // under their own names in errors; a gather_v's only to the root, N-1 instead of N(N-1)).
-  Work all_gather_v(const void* in, std::size_t send_count, void* out,
-                    std::span<const std::size_t> recv_counts,
-                    std::span<const std::size_t> recv_displs, DataType dtype,
-                    const OpOptions& opts) override {
-    check_per_rank(recv_counts, "recv_counts", size_, rank_, "all_gather_v");
-    check_per_rank(recv_displs, "recv_displs", size_, rank_, "all_gather_v");
-    check_own_count(recv_counts, send_count, rank_, "all_gather_v");
-    const auto n = static_cast<std::size_t>(size_);
-    const std::vector<std::size_t> counts(n, send_count), displs(n, 0);
-    return exchange_v("all_gather_v", -1, in, counts, displs, out, recv_counts, recv_displs, dtype,
-                      opts);
-  }
-
-  Work gather_v(const void* in, std::size_t send_count, void* out,
-                std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs,
-                DataType dtype, int root, const OpOptions& opts) override {
-    dear::check_root(root, size_, rank_, "gather_v");
-    const auto n = static_cast<std::size_t>(size_);
-    std::vector<std::size_t> counts(n, 0), displs(n, 0);
-    counts[static_cast<std::size_t>(root)] = send_count;
-    if (rank_ == root) {
-      check_per_rank(recv_counts, "recv_counts", size_, rank_, "gather_v");
-      check_per_rank(recv_displs, "recv_displs", size_, rank_, "gather_v");
-      check_own_count(recv_counts, send_count, rank_, "gather_v");
-      return exchange_v(nullptr, root, in, counts, displs, out, recv_counts, recv_displs, dtype,
-                        opts);
-    }
-    const std::vector<std::size_t> none(n, 0);  // nothing arrives here
-    return exchange_v(nullptr, root, in, counts, displs, out, none, none, dtype, opts);
+  // all_gather_v and gather_v, their arguments checked (Communicator): all_to_all_v's messages
+  // under their own names in errors; a gather_v's only to the root, N-1 instead of N(N-1).
+  Work gather_as_all_to_all_v(int root, const void* in, std::span<const std::size_t> send_counts,
+                              std::span<const std::size_t> send_displs, void* out,
+                              std::span<const std::size_t> recv_counts,
+                              std::span<const std::size_t> recv_displs, DataType dtype,
+                              const OpOptions& opts) override {
+    return exchange_v(root < 0 ? "all_gather_v" : nullptr, root, in, send_counts, send_displs, out,
+                      recv_counts, recv_displs, dtype, opts);
   }
 
   // all_to_all_v's operation: `called` names the public call where it is not all_to_all_v or
@@ -888,7 +866,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     if (a == Algorithm::kAuto && size_ >= kBruckMinRanks && block_bytes <= kBruckMaxBlockBytes) {
       return Schedule::kBruck;
     }
-    return all_to_all_schedule(a == Algorithm::kBruck ? Algorithm::kAuto : a, block_bytes);
+    return all_to_all_schedule(a, block_bytes);
   }
   // Measured on 4 ranks over TCP loopback (docs/results.md, "all_to_all").
   static constexpr std::size_t kScatteredMaxBlockBytes = 64 * 1024;
@@ -1004,8 +982,8 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
 
 }  // namespace
 
-// all_gather_v and gather_v are all_to_all_v's with every send reading the one input block: the
-// same messages for every communicator (dear's, MPI's, NCCL's), and the size checks its own.
+// all_gather_v and gather_v are all_to_all_v's with every send reading the one input block
+// (gather_as_all_to_all_v), and the size checks their own.
 Work Communicator::all_gather_v(const void* in, std::size_t send_count, void* out,
                                 std::span<const std::size_t> recv_counts,
                                 std::span<const std::size_t> recv_displs, DataType dtype,
@@ -1015,7 +993,7 @@ Work Communicator::all_gather_v(const void* in, std::size_t send_count, void* ou
   check_own_count(recv_counts, send_count, rank(), "all_gather_v");
   const auto n = static_cast<std::size_t>(size());
   const std::vector<std::size_t> counts(n, send_count), displs(n, 0);
-  return all_to_all_v(in, counts, displs, out, recv_counts, recv_displs, dtype, opts);
+  return gather_as_all_to_all_v(-1, in, counts, displs, out, recv_counts, recv_displs, dtype, opts);
 }
 
 Work Communicator::gather_v(const void* in, std::size_t send_count, void* out,
@@ -1031,11 +1009,11 @@ Work Communicator::gather_v(const void* in, std::size_t send_count, void* out,
     check_per_rank(recv_counts, "recv_counts", size(), rank(), "gather_v");
     check_per_rank(recv_displs, "recv_displs", size(), rank(), "gather_v");
     check_own_count(recv_counts, send_count, rank(), "gather_v");
-    return all_to_all_v(in, counts, displs, out, recv_counts, recv_displs, dtype, opts);
+    return gather_as_all_to_all_v(root, in, counts, displs, out, recv_counts, recv_displs, dtype,
+                                  opts);
   }
-  // Nothing arrives here: every other rank sends this one an empty part.
-  const std::vector<std::size_t> none(n, 0);
-  return all_to_all_v(in, counts, displs, out, none, none, dtype, opts);
+  const std::vector<std::size_t> none(n, 0);  // nothing arrives here
+  return gather_as_all_to_all_v(root, in, counts, displs, out, none, none, dtype, opts);
 }
 
 std::unique_ptr<Communicator> Communicator::split(int color, int key) {

@@ -341,6 +341,22 @@ class Communicator {
     (void)addr;
     (void)bytes;
   }
+
+ protected:
+  // all_gather_v (`root` -1) and gather_v once their arguments are checked, as all_to_all_v
+  // lists: this rank's block to every rank (to the root only for gather_v), and what it
+  // receives (nothing off a gather_v's root). This runs all_to_all_v; a communicator may run
+  // them otherwise (dear's sends a gather_v's parts to the root only and names the call in
+  // its errors).
+  virtual Work gather_as_all_to_all_v(int root, const void* in,
+                                      std::span<const std::size_t> send_counts,
+                                      std::span<const std::size_t> send_displs, void* out,
+                                      std::span<const std::size_t> recv_counts,
+                                      std::span<const std::size_t> recv_displs, DataType dtype,
+                                      const OpOptions& opts) {
+    (void)root;
+    return all_to_all_v(in, send_counts, send_displs, out, recv_counts, recv_displs, dtype, opts);
+  }
 };
 
 }  // namespace dear
