@@ -697,12 +697,12 @@ struct Shared {
 };
 
 // `channels` endpoints to each ring neighbour with `ring` slots, and one to each of `peers`
-// with `mesh` slots.
-Shared open_shared(const FabricOptions& options, int rank, int channels, const FabricOptions& ring,
-                   std::size_t peers, const FabricOptions& mesh) {
+// with `mesh` slots (the provider and data path are the ring's: both ask for the same).
+Shared open_shared(int rank, int channels, const FabricOptions& ring, std::size_t peers,
+                   const FabricOptions& mesh) {
   Shared sh;
   const std::size_t endpoints = 2 * static_cast<std::size_t>(channels) + peers;
-  sh.dom = open_domain(options, rank, endpoints);
+  sh.dom = open_domain(ring, rank, endpoints);
   if (Hub::shareable(*sh.dom)) {
     // What every member may have posted at once: as many completions as its buffers, each
     // channel's queue having held 4 times that before they were shared.
@@ -837,7 +837,7 @@ RingLinks connect_ring(Bootstrap& bootstrap, int channels, const FabricOptions& 
   Graveyard::get().reap();
   rma::check_channel_count("fabric", channels, rank);
   check_options(options, rank);
-  const Shared sh = open_shared(options, rank, channels, options, 0, options);
+  const Shared sh = open_shared(rank, channels, options, 0, options);
   return ring_part(bootstrap, sh, channels, options, fitted(*sh.dom, options, rank));
 }
 
@@ -848,7 +848,7 @@ std::vector<std::unique_ptr<Channel>> connect_peers(Bootstrap& bootstrap,
   Graveyard::get().reap();
   check_peer_list(peers, rank, bootstrap.size(), "fabric connect_peers");
   check_options(options, rank);
-  const Shared sh = open_shared(options, rank, 0, options, peers.size(), options);
+  const Shared sh = open_shared(rank, 0, options, peers.size(), options);
   return peers_part(bootstrap, sh, peers, options, fitted(*sh.dom, options, rank));
 }
 
@@ -860,7 +860,7 @@ Connected connect(Bootstrap& bootstrap, int channels, const FabricOptions& ring,
   check_peer_list(peers, rank, bootstrap.size(), "fabric connect");
   check_options(ring, rank);
   check_options(mesh, rank);
-  const Shared sh = open_shared(ring, rank, channels, ring, peers.size(), mesh);
+  const Shared sh = open_shared(rank, channels, ring, peers.size(), mesh);
   Connected out;
   out.ring = ring_part(bootstrap, sh, channels, ring, fitted(*sh.dom, ring, rank));
   out.mesh = peers_part(bootstrap, sh, peers, mesh, fitted(*sh.dom, mesh, rank));

@@ -229,7 +229,8 @@ struct Context {
   std::vector<Window> device_windows;
   std::unique_ptr<Flusher> flusher;
   bool flusher_failed = false;  // once failed, device windows are refused
-  // Where the channels' queue pairs complete; made by the connect call, sized for them all.
+  // Where the channels' queue pairs complete; made by the connect call (open_shared in
+  // verbs_link.cc) before any channel, sized for them all.
   std::unique_ptr<CompletionQueue> completions;
 
   Context() = default;

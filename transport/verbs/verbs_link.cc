@@ -225,10 +225,6 @@ VerbsChannel::VerbsChannel(std::shared_ptr<Context> ctx, int self, int peer, int
   const std::uint32_t rq_depth = slots_ + kControlSlots;
   const auto sys = [&](const std::string& call) { throw_sys(call, errno, self_, peer_); };
 
-  if (!ctx_->completions) {
-    // A channel made on its own: a queue for its queue pair alone.
-    ctx_->completions = std::make_unique<CompletionQueue>(ctx_->ctx, sq_depth + rq_depth, self_);
-  }
   qp_ = create_rc_qp(ctx_->pd, ctx_->completions->cq(), sq_depth, rq_depth,
                      static_cast<std::uint32_t>(kControlBytes), &max_inline_);
   if (qp_ == nullptr) sys("ibv_create_qp");
