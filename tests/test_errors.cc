@@ -668,6 +668,9 @@ TEST(Timeout, ASendNobodyReceivesFailsWithinItsDeadlineNamingThePeer) {
       [&](Communicator& comm) {
         std::vector<float> buf(100000, 1.0f);
         if (comm.rank() == 0) comm.send(buf.data(), buf.size(), DataType::kFloat32, 1).wait();
+        // The others' barrier starts later, so that its own deadline (which would be reported
+        // to rank 0 too) cannot pass before the send's.
+        if (comm.rank() != 0) std::this_thread::sleep_for(300ms);
         comm.barrier().wait();
       },
       o);
@@ -689,6 +692,9 @@ TEST(Timeout, ARecvFromAnySourceNobodySendsFailsWithinItsDeadline) {
         if (comm.rank() == 0) {
           comm.recv(buf.data(), buf.size(), DataType::kFloat32, Communicator::kAnySource).wait();
         }
+        // As above: the others' barrier must not time out (and report it) before the receive.
+        // Under ASan it once did, and rank 0 failed with their barrier's timeout instead.
+        if (comm.rank() != 0) std::this_thread::sleep_for(300ms);
         comm.barrier().wait();
       },
       o);
