@@ -237,10 +237,10 @@ class DeviceCommunicator final : public Communicator {
                const OpOptions& opts) override {
     const std::size_t b = recv_count * dtype_size(dtype);
     const std::size_t in_b = rank() == root ? b * static_cast<std::size_t>(size()) : 0;
-    // Only the root's `in` is read. Its tree runs on host memory (steps.h): device buffers are
-    // staged whole (StagedKind::kOther).
+    // Only the root's `in` is read. Its exchanges run on host memory (steps.h): device buffers
+    // are staged, in pieces as a reduce_scatter's (the root's input is N blocks).
     return route({OpKind::kReduceScatter, in, out, recv_count, dtype, ReduceOp::kSum, root},
-                 "scatter", StagedKind::kOther, recv_count, in, in_b, out, b, dtype, opts,
+                 "scatter", StagedKind::kReduceScatter, recv_count, in, in_b, out, b, dtype, opts,
                  [=](Communicator& c, const void* i, void* o, std::size_t n, const OpOptions& x) {
                    return c.scatter(i, o, n, dtype, root, x);
                  });
@@ -261,9 +261,10 @@ class DeviceCommunicator final : public Communicator {
   Work all_to_all(const void* in, void* out, std::size_t count, DataType dtype,
                   const OpOptions& opts) override {
     const std::size_t b = count * dtype_size(dtype) * static_cast<std::size_t>(size());
-    // Its exchanges run on host memory (steps.h): device buffers are staged whole.
+    // Its exchanges run on host memory (steps.h): device buffers are staged, in pieces that
+    // each cover the same range of every block.
     return route({OpKind::kAllToAll, in, out, count, dtype, ReduceOp::kSum, -1}, "all_to_all",
-                 StagedKind::kOther, count, in, b, out, b, dtype, opts,
+                 StagedKind::kAllToAll, count, in, b, out, b, dtype, opts,
                  [=](Communicator& c, const void* i, void* o, std::size_t n, const OpOptions& x) {
                    return c.all_to_all(i, o, n, dtype, x);
                  });
@@ -375,6 +376,15 @@ class DeviceCommunicator final : public Communicator {
                  });
   }
 
+  // The collectives the engine runs slice by slice on device memory (resident.h): the ring's
+  // (all_reduce, reduce_scatter, all_gather, broadcast) and their rooted forms reduce and
+  // gather. scatter and all_to_all keep their exchanges in host memory and are staged in
+  // pieces; the rest is staged whole (kOther).
+  static bool runs_resident(const CollectiveCall& cc, StagedKind kind) {
+    if (kind == StagedKind::kOther || kind == StagedKind::kAllToAll) return false;
+    return !(kind == StagedKind::kReduceScatter && cc.root >= 0);  // scatter
+  }
+
   Work route(const CollectiveCall& cc, const char* name, StagedKind kind, std::size_t count,
              const void* in, std::size_t in_bytes, void* out, std::size_t out_bytes, DataType dtype,
              const OpOptions& opts, const Call& call) {
@@ -428,7 +438,7 @@ class DeviceCommunicator final : public Communicator {
     // rank, and staging not asked for. The engine runs it slice by slice, its steps on the
     // device (resident.h); it keeps its place in the order behind staged operations.
     const bool all_dev = (in_bytes == 0 || in_dev) && (out_bytes == 0 || out_dev);
-    if (resident_ != nullptr && kind != StagedKind::kOther && (in_dev || out_dev) && all_dev &&
+    if (resident_ != nullptr && runs_resident(cc, kind) && (in_dev || out_dev) && all_dev &&
         size() > 1 && !options().cuda_staging) {
       const int device = in_dev ? in_loc.device : out_loc.device;
       const CurrentDevice current(device, rank());

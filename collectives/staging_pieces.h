@@ -15,7 +15,9 @@
 //   all_reduce, broadcast: that range of the vector; reduce_scatter: that range of EVERY
 //   rank's input block (its pinned input is the N sub-blocks, contiguous) and of the output
 //   block; all_gather: that range of the input and of every block of the output (its pinned
-//   output is N contiguous sub-blocks, copied out with a stride).
+//   output is N contiguous sub-blocks, copied out with a stride); all_to_all: that range of
+//   every block on both sides. scatter is staged as reduce_scatter is (the root's input is N
+//   blocks), gather as all_gather.
 // - A split plan stages every buffer that is read or written, device or host, in two pinned
 //   regions (input, then output on a 256-byte boundary), so each piece's host collective is
 //   out of place even when the user's operation is in place. The copies of different pieces
@@ -40,7 +42,7 @@
 
 namespace dear::collectives {
 
-enum class StagedKind { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kOther };
+enum class StagedKind { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kAllToAll, kOther };
 
 struct PieceOptions {
   // Per-rank bytes per piece (rounded down to whole elements, at least one element).
@@ -135,8 +137,9 @@ inline PiecePlan unsplit(const StagingSpan& in, const StagingSpan& out, std::siz
   const bool reads_in = in.bytes > 0;
   const bool writes_out = out.bytes > 0;
   // Rows per piece on each side, and the user strides between rows.
-  const std::size_t in_rows = kind == StagedKind::kReduceScatter ? n : 1;
-  const std::size_t out_rows = kind == StagedKind::kAllGather ? n : 1;
+  const bool all_to_all = kind == StagedKind::kAllToAll;
+  const std::size_t in_rows = kind == StagedKind::kReduceScatter || all_to_all ? n : 1;
+  const std::size_t out_rows = kind == StagedKind::kAllGather || all_to_all ? n : 1;
   const std::size_t block = count * elem;  // one rank's data: the stride between rows
   const std::size_t in_total = reads_in ? in_rows * block : 0;
   const std::size_t out_total = out_rows * block;

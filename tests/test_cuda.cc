@@ -386,6 +386,56 @@ TEST_F(Gpu, LargeOperationsArePipelinedInPieces) {
       staged);
 }
 
+// all_to_all and scatter keep their exchanges in host memory: device buffers are staged in
+// pieces, each covering the same range of every block (collectives/staging_pieces.h). Three
+// ranks, blocks not a multiple of the pieces, out of place and in place, every element checked.
+TEST_F(Gpu, AllToAllAndScatterArePipelinedInPieces) {
+  const int n = 3;
+  std::barrier<> sync(n);
+  dear::testing::run_ranks(n, [&](Communicator& comm) {
+    ck(cudaSetDevice(0), "cudaSetDevice");
+    const DataType t = DataType::kFloat32;
+    const std::size_t count = (9u << 20) / 4 + 5;  // per block
+    ASSERT_EQ(collectives::piece_count(collectives::StagedKind::kAllToAll, count, 4, {}), 3u);
+    const auto nn = static_cast<std::size_t>(n);
+    const auto r = static_cast<std::size_t>(comm.rank());
+    const std::size_t block = count * 4;
+    DeviceBuffer in(block * nn), out(block * nn);
+    const RankFence fence(sync);
+    // Block q of rank r's result is block r of rank q's input: element i of rank q's input is
+    // input_value(q, i).
+    const auto check_exchanged = [&](const std::vector<std::byte>& got, const char* what) {
+      for (std::size_t q = 0; q < nn; ++q) {
+        for (std::size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(dear::testing::load(got.data(), q * count + i, t),
+                    input_value(static_cast<int>(q), r * count + i, t, ReduceOp::kSum, 11))
+              << what << " block " << q << " element " << i;
+        }
+      }
+    };
+    fill_device(in.get(), count * nn, comm.rank(), t, ReduceOp::kSum, 11);
+    ck(cudaMemset(out.get(), 0xff, block * nn), "poison out");
+    comm.all_to_all(in.get(), out.get(), count, t).wait();
+    check_exchanged(to_host(out.get(), block * nn), "all_to_all");
+    comm.all_to_all(in.get(), in.get(), count, t).wait();
+    check_exchanged(to_host(in.get(), block * nn), "in-place all_to_all");
+    // scatter from rank 1, out of place and in place (the root's own block inside its input).
+    const int root = 1;
+    for (const bool in_place : {false, true}) {
+      fill_device(in.get(), count * nn, comm.rank(), t, ReduceOp::kSum, 12);
+      ck(cudaMemset(out.get(), 0xff, block * nn), "poison out");
+      std::byte* dst = in_place && comm.rank() == root ? in.get() + r * block : out.get();
+      comm.scatter(in.get(), dst, count, t, root).wait();
+      const auto got = to_host(dst, block);
+      for (std::size_t i = 0; i < count; ++i) {
+        ASSERT_EQ(dear::testing::load(got.data(), i, t),
+                  input_value(root, r * count + i, t, ReduceOp::kSum, 12))
+            << (in_place ? "in-place scatter" : "scatter") << " element " << i;
+      }
+    }
+  });
+}
+
 // The operation must read its input only after the work before it on the stream, and work
 // after it on the stream must see its result, with no host synchronisation in between. The
 // input is written by a host function that sleeps first, then copied in on the stream.

@@ -129,6 +129,7 @@ const char* kind_name(StagedKind k) {
     case StagedKind::kReduceScatter: return "reduce_scatter";
     case StagedKind::kAllGather: return "all_gather";
     case StagedKind::kBroadcast: return "broadcast";
+    case StagedKind::kAllToAll: return "all_to_all";
     case StagedKind::kOther: return "other";
   }
   return "?";
@@ -143,6 +144,7 @@ TEST(StagingPieces, PieceCountDependsOnSizeOnly) {
   EXPECT_EQ(piece_count(StagedKind::kAllReduce, (1u << 20) + 1, 4, o), 2u);
   EXPECT_EQ(piece_count(StagedKind::kAllReduce, 16u << 20, 4, o), 16u);      // 64 MiB
   EXPECT_EQ(piece_count(StagedKind::kReduceScatter, 16u << 20, 4, o), 16u);  // per-rank bytes
+  EXPECT_EQ(piece_count(StagedKind::kAllToAll, 16u << 20, 4, o), 16u);       // bytes per block
   EXPECT_EQ(piece_count(StagedKind::kOther, 16u << 20, 4, o), 1u);
   // Never more pieces than elements, never an empty piece.
   const PieceOptions tiny{1, 1};
@@ -173,6 +175,41 @@ TEST(StagingPieces, ReduceScatterPiecesAreStridedCopiesIntoContiguousSubBlocks) 
   EXPECT_EQ(p1.copy_out[0].user, out + 16);
   EXPECT_EQ(p1.out_offset, 256u + 16u);  // the output region starts on a 256-byte boundary
   EXPECT_EQ(plan.pinned_bytes, 256u + 40u);
+}
+
+TEST(StagingPieces, AllToAllPiecesCoverTheSameRangeOfEveryBlockOnBothSides) {
+  // 3 ranks, blocks of 10 floats, pieces of at most 4 elements: 3 pieces of 4, 3, 3. Piece 1
+  // is elements [4, 7) of each of the three blocks, in and out, packed as three sub-blocks.
+  const std::uintptr_t in = 0x10000, out = 0x90000;
+  const auto plan = plan_pieces(StagedKind::kAllToAll, {at(in), 120, true}, {at(out), 120, true},
+                                10, 4, 2, 3, true, {16, 1});
+  ASSERT_EQ(plan.pieces.size(), 3u);
+  const auto& p1 = plan.pieces[1];
+  EXPECT_EQ(p1.first, 4u);
+  EXPECT_EQ(p1.count, 3u);
+  ASSERT_EQ(p1.copy_in.size(), 1u);
+  ASSERT_EQ(p1.copy_out.size(), 1u);
+  for (const PieceCopy& c : {p1.copy_in[0], p1.copy_out[0]}) {
+    EXPECT_EQ(c.user_pitch, 40u);
+    EXPECT_EQ(c.rows, 3u);
+    EXPECT_EQ(c.row_bytes, 12u);
+    EXPECT_EQ(c.pinned_pitch, 12u);
+  }
+  EXPECT_EQ(p1.copy_in[0].user, in + 16);
+  EXPECT_EQ(p1.copy_out[0].user, out + 16);
+  EXPECT_EQ(p1.in_offset, 3u * 16);
+  EXPECT_EQ(p1.out_offset, 256u + 3u * 16);
+  EXPECT_EQ(plan.pinned_bytes, 256u + 120u);
+  // In place (in == out) is split too, into separate pinned regions.
+  const auto same = plan_pieces(StagedKind::kAllToAll, {at(in), 120, true}, {at(in), 120, true}, 10,
+                                4, 0, 3, true, {16, 1});
+  ASSERT_EQ(same.pieces.size(), 3u);
+  EXPECT_NE(same.pieces[0].in_offset, same.pieces[0].out_offset);
+  // Buffers that overlap otherwise are not: one piece, laid out as the user's.
+  EXPECT_EQ(plan_pieces(StagedKind::kAllToAll, {at(in), 120, true}, {at(in + 40), 120, true}, 10, 4,
+                        0, 3, true, {16, 1})
+                .pieces.size(),
+            1u);
 }
 
 TEST(StagingPieces, RootedOperationsSplitOffTheRootAsOnItWithoutCopyingOut) {
@@ -243,14 +280,17 @@ struct SimCase {
   bool split;
   PieceOptions opts;
   int order;  // 0: copy-ins run ahead, 1: copy-outs first, 2..: random with this seed
+  // With kReduceScatter: a scatter from the last rank (only its input is read), staged as
+  // reduce_scatter is.
+  bool scatter = false;
 };
 
 std::string describe(const SimCase& c) {
-  return std::string(kind_name(c.kind)) + " nranks " + std::to_string(c.nranks) + " count " +
-         std::to_string(c.count) + " elem " + std::to_string(c.elem) +
-         (c.in_place ? " in place" : " out of place") + (c.in_on_device ? "" : " host in") +
-         (c.split ? " split" : " unsplit") + " piece_bytes " + std::to_string(c.opts.piece_bytes) +
-         " order " + std::to_string(c.order);
+  return std::string(c.scatter ? "scatter" : kind_name(c.kind)) + " nranks " +
+         std::to_string(c.nranks) + " count " + std::to_string(c.count) + " elem " +
+         std::to_string(c.elem) + (c.in_place ? " in place" : " out of place") +
+         (c.in_on_device ? "" : " host in") + (c.split ? " split" : " unsplit") + " piece_bytes " +
+         std::to_string(c.opts.piece_bytes) + " order " + std::to_string(c.order);
 }
 
 std::byte add(std::byte a, std::byte b) {
@@ -297,6 +337,11 @@ void host_collective(const SimCase& c, std::vector<SimRank>& ranks, std::size_t 
         }
         break;
       case StagedKind::kReduceScatter:
+        if (c.scatter) {
+          const std::byte* from = in[static_cast<std::size_t>(root)] + r * b;
+          result[r].assign(from, from + b);
+          break;
+        }
         result[r].assign(b, std::byte{0});
         for (std::size_t q = 0; q < n; ++q) {
           for (std::size_t j = 0; j < b; ++j) result[r][j] = add(result[r][j], in[q][r * b + j]);
@@ -308,6 +353,11 @@ void host_collective(const SimCase& c, std::vector<SimRank>& ranks, std::size_t 
       case StagedKind::kBroadcast:
         result[r].assign(in[static_cast<std::size_t>(root)],
                          in[static_cast<std::size_t>(root)] + b);
+        break;
+      case StagedKind::kAllToAll:
+        for (std::size_t q = 0; q < n; ++q) {
+          result[r].insert(result[r].end(), in[q] + r * b, in[q] + (r + 1) * b);
+        }
         break;
       case StagedKind::kOther: break;
     }
@@ -340,6 +390,10 @@ std::vector<std::vector<std::byte>> reference(const SimCase& c, const std::vecto
         }
         break;
       case StagedKind::kReduceScatter:
+        if (c.scatter) {
+          std::memcpy(out, in_of(root) + r * b, b);
+          break;
+        }
         for (std::size_t j = 0; j < b; ++j) {
           std::byte s{0};
           for (std::size_t q = 0; q < n; ++q) s = add(s, in_of(q)[r * b + j]);
@@ -350,6 +404,9 @@ std::vector<std::vector<std::byte>> reference(const SimCase& c, const std::vecto
         for (std::size_t q = 0; q < n; ++q) std::memcpy(out + q * b, in_of(q), b);
         break;
       case StagedKind::kBroadcast: std::memcpy(out, in_of(root), b); break;
+      case StagedKind::kAllToAll:
+        for (std::size_t q = 0; q < n; ++q) std::memcpy(out + q * b, in_of(q) + r * b, b);
+        break;
       case StagedKind::kOther: break;
     }
   }
@@ -394,8 +451,9 @@ void simulate(const SimCase& c) {
   SCOPED_TRACE(describe(c));
   const auto n = static_cast<std::size_t>(c.nranks);
   const std::size_t b = c.count * c.elem;
-  const std::size_t in_bytes = c.kind == StagedKind::kReduceScatter ? n * b : b;
-  const std::size_t out_bytes = c.kind == StagedKind::kAllGather ? n * b : b;
+  const bool to_all = c.kind == StagedKind::kAllToAll;
+  const std::size_t in_bytes = c.kind == StagedKind::kReduceScatter || to_all ? n * b : b;
+  const std::size_t out_bytes = c.kind == StagedKind::kAllGather || to_all ? n * b : b;
   constexpr std::size_t kGuard = 24;
   std::vector<SimRank> ranks(n);
   for (std::size_t r = 0; r < n; ++r) {
@@ -420,7 +478,8 @@ void simulate(const SimCase& c) {
     } else {
       s.in = s.out = base;
     }
-    const bool reads_in = c.kind != StagedKind::kBroadcast || r == n - 1;
+    const bool rooted_in = c.kind == StagedKind::kBroadcast || c.scatter;
+    const bool reads_in = !rooted_in || r == n - 1;
     s.in_span = {at(s.in), reads_in ? in_bytes : 0, c.in_on_device};
     s.out_span = {at(s.out), out_bytes, true};
     s.plan = plan_pieces(c.kind, s.in_span, s.out_span, c.count, c.elem, static_cast<int>(r),
@@ -489,10 +548,18 @@ void simulate(const SimCase& c) {
   }
 }
 
+// Every kind the staging path splits, and scatter (staged as reduce_scatter).
+struct SimKind {
+  StagedKind kind;
+  bool scatter;
+};
+constexpr SimKind kSimKinds[] = {
+    {StagedKind::kAllReduce, false}, {StagedKind::kReduceScatter, false},
+    {StagedKind::kAllGather, false}, {StagedKind::kBroadcast, false},
+    {StagedKind::kAllToAll, false},  {StagedKind::kReduceScatter, true}};
+
 TEST(StagingPieces, PipelineSimulationMatchesTheReference) {
-  const StagedKind kinds[] = {StagedKind::kAllReduce, StagedKind::kReduceScatter,
-                              StagedKind::kAllGather, StagedKind::kBroadcast};
-  for (const StagedKind kind : kinds) {
+  for (const auto [kind, scatter] : kSimKinds) {
     for (const int nranks : {1, 2, 3, 4, 5, 8}) {
       for (const std::size_t count : {0u, 1u, 2u, 7u, 64u, 1001u}) {
         for (const std::size_t elem : {1u, 2u, 4u, 8u}) {
@@ -504,8 +571,16 @@ TEST(StagingPieces, PipelineSimulationMatchesTheReference) {
                   if (!split && order > 0) continue;
                   // Pieces of 40 bytes (not a multiple of 8), split from 16 bytes: many pieces,
                   // uneven ones.
-                  simulate(
-                      {kind, nranks, count, elem, in_place, in_on_device, split, {40, 16}, order});
+                  simulate({kind,
+                            nranks,
+                            count,
+                            elem,
+                            in_place,
+                            in_on_device,
+                            split,
+                            {40, 16},
+                            order,
+                            scatter});
                   if (::testing::Test::HasFatalFailure()) return;
                 }
               }
@@ -520,13 +595,12 @@ TEST(StagingPieces, PipelineSimulationMatchesTheReference) {
 TEST(StagingPieces, PipelineSimulationWithDefaultSizedPieces) {
   // 1 MiB to a few MiB per rank with the default options: 2 to 3 pieces, as on a GPU.
   const PieceOptions o;
-  for (const StagedKind kind : {StagedKind::kAllReduce, StagedKind::kReduceScatter,
-                                StagedKind::kAllGather, StagedKind::kBroadcast}) {
+  for (const auto [kind, scatter] : kSimKinds) {
     for (const bool in_place : {false, true}) {
-      simulate({kind, 2, (9u << 20) / 4 + 3, 4, in_place, true, true, o, 5});
+      simulate({kind, 2, (9u << 20) / 4 + 3, 4, in_place, true, true, o, 5, scatter});
       if (::testing::Test::HasFatalFailure()) return;
     }
-    simulate({kind, 3, (1u << 20) / 2, 2, false, true, true, o, 6});
+    simulate({kind, 3, (1u << 20) / 2, 2, false, true, true, o, 6, scatter});
     if (::testing::Test::HasFatalFailure()) return;
   }
 }
