@@ -133,6 +133,26 @@ std::optional<BoundOp> bind_dear(const OpRequest& r, Communicator& comm, const O
       bound.input = const_cast<void*>(send);
       return bound;
     }
+    case Collective::kPingPong: {
+      if (r.in_place) return std::nullopt;
+      // Rank 2k sends its input and receives it back; rank 2k + 1 receives it and sends what
+      // it received back.
+      const int partner = comm.rank() ^ 1;
+      if (comm.rank() % 2 == 0) {
+        bound.run = [&comm, send, recv, count, t, partner, o] {
+          Work rw = comm.recv(recv, count, t, partner, o);
+          comm.send(send, count, t, partner, o).wait();
+          rw.wait();
+        };
+      } else {
+        bound.run = [&comm, recv, count, t, partner, o] {
+          comm.recv(recv, count, t, partner, o).wait();
+          comm.send(recv, count, t, partner, o).wait();
+        };
+      }
+      bound.input = const_cast<void*>(send);
+      return bound;
+    }
     case Collective::kScatter: {
       // In place: the root's output is its own block of the input (NCCL's convention for
       // reduce_scatter); elsewhere the block at the same place of a buffer of that size.

@@ -117,6 +117,7 @@ Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bo
   Samples samples;
   samples.reserve(static_cast<std::size_t>(iters));
   const int agg = args.agg_iters;
+  const int per_op = agg * hops_per_run(args.collective);
   for (int i = 0; i < iters; ++i) {
     const Stopwatch watch;
     if (agg == 1) {
@@ -126,7 +127,7 @@ Result measure(PeerComm& comm, const BenchArgs& args, const SizePoint& point, bo
     } else {
       for (int k = 0; k < agg; ++k) op->run();
     }
-    samples.add(watch.elapsed_us() / agg);
+    samples.add(watch.elapsed_us() / per_op);
   }
   const double time_us = comm.max_over_ranks(samples.mean());
   log.add(point.bytes, in_place, samples);

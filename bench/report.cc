@@ -288,6 +288,7 @@ std::string_view to_string(Collective c) noexcept {
     case Collective::kScatter: return "scatter";
     case Collective::kAllToAll: return "all_to_all";
     case Collective::kSendRecv: return "send_recv";
+    case Collective::kPingPong: return "ping_pong";
   }
   return "invalid";
 }
@@ -309,6 +310,8 @@ bool has_root(Collective c) noexcept {
   return c == Collective::kBroadcast || c == Collective::kReduce || c == Collective::kGather ||
          c == Collective::kScatter;
 }
+
+int hops_per_run(Collective c) noexcept { return c == Collective::kPingPong ? 2 : 1; }
 
 namespace {
 // Whether each rank contributes a block of the result (all_gather, gather).
@@ -415,12 +418,12 @@ void add_bench_flags(CLI::App& app, BenchArgs& args) {
                                         "'" + text +
                                             "' is not one of all_reduce reduce_scatter all_gather "
                                             "broadcast reduce gather scatter all_to_all "
-                                            "send_recv");
+                                            "send_recv ping_pong");
            }
            args.collective = *c;
          },
          "all_reduce | reduce_scatter | all_gather | broadcast | reduce | gather | scatter | "
-         "all_to_all | send_recv")
+         "all_to_all | send_recv | ping_pong")
       ->required();
 }
 
@@ -442,6 +445,10 @@ void validate(const BenchArgs& args, int nranks) {
   if (args.iters < 1) invalid("--iters must be at least 1");
   if (args.warmup_iters < 0) invalid("--warmup_iters must not be negative");
   if (args.agg_iters < 1) invalid("--agg_iters must be at least 1");
+  if (args.collective == Collective::kPingPong && nranks % 2 != 0) {
+    invalid("ping_pong pairs rank 2k with rank 2k+1, so it needs an even number of ranks, got " +
+            std::to_string(nranks));
+  }
 }
 
 bool flags_valid(std::string_view tool, const BenchArgs& args, int nranks, int rank) {
@@ -508,7 +515,8 @@ double bus_factor(Collective c, int nranks) noexcept {
     case Collective::kAllToAll: return (n - 1.0) / n;
     case Collective::kBroadcast:
     case Collective::kReduce:
-    case Collective::kSendRecv: return 1.0;  // nccl-tests' factor: the root's link carries it all
+    case Collective::kSendRecv:
+    case Collective::kPingPong: return 1.0;  // nccl-tests' factor: the root's link carries it all
   }
   return 0.0;
 }
@@ -933,6 +941,11 @@ double expected_value(const CheckSpec& spec, std::uint64_t out_index) {
     case Collective::kSendRecv: {
       // What rank - 1 sent.
       const int from = (spec.rank - 1 + spec.nranks) % spec.nranks;
+      return round_to(pattern_value(spec.op, from, out_index, spec.seed), spec.dtype);
+    }
+    case Collective::kPingPong: {
+      // Rank 2k gets its own message back; rank 2k + 1 keeps what rank 2k sent.
+      const int from = spec.rank - spec.rank % 2;
       return round_to(pattern_value(spec.op, from, out_index, spec.seed), spec.dtype);
     }
     case Collective::kAllToAll: {

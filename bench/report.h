@@ -46,14 +46,19 @@ enum class Collective : std::uint8_t {
   kGather,
   kScatter,
   kAllToAll,
-  kSendRecv  // nccl-tests' sendrecv: every rank sends to rank + 1 and receives from rank - 1
+  kSendRecv,  // nccl-tests' sendrecv: every rank sends to rank + 1 and receives from rank - 1
+  // Rank 2k sends to rank 2k + 1, which sends the message back (an echo): one message in
+  // flight per pair, its time one way (half the round trip), as a latency benchmark reports.
+  kPingPong
 };
-inline constexpr std::array<Collective, 9> kAllCollectives{
+inline constexpr std::array<Collective, 10> kAllCollectives{
     Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather,
     Collective::kBroadcast, Collective::kReduce,        Collective::kGather,
-    Collective::kScatter,   Collective::kAllToAll,      Collective::kSendRecv};
+    Collective::kScatter,   Collective::kAllToAll,      Collective::kSendRecv,
+    Collective::kPingPong};
 
 // all_reduce reduce_scatter all_gather broadcast reduce gather scatter all_to_all send_recv
+// ping_pong
 [[nodiscard]] std::string_view to_string(Collective c) noexcept;
 // Accepts the names above, also with '-' for '_' (all-reduce) and without it (allreduce).
 [[nodiscard]] std::optional<Collective> parse_collective(std::string_view name) noexcept;
@@ -61,6 +66,9 @@ inline constexpr std::array<Collective, 9> kAllCollectives{
 [[nodiscard]] bool has_reduction(Collective c) noexcept;
 // Whether the collective has a root rank (printed as -1 otherwise, like nccl-tests).
 [[nodiscard]] bool has_root(Collective c) noexcept;
+// How many times one run moves its message across a link one after another: 2 for ping_pong
+// (there and back), 1 otherwise. The driver reports a run's time divided by it.
+[[nodiscard]] int hops_per_run(Collective c) noexcept;
 
 // ---------------------------------------------------------------------------------------------
 // Command line: nccl-tests' flags with their meaning, so a command line works for every tool.

@@ -165,7 +165,7 @@ done
 IFS=, read -r -a coll_list <<<"$collectives"
 for coll in "${coll_list[@]}"; do
   case $coll in
-    all_reduce|reduce_scatter|all_gather|broadcast|reduce|gather|scatter|all_to_all|send_recv) ;;
+    all_reduce|reduce_scatter|all_gather|broadcast|reduce|gather|scatter|all_to_all|send_recv|ping_pong) ;;
     *) die "--collectives: unknown collective '$coll'" ;;
   esac
 done

@@ -51,6 +51,10 @@ if(TARGET dear-bench AND TARGET dear-run)
                      ${fabric})
     set_tests_properties(dear_bench_transport_flags PROPERTIES LABELS multiproc TIMEOUT 120
       SKIP_REGULAR_EXPRESSION "is not available here")
+    add_test(NAME dear_bench_collectives
+             COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/dear_bench_collectives.sh
+                     $<TARGET_FILE:dear-run> $<TARGET_FILE:dear-bench>)
+    set_tests_properties(dear_bench_collectives PROPERTIES LABELS multiproc TIMEOUT 180)
     # scripts/compare-peers.sh at its smallest: dear and Open MPI, 2 ranks, two rounds; the
     # merged table, the 8 B target line and its per-round ratios, which are recomputed from
     # each run's JSON (compare_peers_smoke.sh).

@@ -320,6 +320,33 @@ TEST(Checker, AllToAllBlocksComeFromEveryRank) {
   }
 }
 
+TEST(Checker, PingPongEchoesRankTwoKsMessage) {
+  // Rank 2k gets its own input back, rank 2k + 1 keeps rank 2k's; a pair's other input is wrong.
+  const int nranks = 4;
+  CheckSpec spec;
+  spec.collective = Collective::kPingPong;
+  spec.dtype = DataType::kFloat32;
+  spec.nranks = nranks;
+  spec.rank_count = 11;
+  spec.seed = 2;
+  const auto inputs = make_inputs(spec);
+  for (int r = 0; r < nranks; ++r) {
+    spec.rank = r;
+    const auto& sent = inputs[static_cast<std::size_t>(r - r % 2)];
+    const auto& other = inputs[static_cast<std::size_t>(r - r % 2 + 1)];
+    EXPECT_EQ(count_wrong(sent.data(), spec), 0) << "rank " << r;
+    EXPECT_GT(count_wrong(other.data(), spec), 0) << "rank " << r;
+  }
+  // One run is a message there and back: its time is halved, as a latency benchmark reports.
+  EXPECT_EQ(hops_per_run(Collective::kPingPong), 2);
+  EXPECT_EQ(hops_per_run(Collective::kSendRecv), 1);
+  EXPECT_DOUBLE_EQ(bus_factor(Collective::kPingPong, 2), 1.0);
+  BenchArgs args;
+  args.collective = Collective::kPingPong;
+  EXPECT_NO_THROW(validate(args, 2));
+  EXPECT_THROW(validate(args, 3), Error);
+}
+
 TEST(Checker, StaleDataFromAnotherSeedIsCaught) {
   CheckSpec spec;
   spec.nranks = 2;

@@ -219,7 +219,8 @@ std::optional<BoundOp> bind_gloo(const OpRequest& r, const GlooComm& comm, Allre
         bound.run = [opts] { gloo::reduce(*opts); };
         return bound;
       }
-      case Collective::kSendRecv: return std::nullopt;  // not compared: no call of its own
+      case Collective::kSendRecv:
+      case Collective::kPingPong: return std::nullopt;  // not compared: no call of its own
       case Collective::kAllToAll: {
         // Gloo's alltoall (gloo/alltoall.h): out of place only (its own block is copied from
         // the input to the output while the others travel).
@@ -293,7 +294,8 @@ std::string algorithm_name(Collective c, const std::string& allreduce_algo) {
     case Collective::kGather: return "gather";
     case Collective::kScatter: return "scatter";
     case Collective::kAllToAll: return "alltoall";
-    case Collective::kSendRecv: return "none";
+    case Collective::kSendRecv:
+    case Collective::kPingPong: return "none";
   }
   return "?";
 }

@@ -193,6 +193,25 @@ std::optional<BoundOp> bind_mpi(const OpRequest& r, const MpiComm& world) {
       bound.output = recv;
       return bound;
     }
+    case Collective::kPingPong: {
+      // As dear-bench's: rank 2k sends and gets its message back, rank 2k + 1 echoes it.
+      if (r.in_place) return std::nullopt;
+      const int partner = world.rank() ^ 1;
+      if (world.rank() % 2 == 0) {
+        bound.run = [=] {
+          check_mpi(MPI_Send(send, count, type, partner, 0, comm), "MPI_Send");
+          check_mpi(MPI_Recv(recv, count, type, partner, 0, comm, MPI_STATUS_IGNORE), "MPI_Recv");
+        };
+      } else {
+        bound.run = [=] {
+          check_mpi(MPI_Recv(recv, count, type, partner, 0, comm, MPI_STATUS_IGNORE), "MPI_Recv");
+          check_mpi(MPI_Send(recv, count, type, partner, 0, comm), "MPI_Send");
+        };
+      }
+      bound.input = const_cast<void*>(send);
+      bound.output = recv;
+      return bound;
+    }
     case Collective::kAllToAll: {
       const void* in = r.in_place ? MPI_IN_PLACE : send;
       bound.run = [=] {
