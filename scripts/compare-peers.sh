@@ -639,7 +639,7 @@ def fmt_time(us):
 
 
 MIB = 1024 * 1024
-# The README's performance targets: (collective, size, dear's column, peers, ratio, busbw or
+# The performance targets (docs/benchmarks.md): (collective, size, dear's column, peers, ratio, busbw or
 # time). A busbw target asks dear's busbw >= ratio x the best listed peer's; a time target asks
 # dear's time <= ratio x the best peer's.
 TARGETS = [
@@ -800,7 +800,7 @@ for coll in collectives:
         print(f"# {note}")
 lines = target_lines(by_coll, run_nranks)
 if lines:
-    print("\n# performance targets (README, \"Benchmarks\"), this run:")
+    print("\n# performance targets (docs/benchmarks.md, \"Comparing with Open MPI and Gloo\"), this run:")
     for line in lines:
         print(line)
 PY
