@@ -178,6 +178,18 @@ std::vector<unsigned char> reduce_inputs(const std::vector<std::vector<unsigned 
   return out;
 }
 
+// A check of `c` on `nranks` ranks (rank 0; the tests set each rank in turn).
+CheckSpec spec_of(Collective c, DataType t, int nranks, std::uint64_t rank_count,
+                  std::uint64_t seed) {
+  CheckSpec spec;
+  spec.collective = c;
+  spec.dtype = t;
+  spec.nranks = nranks;
+  spec.rank_count = rank_count;
+  spec.seed = seed;
+  return spec;
+}
+
 std::vector<std::vector<unsigned char>> make_inputs(CheckSpec spec) {
   std::vector<std::vector<unsigned char>> inputs;
   for (int r = 0; r < spec.nranks; ++r) {
@@ -299,12 +311,7 @@ TEST(Checker, ReduceScatterAllGatherAndBroadcast) {
 TEST(Checker, AllToAllBlocksComeFromEveryRank) {
   // Built by hand from the inputs: rank r's block j is block r of rank j's input.
   const int nranks = 4;
-  CheckSpec spec;
-  spec.collective = Collective::kAllToAll;
-  spec.dtype = DataType::kInt32;
-  spec.nranks = nranks;
-  spec.rank_count = 9;
-  spec.seed = 5;
+  CheckSpec spec = spec_of(Collective::kAllToAll, DataType::kInt32, nranks, 9, 5);
   const auto inputs = make_inputs(spec);
   const std::size_t block = spec.rank_count * sizeof(std::int32_t);
   for (int r = 0; r < nranks; ++r) {
@@ -323,12 +330,7 @@ TEST(Checker, AllToAllBlocksComeFromEveryRank) {
 TEST(Checker, PingPongEchoesRankTwoKsMessage) {
   // Rank 2k gets its own input back, rank 2k + 1 keeps rank 2k's; a pair's other input is wrong.
   const int nranks = 4;
-  CheckSpec spec;
-  spec.collective = Collective::kPingPong;
-  spec.dtype = DataType::kFloat32;
-  spec.nranks = nranks;
-  spec.rank_count = 11;
-  spec.seed = 2;
+  CheckSpec spec = spec_of(Collective::kPingPong, DataType::kFloat32, nranks, 11, 2);
   const auto inputs = make_inputs(spec);
   for (int r = 0; r < nranks; ++r) {
     spec.rank = r;
