@@ -34,6 +34,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -192,6 +193,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // thread's turn, which starts what was submitted and hands its first messages to the links
   // without reading them (the waiting thread or the engine thread reads them next).
   bool turn(bool read_links = true);
+  // A turn for a thread waiting while only point-to-point operations are in flight: it reads
+  // and flushes just the channels of the peers they wait on, with no poll() first, and moves
+  // the point-to-point queues. nullopt where it does not apply (collectives in flight,
+  // submissions queued, a receive from any source, a failure to report): run turn() then.
+  std::optional<bool> p2p_turn();
   void sleep_idle();
   bool drain_submissions();
   void wait_for_events(std::unique_lock<std::mutex>& turn);
