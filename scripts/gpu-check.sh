@@ -9,7 +9,8 @@
 #   4. the kernel benchmark, every dtype x op, next to cudaMemcpy device-to-device,
 #   5. dear-bench all_reduce with 2 and 4 ranks (processes) sharing the GPU, checked: host and
 #      device buffers side by side (busbw), and the engine thread's CPU seconds for each; a
-#      1 GiB device all_reduce's landing memory (pinned), and the same sweep staged,
+#      1 GiB device all_reduce's landing memory (pinned), and the same sweep staged; all_to_all
+#      and scatter on 2 ranks, host and device buffers (staged in pieces), checked,
 #   6. compute-sanitizer memcheck on the 2-rank device-resident collectives,
 #   7. with --sanitize, all GPU tests again under compute-sanitizer (memcheck, then racecheck).
 # Exits non-zero at the first failure, and at once when no GPU is usable.
@@ -94,10 +95,13 @@ timeout 90 "$build/bench/cuda-reduce-bench" --benchmark_min_time=0.05 \
 # One sweep, three ways: host buffers, device buffers (resident), device buffers staged.
 # Prints busbw (out of place) per size side by side, and each run's engine CPU seconds.
 sweep() {  # sweep N OUT [dear-bench args...]
-  local n=$1 out=$2
-  shift 2
-  timeout 150 "$build/tools/dear-run" -n "$n" --no-prefix -- "$build/bench/dear-bench" all_reduce \
-    -b 8 -e 64M -f 8 -n 5 -w 2 -c 1 "$@" >"$out" 2>&1 || { cat "$out"; return 1; }
+  sweep_of all_reduce 8 "$@"
+}
+sweep_of() {  # sweep_of COLLECTIVE MINBYTES N OUT [dear-bench args...]
+  local coll=$1 min=$2 n=$3 out=$4
+  shift 4
+  timeout 150 "$build/tools/dear-run" -n "$n" --no-prefix -- "$build/bench/dear-bench" "$coll" \
+    -b "$min" -e 64M -f 8 -n 5 -w 2 -c 1 "$@" >"$out" 2>&1 || { cat "$out"; return 1; }
 }
 rows() { awk '$1 ~ /^[0-9]+$/ && NF >= 9 { print $1, $8, $9 }' "$1"; }
 cpu() { awk '/engine: cpu/ { s += $6 } END { printf "%.3f", s }' "$1"; }
@@ -116,6 +120,19 @@ for n in 2 4; do
            END { exit bad }' || fail "wrong elements"
   printf 'engine thread CPU seconds, all ranks, whole sweep: host %s, device %s, staged %s\n' \
     "$(cpu "$tmp/host$n")" "$(cpu "$tmp/dev$n")" "$(cpu "$tmp/staged$n")"
+done
+
+# all_to_all and scatter keep their exchanges in host memory: device buffers are staged in
+# pipelined pieces (docs/cuda.md).
+for coll in all_to_all scatter; do
+  step "$coll, 2 ranks, every result checked: host vs device buffers (staged in pieces)"
+  sweep_of "$coll" 1M 2 "$tmp/h-$coll" || fail "dear-bench $coll host buffers"
+  sweep_of "$coll" 1M 2 "$tmp/d-$coll" --device cuda || fail "dear-bench $coll device buffers"
+  printf '%12s %12s %12s %8s\n' size host_busbw dev_busbw dev/host
+  join <(rows "$tmp/h-$coll" | sort -k1,1) <(rows "$tmp/d-$coll" | sort -k1,1) | sort -n \
+    | awk '{ if ($3 != 0 || $5 != 0) { print "wrong elements at " $1; bad = 1 }
+             printf "%12s %12s %12s %8.2f\n", $1, $2, $4, ($2 > 0 ? $4 / $2 : 0) }
+           END { exit bad }' || fail "wrong elements"
 done
 
 step "1 GiB device all_reduce, 2 ranks: pinned landing memory held (bounded by the slots)"
