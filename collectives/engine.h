@@ -198,6 +198,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // the point-to-point queues. nullopt where it does not apply (collectives in flight,
   // submissions queued, a receive from any source, a failure to report): run turn() then.
   std::optional<bool> p2p_turn();
+  // Runs a turn's `work` (returns whether it moved anything): an error from it fails the
+  // communicator and counts as movement; then records whether anything is left in flight.
+  template <typename Fn>
+  bool guarded_turn(Fn&& work);
   void sleep_idle();
   bool drain_submissions();
   void wait_for_events(std::unique_lock<std::mutex>& turn);

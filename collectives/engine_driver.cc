@@ -144,9 +144,24 @@ void Engine::run() {
             cfg_.rank)));
 }
 
-bool Engine::turn(bool read_links) {
+template <typename Fn>
+bool Engine::guarded_turn(Fn&& work) {
   bool moved = false;
   try {
+    moved = work();
+  } catch (const Error& e) {
+    fail(e);
+    moved = true;
+  } catch (const std::exception& e) {
+    fail(Error(ErrorCode::kInternal, e.what(), cfg_.rank));
+    moved = true;
+  }
+  has_active_.store(!active_.empty() || p2p_pending_ > 0);
+  return moved;
+}
+
+bool Engine::turn(bool read_links) {
+  return guarded_turn([&] {
     if (abort_requested_.load()) {
       std::string reason;
       {
@@ -156,7 +171,7 @@ bool Engine::turn(bool read_links) {
       fail(Error(ErrorCode::kAborted, "Communicator::abort(): " + reason, cfg_.rank));
       abort_requested_.store(false);
     }
-    moved = drain_submissions();
+    bool moved = drain_submissions();
     moved |= drain_p2p();
     apply_priorities();
     announce();
@@ -172,15 +187,8 @@ bool Engine::turn(bool read_links) {
     if (!moved) moved = copy_while_waiting();
     complete_finished();
     check_deadlines();
-  } catch (const Error& e) {
-    fail(e);
-    moved = true;
-  } catch (const std::exception& e) {
-    fail(Error(ErrorCode::kInternal, e.what(), cfg_.rank));
-    moved = true;
-  }
-  has_active_.store(!active_.empty() || p2p_pending_ > 0);
-  return moved;
+    return moved;
+  });
 }
 
 void Engine::sleep_idle() {
@@ -292,8 +300,8 @@ std::optional<bool> Engine::p2p_turn() {
       pending_submissions_.load() > 0 || abort_requested_.load() || steps_in_flight()) {
     return std::nullopt;
   }
-  bool moved = false;
-  try {
+  return guarded_turn([&] {
+    bool moved = false;
     for (std::size_t r = 0; r < p2p_.size(); ++r) {
       const PeerP2p& peer = p2p_[r];
       if (peer.sends.empty() && peer.recvs.empty()) continue;
@@ -303,15 +311,8 @@ std::optional<bool> Engine::p2p_turn() {
       moved |= ch.progress(*sinks_[static_cast<std::size_t>(l)], true);
     }
     moved |= advance_p2p();
-  } catch (const Error& e) {
-    fail(e);
-    moved = true;
-  } catch (const std::exception& e) {
-    fail(Error(ErrorCode::kInternal, e.what(), cfg_.rank));
-    moved = true;
-  }
-  has_active_.store(!active_.empty() || p2p_pending_ > 0);
-  return moved;
+    return moved;
+  });
 }
 
 bool Engine::drive(const Work::State& state, std::chrono::steady_clock::time_point until,
