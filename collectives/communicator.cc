@@ -263,6 +263,13 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
 
   Work issue_on_device(const collectives::CollectiveCall& call, const OpOptions& opts,
                        std::unique_ptr<collectives::OpFence> fence) override {
+    if (!collectives::runs_resident(call)) {
+      // Its exchanges keep their work in host memory; device buffers come staged.
+      throw Error(ErrorCode::kInternal,
+                  std::string("a ") + collectives::call_name(call.kind, call.root) +
+                      " reached the engine with device memory",
+                  rank_, Error::kNone, collectives::call_name(call.kind, call.root));
+    }
     return issue(call, opts, std::move(fence));
   }
 
@@ -373,11 +380,6 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
         check_total(c.count, c.dtype, "recv_count");
         check_buffers(*o, "in", has_in ? c.count * n : 0, "out", c.count, false);
         if (has_in) check_in_place_block(o->in, c.count * n, o->out, c.count, c.dtype, "out", "in");
-        if (c.root >= 0 && fence) {
-          // The tree keeps its work in host memory; device buffers come staged (device_staging).
-          throw Error(ErrorCode::kInternal, "a scatter reached the engine with device memory",
-                      rank_, Error::kNone, "scatter");
-        }
         if (c.root >= 0 && size_ > 1 && !mesh_) {
           throw Error(ErrorCode::kInvalidArgument,
                       "scatter needs direct links between ranks 2^k apart, which transport '" +
@@ -415,11 +417,6 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
         o = make(c.kind, c.in, c.out, c.count, c.dtype, ReduceOp::kSum, -1, opts, fence != nullptr);
         check_total(c.count, c.dtype, "count");
         check_buffers(*o, "in", c.count * n, "out", c.count * n, true);
-        if (fence) {
-          // The exchanges keep their work in host memory; device buffers come staged.
-          throw Error(ErrorCode::kInternal, "an all_to_all reached the engine with device memory",
-                      rank_, Error::kNone, "all_to_all");
-        }
         if (size_ > 1) check_full_mesh("all_to_all");
         o->schedule = equal_all_to_all_schedule(a, c.count * dtype_size(c.dtype));
         o->fence = std::move(fence);

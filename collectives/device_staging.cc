@@ -376,15 +376,6 @@ class DeviceCommunicator final : public Communicator {
                  });
   }
 
-  // The collectives the engine runs slice by slice on device memory (resident.h): the ring's
-  // (all_reduce, reduce_scatter, all_gather, broadcast) and their rooted forms reduce and
-  // gather. scatter and all_to_all keep their exchanges in host memory and are staged in
-  // pieces; the rest is staged whole (kOther).
-  static bool runs_resident(const CollectiveCall& cc, StagedKind kind) {
-    if (kind == StagedKind::kOther || kind == StagedKind::kAllToAll) return false;
-    return !(kind == StagedKind::kReduceScatter && cc.root >= 0);  // scatter
-  }
-
   Work route(const CollectiveCall& cc, const char* name, StagedKind kind, std::size_t count,
              const void* in, std::size_t in_bytes, void* out, std::size_t out_bytes, DataType dtype,
              const OpOptions& opts, const Call& call) {
@@ -438,8 +429,8 @@ class DeviceCommunicator final : public Communicator {
     // rank, and staging not asked for. The engine runs it slice by slice, its steps on the
     // device (resident.h); it keeps its place in the order behind staged operations.
     const bool all_dev = (in_bytes == 0 || in_dev) && (out_bytes == 0 || out_dev);
-    if (resident_ != nullptr && runs_resident(cc, kind) && (in_dev || out_dev) && all_dev &&
-        size() > 1 && !options().cuda_staging) {
+    if (resident_ != nullptr && runs_resident(cc) && (in_dev || out_dev) && all_dev && size() > 1 &&
+        !options().cuda_staging) {
       const int device = in_dev ? in_loc.device : out_loc.device;
       const CurrentDevice current(device, rank());
       use_device(device, name);

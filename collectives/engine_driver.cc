@@ -208,7 +208,6 @@ void Engine::sleep_idle() {
   constexpr int kTicks = 50;
   constexpr auto kTick = std::chrono::microseconds(200);
   constexpr auto kDeepTick = std::chrono::milliseconds(100);
-  constexpr auto kDrivenTick = kDeepTick;
   std::unique_lock<std::mutex> lock(turn_mu_, std::defer_lock);
   const bool driven = drivers_.load() > 0;
   const bool deep = idle_ticks_ >= kTicks && !driven && lock.try_lock();
@@ -226,9 +225,8 @@ void Engine::sleep_idle() {
   mode_.store(deep ? kDeepSleep : kIdleSleep);
   const bool work = drivers_.load() == 0 && (pending_submissions_.load() > 0 || has_active_.load());
   if (!work && !stop_.load() && !abort_requested_.load()) {
-    const std::chrono::nanoseconds wait = deep     ? std::chrono::nanoseconds(kDeepTick)
-                                          : driven ? std::chrono::nanoseconds(kDrivenTick)
-                                                   : std::chrono::nanoseconds(kTick);
+    const std::chrono::nanoseconds wait =
+        deep || driven ? std::chrono::nanoseconds(kDeepTick) : std::chrono::nanoseconds(kTick);
     const timespec tick{0, static_cast<long>(wait.count())};
     const int rc = ::ppoll(pollfds_.data(), pollfds_.size(), &tick, nullptr);
     if (rc > 0 && (pollfds_[0].revents & POLLIN) != 0) {

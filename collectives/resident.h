@@ -22,6 +22,20 @@ struct CollectiveCall {
   int root = -1;
 };
 
+// Whether the engine runs `call` slice by slice on device memory: the ring-link collectives
+// (all_reduce, reduce_scatter, all_gather, broadcast) and their rooted forms reduce and gather.
+// scatter and the all-to-alls keep their exchanges in host memory (steps.h), so device buffers
+// reach them staged (device_staging.h).
+[[nodiscard]] constexpr bool runs_resident(const CollectiveCall& call) noexcept {
+  switch (call.kind) {
+    case OpKind::kAllReduce:
+    case OpKind::kAllGather:
+    case OpKind::kBroadcast: return true;
+    case OpKind::kReduceScatter: return call.root < 0;  // with a root, a scatter
+    default: return false;
+  }
+}
+
 class ResidentCommunicator : public Communicator {
  public:
   // `call` with the same checks and results as the public method of its kind, its buffers on

@@ -14,6 +14,7 @@
 
 #include "collectives/device_staging.h"
 #include "collectives/reduce.h"
+#include "collectives/resident.h"
 #include "collectives/staging_pieces.h"
 #include "collectives/staging_plan.h"
 #include "common/reduce_ops.h"
@@ -606,6 +607,29 @@ TEST(StagingPieces, PipelineSimulationWithDefaultSizedPieces) {
 }
 
 // ---- pointer-location dispatch with host pointers ----------------------------------------------
+
+TEST(DeviceDispatch, OnlyTheRingCollectivesAndTheirRootedFormsRunResident) {
+  using collectives::CollectiveCall;
+  using collectives::runs_resident;
+  const auto call = [](OpKind kind, int root) {
+    CollectiveCall c;
+    c.kind = kind;
+    c.root = root;
+    return c;
+  };
+  EXPECT_TRUE(runs_resident(call(OpKind::kAllReduce, -1)));
+  EXPECT_TRUE(runs_resident(call(OpKind::kAllReduce, 1)));  // reduce
+  EXPECT_TRUE(runs_resident(call(OpKind::kReduceScatter, -1)));
+  EXPECT_TRUE(runs_resident(call(OpKind::kAllGather, -1)));
+  EXPECT_TRUE(runs_resident(call(OpKind::kAllGather, 0)));  // gather
+  EXPECT_TRUE(runs_resident(call(OpKind::kBroadcast, 2)));
+  // Their exchanges keep their work in host memory: staged (in pieces or whole).
+  EXPECT_FALSE(runs_resident(call(OpKind::kReduceScatter, 0)));  // scatter
+  EXPECT_FALSE(runs_resident(call(OpKind::kAllToAll, -1)));
+  EXPECT_FALSE(runs_resident(call(OpKind::kAllToAllV, -1)));
+  EXPECT_FALSE(runs_resident(call(OpKind::kAllToAllV, 0)));  // gather_v
+  EXPECT_FALSE(runs_resident(call(OpKind::kBarrier, -1)));   // send, recv, barrier
+}
 
 TEST(DeviceDispatch, HostPointersAreNotDevicePointers) {
   int on_stack = 0;
