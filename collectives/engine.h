@@ -198,6 +198,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // the point-to-point queues. nullopt where it does not apply (collectives in flight,
   // submissions queued, a receive from any source, a failure to report): run turn() then.
   std::optional<bool> p2p_turn();
+  // The same for a thread waiting while only log-step collectives are in flight (the small
+  // operations' schedules on the mesh links): it reads and flushes just the channels of the
+  // peers their current steps exchange with, advances their steps and completes what ended.
+  // nullopt where it does not apply (anything else in flight or queued, steps with the
+  // executor, an announcement due, a send held back for the peer's post): run turn() then.
+  std::optional<bool> log_step_turn();
   // Runs a turn's `work` (returns whether it moved anything): an error from it fails the
   // communicator and counts as movement; then records whether anything is left in flight.
   template <typename Fn>
@@ -438,6 +444,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<std::vector<char>> abort_text_;
   std::vector<pollfd> pollfds_;
   std::vector<pollfd> ready_fds_;
+  std::vector<int> narrow_links_;  // log_step_turn(): the mesh links it reads
 
   transport::Clock::time_point last_moved_{};
   // Set when an operation passed its deadline and the neighbour it waits on was asked why.

@@ -316,11 +316,56 @@ std::optional<bool> Engine::p2p_turn() {
   });
 }
 
+std::optional<bool> Engine::log_step_turn() {
+  if (active_.empty() || !is_log_step(active_.front()->schedule) || p2p_pending_ > 0 ||
+      !p2p_waiting_.empty() || pending_submissions_.load() > 0 || abort_requested_.load() ||
+      steps_in_flight() || announce_ > announced_ || !windows_to_announce_.empty()) {
+    return std::nullopt;
+  }
+  narrow_links_.clear();
+  for (const auto& holder : active_) {
+    const Op& op = *holder;
+    if (!is_log_step(op.schedule) || op.life() != OpState::kRunning || !may_send(op)) {
+      return std::nullopt;
+    }
+    const auto& steps = op.log_step.plan.steps;
+    const std::size_t k = op.log_step.step_next;
+    if (k >= steps.size()) return std::nullopt;  // finishing: a full turn completes it
+    for (const int peer : {steps[k].send_peer, steps[k].recv_peer}) {
+      if (peer < 0) continue;
+      const int l = mesh_link(peer);
+      if (std::find(narrow_links_.begin(), narrow_links_.end(), l) == narrow_links_.end()) {
+        narrow_links_.push_back(l);
+      }
+    }
+  }
+  return guarded_turn([&] {
+    bool moved = false;
+    for (const int l : narrow_links_) {
+      transport::Channel& ch = *links_[static_cast<std::size_t>(l)][0];
+      if (ch.closed() || landing_full(l, 0)) continue;
+      moved |= ch.progress(*sinks_[static_cast<std::size_t>(l)], true);
+    }
+    for (auto& holder : active_) {
+      if (holder->life() == OpState::kRunning) moved |= advance_log_steps(*holder);
+    }
+    // What the steps queued leaves now; the next turn reads the replies.
+    for (const int l : narrow_links_) {
+      transport::Channel& ch = *links_[static_cast<std::size_t>(l)][0];
+      if (!ch.closed() && ch.queued() > 0) ch.progress(*sinks_[static_cast<std::size_t>(l)], false);
+    }
+    complete_finished();
+    return moved;
+  });
+}
+
 bool Engine::drive(const Work::State& state, std::chrono::steady_clock::time_point until,
                    std::chrono::microseconds idle) {
   // While only point-to-point operations wait, most turns are p2p_turn()'s: a recv() that
-  // finds the message saves the poll() a full turn makes before it. Every kFullTurnEvery-th
-  // turn is a full one, which reads every channel and checks the deadlines.
+  // finds the message saves the poll() a full turn makes before it. While only log-step
+  // collectives are in flight, they are log_step_turn()'s, which read one or two channels
+  // instead of all of them (4 ranks over shm, 8 B recursive doubling: 10-14 against 12-21 us).
+  // Every kFullTurnEvery-th turn is a full one, which reads every channel and checks the deadlines.
   constexpr unsigned kFullTurnEvery = 8;
   unsigned turns = 0;
   drivers_.fetch_add(1);
@@ -336,7 +381,10 @@ bool Engine::drive(const Work::State& state, std::chrono::steady_clock::time_poi
     bool moved = false;
     if (turn_mu_.try_lock()) {
       std::optional<bool> narrow;
-      if (++turns % kFullTurnEvery != 0) narrow = p2p_turn();
+      if (++turns % kFullTurnEvery != 0) {
+        narrow = p2p_turn();
+        if (!narrow) narrow = log_step_turn();
+      }
       moved = narrow ? *narrow : turn();
       turn_mu_.unlock();
     }
