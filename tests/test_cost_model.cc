@@ -429,7 +429,15 @@ TEST(CostModelSelect, WithoutModelFromFiveRanksSmallOperationsUseLogSteps) {
   g.log_steps = true;
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, g, nullptr, 16384),
             Schedule::kTree);
-  g = geometry(4);
+  for (const int n : {3, 4}) {
+    g = geometry(n);
+    g.log_steps = true;
+    EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, g, nullptr, 16384),
+              Schedule::kTree)
+        << n << " ranks";
+  }
+  // Two ranks: one peer, nothing for log steps to gain.
+  g = geometry(2);
   g.log_steps = true;
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, g, nullptr, 16384),
             Schedule::kGatherReduce);
@@ -465,7 +473,7 @@ TEST(CostModelSelect, WithoutModelMediumAllReducesHalveAndDoubleFromFourRanks) {
   // (inclusive), then the ring.
   EXPECT_EQ(
       select_schedule(OpKind::kAllReduce, Algorithm::kAuto, kSmall, 4, g, nullptr, kSmall, kMedium),
-      Schedule::kGatherReduce);
+      Schedule::kTree);
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, kSmall + 4, 4, g, nullptr, kSmall,
                             kMedium),
             Schedule::kHalvingDoubling);
