@@ -67,7 +67,8 @@ void fill(std::byte* p, std::size_t bytes, DataType t, std::uint64_t seed) {
   }
 }
 
-void bm_reduce(benchmark::State& state, DataType t, ReduceOp op) {
+// `divisor` > 1: kAvg's final step (the sum divided by the rank count), as reduce_final does it.
+void bm_reduce(benchmark::State& state, DataType t, ReduceOp op, int divisor = 1) {
   const auto bytes = static_cast<std::size_t>(state.range(0));
   const std::size_t n = bytes / dtype_size(t);
   AlignedBytes a = allocate(bytes);
@@ -77,7 +78,11 @@ void bm_reduce(benchmark::State& state, DataType t, ReduceOp op) {
   fill(b.get(), bytes, t, 2);
   std::memset(dst.get(), 0, bytes);
   for (auto _ : state) {
-    reduce(dst.get(), a.get(), b.get(), n, t, op);
+    if (divisor > 1) {
+      reduce_final(dst.get(), a.get(), b.get(), n, t, op, divisor);
+    } else {
+      reduce(dst.get(), a.get(), b.get(), n, t, op);
+    }
     benchmark::DoNotOptimize(dst.get());
     benchmark::ClobberMemory();
   }
@@ -113,6 +118,11 @@ BENCHMARK_CAPTURE(bm_reduce, half_sum, DataType::kFloat16, ReduceOp::kSum)->Appl
 BENCHMARK_CAPTURE(bm_reduce, bfloat16_sum, DataType::kBFloat16, ReduceOp::kSum)->Apply(sizes);
 BENCHMARK_CAPTURE(bm_reduce, int8_sum, DataType::kInt8, ReduceOp::kSum)->Apply(sizes);
 BENCHMARK_CAPTURE(bm_reduce, double_max, DataType::kFloat64, ReduceOp::kMax)->Apply(sizes);
+// kAvg's last step on 3 ranks: the integers divide by a multiply (common/reduce_ops.h, Divider).
+BENCHMARK_CAPTURE(bm_reduce, int8_avg_final, DataType::kInt8, ReduceOp::kAvg, 3)->Apply(sizes);
+BENCHMARK_CAPTURE(bm_reduce, int32_avg_final, DataType::kInt32, ReduceOp::kAvg, 3)->Apply(sizes);
+BENCHMARK_CAPTURE(bm_reduce, int64_avg_final, DataType::kInt64, ReduceOp::kAvg, 3)->Apply(sizes);
+BENCHMARK_CAPTURE(bm_reduce, float_avg_final, DataType::kFloat32, ReduceOp::kAvg, 3)->Apply(sizes);
 
 }  // namespace
 }  // namespace dear::collectives

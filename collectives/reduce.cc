@@ -233,13 +233,6 @@ DEAR_ALWAYS_INLINE void binary(void* dst, const void* a, const void* b, std::siz
   }
 }
 
-// The kAvg final step: the sum, divided once in the compute type.
-template <class T>
-struct SumDivideOp {
-  int divisor;
-  DEAR_HOST_DEVICE T operator()(T a, T b) const { return divide_by(SumOp{}(a, b), divisor); }
-};
-
 // `divisor` > 1 only for the final step of kAvg; otherwise kAvg reduces as kSum.
 template <DataType kType>
 DEAR_ALWAYS_INLINE void reduce_typed(void* dst, const void* a, const void* b, std::size_t n,
@@ -248,7 +241,7 @@ DEAR_ALWAYS_INLINE void reduce_typed(void* dst, const void* a, const void* b, st
   switch (op) {
     case ReduceOp::kAvg:
       if (divisor > 1) {
-        binary<E>(dst, a, b, n, alias, SumDivideOp<typename E::Compute>{divisor});
+        binary<E>(dst, a, b, n, alias, AvgFinalOp<typename E::Compute>(divisor));
         return;
       }
       [[fallthrough]];
@@ -286,9 +279,8 @@ DEAR_ALWAYS_INLINE void divide_typed(void* dst, const void* src, std::size_t n, 
   using S = typename E::Storage;
   auto* d = static_cast<S*>(dst);
   const auto* s = static_cast<const S*>(src);
-  const auto fn = [divisor](typename E::Compute x, typename E::Compute) {
-    return divide_by(x, divisor);
-  };
+  const Divider<typename E::Compute> divide(divisor);
+  const auto fn = [divide](typename E::Compute x, typename E::Compute) { return divide(x); };
   // The second operand is ignored; passing src twice keeps one loop shape.
   binary<E>(d, s, s, n, d == s ? Alias::kAll : Alias::kNone, fn);
 }

@@ -105,7 +105,7 @@ void reduce_typed(void* dst, const void* a, const void* b, std::size_t n, Reduce
   switch (op) {
     case ReduceOp::kAvg:
       if (divisor > 1) {
-        launch<E>(dst, a, b, n, AvgFinalOp<typename E::Compute>{divisor}, stream);
+        launch<E>(dst, a, b, n, AvgFinalOp<typename E::Compute>(divisor), stream);
         return;
       }
       launch<E>(dst, a, b, n, SumOp{}, stream);

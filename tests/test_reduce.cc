@@ -722,6 +722,85 @@ TEST(ReduceKnownAnswers, AverageTruncatesIntegers) {
   EXPECT_EQ(e, -28);
 }
 
+// Divider (kAvg's last step) against the compiler's division, the host's way and the device's
+// (by_multiply): every dividend of the 8-bit types for divisors 1-1100 and a spread of large
+// ones, and for 32 and 64 bits the edges (the most negative value, multiples of the divisor and
+// their neighbours) and random dividends.
+template <class T>
+void check_divider_exhaustive(int d) {
+  const Divider<T> divide(d);
+  for (int x = std::numeric_limits<T>::min(); x <= std::numeric_limits<T>::max(); ++x) {
+    const auto v = static_cast<T>(x);
+    ASSERT_EQ(divide(v), static_cast<T>(x / d)) << "x=" << x << " d=" << d;
+    ASSERT_EQ(divide.by_multiply(v), static_cast<T>(x / d)) << "x=" << x << " d=" << d;
+  }
+}
+
+template <class T>
+void check_divider_sampled(int d, std::mt19937_64& rng) {
+  const Divider<T> divide(d);
+  using L = std::numeric_limits<T>;
+  std::vector<T> xs = {L::min(), static_cast<T>(L::min() + 1), -1, 0, 1,
+                       L::max(), static_cast<T>(L::max() - 1)};
+  const T dd = static_cast<T>(d);
+  // k * d - 1, k * d, k * d + 1 and their negatives, wrapping where they pass the type's ends.
+  using U = std::make_unsigned_t<T>;
+  for (const T k : {T{1}, T{2}, T{1000}, static_cast<T>(L::max() / dd)}) {
+    const U kd = static_cast<U>(static_cast<U>(k) * static_cast<U>(dd));
+    for (const U off : {U{0} - U{1}, U{0}, U{1}}) {
+      xs.push_back(static_cast<T>(static_cast<U>(kd + off)));
+      xs.push_back(static_cast<T>(static_cast<U>(U{0} - kd + off)));
+    }
+  }
+  for (int i = 0; i < 2000; ++i) xs.push_back(static_cast<T>(rng()));
+  for (int i = 0; i < 200; ++i) xs.push_back(static_cast<T>(static_cast<int>(rng() % 4096) - 2048));
+  for (const T x : xs) {
+    ASSERT_EQ(divide(x), static_cast<T>(x / dd)) << "x=" << x << " d=" << d;
+    ASSERT_EQ(divide.by_multiply(x), static_cast<T>(x / dd)) << "x=" << x << " d=" << d;
+  }
+}
+
+std::vector<int> divider_divisors() {
+  std::vector<int> ds;
+  for (int d = 1; d <= 1100; ++d) ds.push_back(d);
+  for (int b = 11; b < 31; ++b) {
+    for (const int off : {-1, 0, 1}) ds.push_back((1 << b) + off);
+  }
+  ds.push_back(std::numeric_limits<int>::max());
+  ds.push_back(1000003);
+  ds.push_back(123456789);
+  return ds;
+}
+
+TEST(ReduceDivider, EightBitTypesEveryDividend) {
+  for (const int d : divider_divisors()) {
+    check_divider_exhaustive<std::int8_t>(d);
+    check_divider_exhaustive<std::uint8_t>(d);
+  }
+}
+
+TEST(ReduceDivider, WideTypesEdgesAndRandomDividends) {
+  std::mt19937_64 rng(7);
+  for (const int d : divider_divisors()) {
+    check_divider_sampled<std::int32_t>(d, rng);
+    check_divider_sampled<std::int64_t>(d, rng);
+  }
+}
+
+TEST(ReduceDivider, FloatsDivideAsTheCompilerDoes) {
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> value(-1e6, 1e6);
+  for (const int d : {1, 2, 3, 7, 10, 1000, 65537}) {
+    const Divider<float> f(d);
+    const Divider<double> g(d);
+    for (int i = 0; i < 1000; ++i) {
+      const double x = value(rng);
+      ASSERT_EQ(f(static_cast<float>(x)), static_cast<float>(x) / static_cast<float>(d));
+      ASSERT_EQ(g(x), x / static_cast<double>(d));
+    }
+  }
+}
+
 TEST(ReduceKnownAnswers, HalfSumRoundsOnceToEven) {
   using H = std::uint16_t;
   EXPECT_EQ(reduce_one<H>(0x3c00, 0x1000, DataType::kFloat16, ReduceOp::kSum), 0x3c00);  // tie
