@@ -196,8 +196,8 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
   const int n = std::max(g.nranks, 1);
   std::size_t total = bytes;           // what the threshold compares: the operation's whole buffer
   Schedule two_way = Schedule::kRing;  // the collective's two-way gather, where it has one
-  // The small schedule without a model, with log steps (from 3 ranks on for all_reduce, 4 for
-  // the others): the tree for all_reduce (it measured fastest on small operations, alone and
+  // The small schedule without a model, with log steps (from 3 ranks on): the tree for
+  // all_reduce (it measured fastest on small operations, alone and
   // back to back, on an oversubscribed host), else the log-step schedule of the collective.
   const Schedule log_small = kind == OpKind::kAllReduce       ? Schedule::kTree
                              : kind == OpKind::kReduceScatter ? Schedule::kHalvingDoubling
@@ -233,11 +233,11 @@ Schedule select_schedule(OpKind kind, Algorithm requested, std::size_t bytes, st
   }
   if (requested == Algorithm::kTree) return forced(Schedule::kTree);
   if (g.log_steps && n > 1) {
-    // all_gather and reduce_scatter from 4 ranks on: their log-step schedule's log2(N) steps
-    // beat the ring's (and the two-way gather's) N - 1 on small operations; all_reduce's tree
-    // beats gather_reduce's ceil((N - 1) / 2) two-way steps from 3 ranks on, since a waiting
-    // thread's turns read only the channels a log step uses (see docs/benchmarks.md).
-    if (n >= 4 || (n >= 3 && kind == OpKind::kAllReduce)) small = log_small;
+    // From 3 ranks on, the log-step schedules beat the ring's N - 1 steps (and the two-way
+    // gather's, and gather_reduce's ceil((N - 1) / 2) two-way steps) on small operations,
+    // since a waiting thread's turns read only the channels a log step uses (see
+    // docs/benchmarks.md).
+    if (n >= 3) small = log_small;
   }
   if (model == nullptr) {
     if (total <= threshold_bytes) return small;

@@ -144,8 +144,8 @@ struct SchedulePlan {
 // kGatherReduce for all_gather: with a model, the candidate with the lowest predicted time,
 // unless the ring's is within model->ring_margin of it (then the ring); without one (model ==
 // nullptr), a threshold: the small schedule while the operation's total bytes are <=
-// threshold_bytes (with log steps, the tree for all_reduce from 3 ranks on, recursive doubling
-// for all_gather and halving for reduce_scatter from 4 ranks on; otherwise gather_reduce for
+// threshold_bytes (with log steps from 3 ranks on, the tree for all_reduce, recursive doubling
+// for all_gather and halving for reduce_scatter; otherwise gather_reduce for
 // all_reduce, the ring's two-way gather for all_gather, the ring for reduce_scatter), then, from
 // 4 ranks on with log steps, halving + doubling for all_reduce and recursive doubling for
 // all_gather while they are <= medium_bytes, halving for reduce_scatter while it is <=

@@ -414,7 +414,7 @@ TEST(CostModelFit, SizeCorrectionInterpolatesTheSamples) {
   EXPECT_NEAR(predict_us(m, OpKind::kReduceScatter, Schedule::kRing, 16384, 4, g), rs_line, 1e-9);
 }
 
-TEST(CostModelSelect, WithoutModelFromFiveRanksSmallOperationsUseLogSteps) {
+TEST(CostModelSelect, WithoutModelFromThreeRanksSmallOperationsUseLogSteps) {
   ModelGeometry g = geometry(8);
   g.log_steps = true;
   EXPECT_EQ(select_schedule(OpKind::kAllReduce, Algorithm::kAuto, 4096, 4, g, nullptr, 16384),
@@ -529,12 +529,18 @@ TEST(CostModelSelect, WithoutModelSmallAndMediumGathersAndScattersTakeLogStepsFr
   EXPECT_EQ(pick(OpKind::kReduceScatter, 64, g), Schedule::kHalvingDoubling);
   EXPECT_EQ(pick(OpKind::kReduceScatter, kMedium / 16, g), Schedule::kHalvingDoubling);
   EXPECT_EQ(pick(OpKind::kReduceScatter, kMedium / 16 + 4, g), Schedule::kRing);
-  // Below 4 ranks, or without mesh links: the two-way gather and the ring as before.
+  // Three ranks: the log-step schedules for small operations only, the ring above them.
   ModelGeometry three = geometry(3);
   three.log_steps = true;
-  EXPECT_EQ(pick(OpKind::kAllGather, 64, three), Schedule::kBiGather);
+  EXPECT_EQ(pick(OpKind::kAllGather, 64, three), Schedule::kRecursiveDoubling);
   EXPECT_EQ(pick(OpKind::kAllGather, 65536, three), Schedule::kRing);
-  EXPECT_EQ(pick(OpKind::kReduceScatter, 64, three), Schedule::kRing);
+  EXPECT_EQ(pick(OpKind::kReduceScatter, 64, three), Schedule::kHalvingDoubling);
+  EXPECT_EQ(pick(OpKind::kReduceScatter, 65536, three), Schedule::kRing);
+  // Two ranks, or no mesh links: the two-way gather and the ring.
+  ModelGeometry two = geometry(2);
+  two.log_steps = true;
+  EXPECT_EQ(pick(OpKind::kAllGather, 64, two), Schedule::kBiGather);
+  EXPECT_EQ(pick(OpKind::kReduceScatter, 64, two), Schedule::kRing);
   EXPECT_EQ(pick(OpKind::kAllGather, 64, geometry(4)), Schedule::kBiGather);
   EXPECT_EQ(pick(OpKind::kReduceScatter, 4096, geometry(4)), Schedule::kRing);
   // Five ranks (folding in the one beyond a power of two) take them too.
