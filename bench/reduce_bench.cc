@@ -118,7 +118,7 @@ BENCHMARK_CAPTURE(bm_reduce, half_sum, DataType::kFloat16, ReduceOp::kSum)->Appl
 BENCHMARK_CAPTURE(bm_reduce, bfloat16_sum, DataType::kBFloat16, ReduceOp::kSum)->Apply(sizes);
 BENCHMARK_CAPTURE(bm_reduce, int8_sum, DataType::kInt8, ReduceOp::kSum)->Apply(sizes);
 BENCHMARK_CAPTURE(bm_reduce, double_max, DataType::kFloat64, ReduceOp::kMax)->Apply(sizes);
-// kAvg's last step on 3 ranks: the integers divide by a multiply (common/reduce_ops.h, Divider).
+// kAvg's last step on 3 ranks (the CPU's way of dividing; common/reduce_ops.h, Divider).
 BENCHMARK_CAPTURE(bm_reduce, int8_avg_final, DataType::kInt8, ReduceOp::kAvg, 3)->Apply(sizes);
 BENCHMARK_CAPTURE(bm_reduce, int32_avg_final, DataType::kInt32, ReduceOp::kAvg, 3)->Apply(sizes);
 BENCHMARK_CAPTURE(bm_reduce, int64_avg_final, DataType::kInt64, ReduceOp::kAvg, 3)->Apply(sizes);
