@@ -204,6 +204,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // nullopt where it does not apply (anything else in flight or queued, steps with the
   // executor, an announcement due, a send held back for the peer's post): run turn() then.
   std::optional<bool> log_step_turn();
+  // What both narrow turns need: no submission or priority change queued, no receive from any
+  // source, no abort asked for, no executor step in flight.
+  [[nodiscard]] bool narrow_turn_allowed() const;
+  // A narrow turn's progress of the mesh channel on link `l`: reading it (with no poll() first;
+  // not while its landing slots are full), or only sending what it has queued.
+  bool progress_mesh(int l, bool may_read);
   // Runs a turn's `work` (returns whether it moved anything): an error from it fails the
   // communicator and counts as movement; then records whether anything is left in flight.
   template <typename Fn>

@@ -296,20 +296,26 @@ void Engine::wait_for_events(std::unique_lock<std::mutex>& turn) {
   }
 }
 
+bool Engine::narrow_turn_allowed() const {
+  return p2p_waiting_.empty() && pending_submissions_.load() == 0 && !abort_requested_.load() &&
+         !steps_in_flight();
+}
+
+bool Engine::progress_mesh(int l, bool may_read) {
+  transport::Channel& ch = *links_[static_cast<std::size_t>(l)][0];
+  if (ch.closed()) return false;
+  if (may_read ? landing_full(l, 0) : ch.queued() == 0) return false;
+  return ch.progress(*sinks_[static_cast<std::size_t>(l)], may_read);
+}
+
 std::optional<bool> Engine::p2p_turn() {
-  if (p2p_pending_ == 0 || !active_.empty() || !p2p_waiting_.empty() ||
-      pending_submissions_.load() > 0 || abort_requested_.load() || steps_in_flight()) {
-    return std::nullopt;
-  }
+  if (p2p_pending_ == 0 || !active_.empty() || !narrow_turn_allowed()) return std::nullopt;
   return guarded_turn([&] {
     bool moved = false;
     for (std::size_t r = 0; r < p2p_.size(); ++r) {
       const PeerP2p& peer = p2p_[r];
       if (peer.sends.empty() && peer.recvs.empty()) continue;
-      const int l = mesh_link(static_cast<int>(r));
-      transport::Channel& ch = *links_[static_cast<std::size_t>(l)][0];
-      if (ch.closed() || landing_full(l, 0)) continue;
-      moved |= ch.progress(*sinks_[static_cast<std::size_t>(l)], true);
+      moved |= progress_mesh(mesh_link(static_cast<int>(r)), true);
     }
     moved |= advance_p2p();
     return moved;
@@ -318,8 +324,7 @@ std::optional<bool> Engine::p2p_turn() {
 
 std::optional<bool> Engine::log_step_turn() {
   if (active_.empty() || !is_log_step(active_.front()->schedule) || p2p_pending_ > 0 ||
-      !p2p_waiting_.empty() || pending_submissions_.load() > 0 || abort_requested_.load() ||
-      steps_in_flight() || announce_ > announced_ || !windows_to_announce_.empty()) {
+      !narrow_turn_allowed() || announce_ > announced_ || !windows_to_announce_.empty()) {
     return std::nullopt;
   }
   narrow_links_.clear();
@@ -341,19 +346,12 @@ std::optional<bool> Engine::log_step_turn() {
   }
   return guarded_turn([&] {
     bool moved = false;
-    for (const int l : narrow_links_) {
-      transport::Channel& ch = *links_[static_cast<std::size_t>(l)][0];
-      if (ch.closed() || landing_full(l, 0)) continue;
-      moved |= ch.progress(*sinks_[static_cast<std::size_t>(l)], true);
-    }
+    for (const int l : narrow_links_) moved |= progress_mesh(l, true);
     for (auto& holder : active_) {
       if (holder->life() == OpState::kRunning) moved |= advance_log_steps(*holder);
     }
     // What the steps queued leaves now; the next turn reads the replies.
-    for (const int l : narrow_links_) {
-      transport::Channel& ch = *links_[static_cast<std::size_t>(l)][0];
-      if (!ch.closed() && ch.queued() > 0) ch.progress(*sinks_[static_cast<std::size_t>(l)], false);
-    }
+    for (const int l : narrow_links_) (void)progress_mesh(l, false);
     complete_finished();
     return moved;
   });
