@@ -23,3 +23,12 @@ if(TARGET test_faults)
   target_compile_definitions(test_faults PRIVATE DEAR_WORKER_PATH="$<TARGET_FILE:dear-test-worker>")
   add_dependencies(test_faults dear-test-worker)
 endif()
+# The same over the shared-memory transport: a dead rank's rings stop, and its control sockets
+# close.
+dear_test(test_faults_shm SOURCES test_faults.cc LIBS dear_transport PREFIX "shm." LABELS multiproc
+          PROPERTIES TIMEOUT 600 COST 1000)
+if(TARGET test_faults_shm)
+  target_compile_definitions(test_faults_shm PRIVATE DEAR_TEST_FAULTS_TRANSPORT="shm"
+                             DEAR_WORKER_PATH="$<TARGET_FILE:dear-test-worker>")
+  add_dependencies(test_faults_shm dear-test-worker)
+endif()

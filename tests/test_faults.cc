@@ -25,6 +25,13 @@ using dear::test::spawn;
 using dear::test::tmp_file;
 using dear::test::wait_all;
 
+// The transport the ranks use: TCP, or the one this binary was built for (test_faults_shm).
+#if defined(DEAR_TEST_FAULTS_TRANSPORT)
+constexpr const char* kTransport = DEAR_TEST_FAULTS_TRANSPORT;
+#else
+constexpr const char* kTransport = "tcp";
+#endif
+
 dear::UniqueId fresh_id() {
   dear::UniqueId id;
   id.host = "127.0.0.1";
@@ -43,7 +50,8 @@ std::vector<Proc> start_ranks(int nranks, const std::vector<std::string>& args, 
     procs.push_back(spawn(
         argv,
         {"DEAR_UNIQUE_ID=" + id.to_string(), "DEAR_RANK=" + std::to_string(r),
-         "DEAR_WORLD_SIZE=" + std::to_string(nranks), "DEAR_TIMEOUT=" + std::to_string(timeout_s)},
+         "DEAR_WORLD_SIZE=" + std::to_string(nranks), "DEAR_TIMEOUT=" + std::to_string(timeout_s),
+         std::string("DEAR_TRANSPORT=") + kTransport},
         tmp_file(tag + "." + std::to_string(r) + ".out")));
   }
   return procs;

@@ -7,7 +7,7 @@
 // Each entry names a back-end folder whose <name>_transport.cc defines
 // dear::transport::<name>::transport(). A new back-end adds itself here, and nowhere else
 // outside its folder.
-#define DEAR_TRANSPORTS(X) X(tcp) X(fabric) X(verbs)
+#define DEAR_TRANSPORTS(X) X(tcp) X(shm) X(fabric) X(verbs)
 
 namespace dear::transport {
 

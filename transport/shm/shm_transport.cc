@@ -1,0 +1,245 @@
+// transport "shm": the ring and mesh links of ranks on one host through shared memory
+// (shm_channel.h). The TCP transport connects the ranks first; each of its channels becomes
+// the control socket of a shared-memory channel. Every rank then makes one segment (a memfd)
+// holding the rings it reads, one per channel that ends here, and the ranks map each other's
+// segments through /proc/<pid>/fd/<fd>, which works for processes of one user on one host
+// (and is refused elsewhere, which is checked and reported). Registered in
+// transport/registry.cc.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+
+#include "dear/error.h"
+#include "transport/shm/shm_channel.h"
+#include "transport/socket_util.h"
+#include "transport/transport.h"
+
+namespace dear::transport {
+namespace tcp {
+const Transport& transport();
+}
+
+namespace shm {
+namespace {
+
+constexpr std::uint32_t kSegmentVersion = 1;
+constexpr std::uint64_t kMagic = 0x6465617273686d31ULL;  // "dearshm1"
+// One ring's head (its RingControl, on a page of its own) and data.
+constexpr std::size_t kControlBytes = 4096;
+constexpr std::size_t kRingBytes = std::size_t{1} << 20;
+constexpr std::size_t kRingStride = kControlBytes + kRingBytes;
+static_assert(sizeof(RingControl) <= kControlBytes);
+// The log-step schedules' reach: as over TCP (tcp_transport.cc).
+constexpr std::int64_t kMediumBytes = std::int64_t{1} << 20;
+constexpr std::int64_t kMediumBytesFourRanks = std::int64_t{4} << 20;
+
+// The first page of a segment.
+struct SegmentHead {
+  std::uint64_t magic;
+  std::uint64_t tag;
+  std::int32_t rank;
+  std::uint32_t rings;
+};
+
+// What each rank tells the others about its segment.
+struct SegmentRecord {
+  char host[64];
+  std::int32_t pid;
+  std::int32_t fd;
+  std::uint64_t tag;
+  std::uint64_t bytes;
+  std::uint32_t rings;
+  std::uint32_t version;
+};
+
+// What each rank tells the others after mapping theirs: 0, or the rank it could not map.
+struct MapResult {
+  std::int32_t failed_peer;
+  char why[200];
+};
+
+std::uint64_t random_u64() {
+  std::uint64_t v = 0;
+  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
+    v = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }
+  return v;
+}
+
+std::string this_host() {
+  char name[64] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return "?";
+  return name;
+}
+
+// Which ring of a rank's segment a channel ending there reads: the ring links' channels from
+// the previous rank, then from the next, then one per mesh peer (by the peer's rank).
+struct RingIndex {
+  int channels;
+  [[nodiscard]] std::size_t from_prev(int c) const { return static_cast<std::size_t>(c); }
+  [[nodiscard]] std::size_t from_next(int c) const {
+    return static_cast<std::size_t>(channels + c);
+  }
+  [[nodiscard]] std::size_t from_mesh(int peer) const {
+    return static_cast<std::size_t>(2 * channels + peer);
+  }
+};
+
+Ring ring_at(char* segment, std::size_t index) {
+  char* base = segment + kControlBytes + index * kRingStride;
+  return Ring{reinterpret_cast<RingControl*>(base), base + kControlBytes, kRingBytes};
+}
+
+class ShmTransport final : public Transport {
+ public:
+  std::string_view name() const override { return "shm"; }
+  std::optional<std::string> missing() const override { return std::nullopt; }
+  std::optional<std::string> unavailable(const TransportOptions&) const override {
+    return std::nullopt;
+  }
+  void check(const TransportOptions&) const override {}
+  std::int64_t log_step_max_bytes(int ranks) const override {
+    return ranks <= 4 ? kMediumBytesFourRanks : kMediumBytes;
+  }
+  Links connect(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
+                const TransportOptions& options) const override;
+};
+
+Links ShmTransport::connect(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
+                            const TransportOptions& options) const {
+  const int rank = bootstrap.rank();
+  const int size = bootstrap.size();
+  // The control sockets, and with them the same checks of the options as over TCP.
+  Links control = tcp::transport().connect(bootstrap, mesh_peers, options);
+
+  const RingIndex index{options.channels};
+  const std::size_t rings =
+      2 * static_cast<std::size_t>(options.channels) + static_cast<std::size_t>(size);
+  const std::size_t bytes = kControlBytes + rings * kRingStride;
+  Fd own(::memfd_create("dear-shm", MFD_CLOEXEC));
+  if (!own.valid() || ::ftruncate(own.get(), static_cast<off_t>(bytes)) != 0) {
+    throw Error(ErrorCode::kSystem,
+                std::string("transport 'shm': cannot make a shared-memory segment of ") +
+                    std::to_string(bytes) + " bytes (" + std::strerror(errno) + ")",
+                rank);
+  }
+  auto mappings = std::make_shared<Mappings>();
+  const auto map = [&](int fd) -> char* {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) return nullptr;
+    mappings->add(p, bytes);
+    return static_cast<char*>(p);
+  };
+  char* mine = map(own.get());
+  if (mine == nullptr) {
+    throw Error(
+        ErrorCode::kSystem,
+        std::string("transport 'shm': cannot map its segment (") + std::strerror(errno) + ")",
+        rank);
+  }
+  SegmentRecord rec{};
+  std::snprintf(rec.host, sizeof(rec.host), "%s", this_host().c_str());
+  rec.pid = static_cast<std::int32_t>(::getpid());
+  rec.fd = own.get();
+  rec.tag = random_u64();
+  rec.bytes = bytes;
+  rec.rings = static_cast<std::uint32_t>(rings);
+  rec.version = kSegmentVersion;
+  auto* head = reinterpret_cast<SegmentHead*>(mine);
+  head->magic = kMagic;
+  head->tag = rec.tag;
+  head->rank = rank;
+  head->rings = rec.rings;
+  std::vector<SegmentRecord> all(static_cast<std::size_t>(size));
+  bootstrap.all_gather(&rec, sizeof(rec), all.data());
+
+  // Map every peer's segment; every rank hears which failed, so all of them fail alike.
+  std::vector<char*> segments(static_cast<std::size_t>(size), nullptr);
+  segments[static_cast<std::size_t>(rank)] = mine;
+  MapResult result{};
+  result.failed_peer = -1;
+  for (int r = 0; r < size && result.failed_peer < 0; ++r) {
+    if (r == rank) continue;
+    const SegmentRecord& peer = all[static_cast<std::size_t>(r)];
+    std::string why;
+    if (peer.version != kSegmentVersion || peer.rings != rec.rings || peer.bytes != bytes) {
+      why = "its segment has another layout (another dear version, or channels differ)";
+    } else if (std::strncmp(peer.host, rec.host, sizeof(rec.host)) != 0) {
+      why = "it runs on host '" + std::string(peer.host, strnlen(peer.host, sizeof(peer.host))) +
+            "', this rank on '" + this_host() + "': transport 'shm' joins ranks of one host only";
+    } else {
+      const std::string path =
+          "/proc/" + std::to_string(peer.pid) + "/fd/" + std::to_string(peer.fd);
+      Fd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+      char* seg = fd.valid() ? map(fd.get()) : nullptr;
+      if (seg == nullptr) {
+        why = "cannot map its segment " + path + " (" + std::strerror(errno) +
+              "): transport 'shm' needs the ranks to be processes of one user on one host";
+      } else {
+        const auto* h = reinterpret_cast<const SegmentHead*>(seg);
+        if (h->magic != kMagic || h->tag != peer.tag || h->rank != r) {
+          why = "the segment at " + path + " is not that rank's (another host or PID namespace)";
+        } else {
+          segments[static_cast<std::size_t>(r)] = seg;
+        }
+      }
+    }
+    if (!why.empty()) {
+      result.failed_peer = r;
+      std::snprintf(result.why, sizeof(result.why), "%s", why.c_str());
+    }
+  }
+  std::vector<MapResult> results(static_cast<std::size_t>(size));
+  bootstrap.all_gather(&result, sizeof(result), results.data());
+  for (int r = 0; r < size; ++r) {
+    const MapResult& m = results[static_cast<std::size_t>(r)];
+    if (m.failed_peer < 0) continue;
+    throw Error(ErrorCode::kInvalidArgument,
+                "transport 'shm': rank " + std::to_string(r) + " cannot reach rank " +
+                    std::to_string(m.failed_peer) +
+                    "'s shared memory: " + std::string(m.why, strnlen(m.why, sizeof(m.why))),
+                rank, m.failed_peer, "create");
+  }
+  // Every peer has mapped this segment: the descriptor is no longer needed (the mappings
+  // keep the memory).
+  own.reset();
+
+  const int next = (rank + 1) % size;
+  const int prev = (rank - 1 + size) % size;
+  const auto channel = [&](std::unique_ptr<Channel> ctl, int peer, std::size_t in_ring,
+                           std::size_t out_ring, int c) -> std::unique_ptr<Channel> {
+    return std::make_unique<ShmChannel>(std::move(ctl), ring_at(mine, in_ring),
+                                        ring_at(segments[static_cast<std::size_t>(peer)], out_ring),
+                                        rank, peer, c, mappings);
+  };
+  Links links;
+  for (int c = 0; c < options.channels; ++c) {
+    // This rank's to_next[c] is the next rank's from_prev[c].
+    links.to_next.push_back(channel(std::move(control.to_next.at(static_cast<std::size_t>(c))),
+                                    next, index.from_next(c), index.from_prev(c), c));
+    links.from_prev.push_back(channel(std::move(control.from_prev.at(static_cast<std::size_t>(c))),
+                                      prev, index.from_prev(c), index.from_next(c), c));
+  }
+  for (std::size_t i = 0; i < mesh_peers.size(); ++i) {
+    const int p = mesh_peers[i];
+    links.mesh.push_back(
+        channel(std::move(control.mesh.at(i)), p, index.from_mesh(p), index.from_mesh(rank), 0));
+  }
+  return links;
+}
+
+}  // namespace
+
+const Transport& transport() {
+  static const ShmTransport t;
+  return t;
+}
+
+}  // namespace shm
+}  // namespace dear::transport
