@@ -35,8 +35,9 @@ Runs dear-bench, mpi-bench and gloo-bench on the same sweep and prints merged ta
   --warmup N           warm-up iterations per size (default: the benchmarks' 5)
   --collectives LIST   comma-separated (default all_reduce,reduce_scatter,all_gather)
   --only LIST          libraries to run, comma-separated from dear,mpi,gloo and the --fabric
-                       ones (dear-shm, dear-rxm, mpi-vader) (default dear,mpi,gloo)
-  --fabric             also run dear-shm (dear-bench --transport fabric, provider shm),
+                       ones (dear-ipc, dear-shm, dear-rxm, mpi-vader) (default dear,mpi,gloo)
+  --fabric             also run dear-ipc (dear-bench --transport shm: dear's own shared-memory
+                       rings), dear-shm (dear-bench --transport fabric, provider shm),
                        dear-rxm (provider tcp;ofi_rxm) and mpi-vader (btl vader,self)
   --gloo-algo ALGO     Gloo all_reduce algorithm (default: gloo-bench's ring_chunked)
   --out DIR            keep JSON and log files in DIR (default: a temporary directory)
@@ -119,7 +120,7 @@ while [[ $# -gt 0 ]]; do
     --warmup) need_value "$@"; warmup=$2; shift 2 ;;
     --collectives) need_value "$@"; collectives=$2; shift 2 ;;
     --only) need_value "$@"; only=$2; shift 2 ;;
-    --fabric) only="$only,dear-shm,dear-rxm,mpi-vader"; shift ;;
+    --fabric) only="$only,dear-ipc,dear-shm,dear-rxm,mpi-vader"; shift ;;
     --gloo-algo) need_value "$@"; gloo_algo=$2; shift 2 ;;
     --out) need_value "$@"; out=$2; shift 2 ;;
     --extra-dear) [[ $# -ge 2 ]] || die "option $1 needs a value"; extra_dear=$2; shift 2 ;;
@@ -149,17 +150,18 @@ esac
 [[ -z $warmup || $warmup =~ ^[0-9]+$ ]] || die "--warmup must be a number"
 command -v python3 >/dev/null || die "python3 is needed to merge the results"
 
-run_dear=0 run_mpi=0 run_gloo=0 run_dear_shm=0 run_dear_rxm=0 run_mpi_vader=0
+run_dear=0 run_mpi=0 run_gloo=0 run_dear_ipc=0 run_dear_shm=0 run_dear_rxm=0 run_mpi_vader=0
 IFS=, read -r -a only_list <<<"$only"
 for lib in "${only_list[@]}"; do
   case $lib in
     dear) run_dear=1 ;;
     mpi) run_mpi=1 ;;
     gloo) run_gloo=1 ;;
+    dear-ipc) run_dear_ipc=1 ;;
     dear-shm) run_dear_shm=1 ;;
     dear-rxm) run_dear_rxm=1 ;;
     mpi-vader) run_mpi_vader=1 ;;
-    *) die "--only: unknown library '$lib' (choose from dear,mpi,gloo,dear-shm,dear-rxm,mpi-vader)" ;;
+    *) die "--only: unknown library '$lib' (choose from dear,mpi,gloo,dear-ipc,dear-shm,dear-rxm,mpi-vader)" ;;
   esac
 done
 IFS=, read -r -a coll_list <<<"$collectives"
@@ -178,7 +180,7 @@ mpi_bench=$build/bench/peers/mpi-bench
 gloo_bench=$build/bench/peers/gloo-bench
 mpirun=${MPIRUN:-mpirun}
 
-if ((run_dear || run_dear_shm || run_dear_rxm)); then
+if ((run_dear || run_dear_ipc || run_dear_shm || run_dear_rxm)); then
   [[ -x $dear_bench ]] || die "dear-bench not found at $dear_bench; build it \
 (cmake --build $build --target dear-bench dear-run) or leave dear out with --only mpi,gloo"
   [[ -x $dear_run ]] || die "dear-run not found at $dear_run; build it \
@@ -304,6 +306,10 @@ run_dear_bench() {
   [[ -n $extra_dear ]] && extra+=($extra_dear)
   "${with_timeout[@]}" "$dear_run" -n "$nranks" --bind "$place" "$dear_bench" "$coll" "${common[@]}" \
     --json "$json" "${extra[@]+"${extra[@]}"}" >"$log" 2>&1 || fail_run "dear-bench $coll" "$log"
+}
+
+run_dear-ipc_bench() {
+  run_dear_bench "$@" --transport shm
 }
 
 run_dear-shm_bench() {
@@ -450,11 +456,12 @@ rsuffix=""
 ((round > 1)) && rsuffix=.r$round
 ((rounds > 1)) && echo "# round $round of $rounds" >&2
 for coll in "${coll_list[@]}"; do
-  for lib in dear mpi gloo dear-shm dear-rxm mpi-vader; do
+  for lib in dear mpi gloo dear-ipc dear-shm dear-rxm mpi-vader; do
     case $lib in
       dear) ((run_dear)) || continue ;;
       mpi) ((run_mpi)) || continue ;;
       gloo) ((run_gloo)) || continue ;;
+      dear-ipc) ((run_dear_ipc)) || continue ;;
       dear-shm) ((run_dear_shm)) || continue ;;
       dear-rxm) ((run_dear_rxm)) || continue ;;
       mpi-vader) ((run_mpi_vader)) || continue ;;
@@ -514,10 +521,11 @@ for ref in refs:
     colls = ["all_reduce"] if kind == "all-reduce" else ["all_gather", "reduce_scatter"]
     for c in colls:
         STREAMED[(c, size)] = float(us)
-LIBS = [lib for lib in ["dear", "mpi", "gloo", "dear-shm", "dear-rxm", "mpi-vader"] if lib in ran]
+LIBS = [lib for lib in ["dear", "mpi", "gloo", "dear-ipc", "dear-shm", "dear-rxm", "mpi-vader"] if lib in ran]
 TCP_PEERS = ["mpi", "gloo"]
 # The --fabric rows' ratio columns: (numerator, denominator, title).
-PAIRS = [("dear-shm", "mpi-vader", "shm/vader"), ("dear-rxm", "dear", "rxm/tcp")]
+PAIRS = [("dear-ipc", "mpi-vader", "ipc/vader"), ("dear-shm", "mpi-vader", "shm/vader"),
+         ("dear-rxm", "dear", "rxm/tcp")]
 
 
 def load_one(name):
@@ -648,6 +656,9 @@ TARGETS = [
     ("reduce_scatter", 64 * MIB, "dear", ["mpi"], 1.3, "busbw"),
     ("all_gather", 64 * MIB, "dear", ["mpi"], 1.3, "busbw"),
     ("all_reduce", 8, "dear", ["mpi"], 1.0, "time"),
+    ("all_reduce", 64 * MIB, "dear-ipc", ["mpi-vader"], 1.5, "busbw"),
+    ("all_reduce", 8, "dear-ipc", ["mpi-vader"], 1.0, "time"),
+    ("all_reduce", 2048, "dear-ipc", ["mpi-vader"], 1.0, "time"),
     ("all_reduce", 64 * MIB, "dear-shm", ["mpi-vader"], 1.5, "busbw"),
     ("all_reduce", 64 * MIB, "dear-rxm", ["dear"], 1.0, "busbw"),
 ]

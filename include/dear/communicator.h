@@ -75,8 +75,9 @@ struct CommOptions {
   int channels = 1;
   std::size_t slice_bytes = 512 * 1024;
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
-  // "tcp", "fabric" (libfabric) or "verbs" (ibverbs RC; needs an RDMA device); the last two in
-  // builds with their libraries only (DEAR_TRANSPORT).
+  // "tcp", "shm" (shared memory; every rank on one host), "fabric" (libfabric) or "verbs"
+  // (ibverbs RC; needs an RDMA device); the last two in builds with their libraries only
+  // (DEAR_TRANSPORT).
   std::string transport = "tcp";
   // transport "fabric": the libfabric provider, e.g. "tcp;ofi_rxm", "shm", "sockets",
   // "verbs;ofi_rxm"; empty = the first one libfabric offers that reaches other hosts

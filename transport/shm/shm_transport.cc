@@ -35,9 +35,11 @@ constexpr std::size_t kControlBytes = 4096;
 constexpr std::size_t kRingBytes = std::size_t{1} << 20;
 constexpr std::size_t kRingStride = kControlBytes + kRingBytes;
 static_assert(sizeof(RingControl) <= kControlBytes);
-// The log-step schedules' reach: as over TCP (tcp_transport.cc).
+// The log-step schedules' reach (CommOptions::halving_max_bytes' default). Over TCP they beat
+// the ring up to 4 MiB on four ranks; here the ring's steps cost less, and it won from 2 MiB
+// on (4 ranks, all_reduce: 1334 against 1733 us at 2 MiB, 2847 against 4185 us at 4 MiB,
+// `dear-bench --compare`; docs/transports.md, "shm transport").
 constexpr std::int64_t kMediumBytes = std::int64_t{1} << 20;
-constexpr std::int64_t kMediumBytesFourRanks = std::int64_t{4} << 20;
 
 // The first page of a segment.
 struct SegmentHead {
@@ -104,9 +106,7 @@ class ShmTransport final : public Transport {
     return std::nullopt;
   }
   void check(const TransportOptions&) const override {}
-  std::int64_t log_step_max_bytes(int ranks) const override {
-    return ranks <= 4 ? kMediumBytesFourRanks : kMediumBytes;
-  }
+  std::int64_t log_step_max_bytes(int) const override { return kMediumBytes; }
   Links connect(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
                 const TransportOptions& options) const override;
 };
