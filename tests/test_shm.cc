@@ -16,6 +16,7 @@
 
 #include "channel_exchange.h"
 #include "dear/bootstrap.h"
+#include "transport/shm/shm_transport.h"
 #include "transport/transport.h"
 
 namespace dear::testing {
@@ -75,6 +76,29 @@ std::vector<std::unique_ptr<transport::Channel>> connect_shm(Bootstrap& bs,
     out.push_back(std::make_unique<Renumbered>(std::move(mesh[i]), static_cast<int>(i)));
   }
   return out;
+}
+
+// Ranks 0 and 1 name one host, 2 and 3 another: each rank's channel to rank^1 is a
+// shared-memory one, its channel to rank^2 stays TCP, and messages cross both.
+TEST(Shm, RanksOnOtherHostsAreReachedOverTcp) {
+  const auto failures = exchange_with_peers(4, [](Bootstrap& bs, const std::vector<int>& peers) {
+    transport::TransportOptions o;
+    o.deadline = transport::deadline_after(std::chrono::milliseconds(20000));
+    const std::string host = bs.rank() < 2 ? "host-a" : "host-b";
+    auto mesh = transport::shm::connect_links(bs, peers, o, host).mesh;
+    std::vector<std::unique_ptr<transport::Channel>> out;
+    for (std::size_t i = 0; i < mesh.size(); ++i) {
+      const bool same = (peers[i] < 2) == (bs.rank() < 2);
+      const std::string kind = mesh[i]->describe().substr(0, 4);
+      if (kind != (same ? "shm " : "tcp ")) {
+        throw std::runtime_error("channel to rank " + std::to_string(peers[i]) + " is '" +
+                                 mesh[i]->describe() + "', want " + (same ? "shm" : "tcp"));
+      }
+      out.push_back(std::make_unique<Renumbered>(std::move(mesh[i]), static_cast<int>(i)));
+    }
+    return out;
+  });
+  for (std::size_t r = 0; r < failures.size(); ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
 TEST(Shm, ExchangesBothWaysOnEveryChannel) {

@@ -75,7 +75,7 @@ struct CommOptions {
   int channels = 1;
   std::size_t slice_bytes = 512 * 1024;
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
-  // "tcp", "shm" (shared memory; every rank on one host), "fabric" (libfabric) or "verbs"
+  // "tcp", "shm" (shared memory within a host, TCP between hosts), "fabric" (libfabric) or "verbs"
   // (ibverbs RC; needs an RDMA device); the last two in builds with their libraries only
   // (DEAR_TRANSPORT).
   std::string transport = "tcp";

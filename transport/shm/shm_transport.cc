@@ -1,10 +1,13 @@
-// transport "shm": the ring and mesh links of ranks on one host through shared memory
-// (shm_channel.h). The TCP transport connects the ranks first; each of its channels becomes
-// the control socket of a shared-memory channel. Every rank then makes one segment (a memfd)
-// holding the rings it reads, one per channel that ends here, and the ranks map each other's
-// segments through /proc/<pid>/fd/<fd>, which works for processes of one user on one host
-// (and is refused elsewhere, which is checked and reported). Registered in
-// transport/registry.cc.
+// transport "shm": the ring and mesh links between ranks of one host through shared memory
+// (shm_channel.h), and TCP to ranks on other hosts. The TCP transport connects the ranks
+// first; each of its channels to a rank of the same host becomes the control socket of a
+// shared-memory channel, the others stay as they are. Every rank makes one segment (a memfd)
+// holding the rings it reads, one per channel that ends here, and the ranks of one host map
+// each other's segments through /proc/<pid>/fd/<fd>, which works for processes of one user
+// in one PID namespace (a failure is reported, naming both ranks). "One host" is one running
+// kernel: the same boot id. Registered in transport/registry.cc.
+#include "transport/shm/shm_transport.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/random.h>
@@ -52,6 +55,7 @@ struct SegmentHead {
 // What each rank tells the others about its segment.
 struct SegmentRecord {
   char host[64];
+  char boot_id[40];
   std::int32_t pid;
   std::int32_t fd;
   std::uint64_t tag;
@@ -72,6 +76,20 @@ std::uint64_t random_u64() {
     v = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   }
   return v;
+}
+
+// This kernel's boot id (/proc/sys/kernel/random/boot_id): the same for every process of
+// one host, containers included, and different on every other host; empty where unreadable.
+std::string boot_id() {
+  char id[40] = {};
+  std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (f == nullptr) return {};
+  const bool ok = std::fgets(id, sizeof(id), f) != nullptr;
+  std::fclose(f);
+  if (!ok) return {};
+  std::string s(id);
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  return s;
 }
 
 std::string this_host() {
@@ -113,6 +131,13 @@ class ShmTransport final : public Transport {
 
 Links ShmTransport::connect(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
                             const TransportOptions& options) const {
+  return connect_links(bootstrap, mesh_peers, options, boot_id());
+}
+
+}  // namespace
+
+Links connect_links(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
+                    const TransportOptions& options, const std::string& host_id) {
   const int rank = bootstrap.rank();
   const int size = bootstrap.size();
   // The control sockets, and with them the same checks of the options as over TCP.
@@ -145,6 +170,8 @@ Links ShmTransport::connect(Bootstrap& bootstrap, const std::vector<int>& mesh_p
   }
   SegmentRecord rec{};
   std::snprintf(rec.host, sizeof(rec.host), "%s", this_host().c_str());
+  const std::string& boot = host_id;
+  std::snprintf(rec.boot_id, sizeof(rec.boot_id), "%s", boot.c_str());
   rec.pid = static_cast<std::int32_t>(::getpid());
   rec.fd = own.get();
   rec.tag = random_u64();
@@ -159,7 +186,11 @@ Links ShmTransport::connect(Bootstrap& bootstrap, const std::vector<int>& mesh_p
   std::vector<SegmentRecord> all(static_cast<std::size_t>(size));
   bootstrap.all_gather(&rec, sizeof(rec), all.data());
 
-  // Map every peer's segment; every rank hears which failed, so all of them fail alike.
+  // Map the segment of every peer on this host (the others are reached over TCP); every rank
+  // hears which failed, so all of them fail alike.
+  const auto same_host = [&](const SegmentRecord& peer) {
+    return !boot.empty() && std::strncmp(peer.boot_id, rec.boot_id, sizeof(rec.boot_id)) == 0;
+  };
   std::vector<char*> segments(static_cast<std::size_t>(size), nullptr);
   segments[static_cast<std::size_t>(rank)] = mine;
   MapResult result{};
@@ -170,17 +201,18 @@ Links ShmTransport::connect(Bootstrap& bootstrap, const std::vector<int>& mesh_p
     std::string why;
     if (peer.version != kSegmentVersion || peer.rings != rec.rings || peer.bytes != bytes) {
       why = "its segment has another layout (another dear version, or channels differ)";
-    } else if (std::strncmp(peer.host, rec.host, sizeof(rec.host)) != 0) {
-      why = "it runs on host '" + std::string(peer.host, strnlen(peer.host, sizeof(peer.host))) +
-            "', this rank on '" + this_host() + "': transport 'shm' joins ranks of one host only";
+    } else if (!same_host(peer)) {
+      continue;  // another host: TCP
     } else {
       const std::string path =
           "/proc/" + std::to_string(peer.pid) + "/fd/" + std::to_string(peer.fd);
       Fd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
       char* seg = fd.valid() ? map(fd.get()) : nullptr;
       if (seg == nullptr) {
-        why = "cannot map its segment " + path + " (" + std::strerror(errno) +
-              "): transport 'shm' needs the ranks to be processes of one user on one host";
+        why = "cannot map its segment " + path + " on host '" + this_host() + "' (" +
+              std::strerror(errno) +
+              "): transport 'shm' needs the ranks of one host to be processes of one user in "
+              "one PID namespace (DEAR_TRANSPORT=tcp does not)";
       } else {
         const auto* h = reinterpret_cast<const SegmentHead*>(seg);
         if (h->magic != kMagic || h->tag != peer.tag || h->rank != r) {
@@ -214,6 +246,7 @@ Links ShmTransport::connect(Bootstrap& bootstrap, const std::vector<int>& mesh_p
   const int prev = (rank - 1 + size) % size;
   const auto channel = [&](std::unique_ptr<Channel> ctl, int peer, std::size_t in_ring,
                            std::size_t out_ring, int c) -> std::unique_ptr<Channel> {
+    if (segments[static_cast<std::size_t>(peer)] == nullptr) return ctl;  // another host
     return std::make_unique<ShmChannel>(std::move(ctl), ring_at(mine, in_ring),
                                         ring_at(segments[static_cast<std::size_t>(peer)], out_ring),
                                         rank, peer, c, mappings);
@@ -233,8 +266,6 @@ Links ShmTransport::connect(Bootstrap& bootstrap, const std::vector<int>& mesh_p
   }
   return links;
 }
-
-}  // namespace
 
 const Transport& transport() {
   static const ShmTransport t;
