@@ -354,8 +354,9 @@ int run(int argc, char** argv) {
   app.get_option("collective")->required(false);
   app.add_option(
       "--transport", transport,
-      "Link transport: tcp, fabric (libfabric; see --fabric-provider) or verbs (ibverbs; see "
-      "--ib-device); default DEAR_TRANSPORT or tcp");
+      "Link transport: tcp, shm (shared memory within a host, TCP between hosts), fabric "
+      "(libfabric; see --fabric-provider) or verbs (ibverbs; see --ib-device); default "
+      "DEAR_TRANSPORT or tcp");
   std::string fabric_provider;
   app.add_option("--fabric-provider", fabric_provider,
                  "libfabric provider for --transport fabric, as fi_info names it: tcp;ofi_rxm, "

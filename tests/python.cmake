@@ -67,3 +67,8 @@ add_test(NAME python_bench_torch_train
 set_tests_properties(python_bench_torch_train PROPERTIES
                      LABELS python SKIP_RETURN_CODE 77 TIMEOUT 180
                      ENVIRONMENT "PYTHONPATH=${DEAR_PYTHON_DIR};DEAR_SPIN_US=0;DEAR_WAIT_SPIN_US=0;OMP_NUM_THREADS=1")
+# The same torch.distributed backend and collectives over the shared-memory transport.
+dear_python_test(python_ddp_shm_4 test_ddp.py 4)
+dear_python_test(python_collectives_shm_4 test_collectives.py 4)
+set_property(TEST python_ddp_shm_4 python_collectives_shm_4 APPEND PROPERTY ENVIRONMENT
+             DEAR_TRANSPORT=shm)

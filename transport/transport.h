@@ -1,4 +1,4 @@
-// The transport registry: every back-end (tcp, fabric, verbs) is one Transport, registered in
+// The transport registry: every back-end (tcp, shm, fabric, verbs) is one Transport, registered in
 // transport/registry.cc, and a communicator asks the registry for the back-end it was told
 // to use (CommOptions::transport, DEAR_TRANSPORT) by name. The communicator includes no
 // back-end header: what a back-end implements is this interface, and the links it makes keep
