@@ -52,10 +52,13 @@ struct SegmentHead {
   std::uint32_t rings;
 };
 
+// Which host each rank is on (its kernel's boot id, or what the caller named).
+struct HostRecord {
+  char id[40];
+};
+
 // What each rank tells the others about its segment.
 struct SegmentRecord {
-  char host[64];
-  char boot_id[40];
   std::int32_t pid;
   std::int32_t fd;
   std::uint64_t tag;
@@ -99,15 +102,17 @@ std::string this_host() {
 }
 
 // Which ring of a rank's segment a channel ending there reads: the ring links' channels from
-// the previous rank, then from the next, then one per mesh peer (by the peer's rank).
+// the previous rank, then from the next, then one per mesh peer of the same host (by the
+// peer's place among the host's ranks).
 struct RingIndex {
   int channels;
+  const std::vector<int>& local;  // per rank: its place among this host's ranks, or -1
   [[nodiscard]] std::size_t from_prev(int c) const { return static_cast<std::size_t>(c); }
   [[nodiscard]] std::size_t from_next(int c) const {
     return static_cast<std::size_t>(channels + c);
   }
   [[nodiscard]] std::size_t from_mesh(int peer) const {
-    return static_cast<std::size_t>(2 * channels + peer);
+    return static_cast<std::size_t>(2 * channels + local[static_cast<std::size_t>(peer)]);
   }
 };
 
@@ -143,9 +148,22 @@ Links connect_links(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
   // The control sockets, and with them the same checks of the options as over TCP.
   Links control = tcp::transport().connect(bootstrap, mesh_peers, options);
 
-  const RingIndex index{options.channels};
+  // The ranks of this host: shared memory with them, TCP with the others.
+  HostRecord own_host{};
+  std::snprintf(own_host.id, sizeof(own_host.id), "%s", host_id.c_str());
+  std::vector<HostRecord> hosts(static_cast<std::size_t>(size));
+  bootstrap.all_gather(&own_host, sizeof(own_host), hosts.data());
+  std::vector<int> local(static_cast<std::size_t>(size), -1);
+  int locals = 0;
+  for (int r = 0; r < size; ++r) {
+    const bool same =
+        r == rank || (!host_id.empty() && std::strncmp(hosts[static_cast<std::size_t>(r)].id,
+                                                       own_host.id, sizeof(own_host.id)) == 0);
+    if (same) local[static_cast<std::size_t>(r)] = locals++;
+  }
+  const RingIndex index{options.channels, local};
   const std::size_t rings =
-      2 * static_cast<std::size_t>(options.channels) + static_cast<std::size_t>(size);
+      2 * static_cast<std::size_t>(options.channels) + static_cast<std::size_t>(locals);
   const std::size_t bytes = kControlBytes + rings * kRingStride;
   Fd own(::memfd_create("dear-shm", MFD_CLOEXEC));
   if (!own.valid() || ::ftruncate(own.get(), static_cast<off_t>(bytes)) != 0) {
@@ -169,9 +187,6 @@ Links connect_links(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
         rank);
   }
   SegmentRecord rec{};
-  std::snprintf(rec.host, sizeof(rec.host), "%s", this_host().c_str());
-  const std::string& boot = host_id;
-  std::snprintf(rec.boot_id, sizeof(rec.boot_id), "%s", boot.c_str());
   rec.pid = static_cast<std::int32_t>(::getpid());
   rec.fd = own.get();
   rec.tag = random_u64();
@@ -186,23 +201,18 @@ Links connect_links(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
   std::vector<SegmentRecord> all(static_cast<std::size_t>(size));
   bootstrap.all_gather(&rec, sizeof(rec), all.data());
 
-  // Map the segment of every peer on this host (the others are reached over TCP); every rank
-  // hears which failed, so all of them fail alike.
-  const auto same_host = [&](const SegmentRecord& peer) {
-    return !boot.empty() && std::strncmp(peer.boot_id, rec.boot_id, sizeof(rec.boot_id)) == 0;
-  };
+  // Map the segment of every peer on this host; every rank hears which failed, so all of them
+  // fail alike.
   std::vector<char*> segments(static_cast<std::size_t>(size), nullptr);
   segments[static_cast<std::size_t>(rank)] = mine;
   MapResult result{};
   result.failed_peer = -1;
   for (int r = 0; r < size && result.failed_peer < 0; ++r) {
-    if (r == rank) continue;
+    if (r == rank || local[static_cast<std::size_t>(r)] < 0) continue;  // another host: TCP
     const SegmentRecord& peer = all[static_cast<std::size_t>(r)];
     std::string why;
     if (peer.version != kSegmentVersion || peer.rings != rec.rings || peer.bytes != bytes) {
       why = "its segment has another layout (another dear version, or channels differ)";
-    } else if (!same_host(peer)) {
-      continue;  // another host: TCP
     } else {
       const std::string path =
           "/proc/" + std::to_string(peer.pid) + "/fd/" + std::to_string(peer.fd);
