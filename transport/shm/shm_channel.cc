@@ -53,7 +53,6 @@ ShmChannel::ShmChannel(std::unique_ptr<Channel> control, Ring in, Ring out, int 
       peer_(peer_rank),
       index_(index),
       mappings_(std::move(mappings)),
-      queue_(kQueueCapacity),
       bounce_(new char[kBounceBytes]) {
   // Both ends start from zero: the rings are fresh, and each has one writer and one reader.
   wpos_ = published_ = out_.control->head.load(std::memory_order_acquire);
@@ -72,54 +71,43 @@ void ShmChannel::fail(const std::string& why) const {
 }
 
 std::size_t ShmChannel::queued() const {
-  return count_ + (control_ != nullptr && !control_->closed() && control_->queued() > 0 ? 1 : 0);
+  return queue_.size() +
+         (control_ != nullptr && !control_->closed() && control_->queued() > 0 ? 1 : 0);
 }
 
 bool ShmChannel::try_send(const FrameHeader& h, const void* payload, std::uint64_t token) {
-  if (closed_ || count_ == kQueueCapacity) return false;
-  queue_[(queue_head_ + count_) % kQueueCapacity] =
-      Pending{h, static_cast<const char*>(payload), token};
-  ++count_;
-  queued_bytes_ += h.bytes;
+  if (closed_ || queue_.full()) return false;
+  queue_.push(h, payload, token);
   return true;
 }
 
 bool ShmChannel::write_out(RecvSink& sink) {
-  if (count_ == 0) return false;
+  if (queue_.empty()) return false;
   const std::uint64_t tail = out_.control->tail.load(std::memory_order_acquire);
   std::size_t room = out_.capacity - static_cast<std::size_t>(wpos_ - tail);
   bool moved = false;
-  while (count_ > 0 && room > 0) {
-    Pending& m = queue_[queue_head_];
-    const std::size_t total = kHeader + m.header.bytes;
-    while (head_offset_ < total && room > 0) {
-      const char* src;
-      std::size_t len;
-      if (head_offset_ < kHeader) {
-        src = reinterpret_cast<const char*>(&m.header) + head_offset_;
-        len = kHeader - head_offset_;
-      } else {
-        src = m.payload + (head_offset_ - kHeader);
-        len = total - head_offset_;
-      }
-      len = std::min({len, room, kPublishBytes});
-      copy_in(out_, wpos_, src, len);
-      wpos_ += len;
-      head_offset_ += len;
-      room -= len;
-      if (wpos_ - published_ >= kPublishBytes) {
-        out_.control->head.store(wpos_, std::memory_order_release);
-        published_ = wpos_;
-      }
+  // The queue hands out a message in fragments (its header, then payload), each written where
+  // the ring has room; a fragment needs room for more than a header.
+  while (!queue_.empty() && room > kHeader) {
+    const std::size_t off = static_cast<std::size_t>(wpos_ & (out_.capacity - 1));
+    const std::size_t contiguous = std::min({room, out_.capacity - off, kPublishBytes});
+    rma::SendQueue::Fragment f;
+    if (contiguous > kHeader) {
+      f = queue_.fill(out_.data + off, contiguous);
+    } else {  // the ring's end is too near: round it through the bounce buffer
+      f = queue_.fill(bounce_.get(), std::min(room, kBounceBytes));
+      copy_in(out_, wpos_, bounce_.get(), f.bytes);
     }
-    if (head_offset_ < total) break;
-    const std::uint64_t token = m.token;
-    queued_bytes_ -= m.header.bytes;
-    queue_head_ = (queue_head_ + 1) % kQueueCapacity;
-    --count_;
-    head_offset_ = 0;
-    moved = true;
-    sink.on_sent(index_, token);  // may queue more: the loop takes it too
+    wpos_ += f.bytes;
+    room -= f.bytes;
+    if (wpos_ - published_ >= kPublishBytes) {
+      out_.control->head.store(wpos_, std::memory_order_release);
+      published_ = wpos_;
+    }
+    if (const auto token = queue_.commit(f)) {
+      moved = true;
+      sink.on_sent(index_, *token);  // may queue more: the loop takes it too
+    }
   }
   if (wpos_ != published_) {
     out_.control->head.store(wpos_, std::memory_order_release);
@@ -138,8 +126,8 @@ void ShmChannel::wake_reader() {
   if (out_.control->reader_waiting.exchange(0) == 0) return;
   FrameHeader wake;
   wake.type = FrameType::kPosted;
-  // A full control queue already holds a wake-up that has not left.
-  if (control_->queued() < kQueueCapacity) (void)control_->try_send(wake, nullptr, 0);
+  // Wake-ups are all the control socket carries: one that has not left yet will do.
+  if (control_->queued() == 0) (void)control_->try_send(wake, nullptr, 0);
 }
 
 void ShmChannel::deliver(RecvSink& sink, const char* data, std::size_t len) {
@@ -254,11 +242,7 @@ pollfd ShmChannel::wait_spec() const {
   return p;
 }
 
-void ShmChannel::drop_queue() {
-  count_ = 0;
-  queued_bytes_ = 0;
-  head_offset_ = 0;
-}
+void ShmChannel::drop_queue() { queue_.clear(); }
 
 void ShmChannel::begin_close() {
   if (closed_) return;
@@ -275,7 +259,7 @@ void ShmChannel::close_by(std::chrono::steady_clock::time_point linger_until) {
   // what is queued goes in as far as the peer makes room before the deadline.
   NullSink none;
   write_out(none);
-  while (count_ > 0 && std::chrono::steady_clock::now() < linger_until) {
+  while (!queue_.empty() && std::chrono::steady_clock::now() < linger_until) {
     std::this_thread::sleep_for(std::chrono::microseconds(50));
     write_out(none);
   }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "transport/link.h"
+#include "transport/rma/fragments.h"
 
 namespace dear::transport::shm {
 
@@ -62,7 +63,7 @@ class ShmChannel final : public Channel {
 
   bool try_send(const FrameHeader& h, const void* payload, std::uint64_t token) override;
   std::size_t queued() const override;
-  std::size_t queued_bytes() const override { return queued_bytes_; }
+  std::size_t queued_bytes() const override { return queue_.bytes(); }
   bool progress(RecvSink& sink, bool may_read) override;
   // The control socket; before the engine sleeps on it this also asks the peer for a wake-up,
   // and answers a descriptor that is ready at once (POLLOUT) when the ring holds data already.
@@ -76,12 +77,6 @@ class ShmChannel final : public Channel {
   std::string describe() const override;
 
  private:
-  struct Pending {
-    FrameHeader header;
-    const char* payload;
-    std::uint64_t token;
-  };
-  static constexpr std::size_t kQueueCapacity = 64;
   static constexpr std::size_t kHeader = sizeof(FrameHeader);
   // Published (head or tail) at least this often within a large message, so that the other
   // side works on one part while this side copies the next.
@@ -114,12 +109,9 @@ class ShmChannel final : public Channel {
   std::shared_ptr<const Mappings> mappings_;
   bool closed_ = false;
 
-  // Sending.
-  std::vector<Pending> queue_;
-  std::size_t queue_head_ = 0;
-  std::size_t count_ = 0;
-  std::size_t queued_bytes_ = 0;
-  std::size_t head_offset_ = 0;  // bytes of the head message (header included) written
+  // Sending: the bounded queue the RMA links use, its messages cut into fragments that go
+  // into the ring back to back.
+  rma::SendQueue queue_;
   std::uint64_t wpos_ = 0;       // bytes written into the peer's ring
   std::uint64_t published_ = 0;  // what the peer's ring's head says
 
