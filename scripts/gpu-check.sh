@@ -135,6 +135,17 @@ for coll in all_to_all scatter; do
            END { exit bad }' || fail "wrong elements"
 done
 
+# The shm transport (shared-memory rings) carries device operations through landing slots as
+# TCP does.
+step "all_reduce, 4 ranks over the shm transport, every result checked: host vs device buffers"
+sweep 4 "$tmp/shm-host" --transport shm || fail "dear-bench host buffers over shm"
+sweep 4 "$tmp/shm-dev" --transport shm --device cuda || fail "dear-bench device buffers over shm"
+printf '%12s %12s %12s %8s\n' size host_busbw dev_busbw dev/host
+join <(rows "$tmp/shm-host" | sort -k1,1) <(rows "$tmp/shm-dev" | sort -k1,1) | sort -n \
+  | awk '{ if ($3 != 0 || $5 != 0) { print "wrong elements at " $1; bad = 1 }
+           printf "%12s %12s %12s %8.2f\n", $1, $2, $4, ($2 > 0 ? $4 / $2 : 0) }
+         END { exit bad }' || fail "wrong elements over shm"
+
 step "1 GiB device all_reduce, 2 ranks: pinned landing memory held (bounded by the slots)"
 timeout 120 "$build/tools/dear-run" -n 2 --no-prefix -- "$build/bench/dear-bench" all_reduce \
   -b 1G -e 1G -n 1 -w 0 -c 1 --device cuda >"$tmp/gib" 2>&1 || { cat "$tmp/gib"; fail "1 GiB"; }
