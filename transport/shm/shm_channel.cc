@@ -147,6 +147,7 @@ void ShmChannel::finish_message(RecvSink& sink) {
 bool ShmChannel::read_in(RecvSink& sink) {
   const std::uint64_t head = in_.control->head.load(std::memory_order_acquire);
   if (head == rpos_) return false;
+  const std::uint64_t start = rpos_;
   std::uint64_t released = rpos_;
   const auto release = [&] {
     in_.control->tail.store(rpos_, std::memory_order_release);
@@ -154,7 +155,8 @@ bool ShmChannel::read_in(RecvSink& sink) {
   };
   while (rpos_ < head) {
     if (!in_payload_) {
-      if (head - rpos_ < kHeader) break;  // the writer published part of a header
+      // The writer publishes a header whole (its first fragment holds it and some payload).
+      if (head - rpos_ < kHeader) break;
       copy_out(in_, rpos_, reinterpret_cast<char*>(&current_), kHeader);
       rpos_ += kHeader;
       in_payload_ = true;
@@ -191,7 +193,8 @@ bool ShmChannel::read_in(RecvSink& sink) {
     if (done_ == current_.bytes) finish_message(sink);
   }
   if (rpos_ != released) release();
-  return true;
+  // Nothing moved where the ring holds only part of an element (the rest is on its way).
+  return rpos_ != start;
 }
 
 bool ShmChannel::progress_control(RecvSink& sink, bool may_read) {
