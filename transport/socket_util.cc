@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,6 +24,15 @@
 #include "dear/error.h"
 
 namespace dear::transport {
+
+std::uint64_t random_u64() {
+  std::uint64_t v = 0;
+  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
+    v = static_cast<std::uint64_t>(Clock::now().time_since_epoch().count());
+  }
+  return v;
+}
+
 namespace {
 
 [[noreturn]] void throw_errno(const std::string& what, int err) {

@@ -18,6 +18,10 @@ namespace dear::transport {
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
 
+// 64 random bits from the kernel (getrandom), or the clock where it has none: tags that tell
+// one job's or one link's connections from another's, not secrets.
+[[nodiscard]] std::uint64_t random_u64();
+
 [[nodiscard]] inline Deadline deadline_after(std::chrono::milliseconds d) {
   if (d.count() <= 0 || d > std::chrono::hours(24 * 365)) return Deadline::max();
   return Clock::now() + d;

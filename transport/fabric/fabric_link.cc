@@ -7,7 +7,6 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 #include <sys/eventfd.h>
-#include <sys/random.h>
 #include <sys/timerfd.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -600,14 +599,6 @@ void FabricChannel::begin_close() {
   } catch (const Error&) {
     // close() closes it anyway.
   }
-}
-
-std::uint64_t random_u64() {
-  std::uint64_t v = 0;
-  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
-    v = static_cast<std::uint64_t>(Clock::now().time_since_epoch().count());
-  }
-  return v;
 }
 
 // What one end of a channel tells the other: its endpoint's name and, on the write data path,

@@ -10,7 +10,6 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/random.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -72,14 +71,6 @@ struct MapResult {
   std::int32_t failed_peer;
   char why[200];
 };
-
-std::uint64_t random_u64() {
-  std::uint64_t v = 0;
-  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
-    v = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-  }
-  return v;
-}
 
 // This kernel's boot id (/proc/sys/kernel/random/boot_id): the same for every process of
 // one host, containers included, and different on every other host; empty where unreadable.

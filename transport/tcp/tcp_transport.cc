@@ -1,6 +1,5 @@
 // transport "tcp": the ring and mesh links over TCP (tcp_channel.h), their listeners'
 // addresses exchanged through the bootstrap. Registered in transport/registry.cc.
-#include <sys/random.h>
 
 #include <chrono>
 #include <cstdio>
@@ -29,14 +28,6 @@ struct AddressRecord {
   std::uint32_t version;
   std::uint64_t tag;
 };
-
-std::uint64_t random_u64() {
-  std::uint64_t v = 0;
-  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
-    v = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-  }
-  return v;
-}
 
 class TcpTransport final : public Transport {
  public:

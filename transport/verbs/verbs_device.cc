@@ -2,7 +2,6 @@
 #include "transport/verbs/verbs_device.h"
 
 #include <fcntl.h>
-#include <sys/random.h>
 
 #include <algorithm>
 #include <array>
@@ -57,13 +56,7 @@ std::string hex(std::uint32_t v) {
   throw Error(ErrorCode::kSystem, call + " failed: " + errno_text(err), rank, peer, "verbs setup");
 }
 
-std::uint32_t random_psn() {
-  std::uint32_t v = 0;
-  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
-    v = static_cast<std::uint32_t>(Clock::now().time_since_epoch().count());
-  }
-  return v & 0xffffffU;
-}
+std::uint32_t random_psn() { return static_cast<std::uint32_t>(random_u64() & 0xffffffU); }
 
 void bring_up(ibv_qp* qp, const ConnectionPlan& p, const std::string& towards, int self, int peer) {
   ibv_qp_attr a{};
