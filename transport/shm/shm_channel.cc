@@ -70,10 +70,7 @@ void ShmChannel::fail(const std::string& why) const {
   throw Error(ErrorCode::kPeerFailed, why + " on " + describe(), self_, peer_);
 }
 
-std::size_t ShmChannel::queued() const {
-  return queue_.size() +
-         (control_ != nullptr && !control_->closed() && control_->queued() > 0 ? 1 : 0);
-}
+std::size_t ShmChannel::queued() const { return queue_.size() + (wake_queued_ ? 1 : 0); }
 
 bool ShmChannel::try_send(const FrameHeader& h, const void* payload, std::uint64_t token) {
   if (closed_ || queue_.full()) return false;
@@ -127,7 +124,7 @@ void ShmChannel::wake_reader() {
   FrameHeader wake;
   wake.type = FrameType::kPosted;
   // Wake-ups are all the control socket carries: one that has not left yet will do.
-  if (control_->queued() == 0) (void)control_->try_send(wake, nullptr, 0);
+  if (!wake_queued_) wake_queued_ = control_->try_send(wake, nullptr, 0);
 }
 
 void ShmChannel::deliver(RecvSink& sink, const char* data, std::size_t len) {
@@ -202,6 +199,7 @@ bool ShmChannel::progress_control(RecvSink& sink, bool may_read) {
   bool moved = false;
   try {
     moved = control_->progress(control_sink, may_read);
+    wake_queued_ = control_->queued() > 0;
   } catch (const Error& e) {
     throw Error(e.code(), e.cause() + " (the control socket of " + describe() + ")", self_, peer_);
   }
@@ -228,7 +226,7 @@ bool ShmChannel::progress(RecvSink& sink, bool may_read) {
   // The control socket: a wake-up to flush, one to read after a sleep, or a look for the
   // peer's close now and then.
   const bool look = may_read && ++calls_ % kControlEvery == 0;
-  if (look || control_->queued() > 0) moved |= progress_control(sink, look);
+  if (look || wake_queued_) moved |= progress_control(sink, look);
   return moved;
 }
 
@@ -245,7 +243,10 @@ pollfd ShmChannel::wait_spec() const {
   return p;
 }
 
-void ShmChannel::drop_queue() { queue_.clear(); }
+void ShmChannel::drop_queue() {
+  queue_.clear();
+  wake_queued_ = false;
+}
 
 void ShmChannel::begin_close() {
   if (closed_) return;

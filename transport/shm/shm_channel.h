@@ -123,6 +123,7 @@ class ShmChannel final : public Channel {
   std::size_t done_ = 0;
   std::unique_ptr<char[]> bounce_;
   unsigned calls_ = 0;
+  bool wake_queued_ = false;    // a wake-up waits in the control socket's queue
   mutable bool armed_ = false;  // reader_waiting was set by wait_spec()
 };
 

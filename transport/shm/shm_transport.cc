@@ -48,7 +48,6 @@ struct SegmentHead {
   std::uint64_t magic;
   std::uint64_t tag;
   std::int32_t rank;
-  std::uint32_t rings;
 };
 
 // Which host each rank is on (its kernel's boot id, or what the caller named).
@@ -61,8 +60,7 @@ struct SegmentRecord {
   std::int32_t pid;
   std::int32_t fd;
   std::uint64_t tag;
-  std::uint64_t bytes;
-  std::uint32_t rings;
+  std::uint64_t bytes;  // the layout: the same channels and local ranks give the same size
   std::uint32_t version;
 };
 
@@ -182,13 +180,11 @@ Links connect_links(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
   rec.fd = own.get();
   rec.tag = random_u64();
   rec.bytes = bytes;
-  rec.rings = static_cast<std::uint32_t>(rings);
   rec.version = kSegmentVersion;
   auto* head = reinterpret_cast<SegmentHead*>(mine);
   head->magic = kMagic;
   head->tag = rec.tag;
   head->rank = rank;
-  head->rings = rec.rings;
   std::vector<SegmentRecord> all(static_cast<std::size_t>(size));
   bootstrap.all_gather(&rec, sizeof(rec), all.data());
 
@@ -202,7 +198,7 @@ Links connect_links(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
     if (r == rank || local[static_cast<std::size_t>(r)] < 0) continue;  // another host: TCP
     const SegmentRecord& peer = all[static_cast<std::size_t>(r)];
     std::string why;
-    if (peer.version != kSegmentVersion || peer.rings != rec.rings || peer.bytes != bytes) {
+    if (peer.version != kSegmentVersion || peer.bytes != bytes) {
       why = "its segment has another layout (another dear version, or channels differ)";
     } else {
       const std::string path =
