@@ -888,12 +888,12 @@ TEST_P(FabricPath, CollectivesWriteStraightIntoTheirDestination) {
   }
 }
 
-// A communicator's links on one completion queue (transport::fabric::connect): 4 ranks, two
-// ring channels each way and a mesh link to every other rank, so that each neighbour is reached
-// over three channels. Every channel carries messages of several sizes both ways at once, each
-// with bytes that name the pair of ranks and the kind of channel; every byte is checked, on the
-// channel it must arrive on, so a completion handed to the wrong channel fails the test (or the
-// protocol's own checks).
+// A communicator's links on one endpoint and completion queue (transport::fabric::connect): 4
+// ranks, two ring channels each way and a mesh link to every other rank, so that each neighbour
+// is reached over three channels, all on the same pair of endpoints. Every channel carries messages
+// of several sizes both ways at once, each with bytes that name the pair of ranks and the kind of
+// channel; every byte is checked, on the channel it must arrive on, so a completion handed to the
+// wrong channel fails the test (or the protocol's own checks).
 TEST_P(FabricPath, SharedCompletionQueueHandsEveryCompletionToItsChannel) {
   const int n = 4;
   const std::vector<std::size_t> sizes = {0, 1, 4096, 300007};
@@ -930,11 +930,17 @@ TEST_P(FabricPath, SharedCompletionQueueHandsEveryCompletionToItsChannel) {
         for (std::size_t i = 0; i < others.size(); ++i) {
           ends.push_back({links.mesh[i].get(), &mesh_sink, static_cast<int>(i), others[i], 9});
         }
+        const void* const endpoint = transport::fabric::endpoint_of(*ends.front().ch);
         for (const End& e : ends) {
           const std::size_t shared = transport::fabric::queue_members(*e.ch);
           if (shared != ends.size()) {
             failure = e.ch->describe() + " shares its completion queue with " +
                       std::to_string(shared) + " channels, want " + std::to_string(ends.size());
+            return;
+          }
+          // Every provider tested here has tagged messages and no FI_RX_CQ_DATA mode.
+          if (endpoint == nullptr || transport::fabric::endpoint_of(*e.ch) != endpoint) {
+            failure = e.ch->describe() + " has an endpoint of its own, not the rank's shared one";
             return;
           }
         }

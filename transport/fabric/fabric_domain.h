@@ -21,6 +21,7 @@
 #include <cstring>
 #include <deque>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -58,8 +59,9 @@ struct Domain {
   FidPtr<fid_fabric> fabric;
   FidPtr<fid_domain> domain;
   // One address vector for all channels (some providers, shm among them, expect
-  // one per domain); each channel inserts its peer's endpoint.
+  // one per domain); each peer endpoint is inserted once (address_of).
   FidPtr<fid_av> av;
+  std::map<std::string, fi_addr_t> addresses;
   std::string provider;
   // The data path (FabricOptions::data_path as resolved for this provider): RMA writes into
   // the peers' slots, or sends.
@@ -73,6 +75,19 @@ struct Domain {
                       fid_mr** out) {
     return register_region(domain.get(), info->domain_attr->mr_mode, p, n, access, next_key++, ep,
                            out);
+  }
+
+  // The address of the endpoint named [name, name + len), inserted into `av` the first time;
+  // FI_ADDR_UNSPEC, with *rc the provider's answer, when it is refused.
+  fi_addr_t address_of(const char* name, std::size_t len, int* rc) {
+    std::string key(name, len);
+    if (const auto it = addresses.find(key); it != addresses.end()) return it->second;
+    fi_addr_t a = FI_ADDR_UNSPEC;
+    const int n = fi_av_insert(av.get(), name, 1, &a, 0, nullptr);
+    *rc = n < 0 ? n : 0;
+    if (n != 1) return FI_ADDR_UNSPEC;
+    addresses.emplace(std::move(key), a);
+    return a;
   }
 
   // Windows opened for the peers' direct writes (Channel::open_window), their registrations
@@ -215,20 +230,25 @@ struct Retired {
   Clock::time_point until{};
 };
 
-// The completion queue the channels of one communicator share (one per rank and provider, as
-// Open MPI's BTLs and NCCL's net plugins keep one per device): an engine turn reads it once,
-// and each completion goes to the channel it belongs to, found by its context (the channel's
-// own buffers) or, for a peer's RMA write that carries no context of ours, by the member number
-// the writer put in the high half of the remote CQ data. Channels whose completions cannot be
-// told apart that way (providers with 4 bytes of CQ data on the write data path) get a hub of
-// their own.
+// The endpoint and completion queue the channels of one communicator share (one per rank and
+// provider, as Open MPI's BTLs and NCCL's net plugins keep one per device): an engine turn reads
+// the queue once, and each completion goes to the channel it belongs to, found by its context
+// (the channel's own buffers) or, for a peer's RMA write that carries no context of ours, by the
+// member number the writer put in the high half of the remote CQ data. On the shared endpoint
+// every message is tagged with the receiving channel's member number, and each channel's
+// receives take only its own tag, so two channels to one peer (ring and mesh, or both ring
+// directions on 2 ranks) never take each other's messages. Channels whose completions cannot
+// be told apart that way (providers with 4 bytes of CQ data on the write data path) get a hub
+// of their own; where RMA writes consume posted receives (FI_RX_CQ_DATA) or the provider has no
+// tagged messages, channels share the queue but each keeps an endpoint of its own.
 //
 // Used by one thread at a time: the engine's, or the thread that destroys the communicator, or
 // (once no channel is left) the Graveyard's.
 class Hub {
  public:
-  // `entries`: completions the queue must hold (every member's posts together).
-  Hub(std::shared_ptr<Domain> dom, std::size_t entries, int rank);
+  // `entries`: completions the queue must hold (every member's posts together). Opens the
+  // shared endpoint where shares_endpoint(); `endpoint`: whether to (false: a hub of one).
+  Hub(std::shared_ptr<Domain> dom, std::size_t entries, int rank, bool endpoint);
   Hub(const Hub&) = delete;
   Hub& operator=(const Hub&) = delete;
 
@@ -259,6 +279,10 @@ class Hub {
   [[nodiscard]] bool routes_writes() const { return routes_writes_; }
   // Whether channels of this domain can share one hub at all.
   [[nodiscard]] static bool shareable(const Domain& dom);
+  // Whether they can also share one endpoint (see above).
+  [[nodiscard]] static bool shares_endpoint(const Domain& dom);
+  // The shared endpoint; null where each member has its own.
+  [[nodiscard]] fid_ep* endpoint() const { return ep_.get(); }
 
   [[nodiscard]] fid_cq* cq() const { return cq_.get(); }
   // Members not yet retired.
@@ -303,6 +327,8 @@ class Hub {
   std::size_t live_ = 0;
   std::deque<Member> members_;
   std::string stray_;
+  // Last: closed before the members' memory, into which its posted receives point, is freed.
+  FidPtr<fid_ep> ep_;
 };
 
 // Hubs whose channels are all destroyed but some of whose endpoints still wait for their

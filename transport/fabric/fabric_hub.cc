@@ -1,6 +1,7 @@
 // The completion queue the channels of one communicator share (fabric_domain.h, Hub).
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
 #include <sys/eventfd.h>
@@ -25,7 +26,14 @@ bool Hub::shareable(const Domain& dom) {
   return dom.info->domain_attr->cq_data_size >= 8;
 }
 
-Hub::Hub(std::shared_ptr<Domain> dom, std::size_t entries, int rank)
+bool Hub::shares_endpoint(const Domain& dom) {
+  // A write with CQ data that consumes a posted receive takes an untagged one, which a shared
+  // endpoint's channels do not post.
+  return shareable(dom) && (dom.info->caps & FI_TAGGED) != 0 &&
+         (dom.info->mode & FI_RX_CQ_DATA) == 0;
+}
+
+Hub::Hub(std::shared_ptr<Domain> dom, std::size_t entries, int rank, bool endpoint)
     : dom_(std::move(dom)), rank_(rank) {
   routes_writes_ = dom_->write && (dom_->info->mode & FI_RX_CQ_DATA) == 0 &&
                    dom_->info->domain_attr->cq_data_size >= 8;
@@ -55,6 +63,18 @@ Hub::Hub(std::shared_ptr<Domain> dom, std::size_t entries, int rank)
       throw Error(ErrorCode::kSystem, "timerfd_create: " + std::string(std::strerror(errno)),
                   rank_);
     }
+  }
+  if (endpoint && shares_endpoint(*dom_)) {
+    fid_ep* ep = nullptr;
+    rc = fi_endpoint(dom_->domain.get(), dom_->info.get(), &ep, nullptr);
+    if (rc != 0) throw_fi("fi_endpoint(" + dom_->provider + ")", rc, rank_);
+    ep_.reset(ep);
+    rc = fi_ep_bind(ep, &dom_->av->fid, 0);
+    if (rc != 0) throw_fi("fi_ep_bind(av)", rc, rank_);
+    rc = fi_ep_bind(ep, &cq_->fid, FI_TRANSMIT | FI_RECV);
+    if (rc != 0) throw_fi("fi_ep_bind(cq)", rc, rank_);
+    rc = fi_enable(ep);
+    if (rc != 0) throw_fi("fi_enable(" + dom_->provider + ")", rc, rank_);
   }
 }
 
@@ -235,10 +255,17 @@ bool Hub::reap(Clock::time_point now) {
     if (n <= 0) break;
     for (ssize_t k = 0; k < n; ++k) route(c[static_cast<std::size_t>(k)]);
   }
+  const auto waits = [&](const Member& m) {
+    return m.left && (m.left->keep || (!m.left->peer_bye && now < m.left->until));
+  };
+  // On a shared endpoint every member's receives stay posted until the endpoint closes, so
+  // nobody's memory is freed before everybody may go.
+  if (ep_ && std::any_of(members_.begin(), members_.end(), waits)) return false;
+  ep_.reset();
   bool all = true;
   for (Member& m : members_) {
     if (!m.left) continue;
-    if (m.left->keep || (!m.left->peer_bye && now < m.left->until)) {
+    if (waits(m)) {
       all = false;
       continue;
     }

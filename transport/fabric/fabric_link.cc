@@ -6,6 +6,7 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
+#include <rdma/fi_tagged.h>
 #include <sys/eventfd.h>
 #include <sys/timerfd.h>
 #include <sys/uio.h>
@@ -73,9 +74,11 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   // What the peer puts in the high half of its writes' CQ data: this channel's member number
   // in its hub where the hub routes writes by it, else 0.
   [[nodiscard]] std::uint32_t route() const { return hub_->routes_writes() ? member_ : 0; }
-  // The peer's endpoint name, (write data path) data slots and route().
+  // The tag of the messages for this channel on a shared endpoint: its member number.
+  [[nodiscard]] std::uint32_t member() const { return member_; }
+  // The peer's endpoint name, (write data path) data slots, route() and member().
   void set_peer(const char* name, std::size_t len, const rma::SlotRegion& region,
-                std::uint32_t route);
+                std::uint32_t route, std::uint32_t member);
 
   std::optional<Window> open_window(char* base, std::size_t bytes,
                                     std::size_t message_bytes) override {
@@ -92,6 +95,7 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   [[nodiscard]] std::uint64_t registrations_made() const { return dom_->sends.made(); }
   [[nodiscard]] std::uint64_t window_registrations_made() const { return dom_->windows.made(); }
   [[nodiscard]] std::size_t queue_members() const { return hub_->live(); }
+  [[nodiscard]] const void* endpoint() const { return ep_; }
   void begin_close() override;
   std::string describe() const override;
 
@@ -173,9 +177,12 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   std::uint32_t recv_bufs_;      // receive buffers kept posted
   std::size_t recv_bytes_;       // bytes of each
 
-  FidPtr<fid_ep> ep_;
-  FidPtr<fid_mr> mr_;       // local buffers, where the provider needs that (FI_MR_LOCAL)
-  FidPtr<fid_mr> slot_mr_;  // write data path: the data slots, for the peer's writes
+  fid_ep* ep_ = nullptr;   // the hub's (tagged_), or own_ep_
+  FidPtr<fid_ep> own_ep_;  // where the hub has no endpoint to share
+  bool tagged_ = false;    // a shared endpoint: messages tagged with the receiver's member()
+  std::uint64_t peer_member_ = 0;  // the tag of the peer channel's messages
+  FidPtr<fid_mr> mr_;              // local buffers, where the provider needs that (FI_MR_LOCAL)
+  FidPtr<fid_mr> slot_mr_;         // write data path: the data slots, for the peer's writes
   char* slot_mem_ = nullptr;
   rma::SlotRegion remote_{};  // write data path: the peer's data slots
   fi_addr_t peer_addr_ = FI_ADDR_UNSPEC;
@@ -227,14 +234,19 @@ FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, std::shared_ptr<Hub> h
       recv_bytes_(write_ ? kControlBytes : o.slot_bytes) {
   const fi_info* info = dom_->info.get();
   const std::uint32_t pool = slots_ + kControlSlots;
-  if (!hub_) hub_ = std::make_shared<Hub>(dom_, 4 * pool, self_);
+  if (!hub_) hub_ = std::make_shared<Hub>(dom_, 4 * pool, self_, false);
 
-  fid_ep* ep = nullptr;
-  check("fi_endpoint", fi_endpoint(dom_->domain.get(), dom_->info.get(), &ep, nullptr));
-  ep_.reset(ep);
-  check("fi_ep_bind(av)", fi_ep_bind(ep, &dom_->av->fid, 0));
-  check("fi_ep_bind(cq)", fi_ep_bind(ep, &hub_->cq()->fid, FI_TRANSMIT | FI_RECV));
-  check("fi_enable", fi_enable(ep));
+  ep_ = hub_->endpoint();
+  tagged_ = ep_ != nullptr;
+  if (!tagged_) {
+    fid_ep* ep = nullptr;
+    check("fi_endpoint", fi_endpoint(dom_->domain.get(), dom_->info.get(), &ep, nullptr));
+    own_ep_.reset(ep);
+    ep_ = ep;
+    check("fi_ep_bind(av)", fi_ep_bind(ep, &dom_->av->fid, 0));
+    check("fi_ep_bind(cq)", fi_ep_bind(ep, &hub_->cq()->fid, FI_TRANSMIT | FI_RECV));
+    check("fi_enable", fi_enable(ep));
+  }
 
   // One allocation for every buffer. Send path: the receives (data slots and control
   // buffers), then the data and control send buffers, each a slot. Write path: the data slots
@@ -252,14 +264,14 @@ FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, std::shared_ptr<Hub> h
     fid_mr* mr = nullptr;
     check("fi_mr_reg",
           dom_->register_memory(local, local_bytes, FI_SEND | FI_RECV | (write_ ? FI_WRITE : 0),
-                                ep_.get(), &mr));
+                                ep_, &mr));
     mr_.reset(mr);
   }
   if (write_) {
     slot_mem_ = memory_.get();
     fid_mr* mr = nullptr;
     check("fi_mr_reg(data slots)",
-          dom_->register_memory(slot_mem_, slot_area, FI_REMOTE_WRITE, ep_.get(), &mr));
+          dom_->register_memory(slot_mem_, slot_area, FI_REMOTE_WRITE, ep_, &mr));
     slot_mr_.reset(mr);
   }
   bufs_.resize(static_cast<std::size_t>(recv_bufs_) + slots_ + kControlSlots);
@@ -298,7 +310,7 @@ FabricChannel::~FabricChannel() {
   left.bufs = std::move(bufs_);  // the completions' contexts point into this storage: kept
   left.slot_mr = std::move(slot_mr_);
   left.mr = std::move(mr_);
-  left.ep = std::move(ep_);
+  left.ep = std::move(own_ep_);  // null on a shared endpoint: the hub closes that one
   left.tag = tag_;
   left.peer_bye = peer_bye_;
   left.keep = dom_->provider == "shm";
@@ -334,8 +346,9 @@ rma::SlotRegion FabricChannel::region() const {
 }
 
 void FabricChannel::set_peer(const char* name, std::size_t len, const rma::SlotRegion& region,
-                             std::uint32_t route) {
+                             std::uint32_t route, std::uint32_t member) {
   peer_route_ = route;
+  peer_member_ = member;
   if (write_) {
     if (auto bad = rma::check_region(region, slot_bytes_, slots_, self_, peer_)) {
       throw Error(ErrorCode::kMismatch, *bad + " on " + describe(), self_, peer_, "create");
@@ -352,11 +365,12 @@ void FabricChannel::set_peer(const char* name, std::size_t len, const rma::SlotR
       socket_ends_ = {*own, *other};
     }
   }
-  const int n = fi_av_insert(dom_->av.get(), name, 1, &peer_addr_, 0, nullptr);
-  if (n != 1) {
+  int rc = 0;
+  peer_addr_ = dom_->address_of(name, len, &rc);
+  if (peer_addr_ == FI_ADDR_UNSPEC) {
     throw Error(ErrorCode::kSystem,
                 "fi_av_insert of rank " + std::to_string(peer_) + "'s endpoint failed: " +
-                    (n < 0 ? fi_text(n) : std::string("address not accepted")),
+                    (rc < 0 ? fi_text(rc) : std::string("address not accepted")),
                 self_, peer_, "fabric setup");
   }
 }
@@ -368,8 +382,9 @@ std::string FabricChannel::describe() const {
 }
 
 void FabricChannel::post_recv(Buf& b) {
-  const int rc =
-      static_cast<int>(fi_recv(ep_.get(), b.data, recv_bytes_, desc(), FI_ADDR_UNSPEC, &b.ctx));
+  const int rc = static_cast<int>(
+      tagged_ ? fi_trecv(ep_, b.data, recv_bytes_, desc(), FI_ADDR_UNSPEC, member_, 0, &b.ctx)
+              : fi_recv(ep_, b.data, recv_bytes_, desc(), FI_ADDR_UNSPEC, &b.ctx));
   if (rc == -FI_EAGAIN) {
     repost_.push_back(b.index);
     return;
@@ -513,10 +528,12 @@ bool FabricChannel::post_fragment(std::uint32_t seq, std::size_t staged,
   if (write_) {
     rc = write_msg(b, seq, iov.data(), descs.data(), count, rma::slot_address(remote_, seq), bytes,
                    remote_.key);
+  } else if (tagged_) {
+    rc = fi_tsendv(ep_, iov.data(), descs.data(), count, peer_addr_, peer_member_, &b.ctx);
   } else if (count == 1) {
-    rc = fi_send(ep_.get(), iov[0].iov_base, iov[0].iov_len, descs[0], peer_addr_, &b.ctx);
+    rc = fi_send(ep_, iov[0].iov_base, iov[0].iov_len, descs[0], peer_addr_, &b.ctx);
   } else {
-    rc = fi_sendv(ep_.get(), iov.data(), descs.data(), count, peer_addr_, &b.ctx);
+    rc = fi_sendv(ep_, iov.data(), descs.data(), count, peer_addr_, &b.ctx);
   }
   return posted(b, rc, write_ ? "fi_writemsg" : "fi_send");
 }
@@ -557,7 +574,7 @@ ssize_t FabricChannel::write_msg(Buf& b, std::uint32_t seq, const iovec* iov, vo
   msg.rma_iov_count = 1;
   msg.context = &b.ctx;
   msg.data = (static_cast<std::uint64_t>(peer_route_) << 32) | seq;
-  return fi_writemsg(ep_.get(), &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION);
+  return fi_writemsg(ep_, &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION);
 }
 
 bool FabricChannel::post_control(const Prefix& p) {
@@ -565,7 +582,8 @@ bool FabricChannel::post_control(const Prefix& p) {
     // A credit return is injected: the provider copies it at once and reports no completion,
     // so it holds no control buffer and costs no completion to read. (A goodbye is sent
     // with one: close() waits until it has left.)
-    const auto rc = fi_inject(ep_.get(), &p, kPrefix, peer_addr_);
+    const auto rc = tagged_ ? fi_tinject(ep_, &p, kPrefix, peer_addr_, peer_member_)
+                            : fi_inject(ep_, &p, kPrefix, peer_addr_);
     if (rc == -FI_EAGAIN) return false;
     if (rc != 0) {
       fail("fi_inject to rank " + std::to_string(peer_) +
@@ -576,7 +594,8 @@ bool FabricChannel::post_control(const Prefix& p) {
   if (free_ctrl_.empty()) return false;
   Buf& b = bufs_[free_ctrl_.back()];
   std::memcpy(b.data, &p, kPrefix);
-  const auto rc = fi_send(ep_.get(), b.data, kPrefix, desc(), peer_addr_, &b.ctx);
+  const auto rc = tagged_ ? fi_tsend(ep_, b.data, kPrefix, desc(), peer_addr_, peer_member_, &b.ctx)
+                          : fi_send(ep_, b.data, kPrefix, desc(), peer_addr_, &b.ctx);
   if (rc == -FI_EAGAIN) return false;
   if (rc != 0)
     fail("fi_send to rank " + std::to_string(peer_) + " failed: " + fi_text(static_cast<int>(rc)));
@@ -605,7 +624,9 @@ void FabricChannel::begin_close() {
 // where its data slots are.
 struct EndpointRecord {
   std::uint32_t len = 0;
-  std::uint32_t route = 0;  // FabricChannel::route()
+  std::uint32_t route = 0;   // FabricChannel::route()
+  std::uint32_t member = 0;  // FabricChannel::member()
+  std::uint32_t reserved = 0;
   char bytes[kMaxName] = {};
   rma::SlotRegion region;
 
@@ -616,6 +637,7 @@ struct EndpointRecord {
     std::memcpy(bytes, n.data(), n.size());
     region = ch.region();
     route = ch.route();
+    member = ch.member();
   }
 };
 
@@ -647,6 +669,11 @@ std::uint64_t registrations_made(const Channel& channel) {
 std::size_t queue_members(const Channel& channel) {
   const auto* f = dynamic_cast<const FabricChannel*>(&channel);
   return f != nullptr ? f->queue_members() : 0;
+}
+
+const void* endpoint_of(const Channel& channel) {
+  const auto* f = dynamic_cast<const FabricChannel*>(&channel);
+  return f != nullptr ? f->endpoint() : nullptr;
 }
 
 std::uint64_t window_registrations_made(const Channel& channel) {
@@ -700,7 +727,7 @@ Shared open_shared(int rank, int channels, const FabricOptions& ring, std::size_
     const std::size_t entries =
         4 * (2 * static_cast<std::size_t>(channels) * (ring.slots + kControlSlots) +
              peers * (mesh.slots + kControlSlots));
-    sh.hub = std::make_shared<Hub>(sh.dom, entries, rank);
+    sh.hub = std::make_shared<Hub>(sh.dom, entries, rank, true);
   }
   return sh;
 }
@@ -757,8 +784,8 @@ RingLinks ring_part(Bootstrap& bootstrap, const Shared& sh, int channels,
   for (int c = 0; c < channels; ++c) {
     const auto& n = all[static_cast<std::size_t>(next)].from_prev[static_cast<std::size_t>(c)];
     const auto& p = all[static_cast<std::size_t>(prev)].to_next[static_cast<std::size_t>(c)];
-    to_next[static_cast<std::size_t>(c)]->set_peer(n.bytes, n.len, n.region, n.route);
-    from_prev[static_cast<std::size_t>(c)]->set_peer(p.bytes, p.len, p.region, p.route);
+    to_next[static_cast<std::size_t>(c)]->set_peer(n.bytes, n.len, n.region, n.route, n.member);
+    from_prev[static_cast<std::size_t>(c)]->set_peer(p.bytes, p.len, p.region, p.route, p.member);
   }
   return rma::ring_links(to_next, from_prev);
 }
@@ -815,7 +842,8 @@ std::vector<std::unique_ptr<Channel>> peers_part(Bootstrap& bootstrap, const Sha
                   "rank " + std::to_string(peers[i]) + " sent a malformed endpoint name", rank,
                   peers[i], "create");
     }
-    chans[i]->set_peer(rec.name.bytes, rec.name.len, rec.name.region, rec.name.route);
+    chans[i]->set_peer(rec.name.bytes, rec.name.len, rec.name.region, rec.name.route,
+                       rec.name.member);
     out.push_back(std::move(chans[i]));
   }
   return out;

@@ -166,6 +166,10 @@ using RingLinks = transport::RingLinks;
 // back-end. For tests.
 [[nodiscard]] std::size_t queue_members(const Channel& channel);
 
+// The libfabric endpoint `channel` sends and receives on (the one its communicator's channels
+// share, where the provider allows it); null for a channel of another back-end. For tests.
+[[nodiscard]] const void* endpoint_of(const Channel& channel);
+
 // Messages received written directly into a window (FabricOptions::direct_bytes) by every
 // fabric channel of this process so far. For tests.
 [[nodiscard]] std::uint64_t direct_received_total();

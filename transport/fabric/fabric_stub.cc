@@ -24,6 +24,7 @@ std::uint64_t registrations_made(const Channel&) { return 0; }
 std::uint64_t window_registrations_made(const Channel&) { return 0; }
 std::uint64_t direct_received_total() { return 0; }
 std::size_t queue_members(const Channel&) { return 0; }
+const void* endpoint_of(const Channel&) { return nullptr; }
 
 RingLinks connect_ring(Bootstrap& bootstrap, int, const FabricOptions&) {
   throw Error(ErrorCode::kInvalidArgument, kWhy, bootstrap.rank());

@@ -68,7 +68,9 @@ inline InfoPtr rdm_hints(const std::string& provider, fi_threading threading, bo
   InfoPtr hints(fi_allocinfo());
   if (!hints) throw Error(ErrorCode::kSystem, "fi_allocinfo failed: out of memory");
   hints->ep_attr->type = FI_EP_RDM;
-  hints->caps = FI_MSG;
+  // Tagged messages: the channels of one communicator share one endpoint, and each receives
+  // only what is tagged with its number there (fabric_domain.h, Hub).
+  hints->caps = FI_MSG | FI_TAGGED;
   hints->mode = FI_CONTEXT | FI_CONTEXT2;
   hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
   if (writes) {

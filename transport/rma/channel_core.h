@@ -53,6 +53,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -170,7 +171,10 @@ class ChannelCore : public Channel {
   // Receiving a direct message: payload bytes per write (its writes are the next fragments).
   std::size_t direct_write_ = 0;
 
+  // How long a peer's goodbye waits for this end's sends in flight (deliver()).
+  static constexpr auto kByeGrace = std::chrono::milliseconds(200);
   bool peer_bye_ = false;
+  Clock::time_point bye_seen_at_{};
   std::uint32_t bye_seq_ = 0;
   bool peer_closed_ = false;
   bool bye_sent_ = false;
@@ -276,6 +280,15 @@ bool RmaChannel<Backend>::deliver(RecvSink& sink) {
     moved = true;
   }
   if (peer_bye_ && !peer_closed_ && recvw_.expected() == bye_seq_) {
+    // A provider may report a send complete only once its receiver has taken it, and show the
+    // receiver's goodbye first (libfabric's shm, on one endpoint per rank): the close waits for
+    // this end's sends in flight, kByeGrace at most, so that a send the peer took is not
+    // reported as one it left unfinished.
+    if (b.in_flight()) {
+      const auto now = Clock::now();
+      if (bye_seen_at_ == Clock::time_point{}) bye_seen_at_ = now;
+      if (now - bye_seen_at_ < kByeGrace) return moved;
+    }
     if (reasm_.in_message()) {
       fail("rank " + std::to_string(peer_) + " closed in the middle of a message");
     }
