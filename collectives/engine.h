@@ -198,6 +198,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // the point-to-point queues. nullopt where it does not apply (collectives in flight,
   // submissions queued, a receive from any source, a failure to report): run turn() then.
   std::optional<bool> p2p_turn();
+  // The point-to-point part of a turn alone (drain_p2p, advance_p2p), for the thread that
+  // submits a small send or receive (submit_p2p).
+  bool p2p_submit_turn();
   // The same for a thread waiting while only log-step collectives are in flight (the small
   // operations' schedules on the mesh links): it reads and flushes just the channels of the
   // peers their current steps exchange with, advances their steps and completes what ended.
@@ -396,6 +399,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::mutex submit_mu_;
   std::deque<std::unique_ptr<Op>> submitted_;
   std::deque<std::unique_ptr<P2p>> submitted_p2p_;
+  // drain_p2p()'s batch, kept so that a drain allocates nothing (an empty deque does).
+  std::deque<std::unique_ptr<P2p>> p2p_batch_;
   std::atomic<bool> p2p_submitted_{false};  // submitted_p2p_ may hold entries
   // Ranges to forget (forget_memory), each before the operation with sequence number `before`.
   struct Forget {

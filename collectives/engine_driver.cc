@@ -322,6 +322,13 @@ std::optional<bool> Engine::p2p_turn() {
   });
 }
 
+bool Engine::p2p_submit_turn() {
+  return guarded_turn([&] {
+    const bool posted = drain_p2p();
+    return advance_p2p() || posted;
+  });
+}
+
 std::optional<bool> Engine::log_step_turn() {
   if (active_.empty() || !is_log_step(active_.front()->schedule) || p2p_pending_ > 0 ||
       !narrow_turn_allowed() || announce_ > announced_ || !windows_to_announce_.empty()) {

@@ -69,10 +69,12 @@ Work Engine::submit_p2p(const P2pCall& call) {
     state->complete(failed);
     return Work(state);
   }
-  // As Engine::submit: a small one leaves from this thread when the engine is free.
+  // As Engine::submit: a small one leaves from this thread when the engine is free, through
+  // the point-to-point part of a turn only (the rest is the next turn's, which the waiting
+  // thread runs while the message travels).
   bool started = false;
   if (state->driven && turn_mu_.try_lock()) {
-    turn(false);  // sends only, as Engine::submit
+    (void)p2p_submit_turn();
     turn_mu_.unlock();
     started = true;
   }
@@ -83,7 +85,7 @@ Work Engine::submit_p2p(const P2pCall& call) {
 bool Engine::drain_p2p() {
   // Every turn passes here: the lock is taken only when something was queued.
   if (!p2p_submitted_.exchange(false, std::memory_order_acq_rel)) return false;
-  std::deque<std::unique_ptr<P2p>> batch;
+  std::deque<std::unique_ptr<P2p>>& batch = p2p_batch_;
   {
     std::lock_guard<std::mutex> lock(submit_mu_);
     batch.swap(submitted_p2p_);
