@@ -176,6 +176,7 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   std::uint64_t corrupt_key_;    // FabricOptions::corrupt_write_key
   std::uint32_t recv_bufs_;      // receive buffers kept posted
   std::size_t recv_bytes_;       // bytes of each
+  std::size_t inject_max_;       // data fragments up to this size are injected (send path)
 
   fid_ep* ep_ = nullptr;   // the hub's (tagged_), or own_ep_
   FidPtr<fid_ep> own_ep_;  // where the hub has no endpoint to share
@@ -231,7 +232,8 @@ FabricChannel::FabricChannel(std::shared_ptr<Domain> dom, std::shared_ptr<Hub> h
       write_(dom_->write),
       corrupt_key_(o.corrupt_write_key),
       recv_bufs_(o.slots + kControlSlots),
-      recv_bytes_(write_ ? kControlBytes : o.slot_bytes) {
+      recv_bytes_(write_ ? kControlBytes : o.slot_bytes),
+      inject_max_(write_ ? 0 : dom_->info->tx_attr->inject_size) {
   const fi_info* info = dom_->info.get();
   const std::uint32_t pool = slots_ + kControlSlots;
   if (!hub_) hub_ = std::make_shared<Hub>(dom_, 4 * pool, self_, false);
@@ -525,6 +527,18 @@ bool FabricChannel::post_fragment(std::uint32_t seq, std::size_t staged,
     bytes += gather->bytes;
   }
   ssize_t rc = 0;
+  if (count == 1 && staged <= inject_max_) {
+    // A small fragment is injected: the provider copies it at once and reports no completion,
+    // so its buffer is free again (RMA writes are not: a refused one would go unreported).
+    rc = tagged_ ? fi_tinject(ep_, b.data, staged, peer_addr_, peer_member_)
+                 : fi_inject(ep_, b.data, staged, peer_addr_);
+    if (rc == -FI_EAGAIN) return false;
+    if (rc != 0) {
+      fail("fi_inject to rank " + std::to_string(peer_) +
+           " failed: " + fi_text(static_cast<int>(rc)));
+    }
+    return true;
+  }
   if (write_) {
     rc = write_msg(b, seq, iov.data(), descs.data(), count, rma::slot_address(remote_, seq), bytes,
                    remote_.key);
