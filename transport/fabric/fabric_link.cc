@@ -164,6 +164,12 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   // A post of buffer `b` the provider answered `rc` to: true once taken, false when it said try
   // again; a failure is thrown naming `call`.
   bool posted(Buf& b, ssize_t rc, const char* call);
+  // A message to the peer's channel, gathered from `iov` (tagged with the peer channel's number
+  // on a shared endpoint). The provider's return code.
+  ssize_t send_msg(const iovec* iov, void** descs, std::size_t count, void* ctx);
+  // [p, p + n) to the peer's channel, injected (copied at once, no completion): true once
+  // taken, false when the provider says try again; a failure is thrown.
+  bool inject_msg(const void* p, std::size_t n);
   // An RMA write of `bytes` gathered from `iov` to the peer's [addr, addr + bytes) under `key`,
   // announced by `seq` as remote CQ data. The provider's return code.
   ssize_t write_msg(Buf& b, std::uint32_t seq, const iovec* iov, void** descs, std::size_t count,
@@ -526,30 +532,30 @@ bool FabricChannel::post_fragment(std::uint32_t seq, std::size_t staged,
     count = 2;
     bytes += gather->bytes;
   }
-  ssize_t rc = 0;
-  if (count == 1 && staged <= inject_max_) {
-    // A small fragment is injected: the provider copies it at once and reports no completion,
-    // so its buffer is free again (RMA writes are not: a refused one would go unreported).
-    rc = tagged_ ? fi_tinject(ep_, b.data, staged, peer_addr_, peer_member_)
-                 : fi_inject(ep_, b.data, staged, peer_addr_);
-    if (rc == -FI_EAGAIN) return false;
-    if (rc != 0) {
-      fail("fi_inject to rank " + std::to_string(peer_) +
-           " failed: " + fi_text(static_cast<int>(rc)));
-    }
-    return true;
-  }
-  if (write_) {
-    rc = write_msg(b, seq, iov.data(), descs.data(), count, rma::slot_address(remote_, seq), bytes,
-                   remote_.key);
-  } else if (tagged_) {
-    rc = fi_tsendv(ep_, iov.data(), descs.data(), count, peer_addr_, peer_member_, &b.ctx);
-  } else if (count == 1) {
-    rc = fi_send(ep_, iov[0].iov_base, iov[0].iov_len, descs[0], peer_addr_, &b.ctx);
-  } else {
-    rc = fi_sendv(ep_, iov.data(), descs.data(), count, peer_addr_, &b.ctx);
-  }
+  // A small fragment is injected: the provider copies it at once and reports no completion, so
+  // its buffer stays free (RMA writes are not: a refused one would go unreported).
+  if (count == 1 && staged <= inject_max_) return inject_msg(b.data, staged);
+  const ssize_t rc = write_ ? write_msg(b, seq, iov.data(), descs.data(), count,
+                                        rma::slot_address(remote_, seq), bytes, remote_.key)
+                            : send_msg(iov.data(), descs.data(), count, &b.ctx);
   return posted(b, rc, write_ ? "fi_writemsg" : "fi_send");
+}
+
+ssize_t FabricChannel::send_msg(const iovec* iov, void** descs, std::size_t count, void* ctx) {
+  if (tagged_) return fi_tsendv(ep_, iov, descs, count, peer_addr_, peer_member_, ctx);
+  if (count == 1) return fi_send(ep_, iov[0].iov_base, iov[0].iov_len, descs[0], peer_addr_, ctx);
+  return fi_sendv(ep_, iov, descs, count, peer_addr_, ctx);
+}
+
+bool FabricChannel::inject_msg(const void* p, std::size_t n) {
+  const ssize_t rc =
+      tagged_ ? fi_tinject(ep_, p, n, peer_addr_, peer_member_) : fi_inject(ep_, p, n, peer_addr_);
+  if (rc == -FI_EAGAIN) return false;
+  if (rc != 0) {
+    fail("fi_inject to rank " + std::to_string(peer_) +
+         " failed: " + fi_text(static_cast<int>(rc)));
+  }
+  return true;
 }
 
 bool FabricChannel::post_write(std::uint32_t seq, const SendQueue::Piece& piece, void* source,
@@ -596,20 +602,14 @@ bool FabricChannel::post_control(const Prefix& p) {
     // A credit return is injected: the provider copies it at once and reports no completion,
     // so it holds no control buffer and costs no completion to read. (A goodbye is sent
     // with one: close() waits until it has left.)
-    const auto rc = tagged_ ? fi_tinject(ep_, &p, kPrefix, peer_addr_, peer_member_)
-                            : fi_inject(ep_, &p, kPrefix, peer_addr_);
-    if (rc == -FI_EAGAIN) return false;
-    if (rc != 0) {
-      fail("fi_inject to rank " + std::to_string(peer_) +
-           " failed: " + fi_text(static_cast<int>(rc)));
-    }
-    return true;
+    return inject_msg(&p, kPrefix);
   }
   if (free_ctrl_.empty()) return false;
   Buf& b = bufs_[free_ctrl_.back()];
   std::memcpy(b.data, &p, kPrefix);
-  const auto rc = tagged_ ? fi_tsend(ep_, b.data, kPrefix, desc(), peer_addr_, peer_member_, &b.ctx)
-                          : fi_send(ep_, b.data, kPrefix, desc(), peer_addr_, &b.ctx);
+  const iovec iov{b.data, kPrefix};
+  void* d = desc();
+  const ssize_t rc = send_msg(&iov, &d, 1, &b.ctx);
   if (rc == -FI_EAGAIN) return false;
   if (rc != 0)
     fail("fi_send to rank " + std::to_string(peer_) + " failed: " + fi_text(static_cast<int>(rc)));
