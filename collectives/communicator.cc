@@ -428,9 +428,13 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     }
     if (size_ > 1 && c.kind != OpKind::kBroadcast) {
       o->schedule = schedule_of(c, a, opts);
-      // Device memory runs the schedules of the ring links only (the log-step ones keep their
-      // work buffers in host memory): the ring in their place.
-      if (fence && is_log_step(o->schedule)) o->schedule = Schedule::kRing;
+      // A log-step schedule works in host memory (Op::shadow): on device memory, only small
+      // operations run one, the others the ring in its place. Every rank decides alike.
+      const std::size_t vector_bytes =
+          c.count * dtype_size(c.dtype) * (c.kind == OpKind::kAllReduce ? 1 : n);
+      if (fence && is_log_step(o->schedule) && vector_bytes > collectives::kDeviceLogStepMaxBytes) {
+        o->schedule = Schedule::kRing;
+      }
     }
     o->fence = std::move(fence);
     return launch(std::move(o), opts);
@@ -920,11 +924,12 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     geo.eager_bytes = options_.eager_bytes;
     if (o->device) {
       // Device slices pass through landing slots of at most this size, and none runs ahead
-      // of its receiver (it would have to wait in host memory the device cannot read).
+      // of its receiver (it would have to wait in host memory the device cannot read). A
+      // log-step operation works in host memory and may.
       geo.slice_bytes = std::min(geo.slice_bytes, collectives::kDeviceSliceBytes);
     }
     collectives::plan(*o, rank_, size_, geo);
-    if (o->device) o->eager = false;
+    if (o->device && !collectives::is_log_step(o->schedule)) o->eager = false;
     return engine_->submit(std::move(o));
   }
 

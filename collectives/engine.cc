@@ -183,7 +183,8 @@ void Engine::start(std::unique_ptr<Op> op) {
     op->scratch = op->scratch_owner.get();
     if (op->schedule == Schedule::kGatherReduce) op->work = op->scratch;
   }
-  start_local(*op);
+  // A shadowed operation's input is still on its way to host memory (start_when_ready).
+  if (op->shadow.in_done || op->shadow.exec == nullptr) start_local(*op);
   open_window(*op);
   posted_ = static_cast<std::int64_t>(op->seq);
   // An all_to_all_v's ranks decide by their own sizes whether it is eager, so one that is

@@ -350,6 +350,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   };
   void prepare_op(Op& op);  // its executor, and whether it bounces
   void issue_start_copies(Op& op);
+  // A starting operation whose start copies are done: it runs (a shadowed one first starts in
+  // host memory once its input is there).
+  void start_when_ready(Op& op);
+  // Op::shadow: host memory from a pool of `copier`'s landing memory, reused by size.
+  void shadow_op(Op& op, Executor& copier);
+  void release_shadow(Op& op) noexcept;
   // A reduce's or gather's result on a rank other than its root goes to a sink of the engine's
   // (Op::sink); release_scratch() hands it back with the scratch.
   void take_sink(Op& op);
@@ -381,6 +387,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::unique_ptr<Executor> device_exec_;  // made with the first device operation
   std::vector<Slot> slots_;
   std::vector<std::vector<SlotQueues>> slot_queues_;  // [link][channel]
+  struct ShadowBuffer {
+    char* data = nullptr;
+    std::size_t capacity = 0;
+    Executor* owner = nullptr;
+    bool busy = false;
+  };
+  std::vector<ShadowBuffer> shadow_buffers_;
   std::vector<std::uint64_t> exec_done_;
   std::size_t landing_bytes_ = 0;       // landing memory allocated now
   std::size_t peak_landing_bytes_ = 0;  // and at most

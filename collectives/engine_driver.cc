@@ -20,7 +20,8 @@ namespace dear::collectives {
 using engine_detail::kFencePoll;
 
 Work Engine::submit(std::unique_ptr<Op> op) {
-  const bool eager = op->eager;
+  // A device operation's steps go to its executor on the engine thread only.
+  const bool eager = op->eager && !op->device;
   auto state = std::make_shared<Work::State>();
   op->state = state;
   state->wait_spin_us = cfg_.wait_spin_us;

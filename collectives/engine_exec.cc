@@ -3,6 +3,7 @@
 // later, and what each completed step unblocks. See collectives/executor.h for the contract
 // and docs/architecture.md ("Executors and landing slots") for the design.
 #include <algorithm>
+#include <bit>
 
 #include "collectives/engine.h"
 #include "collectives/steps.h"
@@ -73,16 +74,128 @@ void Engine::prepare_op(Op& op) {
       device_exec_ = cfg_.make_device_executor(op.fence ? op.fence->device() : 0);
       device_exec_->set_waker([this] { wake(); });
     }
+    if (is_log_step(op.schedule)) {
+      // A small operation: its steps run in host memory, the device executor copies in and out.
+      op.exec = host_exec_.executor.get();
+      shadow_op(op, *device_exec_);
+      return;
+    }
     op.exec = device_exec_.get();
     op.bounced = true;
     return;
   }
   op.exec = host_exec_.executor.get();
-  // The log-step schedules run on host memory only; a bouncing test executor leaves them be.
-  op.bounced = host_exec_.bounce && !is_log_step(op.schedule);
+  if (host_exec_.bounce && is_log_step(op.schedule)) {
+    // As a device operation would (all_to_all and scatter have no device form in the engine).
+    if (op.kind != OpKind::kAllToAll && op.kind != OpKind::kAllToAllV &&
+        !is_scatter(op.kind, op.root)) {
+      shadow_op(op, *op.exec);
+    }
+    return;
+  }
+  op.bounced = host_exec_.bounce;
+}
+
+void Engine::shadow_op(Op& op, Executor& copier) {
+  const std::size_t block = op.user_count * op.el;
+  const auto n = static_cast<std::size_t>(op.nranks);
+  const bool has_out = op.root < 0 || op.rank == op.root;
+  std::size_t in_bytes = 0;
+  std::size_t out_bytes = 0;
+  switch (op.kind) {
+    case OpKind::kAllReduce:
+      in_bytes = block;
+      out_bytes = has_out ? block : 0;
+      break;
+    case OpKind::kReduceScatter:
+      in_bytes = block * n;
+      out_bytes = block;
+      break;
+    case OpKind::kAllGather:
+      in_bytes = block;
+      out_bytes = has_out ? block * n : 0;
+      break;
+    default:
+      throw Error(
+          ErrorCode::kInternal,
+          std::string("a ") + op.name() + " on a log-step schedule cannot work in host memory",
+          cfg_.rank, Error::kNone, op.name(), static_cast<std::int64_t>(op.seq));
+  }
+  if (in_bytes == 0 && out_bytes == 0) return;  // nothing to touch
+  // The host input lies inside the host output where the caller's does (in place), and takes
+  // the output's place for an all_reduce, whose steps then work in place: one copy in, and the
+  // output holds the input's value until a step writes it.
+  const auto in_at = reinterpret_cast<std::uintptr_t>(op.in);
+  const auto out_at = reinterpret_cast<std::uintptr_t>(op.out);
+  const bool inside = out_bytes > 0 && in_at >= out_at && in_at + in_bytes <= out_at + out_bytes;
+  const bool onto = op.kind == OpKind::kAllReduce && out_bytes > 0;
+  const std::size_t bytes = out_bytes + (inside || onto ? 0 : in_bytes);
+
+  int pick = -1;
+  for (std::size_t i = 0; i < shadow_buffers_.size() && pick < 0; ++i) {
+    const ShadowBuffer& b = shadow_buffers_[i];
+    if (!b.busy && b.owner == &copier && b.capacity >= bytes) pick = static_cast<int>(i);
+  }
+  if (pick < 0) {
+    pick = static_cast<int>(shadow_buffers_.size());
+    ShadowBuffer b;
+    b.capacity = std::max(kSlotGrain, std::bit_ceil(bytes));
+    b.data = copier.allocate(ExecMemory::kLanding, b.capacity);
+    b.owner = &copier;
+    shadow_buffers_.push_back(b);
+    landing_bytes_ += b.capacity;
+    peak_landing_bytes_ = std::max(peak_landing_bytes_, landing_bytes_);
+    peak_landing_atomic_.store(peak_landing_bytes_, std::memory_order_relaxed);
+  }
+  ShadowBuffer& b = shadow_buffers_[static_cast<std::size_t>(pick)];
+  b.busy = true;
+  Op::Shadow& sh = op.shadow;
+  sh.exec = &copier;
+  sh.buffer = pick;
+  sh.user_in = op.in;
+  sh.user_out = op.out;
+  sh.in_bytes = in_bytes;
+  sh.out_bytes = out_bytes;
+  sh.in_done = in_bytes == 0;
+  char* host_out = b.data;
+  char* host_in = inside ? b.data + (in_at - out_at) : onto ? b.data : b.data + out_bytes;
+  // plan() pointed the schedule at the caller's memory; a rank without an output keeps its
+  // `out`, which take_sink() replaces.
+  if (out_bytes > 0) {
+    if (op.work == op.out) op.work = host_out;
+    op.out = host_out;
+  }
+  if (op.log_step.send_base == op.in) op.log_step.send_base = host_in;
+  op.in = host_in;
+}
+
+void Engine::release_shadow(Op& op) noexcept {
+  if (op.shadow.buffer < 0) return;
+  shadow_buffers_[static_cast<std::size_t>(op.shadow.buffer)].busy = false;
+  op.shadow.buffer = -1;
+}
+
+void Engine::start_when_ready(Op& op) {
+  if (op.life() != OpState::kStarting || op.start_pending > 0) return;
+  if (op.shadow.exec != nullptr && !op.shadow.in_done) {
+    // The input is in host memory now: the operation starts there.
+    op.shadow.in_done = true;
+    start_local(op);
+    issue_start_copies(op);  // an immediate executor's complete inside, and start it
+    if (op.life() != OpState::kStarting || op.start_pending > 0) return;
+  }
+  op.transition(OpState::kRunning);
 }
 
 void Engine::issue_start_copies(Op& op) {
+  if (op.shadow.exec != nullptr && !op.shadow.in_done) {
+    // Only the copy in, for now: start_when_ready() does the rest once it is done.
+    ++op.start_pending;
+    issue_step(*op.shadow.exec,
+               copy_step(const_cast<char*>(op.in), op.shadow.user_in, op.shadow.in_bytes),
+               token(kTokStart, op.seq));
+    return;
+  }
   if (op.start_copy_bytes > 0) {
     ++op.start_pending;
     issue_step(*op.exec, copy_step(op.start_copy_to, op.start_copy_from, op.start_copy_bytes),
@@ -103,7 +216,7 @@ void Engine::take_sink(Op& op) {
   const std::size_t rows = op.kind == OpKind::kAllGather ? static_cast<std::size_t>(op.nranks) : 1;
   const std::size_t bytes = op.user_count * op.el * rows;
   if (bytes == 0) return;
-  if (op.device) {
+  if (op.device && op.shadow.exec == nullptr) {
     op.sink = op.exec->allocate(ExecMemory::kScratch, bytes);
   } else {
     op.sink_owner = scratch_.acquire(bytes, &op.sink_capacity);
@@ -115,8 +228,9 @@ void Engine::take_sink(Op& op) {
 }
 
 void Engine::release_scratch(Op& op) noexcept {
+  release_shadow(op);
   if (op.sink != nullptr) {
-    if (op.device) {
+    if (op.device && op.shadow.exec == nullptr) {
       op.exec->release(ExecMemory::kScratch, op.sink);
     } else {
       scratch_.release(std::move(op.sink_owner), op.sink_capacity);
@@ -163,7 +277,7 @@ void Engine::step_done(std::uint64_t t) {
       // An operation that failed meanwhile is gone; so is the need to count. The last of its
       // start copies lets a starting operation send.
       if (Op* op = find(payload); op != nullptr && --op->start_pending == 0) {
-        op->transition(OpState::kRunning);
+        start_when_ready(*op);
       }
       return;
     case kTokLocal:
@@ -336,6 +450,7 @@ void Engine::slot_sent(int link, int channel, std::uint64_t t) {
 }
 
 bool Engine::advance_finish(Op& op) {
+  if (op.shadow.out_issued) return true;  // and done: the operation is finished()
   if (!op.exec->immediate()) {
     // The final local reductions, one at a time: each reads what the one before wrote.
     if (op.finish_next < final_step_count(op)) {
@@ -345,6 +460,14 @@ bool Engine::advance_finish(Op& op) {
     }
   }
   finish_local(op, op.exec->immediate());
+  if (op.shadow.exec != nullptr && op.shadow.out_bytes > 0) {
+    // The result back to the caller's memory; the operation completes once it is there.
+    op.shadow.out_issued = true;
+    ++op.local_pending;
+    issue_step(*op.shadow.exec, copy_step(op.shadow.user_out, op.out, op.shadow.out_bytes),
+               token(kTokLocal, op.seq));
+    return op.local_pending == 0;
+  }
   return true;
 }
 
@@ -390,6 +513,8 @@ void Engine::free_slots() noexcept {
     s.data = nullptr;
   }
   slots_.clear();
+  for (ShadowBuffer& b : shadow_buffers_) b.owner->release(ExecMemory::kLanding, b.data);
+  shadow_buffers_.clear();
 }
 
 }  // namespace dear::collectives

@@ -98,6 +98,9 @@ inline constexpr int kMaxChannels = 16;
 // Device operations' slices are at most this large: one fits a landing slot, which is made at
 // this size once and kept.
 inline constexpr std::size_t kDeviceSliceBytes = std::size_t{1} << 20;
+// A device operation whose vector (all_reduce, reduce) or N blocks (the others) is at most this
+// large may run a log-step schedule, in host memory (Op::shadow); a larger one runs the ring.
+inline constexpr std::size_t kDeviceLogStepMaxBytes = std::size_t{1} << 20;
 inline constexpr int kForward = 0;   // to the next rank, from the previous one
 inline constexpr int kBackward = 1;  // to the previous rank, from the next one
 
@@ -279,6 +282,21 @@ struct Op {
   // The links never touch this operation's memory: every send is packed into a landing slot
   // by the executor first, and every receive lands in one and is then reduced or copied out.
   bool bounced = false;
+  // A device operation on a log-step schedule (and, with a bouncing test executor, a host one)
+  // works in host memory: its input is copied there by `shadow.exec` before it starts, its
+  // steps run on host memory with the host executor, and its result is copied back before it
+  // completes (docs/architecture.md, "Executors and landing slots"). `in` and `out` then point
+  // into the host copy; the caller's pointers are kept here.
+  struct Shadow {
+    Executor* exec = nullptr;  // makes the two copies; null: no shadow
+    const char* user_in = nullptr;
+    char* user_out = nullptr;
+    std::size_t in_bytes = 0;   // copied in, from user_in
+    std::size_t out_bytes = 0;  // copied back, to user_out
+    int buffer = -1;            // the engine's pooled host memory it uses
+    bool in_done = false;       // the copy in has completed
+    bool out_issued = false;    // the copy back is issued
+  } shadow;
 
   // Filled in by plan().
   std::uint64_t seq = 0;

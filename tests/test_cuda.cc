@@ -544,6 +544,9 @@ TEST_F(Gpu, ResidentEveryCollectiveTypeAndOp) {
       const RankFence fence(sync);
       OpOptions o;
       o.slice_bytes = 1024;
+      // The ring's slices (small operations on log-step schedules: the next test).
+      OpOptions ring = o;
+      ring.algorithm = Algorithm::kRing;
       for (const DataType t : kTypes) {
         const std::size_t el = dtype_size(t);
         for (const ReduceOp op : kOps) {
@@ -553,7 +556,7 @@ TEST_F(Gpu, ResidentEveryCollectiveTypeAndOp) {
             // all_reduce of kCount * n elements.
             fill_device(big.get(), kCount * nn, comm.rank(), t, op, 5);
             std::byte* ar_out = in_place ? big.get() : big_out.get();
-            comm.all_reduce(big.get(), ar_out, kCount * nn, t, op, o).wait();
+            comm.all_reduce(big.get(), ar_out, kCount * nn, t, op, ring).wait();
             auto got = to_host(ar_out, kCount * nn * el);
             for (std::size_t i = 0; i < kCount * nn; ++i) {
               const double want = expected_reduce(i, n, t, op, 5);
@@ -564,7 +567,7 @@ TEST_F(Gpu, ResidentEveryCollectiveTypeAndOp) {
             // reduce_scatter.
             fill_device(big.get(), kCount * nn, comm.rank(), t, op, 6);
             std::byte* rs_out = in_place ? big.get() + r * kCount * el : small.get();
-            comm.reduce_scatter(big.get(), rs_out, kCount, t, op, o).wait();
+            comm.reduce_scatter(big.get(), rs_out, kCount, t, op, ring).wait();
             got = to_host(rs_out, kCount * el);
             for (std::size_t i = 0; i < kCount; ++i) {
               const double want = expected_reduce(r * kCount + i, n, t, op, 6);
@@ -578,7 +581,7 @@ TEST_F(Gpu, ResidentEveryCollectiveTypeAndOp) {
           // all_gather: rank q's block is input_value(q, i).
           std::byte* ag_in = in_place ? big.get() + r * kCount * el : small.get();
           fill_device(ag_in, kCount, comm.rank(), t, ReduceOp::kSum, 7);
-          comm.all_gather(ag_in, big.get(), kCount, t, o).wait();
+          comm.all_gather(ag_in, big.get(), kCount, t, ring).wait();
           auto got = to_host(big.get(), kCount * nn * el);
           for (int q = 0; q < n; ++q) {
             for (std::size_t i = 0; i < kCount; ++i) {
@@ -601,6 +604,128 @@ TEST_F(Gpu, ResidentEveryCollectiveTypeAndOp) {
             }
           }
         }
+      }
+    });
+  }
+}
+
+// Small device operations on the log-step schedules (recursive doubling, halving-doubling, the
+// binomial tree, and the gather's direct round): their steps run in host memory, the device
+// executor copying the input in and the result back (Op::shadow). In place and out of place,
+// rooted ones to every root, and many in flight at once (they may run ahead of their
+// receivers, as host ones do).
+TEST_F(Gpu, ResidentSmallOperationsOnLogStepSchedules) {
+  for (const int n : {2, 3, 4}) {
+    std::barrier<> sync(n);
+    dear::testing::run_ranks(n, [&](Communicator& comm) {
+      ck(cudaSetDevice(0), "cudaSetDevice");
+      const auto nn = static_cast<std::size_t>(n);
+      const auto r = static_cast<std::size_t>(comm.rank());
+      constexpr std::size_t kCount = 1031;
+      DeviceBuffer big(kCount * nn * 8), big_out(kCount * nn * 8), small(kCount * 8);
+      constexpr int kBatch = 16;
+      DeviceBuffer batch(kBatch * kCount * 4);
+      const RankFence fence(sync);
+      auto check_reduced = [&](const std::byte* dev, std::size_t count, std::size_t first,
+                               DataType t, ReduceOp op, int seed, const std::string& what) {
+        const auto got = to_host(dev, count * dtype_size(t));
+        for (std::size_t i = 0; i < count; ++i) {
+          const double want = expected_reduce(first + i, n, t, op, seed);
+          ASSERT_TRUE(dear::testing::close_enough(dear::testing::load(got.data(), i, t), want, t))
+              << what << " element " << i;
+        }
+      };
+      auto check_gathered = [&](const std::byte* dev, DataType t, int seed,
+                                const std::string& what) {
+        const auto got = to_host(dev, kCount * nn * dtype_size(t));
+        for (int q = 0; q < n; ++q) {
+          for (std::size_t i = 0; i < kCount; ++i) {
+            ASSERT_EQ(dear::testing::load(got.data(), static_cast<std::size_t>(q) * kCount + i, t),
+                      input_value(q, i, t, ReduceOp::kSum, seed))
+                << what << " block " << q << " element " << i;
+          }
+        }
+      };
+      for (const DataType t : {DataType::kFloat16, DataType::kInt32, DataType::kFloat64}) {
+        const std::size_t el = dtype_size(t);
+        for (const ReduceOp op : kOps) {
+          for (const bool in_place : {false, true}) {
+            const std::string how = std::string(to_string(t)) + " " + std::string(to_string(op)) +
+                                    (in_place ? " in place" : " out of place");
+            for (const Algorithm a :
+                 {Algorithm::kRecursiveDoubling, Algorithm::kHalvingDoubling, Algorithm::kTree}) {
+              OpOptions o;
+              o.algorithm = a;
+              const std::string what = "all_reduce " + how + " " + to_string(a);
+              fill_device(big.get(), kCount, comm.rank(), t, op, 21);
+              std::byte* out = in_place ? big.get() : big_out.get();
+              comm.all_reduce(big.get(), out, kCount, t, op, o).wait();
+              check_reduced(out, kCount, 0, t, op, 21, what);
+            }
+            OpOptions hd;
+            hd.algorithm = Algorithm::kHalvingDoubling;
+            fill_device(big.get(), kCount * nn, comm.rank(), t, op, 22);
+            std::byte* rs_out = in_place ? big.get() + r * kCount * el : small.get();
+            comm.reduce_scatter(big.get(), rs_out, kCount, t, op, hd).wait();
+            check_reduced(rs_out, kCount, r * kCount, t, op, 22, "reduce_scatter " + how);
+            OpOptions tree;
+            tree.algorithm = Algorithm::kTree;
+            for (int root = 0; root < n; ++root) {
+              fill_device(big.get(), kCount, comm.rank(), t, op, 23);
+              std::byte* out = in_place ? big.get() : big_out.get();
+              comm.reduce(big.get(), out, kCount, t, op, root, tree).wait();
+              if (comm.rank() == root) {
+                check_reduced(out, kCount, 0, t, op, 23,
+                              "reduce " + how + " to root " + std::to_string(root));
+              }
+            }
+          }
+        }
+        for (const bool in_place : {false, true}) {
+          for (const Algorithm a : {Algorithm::kRecursiveDoubling, Algorithm::kHalvingDoubling}) {
+            OpOptions o;
+            o.algorithm = a;
+            std::byte* in = in_place ? big.get() + r * kCount * el : small.get();
+            fill_device(in, kCount, comm.rank(), t, ReduceOp::kSum, 24);
+            comm.all_gather(in, big.get(), kCount, t, o).wait();
+            check_gathered(big.get(), t, 24,
+                           std::string("all_gather ") + std::string(to_string(t)) + " " +
+                               to_string(a) + (in_place ? " in place" : ""));
+          }
+          for (const Algorithm a : {Algorithm::kTree, Algorithm::kScattered}) {
+            OpOptions o;
+            o.algorithm = a;
+            for (int root = 0; root < n; ++root) {
+              const bool own = in_place && comm.rank() == root;
+              std::byte* in = own ? big.get() + r * kCount * el : small.get();
+              fill_device(in, kCount, comm.rank(), t, ReduceOp::kSum, 25);
+              comm.gather(in, big.get(), kCount, t, root, o).wait();
+              if (comm.rank() == root) {
+                check_gathered(big.get(), t, 25,
+                               std::string("gather ") + std::string(to_string(t)) + " " +
+                                   to_string(a) + " to root " + std::to_string(root));
+              }
+            }
+          }
+        }
+      }
+      // Many small all_reduces in flight, waited for at the end.
+      const DataType t = DataType::kFloat32;
+      for (int k = 0; k < kBatch; ++k) {
+        fill_device(batch.get() + static_cast<std::size_t>(k) * kCount * 4, kCount, comm.rank(), t,
+                    ReduceOp::kSum, 30 + k);
+      }
+      OpOptions rd;
+      rd.algorithm = Algorithm::kRecursiveDoubling;
+      std::vector<Work> works;
+      for (int k = 0; k < kBatch; ++k) {
+        std::byte* p = batch.get() + static_cast<std::size_t>(k) * kCount * 4;
+        works.push_back(comm.all_reduce(p, p, kCount, t, ReduceOp::kSum, rd));
+      }
+      for (const Work& w : works) w.wait();
+      for (int k = 0; k < kBatch; ++k) {
+        check_reduced(batch.get() + static_cast<std::size_t>(k) * kCount * 4, kCount, 0, t,
+                      ReduceOp::kSum, 30 + k, "all_reduce " + std::to_string(k) + " of a batch");
       }
     });
   }
