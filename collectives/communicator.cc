@@ -195,6 +195,17 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
                       dtype, opts);
   }
 
+  Work exchange_on_device(const char* called, int root, const void* in,
+                          std::span<const std::size_t> send_counts,
+                          std::span<const std::size_t> send_displs, void* out,
+                          std::span<const std::size_t> recv_counts,
+                          std::span<const std::size_t> recv_displs, DataType dtype,
+                          const OpOptions& opts,
+                          std::unique_ptr<collectives::OpFence> fence) override {
+    return exchange_v(called, root, in, send_counts, send_displs, out, recv_counts, recv_displs,
+                      dtype, opts, std::move(fence));
+  }
+
   // all_gather_v and gather_v, their arguments checked (Communicator): all_to_all_v's messages
   // under their own names in errors; a gather_v's only to the root, N-1 instead of N(N-1).
   Work gather_as_all_to_all_v(int root, const void* in, std::span<const std::size_t> send_counts,
@@ -207,13 +218,15 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
   }
 
   // all_to_all_v's operation: `called` names the public call where it is not all_to_all_v or
-  // (`root` >= 0, only the messages to the root) gather_v.
+  // (`root` >= 0, only the messages to the root) gather_v. `fence`: on device memory.
   Work exchange_v(const char* called, int root, const void* in,
                   std::span<const std::size_t> send_counts,
                   std::span<const std::size_t> send_displs, void* out,
                   std::span<const std::size_t> recv_counts,
-                  std::span<const std::size_t> recv_displs, DataType dtype, const OpOptions& opts) {
-    auto o = make(OpKind::kAllToAllV, in, out, 0, dtype, ReduceOp::kSum, root, opts, false, called);
+                  std::span<const std::size_t> recv_displs, DataType dtype, const OpOptions& opts,
+                  std::unique_ptr<collectives::OpFence> fence = nullptr) {
+    auto o = make(OpKind::kAllToAllV, in, out, 0, dtype, ReduceOp::kSum, root, opts,
+                  fence != nullptr, called);
     const char* name = o->name();
     const std::size_t el = dtype_size(dtype);
     auto layout = std::make_shared<collectives::AllToAllLayout>();
@@ -248,6 +261,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
       o->schedule = all_to_all_schedule(a, largest);
     }
     o->layout = std::move(layout);
+    o->fence = std::move(fence);
     return launch(std::move(o), opts);
   }
 
@@ -263,7 +277,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
 
   Work issue_on_device(const collectives::CollectiveCall& call, const OpOptions& opts,
                        std::unique_ptr<collectives::OpFence> fence) override {
-    if (!collectives::runs_resident(call)) {
+    if (!collectives::runs_resident(call, size_)) {
       // Its exchanges keep their work in host memory; device buffers come staged.
       throw Error(ErrorCode::kInternal,
                   std::string("a ") + collectives::call_name(call.kind, call.root) +
@@ -985,37 +999,25 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
 }  // namespace
 
 // all_gather_v and gather_v are all_to_all_v's with every send reading the one input block
-// (gather_as_all_to_all_v), and the size checks their own.
+// (gather_as_all_to_all_v), and the size checks their own (gather_as_all_to_all_v_lists).
 Work Communicator::all_gather_v(const void* in, std::size_t send_count, void* out,
                                 std::span<const std::size_t> recv_counts,
                                 std::span<const std::size_t> recv_displs, DataType dtype,
                                 const OpOptions& opts) {
-  check_per_rank(recv_counts, "recv_counts", size(), rank(), "all_gather_v");
-  check_per_rank(recv_displs, "recv_displs", size(), rank(), "all_gather_v");
-  check_own_count(recv_counts, send_count, rank(), "all_gather_v");
-  const auto n = static_cast<std::size_t>(size());
-  const std::vector<std::size_t> counts(n, send_count), displs(n, 0);
-  return gather_as_all_to_all_v(-1, in, counts, displs, out, recv_counts, recv_displs, dtype, opts);
+  const AllToAllLists l =
+      gather_as_all_to_all_v_lists(-1, send_count, recv_counts, recv_displs, size(), rank());
+  return gather_as_all_to_all_v(-1, in, l.send_counts, l.send_displs, out, l.recv_counts,
+                                l.recv_displs, dtype, opts);
 }
 
 Work Communicator::gather_v(const void* in, std::size_t send_count, void* out,
                             std::span<const std::size_t> recv_counts,
                             std::span<const std::size_t> recv_displs, DataType dtype, int root,
                             const OpOptions& opts) {
-  check_root(root, size(), rank(), "gather_v");
-  const auto n = static_cast<std::size_t>(size());
-  const auto r = static_cast<std::size_t>(root);
-  std::vector<std::size_t> counts(n, 0), displs(n, 0);
-  counts[r] = send_count;
-  if (rank() == root) {
-    check_per_rank(recv_counts, "recv_counts", size(), rank(), "gather_v");
-    check_per_rank(recv_displs, "recv_displs", size(), rank(), "gather_v");
-    check_own_count(recv_counts, send_count, rank(), "gather_v");
-    return gather_as_all_to_all_v(root, in, counts, displs, out, recv_counts, recv_displs, dtype,
-                                  opts);
-  }
-  const std::vector<std::size_t> none(n, 0);  // nothing arrives here
-  return gather_as_all_to_all_v(root, in, counts, displs, out, none, none, dtype, opts);
+  const AllToAllLists l =
+      gather_as_all_to_all_v_lists(root, send_count, recv_counts, recv_displs, size(), rank());
+  return gather_as_all_to_all_v(root, in, l.send_counts, l.send_displs, out, l.recv_counts,
+                                l.recv_displs, dtype, opts);
 }
 
 std::unique_ptr<Communicator> Communicator::split(int color, int key) {

@@ -279,13 +279,15 @@ class DeviceCommunicator final : public Communicator {
     // checks the layouts (a bad one fails when the staging thread issues it).
     const std::size_t el = dtype_size(dtype);
     const AllToAllLists l(send_counts, send_displs, recv_counts, recv_displs);
-    return route({OpKind::kAllToAllV, in, out, 0, dtype, ReduceOp::kSum, -1}, "all_to_all_v",
-                 StagedKind::kOther, 0, in, layout_extent(send_counts, send_displs, el), out,
-                 layout_extent(recv_counts, recv_displs, el), dtype, opts,
-                 [=](Communicator& c, const void* i, void* o, std::size_t, const OpOptions& x) {
-                   return c.all_to_all_v(i, l.send_counts, l.send_displs, o, l.recv_counts,
-                                         l.recv_displs, dtype, x);
-                 });
+    return route(
+        {OpKind::kAllToAllV, in, out, 0, dtype, ReduceOp::kSum, -1}, "all_to_all_v",
+        StagedKind::kOther, 0, in, layout_extent(send_counts, send_displs, el), out,
+        layout_extent(recv_counts, recv_displs, el), dtype, opts,
+        [=](Communicator& c, const void* i, void* o, std::size_t, const OpOptions& x) {
+          return c.all_to_all_v(i, l.send_counts, l.send_displs, o, l.recv_counts, l.recv_displs,
+                                dtype, x);
+        },
+        exchange(nullptr, -1, in, out, l, dtype));
   }
 
   // Staged whole as all_to_all_v is, and issued as the inner communicator's own all_gather_v
@@ -368,17 +370,44 @@ class DeviceCommunicator final : public Communicator {
     const std::vector<std::size_t> counts(recv_counts.begin(), recv_counts.end());
     const std::vector<std::size_t> displs(recv_displs.begin(), recv_displs.end());
     const std::size_t out_bytes = receives ? layout_extent(counts, displs, el) : 0;
-    return route({OpKind::kAllToAllV, in, out, 0, dtype, ReduceOp::kSum, root}, name,
-                 StagedKind::kOther, 0, in, send_count * el, out, out_bytes, dtype, opts,
-                 [=](Communicator& c, const void* i, void* o, std::size_t, const OpOptions& x) {
-                   return root < 0 ? c.all_gather_v(i, send_count, o, counts, displs, dtype, x)
-                                   : c.gather_v(i, send_count, o, counts, displs, dtype, root, x);
-                 });
+    // On device memory in the engine, as all_to_all_v lists (checked as the calls check them).
+    Resident resident;
+    if (resident_ != nullptr) {
+      resident = exchange(
+          root < 0 ? name : nullptr, root, in, out,
+          gather_as_all_to_all_v_lists(root, send_count, recv_counts, recv_displs, size(), rank()),
+          dtype);
+    }
+    return route(
+        {OpKind::kAllToAllV, in, out, 0, dtype, ReduceOp::kSum, root}, name, StagedKind::kOther, 0,
+        in, send_count * el, out, out_bytes, dtype, opts,
+        [=](Communicator& c, const void* i, void* o, std::size_t, const OpOptions& x) {
+          return root < 0 ? c.all_gather_v(i, send_count, o, counts, displs, dtype, x)
+                          : c.gather_v(i, send_count, o, counts, displs, dtype, root, x);
+        },
+        std::move(resident));
   }
 
+  // Issues an operation on device memory in the engine, with its fence.
+  using Resident = std::function<Work(const OpOptions&, std::unique_ptr<OpFence>)>;
+
+  // all_to_all_v's operation on device memory (ResidentCommunicator::exchange_on_device).
+  Resident exchange(const char* called, int root, const void* in, void* out, AllToAllLists l,
+                    DataType dtype) {
+    if (resident_ == nullptr) return {};
+    return [this, called, root, in, out, l = std::move(l), dtype](const OpOptions& x,
+                                                                  std::unique_ptr<OpFence> fence) {
+      return resident_->exchange_on_device(called, root, in, l.send_counts, l.send_displs, out,
+                                           l.recv_counts, l.recv_displs, dtype, x,
+                                           std::move(fence));
+    };
+  }
+
+  // `resident`: how the operation runs on device memory in the engine, where it is not the
+  // collective `cc` (ResidentCommunicator::issue_on_device, where runs_resident says so).
   Work route(const CollectiveCall& cc, const char* name, StagedKind kind, std::size_t count,
              const void* in, std::size_t in_bytes, void* out, std::size_t out_bytes, DataType dtype,
-             const OpOptions& opts, const Call& call) {
+             const OpOptions& opts, const Call& call, Resident resident = {}) {
     OpOptions inner_opts = opts;
     inner_opts.cuda_stream = nullptr;
     const auto stream = static_cast<cudaStream_t>(opts.cuda_stream);
@@ -429,19 +458,23 @@ class DeviceCommunicator final : public Communicator {
     // rank, and staging not asked for. The engine runs it slice by slice, its steps on the
     // device (resident.h); it keeps its place in the order behind staged operations.
     const bool all_dev = (in_bytes == 0 || in_dev) && (out_bytes == 0 || out_dev);
-    if (resident_ != nullptr && runs_resident(cc) && (in_dev || out_dev) && all_dev && size() > 1 &&
-        !options().cuda_staging) {
+    if (!resident && resident_ != nullptr && runs_resident(cc, size())) {
+      resident = [this, cc](const OpOptions& x, std::unique_ptr<OpFence> fence) {
+        return resident_->issue_on_device(cc, x, std::move(fence));
+      };
+    }
+    if (resident && (in_dev || out_dev) && all_dev && size() > 1 && !options().cuda_staging) {
       const int device = in_dev ? in_loc.device : out_loc.device;
       const CurrentDevice current(device, rank());
       use_device(device, name);
       auto fence = std::make_shared<std::unique_ptr<OpFence>>(
           make_device_fence(tickets_, opts.cuda_stream, device, rank()));
       std::lock_guard<std::mutex> lock(mu_);
-      if (queued_ == 0) return resident_->issue_on_device(cc, inner_opts, std::move(*fence));
+      if (queued_ == 0) return resident(inner_opts, std::move(*fence));
       check_not_aborted(name);
       Job job = make_job();
-      job.issue = [this, cc, inner_opts, fence](Communicator&, const void*, void*, std::size_t) {
-        return resident_->issue_on_device(cc, inner_opts, std::move(*fence));
+      job.issue = [resident, inner_opts, fence](Communicator&, const void*, void*, std::size_t) {
+        return resident(inner_opts, std::move(*fence));
       };
       Work work(job.state);
       push(std::move(job));

@@ -172,10 +172,7 @@ void Engine::start(std::unique_ptr<Op> op) {
         scratch_.acquire(work + op->log_step.plan.stage_bytes, &op->scratch_capacity);
     op->scratch = op->scratch_owner.get();
     if (op->log_step.plan.work_is_scratch) op->work = op->scratch;
-    if (copy_in && work > 0) {
-      std::memcpy(op->scratch, op->in, work);
-      op->log_step.send_base = op->scratch;
-    }
+    if (copy_in && work > 0) op->log_step.send_base = op->scratch;  // filled by start_local
     op->log_step.stage = op->scratch + work;
   } else if (needs_scratch) {
     const std::size_t bytes = op->ring.total * op->el;

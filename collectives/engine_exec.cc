@@ -86,11 +86,7 @@ void Engine::prepare_op(Op& op) {
   }
   op.exec = host_exec_.executor.get();
   if (host_exec_.bounce && is_log_step(op.schedule)) {
-    // As a device operation would (all_to_all and scatter have no device form in the engine).
-    if (op.kind != OpKind::kAllToAll && op.kind != OpKind::kAllToAllV &&
-        !is_scatter(op.kind, op.root)) {
-      shadow_op(op, *op.exec);
-    }
+    shadow_op(op, *op.exec);  // as a device operation would
     return;
   }
   op.bounced = host_exec_.bounce;
@@ -107,27 +103,38 @@ void Engine::shadow_op(Op& op, Executor& copier) {
       in_bytes = block;
       out_bytes = has_out ? block : 0;
       break;
-    case OpKind::kReduceScatter:
-      in_bytes = block * n;
+    case OpKind::kReduceScatter:  // with a root, a scatter: the root's input only
+      in_bytes = op.root < 0 || op.rank == op.root ? block * n : 0;
       out_bytes = block;
       break;
     case OpKind::kAllGather:
       in_bytes = block;
       out_bytes = has_out ? block * n : 0;
       break;
-    default:
+    case OpKind::kAllToAll: in_bytes = out_bytes = block * n; break;
+    case OpKind::kAllToAllV:
+      for (std::size_t q = 0; q < n; ++q) {
+        in_bytes = std::max(in_bytes, op.layout->send_offset[q] + op.layout->send_bytes[q]);
+        out_bytes = std::max(out_bytes, op.layout->recv_offset[q] + op.layout->recv_bytes[q]);
+      }
+      break;
+    case OpKind::kBroadcast:
+    case OpKind::kBarrier:
       throw Error(
           ErrorCode::kInternal,
           std::string("a ") + op.name() + " on a log-step schedule cannot work in host memory",
           cfg_.rank, Error::kNone, op.name(), static_cast<std::int64_t>(op.seq));
   }
   if (in_bytes == 0 && out_bytes == 0) return;  // nothing to touch
-  // The host input lies inside the host output where the caller's does (in place), and takes
-  // the output's place for an all_reduce, whose steps then work in place: one copy in, and the
-  // output holds the input's value until a step writes it.
+  // The host input lies inside the host output where an in-place all_gather's does (its own
+  // block, which no message lands in), and takes the output's place for an all_reduce, whose
+  // steps then work in place (its messages wait in the staging area): one copy in, and the
+  // output holds the input's value until a step writes it. Every other operation gets regions
+  // of its own: messages may land in its output while the copy in is still being made.
   const auto in_at = reinterpret_cast<std::uintptr_t>(op.in);
   const auto out_at = reinterpret_cast<std::uintptr_t>(op.out);
-  const bool inside = out_bytes > 0 && in_at >= out_at && in_at + in_bytes <= out_at + out_bytes;
+  const bool inside = op.kind == OpKind::kAllGather && out_bytes > 0 && in_bytes > 0 &&
+                      in_at >= out_at && in_at + in_bytes <= out_at + out_bytes;
   const bool onto = op.kind == OpKind::kAllReduce && out_bytes > 0;
   const std::size_t bytes = out_bytes + (inside || onto ? 0 : in_bytes);
 
@@ -161,12 +168,39 @@ void Engine::shadow_op(Op& op, Executor& copier) {
   char* host_in = inside ? b.data + (in_at - out_at) : onto ? b.data : b.data + out_bytes;
   // plan() pointed the schedule at the caller's memory; a rank without an output keeps its
   // `out`, which take_sink() replaces.
-  if (out_bytes > 0) {
-    if (op.work == op.out) op.work = host_out;
-    op.out = host_out;
+  if (is_scatter(op.kind, op.root) && op.rank == op.root) {
+    op.work = host_in;  // a scatter's root works in its input (its output may be inside it)
+  } else if (out_bytes > 0 && op.work == op.out) {
+    op.work = host_out;
   }
-  if (op.log_step.send_base == op.in) op.log_step.send_base = host_in;
-  op.in = host_in;
+  if (out_bytes > 0) op.out = host_out;
+  if (in_bytes > 0) {
+    if (op.log_step.send_base == op.in) op.log_step.send_base = host_in;
+    op.in = host_in;
+  }
+  // What is copied back: the whole output, or only the parts an all_to_all_v receives (the
+  // caller's bytes between them stay as they were).
+  sh.out_ranges.clear();
+  if (op.kind == OpKind::kAllToAllV) {
+    for (std::size_t q = 0; q < n; ++q) {
+      if (op.layout->recv_bytes[q] > 0) {
+        sh.out_ranges.emplace_back(op.layout->recv_offset[q], op.layout->recv_bytes[q]);
+      }
+    }
+    std::sort(sh.out_ranges.begin(), sh.out_ranges.end());
+    std::size_t kept = 0;  // touching parts merged into one copy
+    for (const auto& r : sh.out_ranges) {
+      auto& last = sh.out_ranges[kept - (kept > 0 ? 1 : 0)];
+      if (kept > 0 && r.first <= last.first + last.second) {
+        last.second = std::max(last.second, r.first + r.second - last.first);
+      } else {
+        sh.out_ranges[kept++] = r;
+      }
+    }
+    sh.out_ranges.resize(kept);
+  } else if (out_bytes > 0) {
+    sh.out_ranges.emplace_back(0, out_bytes);
+  }
 }
 
 void Engine::release_shadow(Op& op) noexcept {
@@ -460,12 +494,14 @@ bool Engine::advance_finish(Op& op) {
     }
   }
   finish_local(op, op.exec->immediate());
-  if (op.shadow.exec != nullptr && op.shadow.out_bytes > 0) {
+  if (op.shadow.exec != nullptr && !op.shadow.out_ranges.empty()) {
     // The result back to the caller's memory; the operation completes once it is there.
     op.shadow.out_issued = true;
-    ++op.local_pending;
-    issue_step(*op.shadow.exec, copy_step(op.shadow.user_out, op.out, op.shadow.out_bytes),
-               token(kTokLocal, op.seq));
+    op.local_pending += static_cast<int>(op.shadow.out_ranges.size());
+    for (const auto& [at, bytes] : op.shadow.out_ranges) {
+      issue_step(*op.shadow.exec, copy_step(op.shadow.user_out + at, op.out + at, bytes),
+                 token(kTokLocal, op.seq));
+    }
     return op.local_pending == 0;
   }
   return true;

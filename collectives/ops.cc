@@ -156,8 +156,12 @@ std::uint8_t kind_byte(const Op& op) {
   const unsigned wire = is_all_to_all(op.kind) || op.schedule == Schedule::kScattered
                             ? 0U
                             : static_cast<unsigned>(op.schedule);
+  // all_to_all_v's messages are the same from host and device memory, and whether a rank
+  // passes device memory depends on its own sizes (one with nothing to exchange passes none):
+  // its ranks need not agree on it either.
+  const bool device = op.device && op.kind != OpKind::kAllToAllV;
   return static_cast<std::uint8_t>(static_cast<unsigned>(op.kind) | ((wire & 0x07U) << 4) |
-                                   (op.device ? 0x80U : 0U));
+                                   (device ? 0x80U : 0U));
 }
 
 Schedule schedule_of_wire(std::uint8_t kind) noexcept {
@@ -447,6 +451,11 @@ void start_local(Op& op) {
     if (op.log_step.plan.work_is_scratch && op.log_step.plan.work_bytes > 0 &&
         !is_scatter(op.kind, op.root)) {
       std::memcpy(op.work, op.in, op.log_step.plan.work_bytes);
+    }
+    // An in-place all_to_all sends from the engine's copy of its input (its receives overwrite
+    // blocks it has still to send).
+    if (op.log_step.send_base != op.in && op.log_step.plan.work_bytes > 0) {
+      std::memcpy(const_cast<char*>(op.log_step.send_base), op.in, op.log_step.plan.work_bytes);
     }
   }
   switch (op.kind) {

@@ -291,11 +291,12 @@ struct Op {
     Executor* exec = nullptr;  // makes the two copies; null: no shadow
     const char* user_in = nullptr;
     char* user_out = nullptr;
-    std::size_t in_bytes = 0;   // copied in, from user_in
-    std::size_t out_bytes = 0;  // copied back, to user_out
-    int buffer = -1;            // the engine's pooled host memory it uses
-    bool in_done = false;       // the copy in has completed
-    bool out_issued = false;    // the copy back is issued
+    std::size_t in_bytes = 0;                                     // copied in, from user_in
+    std::size_t out_bytes = 0;                                    // its extent at user_out
+    std::vector<std::pair<std::size_t, std::size_t>> out_ranges;  // copied back: offset, bytes
+    int buffer = -1;          // the engine's pooled host memory it uses
+    bool in_done = false;     // the copy in has completed
+    bool out_issued = false;  // the copy back is issued
   } shadow;
 
   // Filled in by plan().

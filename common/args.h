@@ -80,6 +80,34 @@ struct AllToAllLists {
         send_displs(sd.begin(), sd.end()),
         recv_counts(rc.begin(), rc.end()),
         recv_displs(rd.begin(), rd.end()) {}
+  AllToAllLists() = default;
 };
+
+// all_gather_v (`root` -1) and gather_v as all_to_all_v lists (Communicator::
+// gather_as_all_to_all_v), after the checks those calls make: this rank's one block to every
+// rank (to the root only for gather_v), and what it receives (nothing off a gather_v's root).
+inline AllToAllLists gather_as_all_to_all_v_lists(int root, std::size_t send_count,
+                                                  std::span<const std::size_t> recv_counts,
+                                                  std::span<const std::size_t> recv_displs,
+                                                  int size, int rank) {
+  const char* op = root < 0 ? "all_gather_v" : "gather_v";
+  if (root >= 0) check_root(root, size, rank, op);
+  const auto n = static_cast<std::size_t>(size);
+  AllToAllLists l;
+  l.send_counts.assign(n, root < 0 ? send_count : 0);
+  l.send_displs.assign(n, 0);
+  if (root >= 0) l.send_counts[static_cast<std::size_t>(root)] = send_count;
+  if (root < 0 || root == rank) {
+    check_per_rank(recv_counts, "recv_counts", size, rank, op);
+    check_per_rank(recv_displs, "recv_displs", size, rank, op);
+    check_own_count(recv_counts, send_count, rank, op);
+    l.recv_counts.assign(recv_counts.begin(), recv_counts.end());
+    l.recv_displs.assign(recv_displs.begin(), recv_displs.end());
+  } else {
+    l.recv_counts.assign(n, 0);
+    l.recv_displs.assign(n, 0);
+  }
+  return l;
+}
 
 }  // namespace dear

@@ -610,10 +610,10 @@ TEST_F(Gpu, ResidentEveryCollectiveTypeAndOp) {
 }
 
 // Small device operations on the log-step schedules (recursive doubling, halving-doubling, the
-// binomial tree, and the gather's direct round): their steps run in host memory, the device
-// executor copying the input in and the result back (Op::shadow). In place and out of place,
-// rooted ones to every root, and many in flight at once (they may run ahead of their
-// receivers, as host ones do).
+// binomial tree, the gather's direct round, the all-to-alls): their steps run in host memory,
+// the device executor copying the input in and the result back (Op::shadow). In place and out
+// of place, rooted ones to every root, all_to_all_v and the _v gathers with uneven parts, and
+// many in flight at once (they may run ahead of their receivers, as host ones do).
 TEST_F(Gpu, ResidentSmallOperationsOnLogStepSchedules) {
   for (const int n : {2, 3, 4}) {
     std::barrier<> sync(n);
@@ -705,6 +705,96 @@ TEST_F(Gpu, ResidentSmallOperationsOnLogStepSchedules) {
                                std::string("gather ") + std::string(to_string(t)) + " " +
                                    to_string(a) + " to root " + std::to_string(root));
               }
+            }
+          }
+        }
+      }
+      // The all-to-alls and scatter (log-step schedules only), and the _v forms, which run in
+      // host memory whole; parts of uneven sizes with gaps between them, which stay untouched.
+      {
+        const DataType t = DataType::kFloat32;
+        std::vector<Work> no;
+        fill_device(big.get(), kCount * nn, comm.rank(), t, ReduceOp::kSum, 26);
+        for (const bool in_place : {false, true}) {
+          if (in_place) fill_device(big_out.get(), kCount * nn, comm.rank(), t, ReduceOp::kSum, 26);
+          std::byte* out = big_out.get();
+          comm.all_to_all(in_place ? out : big.get(), out, kCount, t).wait();
+          const auto got = to_host(out, kCount * nn * 4);
+          for (int q = 0; q < n; ++q) {
+            for (std::size_t i = 0; i < kCount; ++i) {
+              ASSERT_EQ(
+                  dear::testing::load(got.data(), static_cast<std::size_t>(q) * kCount + i, t),
+                  input_value(q, r * kCount + i, t, ReduceOp::kSum, 26))
+                  << "all_to_all" << (in_place ? " in place" : "") << " block " << q << " element "
+                  << i;
+            }
+          }
+        }
+        for (int root = 0; root < n; ++root) {
+          fill_device(big.get(), kCount * nn, comm.rank(), t, ReduceOp::kSum, 27);
+          std::byte* out = comm.rank() == root ? big.get() + r * kCount * 4 : small.get();
+          comm.scatter(big.get(), out, kCount, t, root).wait();
+          const auto got = to_host(out, kCount * 4);
+          for (std::size_t i = 0; i < kCount; ++i) {
+            ASSERT_EQ(dear::testing::load(got.data(), i, t),
+                      input_value(root, r * kCount + i, t, ReduceOp::kSum, 27))
+                << "scatter from root " << root << " element " << i;
+          }
+        }
+        // all_to_all_v: rank q sends part(q, p) = 1 + (q + 2p) % 7 elements to rank p.
+        const auto part = [](int q, int p) { return std::size_t{1} + (q + 2 * p) % 7; };
+        std::vector<std::size_t> sc(nn), sd(nn), rc(nn), rd(nn);
+        std::size_t at_s = 0;
+        std::size_t at_r = 0;
+        for (int p = 0; p < n; ++p) {
+          const auto pi = static_cast<std::size_t>(p);
+          sc[pi] = part(comm.rank(), p);
+          sd[pi] = at_s;
+          at_s += sc[pi];
+          rc[pi] = part(p, comm.rank());
+          rd[pi] = at_r + 1;  // a gap of one element before each part
+          at_r = rd[pi] + rc[pi];
+        }
+        fill_device(big.get(), at_s, comm.rank(), t, ReduceOp::kSum, 28);
+        ck(cudaMemset(big_out.get(), 0x5a, (at_r + 1) * 4), "cudaMemset");
+        comm.all_to_all_v(big.get(), sc, sd, big_out.get(), rc, rd, t).wait();
+        auto got = to_host(big_out.get(), (at_r + 1) * 4);
+        for (int q = 0; q < n; ++q) {
+          const auto qi = static_cast<std::size_t>(q);
+          std::size_t from = 0;  // where rank q's part for this rank starts in its input
+          for (int p = 0; p < comm.rank(); ++p) from += part(q, p);
+          for (std::size_t i = 0; i < rc[qi]; ++i) {
+            ASSERT_EQ(dear::testing::load(got.data(), rd[qi] + i, t),
+                      input_value(q, from + i, t, ReduceOp::kSum, 28))
+                << "all_to_all_v part from rank " << q << " element " << i;
+          }
+          ASSERT_EQ(std::to_integer<int>(got[(rd[qi] - 1) * 4]), 0x5a)
+              << "all_to_all_v wrote the gap before rank " << q << "'s part";
+        }
+        // all_gather_v and gather_v: rank q gives 1 + 3q elements.
+        std::vector<std::size_t> gc(nn), gd(nn);
+        std::size_t total = 0;
+        for (std::size_t q = 0; q < nn; ++q) {
+          gc[q] = 1 + 3 * q;
+          gd[q] = total;
+          total += gc[q];
+        }
+        fill_device(small.get(), gc[r], comm.rank(), t, ReduceOp::kSum, 29);
+        for (int root = -1; root < n; ++root) {
+          ck(cudaMemset(big_out.get(), 0, total * 4), "cudaMemset");
+          if (root < 0) {
+            comm.all_gather_v(small.get(), gc[r], big_out.get(), gc, gd, t).wait();
+          } else {
+            comm.gather_v(small.get(), gc[r], big_out.get(), gc, gd, t, root).wait();
+          }
+          if (root >= 0 && comm.rank() != root) continue;
+          got = to_host(big_out.get(), total * 4);
+          for (std::size_t q = 0; q < nn; ++q) {
+            for (std::size_t i = 0; i < gc[q]; ++i) {
+              ASSERT_EQ(dear::testing::load(got.data(), gd[q] + i, t),
+                        input_value(static_cast<int>(q), i, t, ReduceOp::kSum, 29))
+                  << (root < 0 ? "all_gather_v" : "gather_v to root " + std::to_string(root))
+                  << " block " << q << " element " << i;
             }
           }
         }

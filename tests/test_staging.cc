@@ -608,27 +608,44 @@ TEST(StagingPieces, PipelineSimulationWithDefaultSizedPieces) {
 
 // ---- pointer-location dispatch with host pointers ----------------------------------------------
 
-TEST(DeviceDispatch, OnlyTheRingCollectivesAndTheirRootedFormsRunResident) {
+TEST(DeviceDispatch, WhichCollectivesTheEngineRunsOnDeviceMemory) {
   using collectives::CollectiveCall;
+  using collectives::kDeviceLogStepMaxBytes;
   using collectives::runs_resident;
-  const auto call = [](OpKind kind, int root) {
+  const auto call = [](OpKind kind, int root, std::size_t count = 1 << 20,
+                       DataType dtype = DataType::kFloat32) {
     CollectiveCall c;
     c.kind = kind;
     c.root = root;
+    c.count = count;
+    c.dtype = dtype;
     return c;
   };
-  EXPECT_TRUE(runs_resident(call(OpKind::kAllReduce, -1)));
-  EXPECT_TRUE(runs_resident(call(OpKind::kAllReduce, 1)));  // reduce
-  EXPECT_TRUE(runs_resident(call(OpKind::kReduceScatter, -1)));
-  EXPECT_TRUE(runs_resident(call(OpKind::kAllGather, -1)));
-  EXPECT_TRUE(runs_resident(call(OpKind::kAllGather, 0)));  // gather
-  EXPECT_TRUE(runs_resident(call(OpKind::kBroadcast, 2)));
-  // Their exchanges keep their work in host memory: staged (in pieces or whole).
-  EXPECT_FALSE(runs_resident(call(OpKind::kReduceScatter, 0)));  // scatter
-  EXPECT_FALSE(runs_resident(call(OpKind::kAllToAll, -1)));
-  EXPECT_FALSE(runs_resident(call(OpKind::kAllToAllV, -1)));
-  EXPECT_FALSE(runs_resident(call(OpKind::kAllToAllV, 0)));  // gather_v
-  EXPECT_FALSE(runs_resident(call(OpKind::kBarrier, -1)));   // send, recv, barrier
+  // The ring collectives and their rooted forms, at every size.
+  EXPECT_TRUE(runs_resident(call(OpKind::kAllReduce, -1), 4));
+  EXPECT_TRUE(runs_resident(call(OpKind::kAllReduce, 1), 4));  // reduce
+  EXPECT_TRUE(runs_resident(call(OpKind::kReduceScatter, -1), 4));
+  EXPECT_TRUE(runs_resident(call(OpKind::kAllGather, -1), 4));
+  EXPECT_TRUE(runs_resident(call(OpKind::kAllGather, 0), 4));  // gather
+  EXPECT_TRUE(runs_resident(call(OpKind::kBroadcast, 2), 4));
+  // scatter and all_to_all (log-step schedules only) while their N blocks fit in
+  // kDeviceLogStepMaxBytes, which every rank computes alike; staged in pieces beyond.
+  const std::size_t fits = kDeviceLogStepMaxBytes / 4 / 4;  // floats per block on 4 ranks
+  for (const auto& [kind, root] : {std::pair{OpKind::kReduceScatter, 0},  // scatter
+                                   std::pair{OpKind::kAllToAll, -1}}) {
+    EXPECT_TRUE(runs_resident(call(kind, root, fits), 4));
+    EXPECT_TRUE(runs_resident(call(kind, root, 0), 4));
+    EXPECT_FALSE(runs_resident(call(kind, root, fits + 1), 4));
+    EXPECT_TRUE(runs_resident(call(kind, root, fits * 2), 2));
+    EXPECT_FALSE(runs_resident(call(kind, root, fits * 2), 3));
+    EXPECT_TRUE(runs_resident(call(kind, root, fits * 4, DataType::kUint8), 4));
+    EXPECT_FALSE(runs_resident(call(kind, root, 1, static_cast<DataType>(200)), 4));
+  }
+  // all_to_all_v and its gather forms go through exchange_on_device; barrier, send and recv
+  // never reach the engine on device memory.
+  EXPECT_FALSE(runs_resident(call(OpKind::kAllToAllV, -1, 1), 4));
+  EXPECT_FALSE(runs_resident(call(OpKind::kAllToAllV, 0, 1), 4));  // gather_v
+  EXPECT_FALSE(runs_resident(call(OpKind::kBarrier, -1, 1), 4));
 }
 
 TEST(DeviceDispatch, HostPointersAreNotDevicePointers) {
