@@ -275,6 +275,11 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     return point_to_point(false, buf, count, dtype, peer, opts);
   }
 
+  Work p2p_on_device(bool send, void* buf, std::size_t count, DataType dtype, int peer,
+                     const OpOptions& opts, std::unique_ptr<collectives::OpFence> fence) override {
+    return point_to_point(send, buf, count, dtype, peer, opts, std::move(fence));
+  }
+
   Work issue_on_device(const collectives::CollectiveCall& call, const OpOptions& opts,
                        std::unique_ptr<collectives::OpFence> fence) override {
     if (!collectives::runs_resident(call, size_)) {
@@ -794,10 +799,12 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     return false;
   }
 
+  // `fence`: `buf` is device memory (Engine::submit_p2p).
   Work point_to_point(bool is_send, void* buf, std::size_t count, DataType dtype, int peer,
-                      const OpOptions& opts) {
+                      const OpOptions& opts,
+                      std::unique_ptr<collectives::OpFence> fence = nullptr) {
     const char* name = is_send ? "send" : "recv";
-    check_call(dtype, opts, false, name);
+    check_call(dtype, opts, fence != nullptr, name);
     check_peer(peer, size_, rank_, name, !is_send);
     // A message's size travels in 32 bits.
     if (count > std::numeric_limits<std::uint32_t>::max() / dtype_size(dtype)) {
@@ -822,7 +829,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     call.count = count;
     call.dtype = dtype;
     call.timeout = opts.timeout.count() > 0 ? opts.timeout : options_.timeout;
-    return engine_->submit_p2p(call);
+    return engine_->submit_p2p(call, std::move(fence));
   }
   void check_full_mesh(const char* name) const {
     if (full_mesh_) return;

@@ -309,21 +309,23 @@ class DeviceCommunicator final : public Communicator {
   Work send(const void* buf, std::size_t count, DataType dtype, int peer,
             const OpOptions& opts) override {
     const std::size_t b = count * dtype_size(dtype);
-    return route({OpKind::kBarrier}, "send", StagedKind::kOther, count, buf, b, nullptr, 0, dtype,
-                 opts,
-                 [=](Communicator& c, const void* i, void*, std::size_t n, const OpOptions& x) {
-                   return c.send(i, n, dtype, peer, x);
-                 });
+    return route(
+        {OpKind::kBarrier}, "send", StagedKind::kOther, count, buf, b, nullptr, 0, dtype, opts,
+        [=](Communicator& c, const void* i, void*, std::size_t n, const OpOptions& x) {
+          return c.send(i, n, dtype, peer, x);
+        },
+        point_to_point(true, const_cast<void*>(buf), count, dtype, peer));
   }
 
   Work recv(void* buf, std::size_t count, DataType dtype, int peer,
             const OpOptions& opts) override {
     const std::size_t b = count * dtype_size(dtype);
-    return route({OpKind::kBarrier}, "recv", StagedKind::kOther, count, nullptr, 0, buf, b, dtype,
-                 opts,
-                 [=](Communicator& c, const void*, void* o, std::size_t n, const OpOptions& x) {
-                   return c.recv(o, n, dtype, peer, x);
-                 });
+    return route(
+        {OpKind::kBarrier}, "recv", StagedKind::kOther, count, nullptr, 0, buf, b, dtype, opts,
+        [=](Communicator& c, const void*, void* o, std::size_t n, const OpOptions& x) {
+          return c.recv(o, n, dtype, peer, x);
+        },
+        point_to_point(false, buf, count, dtype, peer));
   }
 
   Work barrier(const OpOptions& opts) override {
@@ -390,6 +392,15 @@ class DeviceCommunicator final : public Communicator {
 
   // Issues an operation on device memory in the engine, with its fence.
   using Resident = std::function<Work(const OpOptions&, std::unique_ptr<OpFence>)>;
+
+  // send or recv on device memory (ResidentCommunicator::p2p_on_device).
+  Resident point_to_point(bool send, void* buf, std::size_t count, DataType dtype, int peer) {
+    if (resident_ == nullptr) return {};
+    return
+        [this, send, buf, count, dtype, peer](const OpOptions& x, std::unique_ptr<OpFence> fence) {
+          return resident_->p2p_on_device(send, buf, count, dtype, peer, x, std::move(fence));
+        };
+  }
 
   // all_to_all_v's operation on device memory (ResidentCommunicator::exchange_on_device).
   Resident exchange(const char* called, int root, const void* in, void* out, AllToAllLists l,

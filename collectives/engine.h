@@ -118,7 +118,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
     int tag = 0;  // messages match per (pair, tag); it travels in the frame's root
     std::chrono::milliseconds timeout{0};
   };
-  Work submit_p2p(const P2pCall& call);
+  // `fence`: the buffer is device memory (collectives/resident.h). The message then leaves
+  // from, or lands in, host memory of the engine's, which the device executor fills from the
+  // buffer once the fence's input is ready, or copies back to it before the receive completes.
+  Work submit_p2p(const P2pCall& call, std::unique_ptr<OpFence> fence = nullptr);
   // Fails everything with kAborted; thread-safe, returns at once.
   void abort(const std::string& reason);
   // Runs engine turns on the calling thread until `state` completes, `until` passes or no
@@ -268,6 +271,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
     bool requested = false;  // large send: its kP2pRequest is queued
     bool answer = false;     // receive: its sender asked (a kP2pReady is due)
     bool answered = false;   // receive: its kP2pReady is queued
+    // Through host memory (device memory, or a bouncing test executor): `copier` copies the
+    // caller's buffer `user` into shadow buffer `buffer` (a send, before it leaves: `held`
+    // until then), or back from it (a receive, once its bytes are in: in p2p_back_).
+    std::unique_ptr<OpFence> fence;
+    Executor* copier = nullptr;
+    int buffer = -1;
+    char* user = nullptr;
+    bool held = false;
+    bool copying = false;
+    std::uint64_t copy_id = 0;
   };
   struct P2pEarly {  // an eager message that arrived before its receive was posted
     transport::FrameHeader header;
@@ -304,6 +317,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void p2p_sent(int link, std::uint64_t token);
   void check_p2p(const P2p& p, const transport::FrameHeader& h) const;
   void complete_p2p(std::deque<std::unique_ptr<P2p>>& queue, const P2p* p);
+  // A receive whose bytes are in: complete, or (through host memory) on its way back.
+  void p2p_received(std::unique_ptr<P2p> p);
+  // Issues the copies of point-to-point messages through host memory whose fence allows.
+  bool advance_p2p_copies();
+  void p2p_copy_done(std::uint64_t id);
+  void end_p2p(P2p& p) noexcept;               // its fence's end and its shadow buffer
+  std::deque<std::unique_ptr<P2p>> p2p_back_;  // receives copying back (counted as pending)
+  std::uint64_t next_p2p_copy_ = 1;
   void check_p2p_deadlines(transport::Clock::time_point now);
   void fail_p2p(std::exception_ptr e);
   [[nodiscard]] transport::Clock::time_point p2p_deadline() const;
@@ -356,6 +377,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Op::shadow: host memory from a pool of `copier`'s landing memory, reused by size.
   void shadow_op(Op& op, Executor& copier);
   void release_shadow(Op& op) noexcept;
+  [[nodiscard]] int acquire_shadow_buffer(Executor& copier, std::size_t bytes);
+  // The device executor, made for `device` with the first device operation.
+  Executor& device_executor(int device);
   // A reduce's or gather's result on a rank other than its root goes to a sink of the engine's
   // (Op::sink); release_scratch() hands it back with the scratch.
   void take_sink(Op& op);
@@ -365,6 +389,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
                                             const char* received, const char* other, std::size_t n);
   [[nodiscard]] static ExecStep copy_step(char* dst, const char* src, std::size_t bytes);
   [[nodiscard]] static std::uint64_t log_step_token(std::uint64_t seq, std::size_t step);
+  [[nodiscard]] static std::uint64_t p2p_copy_token(std::uint64_t id);
   [[nodiscard]] static bool is_slot_token(std::uint64_t token);
   void issue_step(Executor& exec, const ExecStep& step, std::uint64_t token);
   bool poll_executors();

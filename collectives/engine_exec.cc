@@ -20,6 +20,7 @@ enum TokenKind : std::uint64_t {
   kTokStart = 3,    // a copy the sends wait for (payload: sequence)
   kTokLocal = 4,    // another local step (payload: sequence)
   kTokLogStep = 5,  // a log-step reduction (payload: sequence << 8 | step)
+  kTokP2p = 6,      // a point-to-point message's copy to or from host memory (payload: copy id)
 };
 std::uint64_t token(TokenKind k, std::uint64_t payload) {
   return (static_cast<std::uint64_t>(k) << kTokenShift) | (payload & kPayloadMask);
@@ -61,19 +62,25 @@ std::uint64_t Engine::log_step_token(std::uint64_t seq, std::size_t step) {
   return token(kTokLogStep, (seq << 8) | step);
 }
 
+std::uint64_t Engine::p2p_copy_token(std::uint64_t id) { return token(kTokP2p, id); }
+
 bool Engine::is_slot_token(std::uint64_t t) { return (t >> 62) == 1; }
+
+Executor& Engine::device_executor(int device) {
+  if (!device_exec_) {
+    if (!cfg_.make_device_executor) {
+      throw Error(ErrorCode::kInternal,
+                  "a device operation reached an engine that has no device executor", cfg_.rank);
+    }
+    device_exec_ = cfg_.make_device_executor(device);
+    device_exec_->set_waker([this] { wake(); });
+  }
+  return *device_exec_;
+}
 
 void Engine::prepare_op(Op& op) {
   if (op.device) {
-    if (!device_exec_) {
-      if (!cfg_.make_device_executor) {
-        throw Error(ErrorCode::kInternal,
-                    "a device operation reached an engine that has no device executor", cfg_.rank,
-                    Error::kNone, op.name(), static_cast<std::int64_t>(op.seq));
-      }
-      device_exec_ = cfg_.make_device_executor(op.fence ? op.fence->device() : 0);
-      device_exec_->set_waker([this] { wake(); });
-    }
+    (void)device_executor(op.fence ? op.fence->device() : 0);
     if (is_log_step(op.schedule)) {
       // A small operation: its steps run in host memory, the device executor copies in and out.
       op.exec = host_exec_.executor.get();
@@ -138,24 +145,8 @@ void Engine::shadow_op(Op& op, Executor& copier) {
   const bool onto = op.kind == OpKind::kAllReduce && out_bytes > 0;
   const std::size_t bytes = out_bytes + (inside || onto ? 0 : in_bytes);
 
-  int pick = -1;
-  for (std::size_t i = 0; i < shadow_buffers_.size() && pick < 0; ++i) {
-    const ShadowBuffer& b = shadow_buffers_[i];
-    if (!b.busy && b.owner == &copier && b.capacity >= bytes) pick = static_cast<int>(i);
-  }
-  if (pick < 0) {
-    pick = static_cast<int>(shadow_buffers_.size());
-    ShadowBuffer b;
-    b.capacity = std::max(kSlotGrain, std::bit_ceil(bytes));
-    b.data = copier.allocate(ExecMemory::kLanding, b.capacity);
-    b.owner = &copier;
-    shadow_buffers_.push_back(b);
-    landing_bytes_ += b.capacity;
-    peak_landing_bytes_ = std::max(peak_landing_bytes_, landing_bytes_);
-    peak_landing_atomic_.store(peak_landing_bytes_, std::memory_order_relaxed);
-  }
-  ShadowBuffer& b = shadow_buffers_[static_cast<std::size_t>(pick)];
-  b.busy = true;
+  const int pick = acquire_shadow_buffer(copier, bytes);
+  const ShadowBuffer& b = shadow_buffers_[static_cast<std::size_t>(pick)];
   Op::Shadow& sh = op.shadow;
   sh.exec = &copier;
   sh.buffer = pick;
@@ -201,6 +192,28 @@ void Engine::shadow_op(Op& op, Executor& copier) {
   } else if (out_bytes > 0) {
     sh.out_ranges.emplace_back(0, out_bytes);
   }
+}
+
+int Engine::acquire_shadow_buffer(Executor& copier, std::size_t bytes) {
+  for (std::size_t i = 0; i < shadow_buffers_.size(); ++i) {
+    ShadowBuffer& b = shadow_buffers_[i];
+    if (!b.busy && b.owner == &copier && b.capacity >= bytes) {
+      b.busy = true;
+      return static_cast<int>(i);
+    }
+  }
+  // Kept until the engine ends: freeing pinned memory can wait for the whole device, which may
+  // be waiting for this very engine (acquire_slot).
+  ShadowBuffer b;
+  b.capacity = std::max(kSlotGrain, std::bit_ceil(bytes));
+  b.data = copier.allocate(ExecMemory::kLanding, b.capacity);
+  b.owner = &copier;
+  b.busy = true;
+  shadow_buffers_.push_back(b);
+  landing_bytes_ += b.capacity;
+  peak_landing_bytes_ = std::max(peak_landing_bytes_, landing_bytes_);
+  peak_landing_atomic_.store(peak_landing_bytes_, std::memory_order_relaxed);
+  return static_cast<int>(shadow_buffers_.size() - 1);
 }
 
 void Engine::release_shadow(Op& op) noexcept {
@@ -322,6 +335,7 @@ void Engine::step_done(std::uint64_t t) {
         op->log_step.step_state.at(payload & 0xff) |= LogStepState::kStepApplied;
       }
       return;
+    case kTokP2p: p2p_copy_done(payload); return;
   }
   throw Error(ErrorCode::kInternal, "an executor returned a token it was never given", cfg_.rank);
 }

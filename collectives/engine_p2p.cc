@@ -43,15 +43,17 @@ Engine::PeerP2p& Engine::p2p_peer(int rank) {
   return p2p_[static_cast<std::size_t>(rank)];
 }
 
-Work Engine::submit_p2p(const P2pCall& call) {
+Work Engine::submit_p2p(const P2pCall& call, std::unique_ptr<OpFence> fence) {
   auto p = std::make_unique<P2p>();
   p->call = call;
   p->bytes = call.count * dtype_size(call.dtype);
+  p->fence = std::move(fence);
   auto state = std::make_shared<Work::State>();
   p->state = state;
   state->wait_spin_us = cfg_.wait_spin_us;
   state->engine = weak_from_this();
-  state->driven = p->bytes <= cfg_.eager_bytes;
+  // A device buffer's copies go to the device executor on the engine thread only.
+  state->driven = p->bytes <= cfg_.eager_bytes && !p->fence;
   // Not a collective's sequence number: set_priority() finds no operation by it.
   state->seq = std::numeric_limits<std::uint64_t>::max();
   std::exception_ptr failed;
@@ -119,6 +121,20 @@ void Engine::post_p2p(std::unique_ptr<P2p> p) {
   p->deadline = transport::deadline_after(p->call.timeout);
   if (p->call.peer != Communicator::kAnySource) {
     (void)mesh_link(p->call.peer);  // throws where there is no direct link
+  }
+  if (p->bytes > 0 && (p->fence || host_exec_.bounce)) {
+    // Through host memory of the engine's (the message's frames are the same).
+    p->copier = p->fence ? &device_executor(p->fence->device()) : host_exec_.executor.get();
+    p->buffer = acquire_shadow_buffer(*p->copier, p->bytes);
+    char* host = shadow_buffers_[static_cast<std::size_t>(p->buffer)].data;
+    if (p->call.send) {
+      p->user = const_cast<char*>(p->call.src);
+      p->call.src = host;
+      p->held = true;  // until the copy in (advance_p2p_copies)
+    } else {
+      p->user = p->call.dst;
+      p->call.dst = host;
+    }
   }
   if (p->call.send) {
     PeerP2p& peer = p2p_peer(p->call.peer);
@@ -200,7 +216,8 @@ void Engine::post_p2p_recv(std::unique_ptr<P2p> p) {
       if (p->bytes > 0) std::memcpy(p->call.dst, it->data.data(), p->bytes);
       unexpected_bytes_ -= it->data.size();
       peer.early.erase(it);
-      p->state->complete(nullptr);
+      ++p2p_pending_;  // as if posted: p2p_received() counts it off
+      p2p_received(std::move(p));
       return;
     }
     break;  // arriving now: p2p_arrived() copies it
@@ -219,7 +236,7 @@ void Engine::post_p2p_recv(std::unique_ptr<P2p> p) {
 
 bool Engine::advance_p2p() {
   if (p2p_pending_ == 0) return false;
-  bool moved = false;
+  bool moved = advance_p2p_copies();
   for (std::size_t r = 0; r < p2p_.size(); ++r) {
     PeerP2p& peer = p2p_[r];
     if (peer.sends.empty() && peer.recvs.empty()) continue;
@@ -245,6 +262,7 @@ bool Engine::advance_p2p() {
       moved = true;
     }
     for (auto& p : peer.sends) {
+      if (p->held) break;  // its bytes are on their way to host memory; the rest wait behind
       // Left: its data, or (a large one not asked yet) its request.
       if (p->queued || (!p->ready && p->requested)) continue;
       if (ch.queued() >= kQueueMessagesPerChannel) break;
@@ -348,9 +366,14 @@ void Engine::p2p_arrived(int link, const FrameHeader& h, RecvCtx& ctx) {
     return;
   }
   if (ctx.p2p != nullptr) {
-    P2p* p = ctx.p2p;
-    p->state->complete(nullptr);
-    complete_p2p(peer.recvs, p);
+    const P2p* p = ctx.p2p;
+    for (auto it = peer.recvs.begin(); it != peer.recvs.end(); ++it) {
+      if (it->get() != p) continue;
+      std::unique_ptr<P2p> done = std::move(*it);
+      peer.recvs.erase(it);
+      p2p_received(std::move(done));
+      return;
+    }
     return;
   }
   if (ctx.early == nullptr) return;
@@ -366,8 +389,9 @@ void Engine::p2p_arrived(int link, const FrameHeader& h, RecvCtx& ctx) {
         break;
       }
     }
-    p->state->complete(nullptr);
-    complete_p2p(peer.recvs, p.get());
+    std::unique_ptr<P2p> done = std::move(p);
+    std::erase_if(peer.recvs, [](const std::unique_ptr<P2p>& q) { return q == nullptr; });
+    p2p_received(std::move(done));
     return;
   }
 }
@@ -421,11 +445,75 @@ void Engine::p2p_sent(int link, std::uint64_t token) {
 void Engine::complete_p2p(std::deque<std::unique_ptr<P2p>>& queue, const P2p* p) {
   for (auto it = queue.begin(); it != queue.end(); ++it) {
     if (it->get() == p) {
+      end_p2p(**it);
       queue.erase(it);
       --p2p_pending_;
       return;
     }
   }
+}
+
+void Engine::end_p2p(P2p& p) noexcept {
+  if (p.fence) p.fence->done();
+  if (p.buffer >= 0) shadow_buffers_[static_cast<std::size_t>(p.buffer)].busy = false;
+  p.buffer = -1;
+}
+
+void Engine::p2p_received(std::unique_ptr<P2p> p) {
+  if (p->copier == nullptr) {
+    p->state->complete(nullptr);
+    end_p2p(*p);
+    --p2p_pending_;
+    return;
+  }
+  p2p_back_.push_back(std::move(p));  // advance_p2p_copies() copies it back
+}
+
+bool Engine::advance_p2p_copies() {
+  bool moved = false;
+  const auto issue = [&](P2p& p, char* dst, const char* src) {
+    // Not before the work the caller queued on its stream ahead of the message is done.
+    if (p.fence && !p.fence->input_ready()) {
+      fence_wait_ = true;
+      return;
+    }
+    p.copying = true;
+    p.copy_id = next_p2p_copy_++;
+    issue_step(*p.copier, copy_step(dst, src, p.bytes), p2p_copy_token(p.copy_id));
+    moved = true;
+  };
+  for (PeerP2p& peer : p2p_) {
+    for (auto& p : peer.sends) {
+      if (p->held && !p->copying) issue(*p, const_cast<char*>(p->call.src), p->user);
+      if (p->held) break;  // the sends behind it leave after it
+    }
+  }
+  for (auto& p : p2p_back_) {
+    if (!p->copying) issue(*p, p->user, p->call.dst);
+  }
+  return moved;
+}
+
+void Engine::p2p_copy_done(std::uint64_t id) {
+  for (PeerP2p& peer : p2p_) {
+    for (auto& p : peer.sends) {
+      if (p->copying && p->copy_id == id) {
+        p->copying = false;
+        p->held = false;  // it may leave
+        return;
+      }
+    }
+  }
+  for (auto it = p2p_back_.begin(); it != p2p_back_.end(); ++it) {
+    if ((*it)->copying && (*it)->copy_id == id) {
+      (*it)->state->complete(nullptr);
+      end_p2p(**it);
+      p2p_back_.erase(it);
+      --p2p_pending_;
+      return;
+    }
+  }
+  // A message whose communicator failed meanwhile: gone, and nothing to do.
 }
 
 transport::Clock::time_point Engine::p2p_deadline() const {
@@ -487,16 +575,27 @@ void Engine::fail_p2p(std::exception_ptr e) {
   for (auto& p : queued) p->state->complete(e);
   for (PeerP2p& peer : p2p_) {
     for (auto* queue : {&peer.sends, &peer.recvs}) {
-      for (auto& p : *queue) p->state->complete(e);
+      for (auto& p : *queue) {
+        p->state->complete(e);
+        end_p2p(*p);
+      }
       queue->clear();
     }
     peer.early.clear();
     peer.requests.clear();
   }
   for (auto& [tag, queue] : p2p_waiting_) {
-    for (auto& p : queue) p->state->complete(e);
+    for (auto& p : queue) {
+      p->state->complete(e);
+      end_p2p(*p);
+    }
   }
   p2p_waiting_.clear();
+  for (auto& p : p2p_back_) {
+    p->state->complete(e);
+    end_p2p(*p);
+  }
+  p2p_back_.clear();
   p2p_pending_ = 0;
 }
 

@@ -68,6 +68,11 @@ class ResidentCommunicator : public Communicator {
                                   std::span<const std::size_t> recv_counts,
                                   std::span<const std::size_t> recv_displs, DataType dtype,
                                   const OpOptions& opts, std::unique_ptr<OpFence> fence) = 0;
+  // send (`send`) or recv of `buf` on device memory: the message leaves from, or lands in, host
+  // memory of the engine's, whole; its frames are those of a host send or recv, so the other
+  // end may pass either memory.
+  virtual Work p2p_on_device(bool send, void* buf, std::size_t count, DataType dtype, int peer,
+                             const OpOptions& opts, std::unique_ptr<OpFence> fence) = 0;
 };
 
 }  // namespace dear::collectives

@@ -821,6 +821,52 @@ TEST_F(Gpu, ResidentSmallOperationsOnLogStepSchedules) {
   }
 }
 
+// send and recv of device buffers: the engine sends from, and receives into, host memory of its
+// own, the device executor copying; small (eager) and large (asked for) messages, several in
+// flight in both directions, and a device send met by a host receive (the frames are alike).
+TEST_F(Gpu, ResidentSendRecvThroughHostMemory) {
+  const int n = 2;
+  std::barrier<> sync(n);
+  dear::testing::run_ranks(n, [&](Communicator& comm) {
+    ck(cudaSetDevice(0), "cudaSetDevice");
+    const DataType t = DataType::kFloat32;
+    const int other = 1 - comm.rank();
+    const std::vector<std::size_t> counts = {1, 4099, (std::size_t{1} << 20) + 3};
+    std::vector<std::unique_ptr<DeviceBuffer>> outs, ins;
+    for (const std::size_t c : counts) {
+      outs.push_back(std::make_unique<DeviceBuffer>(c * 4));
+      ins.push_back(std::make_unique<DeviceBuffer>(c * 4));
+      fill_device(outs.back()->get(), c, comm.rank(), t, ReduceOp::kSum, 40);
+    }
+    std::vector<float> host(counts.back());
+    const RankFence fence(sync);
+    std::vector<Work> works;
+    for (std::size_t k = 0; k < counts.size(); ++k) {
+      works.push_back(comm.send(outs[k]->get(), counts[k], t, other));
+      works.push_back(comm.recv(ins[k]->get(), counts[k], t, other));
+    }
+    for (const Work& w : works) w.wait();
+    for (std::size_t k = 0; k < counts.size(); ++k) {
+      const auto got = to_host(ins[k]->get(), counts[k] * 4);
+      for (std::size_t i = 0; i < counts[k]; ++i) {
+        ASSERT_EQ(dear::testing::load(got.data(), i, t),
+                  input_value(other, i, t, ReduceOp::kSum, 40))
+            << "message " << k << " (" << counts[k] << " floats) element " << i;
+      }
+    }
+    // Rank 0 sends from device memory, rank 1 receives into host memory.
+    const std::size_t c = counts.back();
+    if (comm.rank() == 0) {
+      comm.send(outs.back()->get(), c, t, 1).wait();
+    } else {
+      comm.recv(host.data(), c, t, 0).wait();
+      for (std::size_t i = 0; i < c; ++i) {
+        ASSERT_EQ(host[i], input_value(0, i, t, ReduceOp::kSum, 40)) << "element " << i;
+      }
+    }
+  });
+}
+
 // Device operations in flight together with different priorities, and host ones among them:
 // each completes with its own result.
 TEST_F(Gpu, ResidentConcurrentOperationsWithPriorities) {
