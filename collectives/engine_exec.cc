@@ -195,17 +195,25 @@ void Engine::shadow_op(Op& op, Executor& copier) {
 }
 
 int Engine::acquire_shadow_buffer(Executor& copier, std::size_t bytes) {
+  int best = -1;  // the smallest free one that holds it
   for (std::size_t i = 0; i < shadow_buffers_.size(); ++i) {
-    ShadowBuffer& b = shadow_buffers_[i];
-    if (!b.busy && b.owner == &copier && b.capacity >= bytes) {
-      b.busy = true;
-      return static_cast<int>(i);
+    const ShadowBuffer& b = shadow_buffers_[i];
+    if (!b.busy && b.owner == &copier && b.capacity >= bytes &&
+        (best < 0 || b.capacity < shadow_buffers_[static_cast<std::size_t>(best)].capacity)) {
+      best = static_cast<int>(i);
     }
   }
+  if (best >= 0) {
+    shadow_buffers_[static_cast<std::size_t>(best)].busy = true;
+    return best;
+  }
   // Kept until the engine ends: freeing pinned memory can wait for the whole device, which may
-  // be waiting for this very engine (acquire_slot).
+  // be waiting for this very engine (acquire_slot). Powers of two up to 64 MiB, so that one
+  // serves nearby sizes; multiples of 16 MiB beyond.
+  constexpr std::size_t kLarge = std::size_t{64} << 20;
   ShadowBuffer b;
-  b.capacity = std::max(kSlotGrain, std::bit_ceil(bytes));
+  b.capacity = bytes >= kLarge ? (bytes + kLarge / 4 - 1) / (kLarge / 4) * (kLarge / 4)
+                               : std::max(kSlotGrain, std::bit_ceil(bytes));
   b.data = copier.allocate(ExecMemory::kLanding, b.capacity);
   b.owner = &copier;
   b.busy = true;
