@@ -48,3 +48,25 @@ if(TARGET dear-tcp-ring AND TARGET dear-run)
   set_tests_properties(tcp_ring_streams tcp_ring_refuses_tiny_messages
                        PROPERTIES LABELS multiproc TIMEOUT 120)
 endif()
+
+# dear-socket-stream (bench/socket_stream.cc): one loopback stream through a reused buffer and
+# through a walked one, every chunk checked on arrival; a chunk that does not divide the walked
+# buffer is refused.
+if(TARGET dear-socket-stream)
+  add_test(NAME socket_stream_reused_and_walked
+           COMMAND bash -c "set -euo pipefail
+             out=$($<TARGET_FILE:dear-socket-stream> --message 1M --chunk 64K --bytes 16M --rounds 2)
+             echo \"$out\"
+             grep -Eq '^ +1 +[0-9.]+ +[0-9.]+ +[0-9.]+$' <<<\"$out\"
+             grep -Eq '^median +[0-9.]+ +[0-9.]+ +[0-9.]+$' <<<\"$out\"")
+  add_test(NAME socket_stream_refuses_a_chunk_that_does_not_divide
+           COMMAND bash -c "set -uo pipefail
+             if out=$($<TARGET_FILE:dear-socket-stream> --message 1M --chunk 3K 2>&1); then
+               echo \"accepted it: $out\"; exit 1
+             fi
+             echo \"$out\"
+             grep -q 'divide --message' <<<\"$out\"")
+  set_tests_properties(socket_stream_reused_and_walked
+                       socket_stream_refuses_a_chunk_that_does_not_divide
+                       PROPERTIES LABELS multiproc TIMEOUT 60)
+endif()
