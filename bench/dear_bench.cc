@@ -539,11 +539,5 @@ int run(int argc, char** argv) {
 }  // namespace dear::bench
 
 int main(int argc, char** argv) {
-  try {
-    return dear::bench::run(argc, argv);
-  } catch (const std::exception& e) {
-    // A failure on one rank reaches the others through the communicator; each says why.
-    std::fprintf(stderr, "dear-bench: %s\n", e.what());
-    return 1;
-  }
+  return dear::bench::tool_main("dear-bench", dear::bench::run, argc, argv);
 }

@@ -322,6 +322,15 @@ bool gathers(Collective c) noexcept {
 
 // ---- flags ----------------------------------------------------------------------------------
 
+int tool_main(const char* tool, int (*run)(int, char**), int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", tool, e.what());
+    return 1;
+  }
+}
+
 CLI::Option* add_bytes_flag(CLI::App& app, const std::string& names, std::uint64_t& target,
                             const std::string& help, bool positive) {
   return app

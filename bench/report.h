@@ -100,6 +100,11 @@ struct BenchArgs {
   bool in_place = true;
 };
 
+// A benchmark program's main(): runs `run`, and reports what it throws as "`tool`: what" on
+// stderr with exit status 1 (on every rank alike: a failure reaches the others through the
+// communicator or the bootstrap, and each says why).
+int tool_main(const char* tool, int (*run)(int, char**), int argc, char** argv);
+
 // A size flag: K/M/G suffixes (powers of 1024), written into `target` (which must outlive
 // parsing), its current value shown as the default. With `positive`, 0 is refused too.
 CLI::Option* add_bytes_flag(CLI::App& app, const std::string& names, std::uint64_t& target,

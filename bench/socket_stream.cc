@@ -162,10 +162,5 @@ int run(int argc, char** argv) {
 }  // namespace dear::bench
 
 int main(int argc, char** argv) {
-  try {
-    return dear::bench::run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "dear-socket-stream: %s\n", e.what());
-    return 1;
-  }
+  return dear::bench::tool_main("dear-socket-stream", dear::bench::run, argc, argv);
 }
