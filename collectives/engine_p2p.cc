@@ -488,9 +488,12 @@ bool Engine::advance_p2p_copies() {
       if (p->held) break;  // the sends behind it leave after it
     }
   }
+  // An executor that completes inside issue() takes a receive off p2p_back_ at once.
+  std::vector<P2p*> back;
   for (auto& p : p2p_back_) {
-    if (!p->copying) issue(*p, p->user, p->call.dst);
+    if (!p->copying) back.push_back(p.get());
   }
+  for (P2p* p : back) issue(*p, p->user, p->call.dst);
   return moved;
 }
 
