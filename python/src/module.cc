@@ -427,7 +427,8 @@ PYBIND11_MODULE(_dear, m) {
   m.attr("ALL_GATHER_PRIORITY") = dear::scheduler::kAllGatherPriority;
   m.attr("ANY_SOURCE") = dear::Communicator::kAnySource;
 #ifdef DEAR_HAVE_CUDA
-  m.attr("HAVE_CUDA") = true;  // device pointers are accepted (docs/cuda.md says how each call takes them)
+  // Device pointers are accepted (docs/cuda.md says how each call takes them).
+  m.attr("HAVE_CUDA") = true;
 #else
   m.attr("HAVE_CUDA") = false;
 #endif
