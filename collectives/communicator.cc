@@ -1021,6 +1021,7 @@ Work Communicator::gather_v(const void* in, std::size_t send_count, void* out,
                             std::span<const std::size_t> recv_counts,
                             std::span<const std::size_t> recv_displs, DataType dtype, int root,
                             const OpOptions& opts) {
+  check_root(root, size(), rank(), "gather_v");  // -1 is all_gather_v's to the lists
   const AllToAllLists l =
       gather_as_all_to_all_v_lists(root, send_count, recv_counts, recv_displs, size(), rank());
   return gather_as_all_to_all_v(root, in, l.send_counts, l.send_displs, out, l.recv_counts,

@@ -86,6 +86,7 @@ struct AllToAllLists {
 // all_gather_v (`root` -1) and gather_v as all_to_all_v lists (Communicator::
 // gather_as_all_to_all_v), after the checks those calls make: this rank's one block to every
 // rank (to the root only for gather_v), and what it receives (nothing off a gather_v's root).
+// A gather_v's caller checks its root first: -1 here means all_gather_v.
 inline AllToAllLists gather_as_all_to_all_v_lists(int root, std::size_t send_count,
                                                   std::span<const std::size_t> recv_counts,
                                                   std::span<const std::size_t> recv_displs,
