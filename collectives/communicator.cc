@@ -449,9 +449,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
       o->schedule = schedule_of(c, a, opts);
       // A log-step schedule works in host memory (Op::shadow): on device memory, only small
       // operations run one, the others the ring in its place. Every rank decides alike.
-      const std::size_t vector_bytes =
-          c.count * dtype_size(c.dtype) * (c.kind == OpKind::kAllReduce ? 1 : n);
-      if (fence && is_log_step(o->schedule) && vector_bytes > collectives::kDeviceLogStepMaxBytes) {
+      if (fence && is_log_step(o->schedule) && !collectives::fits_device_log_step(c, size_)) {
         o->schedule = Schedule::kRing;
       }
     }

@@ -30,6 +30,17 @@ struct CollectiveCall {
 // most kDeviceLogStepMaxBytes, a size every rank computes alike. Larger ones reach the engine
 // staged in pieces (device_staging.h). all_to_all_v and its gather forms go their own way
 // (ResidentCommunicator::exchange_on_device).
+// Whether a device operation is small enough for a log-step schedule in host memory: its
+// vector (all_reduce, reduce) or its N blocks (the others) at most kDeviceLogStepMaxBytes, a
+// size every rank computes alike. False for an invalid dtype (the call reports it).
+[[nodiscard]] constexpr bool fits_device_log_step(const CollectiveCall& call, int nranks) noexcept {
+  const std::size_t el = dtype_size(call.dtype);
+  if (el == 0) return false;
+  const std::size_t blocks =
+      call.kind == OpKind::kAllReduce ? 1 : static_cast<std::size_t>(nranks > 0 ? nranks : 1);
+  return call.count <= kDeviceLogStepMaxBytes / el / blocks;
+}
+
 [[nodiscard]] constexpr bool runs_resident(const CollectiveCall& call, int nranks) noexcept {
   switch (call.kind) {
     case OpKind::kAllReduce:
@@ -38,9 +49,7 @@ struct CollectiveCall {
     case OpKind::kReduceScatter:  // with a root, a scatter
     case OpKind::kAllToAll:
       if (call.kind == OpKind::kReduceScatter && call.root < 0) return true;
-      if (dtype_size(call.dtype) == 0) return false;  // the call reports it
-      return call.count <= kDeviceLogStepMaxBytes / dtype_size(call.dtype) /
-                               static_cast<std::size_t>(nranks > 0 ? nranks : 1);
+      return fits_device_log_step(call, nranks);
     case OpKind::kAllToAllV:
     case OpKind::kBarrier: return false;
   }
