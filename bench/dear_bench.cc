@@ -528,10 +528,12 @@ int run(int argc, char** argv) {
   const int rc = run_sweep(peer, args, std::move(config),
                            [&](const OpRequest& r) { return bind_dear(r, *comm, op_options); });
   // What the engine thread spent on the sweep (scripts/gpu-check.sh compares host and device
-  // buffers by it), and the landing memory it held.
+  // buffers by it), the landing memory it held, and the messages that arrived straight in
+  // device memory (RDMA links).
   const Communicator::EngineStats stats = comm->engine_stats();
-  std::printf("# rank %d engine: cpu %.3f s, landing peak %zu bytes\n", comm->rank(),
-              stats.cpu_seconds, stats.peak_landing_bytes);
+  std::printf("# rank %d engine: cpu %.3f s, landing peak %zu bytes, device-window messages %llu\n",
+              comm->rank(), stats.cpu_seconds, stats.peak_landing_bytes,
+              static_cast<unsigned long long>(stats.device_window_messages));
   return rc;
 }
 

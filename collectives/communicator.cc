@@ -22,6 +22,9 @@
 #include "transport/delay_channel.h"
 #include "transport/signals.h"
 #include "transport/transport.h"
+#if defined(DEAR_HAVE_CUDA)
+#include "cuda/device.h"
+#endif
 
 namespace dear {
 
@@ -358,7 +361,8 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
 
   EngineStats engine_stats() const override {
     if (!engine_) return {};
-    return {engine_->cpu_seconds(), engine_->peak_landing_bytes()};
+    return {engine_->cpu_seconds(), engine_->peak_landing_bytes(),
+            engine_->device_window_messages()};
   }
 
   void forget_memory(const void* addr, std::size_t bytes) override {
@@ -591,6 +595,10 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
     o.fabric_provider = options_.fabric_provider;
     o.fabric_slot_bytes = options_.fabric_slot_bytes;
     o.fabric_data_path = options_.fabric_data_path;
+    o.fabric_hmem = options_.fabric_hmem;
+#if defined(DEAR_HAVE_CUDA)
+    if (o.fabric_hmem == "auto") o.fabric_hmem = cuda::device_count() > 0 ? "on" : "off";
+#endif
     o.direct_bytes = options_.fabric_direct_bytes;
     o.ib_device = options_.ib_device;
     o.ib_gid_index = options_.ib_gid_index;
@@ -1065,6 +1073,7 @@ CommOptions apply_env(CommOptions options) {
   if (auto v = env::get("DEAR_FABRIC_PROVIDER")) options.fabric_provider = *v;
   if (auto v = env::get_bytes("DEAR_FABRIC_SLOT_BYTES")) options.fabric_slot_bytes = *v;
   if (auto v = env::get("DEAR_FABRIC_DATA_PATH")) options.fabric_data_path = *v;
+  if (auto v = env::get("DEAR_FABRIC_HMEM")) options.fabric_hmem = *v;
   if (auto v = env::get_bytes("DEAR_FABRIC_DIRECT_BYTES")) {
     options.fabric_direct_bytes = static_cast<std::int64_t>(*v);
   }

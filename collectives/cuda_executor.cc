@@ -27,6 +27,7 @@
 
 #include "collectives/device_fence.h"
 #include "cuda/device.h"
+#include "cuda/dmabuf.h"
 #include "cuda/error.h"
 #include "cuda/memory.h"
 #include "cuda/reduce.h"
@@ -126,11 +127,28 @@ class CudaExecutor final : public Executor {
       return static_cast<char*>(m.host);
     }
     void* p = nullptr;
+    if (where == ExecMemory::kLinked) {
+      // Its own allocation, which the driver can export as a dma-buf (pool memory may not be).
+      cuda::check(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)),
+                  "device executor: cudaMalloc of " + std::to_string(bytes) +
+                      " bytes for the links to write into and from",
+                  rank_);
+      return static_cast<char*>(p);
+    }
     cuda::check(
         cudaMallocAsync(&p, std::max<std::size_t>(bytes, 1), stream_),
         "device executor: cudaMallocAsync of " + std::to_string(bytes) + " bytes of scratch",
         rank_);
     return static_cast<char*>(p);
+  }
+
+  transport::DeviceMemory link_memory(const char* p, std::size_t bytes) override {
+    const cuda::DmaBuf d = cuda::export_dmabuf(p, bytes);
+    transport::DeviceMemory m;
+    m.dmabuf_fd = d.fd;  // -1: the link tries its peer-memory path
+    m.offset = d.offset;
+    m.cuda_device = device_;
+    return m;
   }
 
   void release(ExecMemory where, char* p) noexcept override {
@@ -142,6 +160,9 @@ class CudaExecutor final : public Executor {
       // Only a slot whose steps are done is released (the engine's rule), and the memory is
       // waited for by cudaFreeHost itself.
       (void)cudaFreeHost(p);
+    } else if (where == ExecMemory::kLinked) {
+      // Only at the engine's end (it keeps such memory): nothing of its is in flight then.
+      (void)cudaFree(p);
     } else {
       (void)cudaFreeAsync(p, stream_);
     }

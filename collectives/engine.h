@@ -146,6 +146,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   [[nodiscard]] std::size_t peak_landing_bytes() const {
     return peak_landing_atomic_.load(std::memory_order_relaxed);
   }
+  // Messages received into device windows so far (Op::ring.device_window); thread-safe.
+  [[nodiscard]] std::uint64_t device_window_messages() const {
+    return device_window_messages_.load(std::memory_order_relaxed);
+  }
   // Yields until `state` completes, `until`, or `spin` has passed; meanwhile the engine
   // thread spins for wait_spin_us instead of spin_us before it sleeps. True when completed.
   bool await(const Work::State& state, std::chrono::steady_clock::time_point until,
@@ -345,7 +349,15 @@ class Engine : public std::enable_shared_from_this<Engine> {
     char* data = nullptr;
     std::size_t capacity = 0;
     Executor* owner = nullptr;  // whose landing memory `data` is
-    std::uint64_t seq = 0;      // the operation it serves
+    // kLanding; kLinked for a send slot of a direct send (registered with the link it leaves
+    // on); `borrowed`: a receive into a device window, `data` in the operation's landing
+    // buffer (no memory of the slot's own, and not counted against the channel's slots).
+    ExecMemory where = ExecMemory::kLanding;
+    bool borrowed = false;
+    bool direct = false;  // a send slot written into `window` at `direct_at`
+    transport::Window window{};
+    std::size_t direct_at = 0;
+    std::uint64_t seq = 0;  // the operation it serves
     int dir = 0;
     int link = 0;
     int channel = 0;
@@ -377,7 +389,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Op::shadow: host memory from a pool of `copier`'s landing memory, reused by size.
   void shadow_op(Op& op, Executor& copier);
   void release_shadow(Op& op) noexcept;
-  [[nodiscard]] int acquire_shadow_buffer(Executor& copier, std::size_t bytes);
+  [[nodiscard]] int acquire_shadow_buffer(Executor& copier, std::size_t bytes,
+                                          ExecMemory where = ExecMemory::kLanding);
+  // A bounced operation's receives in a window on the executor's memory, where the link can
+  // open one (device_window_region); false when it takes landing slots instead.
+  bool open_device_window(Op& op);
+  // The memory of a direct send slot is registered with the links it may leave on.
+  void register_send_slot(const Op& op, const Slot& slot);
+  // Memory of kind kLinked about to be freed: the links drop what they registered there.
+  void forget_linked(const char* p, std::size_t bytes) noexcept;
+  void count_landing(std::ptrdiff_t bytes);  // landing (pinned) memory allocated or freed
   // The device executor, made for `device` with the first device operation.
   Executor& device_executor(int device);
   // A reduce's or gather's result on a rank other than its root goes to a sink of the engine's
@@ -394,7 +415,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void issue_step(Executor& exec, const ExecStep& step, std::uint64_t token);
   bool poll_executors();
   void step_done(std::uint64_t token);
-  int acquire_slot(Op& op, int link, int channel, std::size_t bytes, bool send);
+  int acquire_slot(Op& op, int link, int channel, std::size_t bytes, bool send,
+                   ExecMemory where = ExecMemory::kLanding);
+  // A receive slot for a message that lands at `data` in the operation's device window.
+  int borrow_slot(Op& op, int link, int channel, char* data);
   void release_slot(int link, int channel, int s);
   void pop_done_receives(int link, int channel);
   bool pack_sends(Op& op, int dir, int channel);
@@ -411,11 +435,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   ExecutorChoice host_exec_;
   std::unique_ptr<Executor> device_exec_;  // made with the first device operation
   std::vector<Slot> slots_;
+  std::vector<int> borrowed_free_;                    // borrowed slots not in use
   std::vector<std::vector<SlotQueues>> slot_queues_;  // [link][channel]
   struct ShadowBuffer {
     char* data = nullptr;
     std::size_t capacity = 0;
     Executor* owner = nullptr;
+    ExecMemory where = ExecMemory::kLanding;
     bool busy = false;
   };
   std::vector<ShadowBuffer> shadow_buffers_;
@@ -500,6 +526,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   transport::Clock::time_point probe_deadline_{};
   std::string probe_text_;  // the engine thread's last turn that moved
   std::atomic<std::size_t> peak_landing_atomic_{0};
+  std::atomic<std::uint64_t> device_window_messages_{0};
   std::thread thread_;
   pthread_t thread_handle_{};  // thread_'s, for cpu_seconds() (joined only in the destructor)
 };

@@ -5,6 +5,7 @@
 // placement windows; kAbort frames fail the communicator. Also the windows this rank opens,
 // the links' progress each turn, and what a closed link means for the operations in flight.
 #include <poll.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -49,7 +50,9 @@ void Engine::open_window(Op& op) {
   // This rank's window for what the previous rank sends it, announced with the operation.
   if (links_[kPrev].empty() || links_[kPrev][0]->closed()) return;
   const DirectRegion r = direct_region(op);
-  if (r.bytes > 0) {
+  if (op.bounced) {
+    (void)open_device_window(op);
+  } else if (r.bytes > 0) {
     if (auto w = links_[kPrev][0]->open_window(r.base, r.bytes, r.message_bytes)) {
       op.ring.window = *w;
       op.ring.window_open = true;
@@ -62,6 +65,35 @@ void Engine::open_window(Op& op) {
     op.ring.has_peer_window = true;
     peer_windows_.erase(it);
   }
+}
+
+bool Engine::open_device_window(Op& op) {
+  const DirectRegion r = device_window_region(op);
+  if (r.bytes == 0) return false;
+  // One of the engine's buffers (kept, so that the link's registration of it is reused).
+  const int b = acquire_shadow_buffer(*op.exec, r.bytes, ExecMemory::kLinked);
+  ShadowBuffer& buf = shadow_buffers_[static_cast<std::size_t>(b)];
+  const transport::DeviceMemory memory = op.exec->link_memory(buf.data, buf.capacity);
+  std::optional<transport::Window> w;
+  try {
+    w = links_[kPrev][0]->open_device_window(buf.data, buf.capacity, r.message_bytes, memory);
+  } catch (...) {
+    if (memory.dmabuf_fd >= 0) ::close(memory.dmabuf_fd);
+    buf.busy = false;
+    throw;
+  }
+  if (memory.dmabuf_fd >= 0) ::close(memory.dmabuf_fd);
+  if (!w) {
+    buf.busy = false;  // landing slots in host memory, as over TCP
+    return false;
+  }
+  op.ring.window = *w;
+  op.ring.window_open = true;
+  op.ring.device_window = true;
+  op.ring.landing = buf.data;
+  op.ring.landing_buffer = b;
+  windows_to_announce_.emplace_back(op.seq, *w);
+  return true;
 }
 
 void Engine::close_window(Op& op) noexcept {
@@ -244,6 +276,17 @@ RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h
   ctx.reduce = p.other != nullptr;
   // A bounced operation's receives, and a reduction whose step completes later, land in a
   // slot; the step is issued once the payload is in (arrive).
+  if (op.ring.device_window && dir == kForward) {
+    // Written into the operation's window by the previous rank; the step reads it there.
+    char* at = op.ring.landing + m.span.offset;
+    device_window_messages_.fetch_add(1, std::memory_order_relaxed);
+    const int s = borrow_slot(op, 1 - dir, channel, at);
+    Slot& slot = slots_[static_cast<std::size_t>(s)];
+    slot.step = ctx.reduce ? reduce_step(op, ctx, p.dst, at, p.other, h.bytes / op.el)
+                           : copy_step(p.dst, at, h.bytes);
+    ctx.slot = s;
+    return {RecvTarget::kDirect, at, 1};
+  }
   if (op.bounced || (ctx.reduce && !op.exec->immediate())) {
     const int s = acquire_slot(op, 1 - dir, channel, h.bytes, false);
     Slot& slot = slots_[static_cast<std::size_t>(s)];

@@ -2,13 +2,21 @@
 // that its slices pass through when the links may not touch its memory or a step completes
 // later, and what each completed step unblocks. See collectives/executor.h for the contract
 // and docs/architecture.md ("Executors and landing slots") for the design.
+#include <unistd.h>
+
 #include <algorithm>
 #include <bit>
 
 #include "collectives/engine.h"
+#include "collectives/engine_internal.h"
 #include "collectives/steps.h"
 
 namespace dear::collectives {
+
+using engine_detail::kNext;
+using engine_detail::kPrev;
+using engine_detail::view_of;
+
 namespace {
 
 // Executor tokens: what kind of step in the top bits, then what it belongs to.
@@ -194,11 +202,11 @@ void Engine::shadow_op(Op& op, Executor& copier) {
   }
 }
 
-int Engine::acquire_shadow_buffer(Executor& copier, std::size_t bytes) {
+int Engine::acquire_shadow_buffer(Executor& copier, std::size_t bytes, ExecMemory where) {
   int best = -1;  // the smallest free one that holds it
   for (std::size_t i = 0; i < shadow_buffers_.size(); ++i) {
     const ShadowBuffer& b = shadow_buffers_[i];
-    if (!b.busy && b.owner == &copier && b.capacity >= bytes &&
+    if (!b.busy && b.owner == &copier && b.where == where && b.capacity >= bytes &&
         (best < 0 || b.capacity < shadow_buffers_[static_cast<std::size_t>(best)].capacity)) {
       best = static_cast<int>(i);
     }
@@ -214,13 +222,12 @@ int Engine::acquire_shadow_buffer(Executor& copier, std::size_t bytes) {
   ShadowBuffer b;
   b.capacity = bytes >= kLarge ? (bytes + kLarge / 4 - 1) / (kLarge / 4) * (kLarge / 4)
                                : std::max(kSlotGrain, std::bit_ceil(bytes));
-  b.data = copier.allocate(ExecMemory::kLanding, b.capacity);
+  b.data = copier.allocate(where, b.capacity);
   b.owner = &copier;
+  b.where = where;
   b.busy = true;
   shadow_buffers_.push_back(b);
-  landing_bytes_ += b.capacity;
-  peak_landing_bytes_ = std::max(peak_landing_bytes_, landing_bytes_);
-  peak_landing_atomic_.store(peak_landing_bytes_, std::memory_order_relaxed);
+  if (where == ExecMemory::kLanding) count_landing(static_cast<std::ptrdiff_t>(b.capacity));
   return static_cast<int>(shadow_buffers_.size() - 1);
 }
 
@@ -284,6 +291,12 @@ void Engine::take_sink(Op& op) {
 
 void Engine::release_scratch(Op& op) noexcept {
   release_shadow(op);
+  if (op.ring.landing_buffer >= 0) {  // its window is closed by now
+    shadow_buffers_[static_cast<std::size_t>(op.ring.landing_buffer)].busy = false;
+    op.ring.landing_buffer = -1;
+    op.ring.landing = nullptr;
+    op.ring.device_window = false;
+  }
   if (op.sink != nullptr) {
     if (op.device && op.shadow.exec == nullptr) {
       op.exec->release(ExecMemory::kScratch, op.sink);
@@ -348,12 +361,13 @@ void Engine::step_done(std::uint64_t t) {
   throw Error(ErrorCode::kInternal, "an executor returned a token it was never given", cfg_.rank);
 }
 
-int Engine::acquire_slot(Op& op, int link, int channel, std::size_t bytes, bool send) {
+int Engine::acquire_slot(Op& op, int link, int channel, std::size_t bytes, bool send,
+                         ExecMemory where) {
   SlotQueues& q = slot_queues_[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
   int pick = -1;
   for (std::size_t i = 0; i < q.free.size(); ++i) {
     const Slot& s = slots_[static_cast<std::size_t>(q.free[i])];
-    if (s.owner == op.exec && s.capacity >= bytes) {
+    if (s.owner == op.exec && s.where == where && s.capacity >= bytes) {
       pick = q.free[i];
       q.free.erase(q.free.begin() + static_cast<std::ptrdiff_t>(i));
       break;
@@ -371,8 +385,9 @@ int Engine::acquire_slot(Op& op, int link, int channel, std::size_t bytes, bool 
       pick = *host_free;
       q.free.erase(host_free);
       Slot& s = slots_[static_cast<std::size_t>(pick)];
-      s.owner->release(ExecMemory::kLanding, s.data);
-      landing_bytes_ -= s.capacity;
+      if (s.where == ExecMemory::kLinked) forget_linked(s.data, s.capacity);
+      s.owner->release(s.where, s.data);
+      if (s.where == ExecMemory::kLanding) count_landing(-static_cast<std::ptrdiff_t>(s.capacity));
       s.data = nullptr;
       s.capacity = 0;
     } else {
@@ -384,12 +399,12 @@ int Engine::acquire_slot(Op& op, int link, int channel, std::size_t bytes, bool 
     const std::size_t capacity =
         std::max<std::size_t>(op.device ? kDeviceSliceBytes : kSlotGrain,
                               (bytes + kSlotGrain - 1) / kSlotGrain * kSlotGrain);
-    s.data = op.exec->allocate(ExecMemory::kLanding, capacity);
+    s.data = op.exec->allocate(where, capacity);
     s.capacity = capacity;
     s.owner = op.exec;
-    landing_bytes_ += capacity;
-    peak_landing_bytes_ = std::max(peak_landing_bytes_, landing_bytes_);
-    peak_landing_atomic_.store(peak_landing_bytes_, std::memory_order_relaxed);
+    s.where = where;
+    if (where == ExecMemory::kLanding) count_landing(static_cast<std::ptrdiff_t>(capacity));
+    if (where == ExecMemory::kLinked) register_send_slot(op, s);
   }
   Slot& s = slots_[static_cast<std::size_t>(pick)];
   s.seq = op.seq;
@@ -403,9 +418,81 @@ int Engine::acquire_slot(Op& op, int link, int channel, std::size_t bytes, bool 
   return pick;
 }
 
+int Engine::borrow_slot(Op& op, int link, int channel, char* data) {
+  int pick = -1;
+  if (!borrowed_free_.empty()) {
+    pick = borrowed_free_.back();
+    borrowed_free_.pop_back();
+  } else {
+    pick = static_cast<int>(slots_.size());
+    slots_.emplace_back();
+  }
+  Slot& s = slots_[static_cast<std::size_t>(pick)];
+  s.data = data;
+  s.capacity = 0;
+  s.owner = op.exec;
+  s.borrowed = true;
+  s.seq = op.seq;
+  s.link = link;
+  s.channel = channel;
+  s.dir = 1 - link;
+  s.send = false;
+  s.done = false;
+  s.busy = true;
+  return pick;
+}
+
+void Engine::register_send_slot(const Op& op, const Slot& slot) {
+  transport::Channel& ch = *links_[static_cast<std::size_t>(slot.link)][0];
+  const transport::DeviceMemory m = slot.owner->link_memory(slot.data, slot.capacity);
+  bool ok = false;
+  try {
+    ok = ch.register_device_source(slot.data, slot.capacity, m);
+  } catch (...) {
+    if (m.dmabuf_fd >= 0) ::close(m.dmabuf_fd);
+    throw;
+  }
+  if (m.dmabuf_fd >= 0) ::close(m.dmabuf_fd);
+  if (!ok) {
+    const int peer = peer_of(slot.link);
+    throw Error(ErrorCode::kSystem,
+                "rank " + std::to_string(peer) + " opened a window in " + slot.owner->name() +
+                    " executor memory for " + view_of(op) + ", but " + ch.describe() +
+                    " cannot register this rank's memory of that kind to write into it "
+                    "(GPUDirect RDMA needs dma-buf export or the peer-memory module on every "
+                    "rank; DEAR_CUDA_STAGING=1 stages device memory instead)",
+                cfg_.rank, peer, op.name(), static_cast<std::int64_t>(op.seq));
+  }
+}
+
+void Engine::forget_linked(const char* p, std::size_t bytes) noexcept {
+  // Every link: those of one back-end share their registrations, and which one registered it
+  // is not kept.
+  for (auto& link : links_) {
+    if (link.empty()) continue;
+    try {
+      link[0]->forget_memory(p, bytes);
+    } catch (...) {
+      // A registration that cannot be dropped goes with its link.
+    }
+  }
+}
+
+void Engine::count_landing(std::ptrdiff_t bytes) {
+  landing_bytes_ = static_cast<std::size_t>(static_cast<std::ptrdiff_t>(landing_bytes_) + bytes);
+  peak_landing_bytes_ = std::max(peak_landing_bytes_, landing_bytes_);
+  peak_landing_atomic_.store(peak_landing_bytes_, std::memory_order_relaxed);
+}
+
 void Engine::release_slot(int link, int channel, int id) {
-  SlotQueues& q = slot_queues_[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
   Slot& s = slots_[static_cast<std::size_t>(id)];
+  if (s.borrowed) {
+    s.busy = false;
+    s.done = false;
+    borrowed_free_.push_back(id);
+    return;
+  }
+  SlotQueues& q = slot_queues_[static_cast<std::size_t>(link)][static_cast<std::size_t>(channel)];
   --(s.send ? q.send_busy : q.recv_busy);
   s.busy = false;
   s.done = false;
@@ -464,9 +551,16 @@ bool Engine::pack_sends(Op& op, int dir, int channel) {
     const auto lag = static_cast<std::uint32_t>(op.ring.dep_lag);
     if (op.ring.forwards && next >= lag && op.ring.recv_done[di][c] <= next - lag) break;
     const MessagePlan m = send_plan(op, dir, channel, next);
-    const int s = acquire_slot(op, dir, channel, m.span.bytes, true);
+    // Into the next rank's window on device memory, where it opened one: from a send slot
+    // the link reads directly (registered), never through the host.
+    const bool direct = dir == kForward && op.ring.has_peer_window;
+    const int s = acquire_slot(op, dir, channel, m.span.bytes, true,
+                               direct ? ExecMemory::kLinked : ExecMemory::kLanding);
     Slot& slot = slots_[static_cast<std::size_t>(s)];
     slot.header = data_frame(op, next, m.span.bytes);
+    slot.direct = direct;
+    slot.window = op.ring.peer_window;
+    slot.direct_at = m.span.offset;
     q.send.push_back(s);
     issue_step(*op.exec, copy_step(slot.data, send_source(op, m), m.span.bytes),
                token(kTokPack, static_cast<std::uint64_t>(s)));
@@ -486,9 +580,11 @@ bool Engine::pump_slot_sends() {
         const int s = q.send.front();
         const Slot& slot = slots_[static_cast<std::size_t>(s)];
         if (!slot.done) break;
-        if (!ch.try_send(slot.header, slot.data, kSlotSendBit | static_cast<std::uint64_t>(s))) {
-          break;
-        }
+        const std::uint64_t t = kSlotSendBit | static_cast<std::uint64_t>(s);
+        const bool queued =
+            slot.direct ? ch.try_send_direct(slot.header, slot.data, t, slot.window, slot.direct_at)
+                        : ch.try_send(slot.header, slot.data, t);
+        if (!queued) break;
         q.send.pop_front();
         moved = true;
       }
@@ -567,11 +663,18 @@ void Engine::drain_executors() noexcept {
 void Engine::free_slots() noexcept {
   drain_executors();
   for (Slot& s : slots_) {
-    if (s.data != nullptr) s.owner->release(ExecMemory::kLanding, s.data);
+    if (s.data != nullptr && !s.borrowed) {
+      if (s.where == ExecMemory::kLinked) forget_linked(s.data, s.capacity);
+      s.owner->release(s.where, s.data);
+    }
     s.data = nullptr;
   }
   slots_.clear();
-  for (ShadowBuffer& b : shadow_buffers_) b.owner->release(ExecMemory::kLanding, b.data);
+  borrowed_free_.clear();
+  for (ShadowBuffer& b : shadow_buffers_) {
+    if (b.where == ExecMemory::kLinked) forget_linked(b.data, b.capacity);
+    b.owner->release(b.where, b.data);
+  }
   shadow_buffers_.clear();
 }
 

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "dear/types.h"
+#include "transport/link.h"
 
 namespace dear::collectives {
 
@@ -54,6 +55,11 @@ struct ExecStep {
 enum class ExecMemory : std::uint8_t {
   kScratch,  // the executor's own memory space (device memory for cuda): an operation's scratch
   kLanding,  // memory both the links and the executor reach (pinned host memory for cuda)
+  // The executor's memory space (device memory for cuda), for the links to register for
+  // direct writes into it and from it (Channel::open_device_window, register_device_source):
+  // cuda allocates it on its own (cudaMalloc), never from a stream-ordered pool, and
+  // link_memory() describes it to them.
+  kLinked,
 };
 
 class Executor {
@@ -76,6 +82,14 @@ class Executor {
   // Memory for steps (see ExecMemory); throws dear::Error when none can be had.
   [[nodiscard]] virtual char* allocate(ExecMemory where, std::size_t bytes) = 0;
   virtual void release(ExecMemory where, char* p) noexcept = 0;
+  // How a link may register [p, p + bytes) of kLinked memory (transport/link.h, DeviceMemory):
+  // cuda exports the pages as a dma-buf where the driver can (the caller closes dmabuf_fd) and
+  // names its device; others hand over host memory standing in for device memory.
+  [[nodiscard]] virtual transport::DeviceMemory link_memory(const char* p, std::size_t bytes) {
+    (void)p;
+    (void)bytes;
+    return {};
+  }
 };
 
 // Runs one step with the CPU kernels, now (the host executor's work, also the deferred one's).

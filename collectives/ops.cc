@@ -408,6 +408,27 @@ DirectRegion direct_region(const Op& op) {
   return {op.out, op.ring.total * op.el, span_of(op, 0, 0, 0).bytes};
 }
 
+DirectRegion device_window_region(const Op& op) {
+  if (!op.bounced || op.eager || op.ring.recv_steps[kForward] == 0 ||
+      op.ring.recv_steps[kBackward] != 0 || op.ring.send_steps[kBackward] != 0) {
+    return {};
+  }
+  switch (op.kind) {
+    case OpKind::kAllReduce:
+    case OpKind::kReduceScatter:
+    case OpKind::kAllGather:
+      if (op.schedule != Schedule::kRing || op.root >= 0) return {};
+      break;
+    case OpKind::kBroadcast:
+      if (op.schedule != Schedule::kChain) return {};
+      break;
+    case OpKind::kBarrier:
+    case OpKind::kAllToAll:
+    case OpKind::kAllToAllV: return {};
+  }
+  return {nullptr, op.ring.total * op.el, span_of(op, 0, 0, 0).bytes};
+}
+
 std::int64_t direct_offset(const Op& op, const MessagePlan& m) {
   if (!has_direct_messages(op)) return -1;
   // The receiver's recv_place() for these is op.out + span.offset, without an operand: an

@@ -147,6 +147,23 @@ join <(rows "$tmp/shm-host" | sort -k1,1) <(rows "$tmp/shm-dev" | sort -k1,1) | 
            printf "%12s %12s %12s %8.2f\n", $1, $2, $4, ($2 > 0 ? $4 / $2 : 0) }
          END { exit bad }' || fail "wrong elements over shm"
 
+# libfabric's write data path with FI_HMEM (where the provider offers it with CUDA memory):
+# device operations' messages written straight into device windows, no pinned memory on the
+# way ("device-window messages" > 0 on the engine lines); without it, landing slots as over TCP.
+step "all_reduce, 2 ranks over libfabric (write path, FI_HMEM where offered): host vs device buffers"
+for prov in "tcp;ofi_rxm" shm; do
+  sweep 2 "$tmp/fi-host" --transport fabric --fabric-provider "$prov" \
+    || fail "dear-bench host buffers over fabric $prov"
+  DEAR_FABRIC_HMEM=on sweep 2 "$tmp/fi-dev" --transport fabric --fabric-provider "$prov" \
+    --device cuda || fail "dear-bench device buffers over fabric $prov"
+  echo "provider $prov:"
+  grep "engine:" "$tmp/fi-dev" || true
+  join <(rows "$tmp/fi-host" | sort -k1,1) <(rows "$tmp/fi-dev" | sort -k1,1) | sort -n \
+    | awk '{ if ($3 != 0 || $5 != 0) { print "wrong elements at " $1; bad = 1 }
+             printf "%12s %12s %12s %8.2f\n", $1, $2, $4, ($2 > 0 ? $4 / $2 : 0) }
+           END { exit bad }' || fail "wrong elements over fabric $prov"
+done
+
 step "1 GiB device all_reduce, 2 ranks: pinned landing memory held (bounded by the slots)"
 timeout 120 "$build/tools/dear-run" -n 2 --no-prefix -- "$build/bench/dear-bench" all_reduce \
   -b 1G -e 1G -n 1 -w 0 -c 1 --device cuda >"$tmp/gib" 2>&1 || { cat "$tmp/gib"; fail "1 GiB"; }

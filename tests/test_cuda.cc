@@ -28,6 +28,7 @@
 #include "cuda/reduce.h"
 #include "harness.h"
 #include "reference.h"
+#include "transport/fabric/fabric_link.h"
 #include "transport/verbs/verbs_link.h"
 
 namespace dear {
@@ -950,6 +951,79 @@ TEST_F(Gpu, ResidentPinnedMemoryIsBoundedBySlots) {
         }
       },
       options);
+}
+
+// Device operations over libfabric's write data path with FI_HMEM asked for: where the provider
+// registers CUDA memory, each slice is written straight into the receiver's device window (no
+// pinned memory on the way); where it cannot, the operation takes landing slots. Either way
+// every element is checked; the messages that came through device windows are printed.
+TEST_F(Gpu, ResidentOverFabricWithDeviceWindowsWhereOffered) {
+  const int n = 3;
+  for (const std::string provider : {"tcp;ofi_rxm", "shm"}) {
+    if (auto why = transport::fabric::write_unavailable_reason(provider)) {
+      std::printf("%s: %s\n", provider.c_str(), why->c_str());
+      continue;
+    }
+    SCOPED_TRACE(provider);
+    std::barrier<> sync(n);
+    CommOptions o;
+    o.transport = "fabric";
+    o.fabric_provider = provider;
+    o.fabric_data_path = "write";
+    o.fabric_hmem = "on";
+    dear::testing::run_ranks(
+        n,
+        [&](Communicator& comm) {
+          ck(cudaSetDevice(0), "cudaSetDevice");
+          const DataType t = DataType::kFloat32;
+          const std::size_t block = 400000;  // N blocks of 1.6 MB: the ring, not a log-step
+          const auto nn = static_cast<std::size_t>(n);
+          const auto r = static_cast<std::size_t>(comm.rank());
+          DeviceBuffer big(block * nn * 4), small(block * 4), out(block * nn * 4);
+          const RankFence fence(sync);
+          fill_device(big.get(), block * nn, comm.rank(), t, ReduceOp::kSum, 5);
+          comm.all_reduce(big.get(), out.get(), block * nn, t, ReduceOp::kSum).wait();
+          auto got = to_host(out.get(), block * nn * 4);
+          for (std::size_t i = 0; i < block * nn; ++i) {
+            ASSERT_EQ(dear::testing::load(got.data(), i, t),
+                      expected_reduce(i, n, t, ReduceOp::kSum, 5))
+                << "all_reduce element " << i;
+          }
+          comm.all_reduce(big.get(), big.get(), block * nn, t, ReduceOp::kSum).wait();
+          ASSERT_EQ(
+              std::memcmp(to_host(big.get(), block * nn * 4).data(), got.data(), block * nn * 4), 0)
+              << "in-place all_reduce differs";
+          fill_device(big.get(), block * nn, comm.rank(), t, ReduceOp::kSum, 6);
+          comm.reduce_scatter(big.get(), small.get(), block, t, ReduceOp::kSum).wait();
+          got = to_host(small.get(), block * 4);
+          for (std::size_t i = 0; i < block; ++i) {
+            ASSERT_EQ(dear::testing::load(got.data(), i, t),
+                      expected_reduce(r * block + i, n, t, ReduceOp::kSum, 6))
+                << "reduce_scatter element " << i;
+          }
+          fill_device(small.get(), block, comm.rank(), t, ReduceOp::kSum, 7);
+          comm.all_gather(small.get(), out.get(), block, t).wait();
+          got = to_host(out.get(), block * nn * 4);
+          for (int q = 0; q < n; ++q) {
+            for (std::size_t i = 0; i < block; ++i) {
+              ASSERT_EQ(dear::testing::load(got.data(), static_cast<std::size_t>(q) * block + i, t),
+                        input_value(q, i, t, ReduceOp::kSum, 7))
+                  << "all_gather block " << q << " element " << i;
+            }
+          }
+          comm.broadcast(big.get(), out.get(), block * nn, t, 1).wait();
+          got = to_host(out.get(), block * nn * 4);
+          for (std::size_t i = 0; i < block * nn; ++i) {
+            ASSERT_EQ(dear::testing::load(got.data(), i, t),
+                      input_value(1, i, t, ReduceOp::kSum, 6))
+                << "broadcast element " << i;
+          }
+          std::printf("%s rank %d: %llu messages through device windows\n", provider.c_str(),
+                      comm.rank(),
+                      static_cast<unsigned long long>(comm.engine_stats().device_window_messages));
+        },
+        o);
+  }
 }
 
 // One rank on device memory, the other on host memory for the same operation: both fail, and

@@ -275,6 +275,24 @@ TEST_P(Fabric, ConnectPeersNamesAPeerThatDoesNotListThisRank) {
 // ---- the data paths (FabricOptions::data_path, CommOptions::fabric_data_path)
 // ----------------------------------------------------------------
 
+TEST(FabricSetup, UnknownHmemSettingIsRefusedNamingItAndTheRank) {
+  CommOptions o;
+  o.transport = "fabric";
+  o.fabric_hmem = "yes";
+  const auto errors = run_ranks_collect(
+      2, [](Communicator&) {}, o);
+  for (std::size_t r = 0; r < errors.size(); ++r) {
+    ASSERT_TRUE(errors[r]) << "rank " << r << " accepted fabric_hmem='yes'";
+    Error err(ErrorCode::kInternal, "");
+    ASSERT_NE(as_error(errors[r], err), nullptr) << what_of(errors[r]);
+    EXPECT_EQ(err.code(), ErrorCode::kInvalidArgument) << what_of(errors[r]);
+    EXPECT_EQ(err.rank(), static_cast<int>(r)) << what_of(errors[r]);
+    EXPECT_NE(what_of(errors[r]).find("fabric_hmem='yes'"), std::string::npos)
+        << what_of(errors[r]);
+    EXPECT_NE(what_of(errors[r]).find("DEAR_FABRIC_HMEM"), std::string::npos) << what_of(errors[r]);
+  }
+}
+
 TEST(FabricSetup, UnknownDataPathIsRefusedNamingItAndTheRank) {
   CommOptions o;
   o.transport = "fabric";
@@ -435,6 +453,27 @@ TEST_P(FabricPath, ChannelsTakeThePathAndCarryEveryByte) {
       EXPECT_EQ(failures[r], "") << "rank " << r << " in_place_bytes=" << v.in_place_bytes;
       EXPECT_NE(described[r].find(", " + path() + ")"), std::string::npos) << described[r];
     }
+  }
+}
+
+// FabricOptions::hmem: the domain is opened for CUDA device memory (FI_HMEM) where the provider
+// offers it on the write data path, and its channels say so; elsewhere they run without it.
+// Either way messages of every size arrive byte for byte.
+TEST_P(FabricPath, DeviceMemoryDomainWhereTheProviderOffersIt) {
+  const auto why = transport::fabric::hmem_unavailable_reason(provider());
+  const bool offered = path() == "write" && !why;
+  std::vector<std::string> described(4);
+  const auto failures = exchange_with_peers(4, [&](Bootstrap& bs, const std::vector<int>& peers) {
+    auto fo = fabric_options();
+    fo.hmem = true;
+    auto chans = transport::fabric::connect_peers(bs, peers, fo);
+    described[static_cast<std::size_t>(bs.rank())] = chans.at(0)->describe();
+    return chans;
+  });
+  for (std::size_t r = 0; r < failures.size(); ++r) {
+    EXPECT_EQ(failures[r], "") << "rank " << r;
+    EXPECT_EQ(described[r].find("FI_HMEM") != std::string::npos, offered)
+        << described[r] << (why ? " (" + *why + ")" : std::string());
   }
 }
 
@@ -884,6 +923,64 @@ TEST_P(FabricPath, CollectivesWriteStraightIntoTheirDestination) {
       EXPECT_EQ(taken, 0u) << "direct writes switched off";
     } else {
       EXPECT_GT(taken, 0u) << "no message was written directly";
+    }
+  }
+}
+
+// Operations that bounce (device memory; here host memory under deferred_bounce, the deferred
+// executor standing in for the GPU) take their messages into a window on the executor's memory
+// on the write data path: the sender packs each slice into a send slot registered as a device
+// source and writes it there whatever its size (try_send_direct), the receiver's step reads it
+// there. On the send data path there is no window: landing slots in host memory, as over TCP.
+// Every element is checked either way, reduce-scatter included.
+TEST_P(FabricPath, BouncedOperationsTakeMessagesIntoWindowsOnExecutorMemory) {
+  const int n = 3;
+  for (const char* hmem : {"off", "on"}) {
+    SCOPED_TRACE(std::string("fabric_hmem=") + hmem);
+    CommOptions o = options();
+    o.executor = "deferred_bounce";
+    o.slice_bytes = 64 * 1024;
+    o.fabric_hmem = hmem;  // a domain for device memory, where offered, takes host memory alike
+    std::vector<std::uint64_t> windowed(n);
+    run_ranks(
+        n,
+        [&](Communicator& comm) {
+          const int r = comm.rank();
+          expect_reduce_and_gather(comm, n, DataType::kFloat32, 200003, "windowed");
+          expect_reduce_and_gather(comm, n, DataType::kInt64, 777, "windowed, small slices");
+          const std::size_t count = 50021;
+          std::vector<std::int32_t> in(count * n);
+          for (std::size_t i = 0; i < in.size(); ++i) in[i] = static_cast<std::int32_t>(i + r);
+          std::vector<std::int32_t> out(count, -1);
+          comm.reduce_scatter(in.data(), out.data(), count, DataType::kInt32, ReduceOp::kSum)
+              .wait();
+          for (std::size_t i = 0; i < count; ++i) {
+            const std::size_t at = static_cast<std::size_t>(r) * count + i;
+            const auto want =
+                static_cast<std::int32_t>(at * n + static_cast<std::size_t>(n * (n - 1) / 2));
+            ASSERT_EQ(out[i], want) << "reduce_scatter, rank " << r << " element " << i;
+          }
+          for (int root = 0; root < n; ++root) {
+            std::vector<std::int32_t> b(count, -1);
+            if (r == root) {
+              for (std::size_t i = 0; i < count; ++i)
+                b[i] = static_cast<std::int32_t>(i * 7 + root);
+            }
+            comm.broadcast(b.data(), b.data(), count, DataType::kInt32, root).wait();
+            for (std::size_t i = 0; i < count; ++i) {
+              ASSERT_EQ(b[i], static_cast<std::int32_t>(i * 7 + root))
+                  << "broadcast from " << root << " at rank " << r;
+            }
+          }
+          windowed[static_cast<std::size_t>(r)] = comm.engine_stats().device_window_messages;
+        },
+        o);
+    for (int r = 0; r < n; ++r) {
+      if (path() == "write") {
+        EXPECT_GT(windowed[static_cast<std::size_t>(r)], 0u) << "rank " << r << " took none";
+      } else {
+        EXPECT_EQ(windowed[static_cast<std::size_t>(r)], 0u) << "rank " << r << " had a window";
+      }
     }
   }
 }

@@ -42,6 +42,8 @@
 #include <string>
 #include <vector>
 
+#include "dear/error.h"
+
 namespace dear::transport {
 
 enum class FrameType : std::uint8_t {
@@ -102,6 +104,9 @@ static_assert(sizeof(Window) == 32, "a window travels as 32 bytes");
 struct DeviceMemory {
   int dmabuf_fd = -1;
   std::uint64_t offset = 0;
+  // The CUDA device holding it; -1 for host memory standing in for device memory (the
+  // collectives' tests of the device path on a CPU), which a back-end registers as host memory.
+  int cuda_device = -1;
 };
 
 class RecvSink {
@@ -146,6 +151,23 @@ class Channel {
     (void)offset;
     return try_send(h, payload, token);
   }
+  // try_send_to() of a message that must be written into `window` directly, whatever its size:
+  // a window the peer opened on device memory (open_device_window), where its CPU could not
+  // place a staged message, sent from memory registered with register_device_source(). A
+  // message without payload is sent as try_send() does (there is nothing to place). Throws
+  // dear::Error: kInternal from a back-end without direct writes (the default: it opens no
+  // such window), kInvalidArgument when the payload does not fit the window at `offset`.
+  [[nodiscard]] virtual bool try_send_direct(const FrameHeader& h, const void* payload,
+                                             std::uint64_t token, const Window& window,
+                                             std::size_t offset) {
+    (void)h;
+    (void)payload;
+    (void)token;
+    (void)window;
+    (void)offset;
+    throw Error(ErrorCode::kInternal,
+                "a direct send on " + describe() + ", whose back-end has no direct writes");
+  }
   // Opens [base, base + bytes) for the peer's direct writes on every channel of this link to
   // the same peer (one registration serves them all), for messages of up to `message_bytes`;
   // nullopt where the back-end has none (the default), where such messages are too small to
@@ -166,11 +188,11 @@ class Channel {
   // that such a message is complete (on_message) the back-end makes every write visible to the
   // device (verbs: an RDMA READ through a loopback queue pair, which completes only after the
   // writes before it reached memory). Only direct messages may land there: the receiver's CPU
-  // cannot copy a staged one into device memory, so the sender sends into such a window only
-  // messages of at least the back-end's direct size, from host memory or from device memory
-  // it registered (register_device_source). nullopt where the back-end cannot reach device
-  // memory (the default) or cannot register this memory: the caller then stages through host
-  // memory. Closed with close_window().
+  // cannot copy a staged one into device memory, so the sender sends into such a window with
+  // try_send_direct() (any size; `message_bytes` is not checked against the back-end's direct
+  // size), from device memory it registered (register_device_source). nullopt where the
+  // back-end cannot reach device memory (the default) or cannot register this memory: the
+  // caller then stages through host memory. Closed with close_window().
   [[nodiscard]] virtual std::optional<Window> open_device_window(char* base, std::size_t bytes,
                                                                  std::size_t message_bytes,
                                                                  const DeviceMemory& memory) {

@@ -30,6 +30,7 @@ struct TransportOptions {
   std::string fabric_provider;        // fabric: the libfabric provider ("" = the first that works)
   std::size_t fabric_slot_bytes = 0;  // fabric: slot bytes; 0 = the back-end's choice
   std::string fabric_data_path = "auto";  // fabric: auto, write or send
+  std::string fabric_hmem = "off";        // fabric: FI_HMEM asked for: on or off (auto: as off)
   std::int64_t direct_bytes = -1;         // fabric, verbs: direct messages from; -1 = default
   std::string ib_device;                  // verbs: device[:port]; "" = the first active one
   int ib_gid_index = -1;                  // verbs: GID index; -1 = automatic

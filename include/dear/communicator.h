@@ -91,6 +91,11 @@ struct CommOptions {
   // the receiver keeps posted), or "auto" (write where the provider offers it, else send)
   // (DEAR_FABRIC_DATA_PATH). Every rank must end up on the same path.
   std::string fabric_data_path = "auto";
+  // transport "fabric": whether the domain is opened for CUDA device memory (FI_HMEM), so that
+  // device operations' messages are written straight into device memory (GPUDirect RDMA)
+  // instead of passing through pinned host memory: "auto" (where this build has CUDA and sees
+  // a GPU), "on", "off" (DEAR_FABRIC_HMEM). A provider without FI_HMEM is used without it.
+  std::string fabric_hmem = "auto";
   // transports "fabric" (write data path) and "verbs": messages of at least this many bytes
   // that the receiver copies into their destination unchanged (all_gather, broadcast,
   // all_reduce's all-gather steps) are written straight into it, saving the receiver a copy;
@@ -299,6 +304,9 @@ class Communicator {
   struct EngineStats {
     double cpu_seconds = 0;
     std::size_t peak_landing_bytes = 0;
+    // Messages of device operations received straight into a window in device memory (verbs
+    // or libfabric with GPUDirect RDMA: no pass through host memory), not into landing slots.
+    std::uint64_t device_window_messages = 0;
   };
   [[nodiscard]] virtual EngineStats engine_stats() const { return {}; }
 

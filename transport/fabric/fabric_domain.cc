@@ -12,8 +12,8 @@ namespace dear::transport::fabric {
 
 bool single_host(const std::string& prov) { return prov == "shm" || prov.rfind("shm;", 0) == 0; }
 
-InfoPtr query(const std::string& provider, int* rc_out, bool writes) {
-  InfoPtr hints = rdm_hints(provider, FI_THREAD_SAFE, writes);
+InfoPtr query(const std::string& provider, int* rc_out, bool writes, bool hmem) {
+  InfoPtr hints = rdm_hints(provider, FI_THREAD_SAFE, writes, hmem);
   fi_info* info = nullptr;
   const int rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints.get(), &info);
   if (rc_out != nullptr) *rc_out = rc;
@@ -34,11 +34,11 @@ const fi_info* choose(const fi_info* list, const std::string& provider) {
   return nullptr;
 }
 
-InfoPtr write_info(const fi_info* chosen, std::string* why) {
+InfoPtr write_info(const fi_info* chosen, std::string* why, bool hmem) {
   const std::string prov = chosen->fabric_attr->prov_name;
   const char* domain = chosen->domain_attr->name;
   int rc = 0;
-  InfoPtr list = query(prov, &rc, true);
+  InfoPtr list = query(prov, &rc, true, hmem);
   if (!list) {
     *why = "it offers no RMA writes with " + std::to_string(kWriteDataBytes) +
            " bytes of remote CQ data: " + fi_text(rc);
@@ -103,6 +103,16 @@ std::optional<std::string> write_unavailable_reason(const std::string& provider)
          "' cannot take the write data path: " + why;
 }
 
+std::optional<std::string> hmem_unavailable_reason(const std::string& provider) {
+  if (auto why = write_unavailable_reason(provider)) return why;
+  InfoPtr list = query(provider, nullptr);
+  const fi_info* chosen = choose(list.get(), provider);
+  std::string why;
+  if (write_info(chosen, &why, true)) return std::nullopt;
+  return "libfabric provider '" + std::string(chosen->fabric_attr->prov_name) +
+         "' offers no device memory (FI_HMEM) on the write data path: " + why;
+}
+
 FabricOptions fitted(const Domain& dom, const FabricOptions& options, int rank) {
   FabricOptions o = options;
   const std::size_t max_msg = dom.info->ep_attr->max_msg_size;
@@ -145,6 +155,15 @@ std::shared_ptr<Domain> open_domain(const FabricOptions& options, int rank, std:
                       "); ask for 'send' or 'auto' (CommOptions::fabric_data_path or "
                       "DEAR_FABRIC_DATA_PATH)",
                   rank);
+    }
+  }
+  if (writes && options.hmem) {
+    // Device memory too, where the provider offers it on this domain; otherwise device
+    // operations pass through pinned host memory (open_device_window answers nullopt).
+    std::string why;
+    if (InfoPtr h = write_info(chosen, &why, true)) {
+      writes = std::move(h);
+      dom->hmem = true;
     }
   }
   dom->write = writes != nullptr;

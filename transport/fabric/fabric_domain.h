@@ -13,6 +13,7 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstddef>
@@ -45,7 +46,9 @@ namespace dear::transport::fabric {
 [[nodiscard]] bool single_host(const std::string& prov);
 // What libfabric offers for `provider` ("" = any) as RDM endpoints (with `writes`: RMA writes
 // with remote CQ data); null, with *rc_out (when given) its error, when nothing.
-[[nodiscard]] InfoPtr query(const std::string& provider, int* rc_out, bool writes = false);
+// `hmem`: also CUDA device memory (FI_HMEM).
+[[nodiscard]] InfoPtr query(const std::string& provider, int* rc_out, bool writes = false,
+                            bool hmem = false);
 // "'a', 'b'", or "none".
 [[nodiscard]] std::string join(const std::vector<std::string>& v);
 
@@ -97,12 +100,20 @@ struct Domain {
       kWindowCacheEntries, [](std::uint64_t h) { fi_close(&reinterpret_cast<fid_mr*>(h)->fid); }};
 
   std::optional<Window> open_window(char* base, std::size_t bytes) {
+    return open_registered(base, bytes, [&](char* b, std::size_t n, fid_mr** mr) {
+      return register_memory(b, n, FI_REMOTE_WRITE, nullptr, mr);
+    });
+  }
+  // A window on [base, base + bytes), its registration made by `make` (an fi_* code back)
+  // unless a cached one holds the range.
+  template <class Make>
+  std::optional<Window> open_registered(char* base, std::size_t bytes, Make&& make) {
     // A registration shared by the domain's endpoints: not where registrations belong to one.
     if (!write || (info->domain_attr->mr_mode & FI_MR_ENDPOINT) != 0) return std::nullopt;
     const auto o = windows.open(
         base, bytes, [&](char* b, std::size_t n) -> std::optional<rma::WindowRegistrations::Made> {
           fid_mr* mr = nullptr;
-          if (register_memory(b, n, FI_REMOTE_WRITE, nullptr, &mr) != 0) return std::nullopt;
+          if (make(b, n, &mr) != 0) return std::nullopt;
           const std::uint64_t key = fi_mr_key(mr);
           if (key == FI_KEY_NOTAVAIL) {
             fi_close(&mr->fid);
@@ -122,6 +133,57 @@ struct Domain {
   }
   void close_window(const Window& w) { windows.close(w.key); }
 
+  // Device memory (Channel::open_device_window, register_device_source). CUDA memory needs a
+  // domain opened with FI_HMEM (`hmem`, FabricOptions::hmem, where the provider offers it),
+  // and is registered with its interface and device (fi_mr_regattr); host memory standing in
+  // for device memory (DeviceMemory::cuda_device -1, the engine's tests) is registered as
+  // host memory. Compiled, not run with CUDA memory (no GPU and no FI_HMEM provider where it
+  // was written).
+  bool hmem = false;
+  int register_device(const void* p, std::size_t n, std::uint64_t access, const DeviceMemory& m,
+                      fid_mr** out) {
+    if (m.cuda_device < 0) return register_memory(p, n, access, nullptr, out);
+    if (!hmem) return -FI_EOPNOTSUPP;
+    return register_hmem(domain.get(), info->domain_attr->mr_mode, p, n, access, next_key++,
+                         m.cuda_device, out);
+  }
+  std::optional<Window> open_device_window(char* base, std::size_t bytes, const DeviceMemory& m) {
+    return open_registered(base, bytes, [&](char* b, std::size_t n, fid_mr** mr) {
+      return register_device(b, n, FI_REMOTE_WRITE, m, mr);
+    });
+  }
+  // Registered device memory that direct messages are written from, kept until forgotten (a
+  // message from it cannot fall back to a copy through staging, which the CPU would read).
+  struct DeviceSource {
+    std::uintptr_t begin = 0;
+    std::uintptr_t end = 0;
+    fid_mr* mr = nullptr;
+  };
+  std::vector<DeviceSource> device_sources;
+  bool add_device_source(const char* p, std::size_t n, const DeviceMemory& m) {
+    if (device_source(p, n) != nullptr) return true;
+    if (!write || (info->domain_attr->mr_mode & FI_MR_ENDPOINT) != 0) return false;
+    fid_mr* mr = nullptr;
+    if (register_device(p, n, FI_WRITE, m, &mr) != 0) return false;
+    const auto lo = reinterpret_cast<std::uintptr_t>(p);
+    device_sources.push_back({lo, lo + n, mr});
+    return true;
+  }
+  const DeviceSource* device_source(const void* p, std::size_t n) const {
+    const auto lo = reinterpret_cast<std::uintptr_t>(p);
+    for (const DeviceSource& d : device_sources) {
+      if (lo >= d.begin && lo + n <= d.end) return &d;
+    }
+    return nullptr;
+  }
+  // True when [p, p + n) overlaps registered device memory (which the CPU may not read).
+  bool in_device_memory(const void* p, std::size_t n) const {
+    const auto lo = reinterpret_cast<std::uintptr_t>(p);
+    return p != nullptr && n > 0 &&
+           std::any_of(device_sources.begin(), device_sources.end(),
+                       [&](const DeviceSource& d) { return lo < d.end && lo + n > d.begin; });
+  }
+
   // In-place sends (FabricOptions::in_place_bytes) on a provider that needs local
   // registrations: the callers' memory, registered once per range and looked up after, each
   // registration kept until no in-place send of this domain may read it
@@ -133,6 +195,7 @@ struct Domain {
   // The descriptor for sending from [p, p + n), registering the range when it is not yet;
   // nullopt when it cannot be registered (the caller copies instead).
   std::optional<void*> descriptor(const char* p, std::size_t n) {
+    if (const DeviceSource* d = device_source(p, n)) return fi_mr_desc(d->mr);
     if (!register_sends) return nullptr;
     const auto h =
         sends.find(p, n, [&](const void* b, std::size_t len) -> std::optional<std::uint64_t> {
@@ -152,12 +215,20 @@ struct Domain {
   void forget(const void* p, std::size_t n) {
     if (n == 0) return;
     sends.forget(p, n);
+    const auto lo = reinterpret_cast<std::uintptr_t>(p);
+    std::erase_if(device_sources, [&](const DeviceSource& d) {
+      if (d.end <= lo || d.begin >= lo + n) return false;
+      sends.release_later(reinterpret_cast<std::uint64_t>(d.mr));
+      return true;
+    });
     windows.forget(p, n);
   }
 
   ~Domain() {
     windows.clear();
     sends.clear();
+    for (const DeviceSource& d : device_sources) fi_close(&d.mr->fid);
+    device_sources.clear();
     av.reset();
     domain.reset();
     fabric.reset();
@@ -374,8 +445,8 @@ class Graveyard {
 
 // The write data path's description of `chosen`'s provider and domain: RMA writes with remote
 // CQ data that holds a sequence number. Null, with `why` saying what is missing, when there is
-// none.
-[[nodiscard]] InfoPtr write_info(const fi_info* chosen, std::string* why);
+// none. `hmem`: with CUDA device memory too (FI_HMEM).
+[[nodiscard]] InfoPtr write_info(const fi_info* chosen, std::string* why, bool hmem = false);
 
 // Chooses the provider (the one asked for, or the first that reaches other hosts) and opens
 // its fabric, domain and an address vector for `endpoints` peers.

@@ -86,6 +86,19 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
     return dom_->open_window(base, bytes);
   }
   void close_window(const Window& window) override { dom_->close_window(window); }
+  // Device memory (fabric_domain.h, Domain::register_device): messages of any size go direct
+  // into such a window (try_send_direct). No GPU flush is made before a message is announced:
+  // the provider's completion of a write into device memory is taken as its visibility.
+  std::optional<Window> open_device_window(char* base, std::size_t bytes, std::size_t,
+                                           const DeviceMemory& memory) override {
+    if (direct_min_ == 0 || closed()) return std::nullopt;
+    return dom_->open_device_window(base, bytes, memory);
+  }
+  bool register_device_source(const char* base, std::size_t bytes,
+                              const DeviceMemory& memory) override {
+    if (base == nullptr || bytes == 0 || direct_min_ == 0 || closed()) return false;
+    return dom_->add_device_source(base, bytes, memory);
+  }
   pollfd wait_spec() const override;
   // The providers here progress only inside fi_cq_read() (manual progress), and their wait
   // descriptors do not signal everything that needs it (rxm's rendezvous steps).
@@ -105,7 +118,16 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   using Source = void*;  // a registration's descriptor (null where the provider needs none)
   // The peer may release its endpoint once it has heard this end's goodbye (see Graveyard).
   static constexpr bool kAnswersBye = true;
-  void check_staged(const FrameHeader&, const void*) const {}
+  void check_staged(const FrameHeader& h, const void* payload) const {
+    if (dom_->in_device_memory(payload, h.bytes)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "a message of " + std::to_string(h.bytes) +
+                      " bytes from registered device memory cannot be staged through the host "
+                      "on " +
+                      describe() + "; send it with try_send_direct() into a window the peer opened",
+                  self_, peer_);
+    }
+  }
   bool opened() const { return ep_ != nullptr; }
   bool connected() const { return peer_addr_ != FI_ADDR_UNSPEC; }
   bool can_post() const { return !free_data_.empty(); }
@@ -384,7 +406,8 @@ void FabricChannel::set_peer(const char* name, std::size_t len, const rma::SlotR
 }
 
 std::string FabricChannel::describe() const {
-  return "fabric (" + dom_->provider + ", " + (write_ ? "write" : "send") + ") channel " +
+  return "fabric (" + dom_->provider + ", " +
+         (write_ ? (dom_->hmem ? "write, FI_HMEM" : "write") : "send") + ") channel " +
          std::to_string(index_) + " between rank " + std::to_string(self_) + " and rank " +
          std::to_string(peer_);
 }

@@ -123,6 +123,12 @@ struct FabricOptions {
   // Register the memory of in-place sends even where the provider does not need it (tests the
   // path that providers needing FI_MR_LOCAL take, on providers that run here).
   bool register_in_place = false;
+  // On the write data path, open the domain for CUDA device memory (FI_HMEM, with FI_MR_HMEM
+  // registrations) where the provider offers it, so that device windows and device sources
+  // (Channel::open_device_window, register_device_source) take CUDA memory; without it, or
+  // where the provider does not offer it, only host memory (device operations then pass
+  // through pinned host memory).
+  bool hmem = false;
   // The data path; every rank must end up on the same one (kAuto does, given one provider).
   // kAuto, i.e. writes where offered: never slower than sends in the measurements
   // (docs/results.md).
@@ -151,6 +157,9 @@ using RingLinks = transport::RingLinks;
 // Why `provider` ("" = the default choice) cannot take the write data path here, or nullopt
 // when it can (DataPath::kAuto then chooses it).
 [[nodiscard]] std::optional<std::string> write_unavailable_reason(const std::string& provider);
+// Why `provider` cannot take CUDA device memory on the write data path here (FI_HMEM), or
+// nullopt when it can (FabricOptions::hmem then opens its domain for it).
+[[nodiscard]] std::optional<std::string> hmem_unavailable_reason(const std::string& provider);
 
 // Callers' memory ranges registered so far for in-place sends by the domain `channel` belongs
 // to (FabricOptions::register_in_place, or a provider that needs local registrations); 0 for a

@@ -20,6 +20,8 @@ std::optional<std::string> write_unavailable_reason(const std::string&) {
   return std::string(kWhy);
 }
 
+std::optional<std::string> hmem_unavailable_reason(const std::string&) { return std::string(kWhy); }
+
 std::uint64_t registrations_made(const Channel&) { return 0; }
 std::uint64_t window_registrations_made(const Channel&) { return 0; }
 std::uint64_t direct_received_total() { return 0; }

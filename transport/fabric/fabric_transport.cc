@@ -32,6 +32,11 @@ class FabricTransport final : public rma::RmaTransport {
                   "CommOptions::fabric_data_path='" + o.fabric_data_path +
                       "' is not one of auto, write, send (DEAR_FABRIC_DATA_PATH)");
     }
+    if (o.fabric_hmem != "auto" && o.fabric_hmem != "on" && o.fabric_hmem != "off") {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "CommOptions::fabric_hmem='" + o.fabric_hmem +
+                      "' is not one of auto, on, off (DEAR_FABRIC_HMEM)");
+    }
   }
 
   Links connect(Bootstrap& bootstrap, const std::vector<int>& mesh_peers,
@@ -40,6 +45,7 @@ class FabricTransport final : public rma::RmaTransport {
     mesh.provider = o.fabric_provider;
     mesh.data_path = *parse_data_path(o.fabric_data_path);
     mesh.deadline = o.deadline;
+    mesh.hmem = o.fabric_hmem == "on";
     if (o.fabric_slot_bytes > 0) mesh.slot_bytes = o.fabric_slot_bytes;
     if (o.direct_bytes >= 0) mesh.direct_bytes = static_cast<std::size_t>(o.direct_bytes);
     // Ring links carry the large operations: a slot holds a whole slice (and its header). The

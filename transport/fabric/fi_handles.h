@@ -63,7 +63,8 @@ inline void set_provider_defaults() {
 // `writes`: also RMA writes to and from this endpoint with remote CQ data (FI_RMA, FI_WRITE,
 // FI_REMOTE_WRITE), accepting that such a write consumes a posted receive (FI_RX_CQ_DATA) and
 // that registrations belong to an endpoint (FI_MR_ENDPOINT): the write data path handles both.
-inline InfoPtr rdm_hints(const std::string& provider, fi_threading threading, bool writes = false) {
+inline InfoPtr rdm_hints(const std::string& provider, fi_threading threading, bool writes = false,
+                         bool hmem = false) {
   set_provider_defaults();
   InfoPtr hints(fi_allocinfo());
   if (!hints) throw Error(ErrorCode::kSystem, "fi_allocinfo failed: out of memory");
@@ -78,6 +79,10 @@ inline InfoPtr rdm_hints(const std::string& provider, fi_threading threading, bo
     hints->mode |= FI_RX_CQ_DATA;
     hints->domain_attr->mr_mode |= FI_MR_ENDPOINT;
     hints->domain_attr->cq_data_size = kWriteDataBytes;
+  }
+  if (hmem) {
+    hints->caps |= FI_HMEM;
+    hints->domain_attr->mr_mode |= FI_MR_HMEM;
   }
   hints->domain_attr->threading = threading;
   if (!provider.empty()) hints->fabric_attr->prov_name = ::strdup(provider.c_str());
@@ -105,6 +110,22 @@ inline int register_region(fid_domain* domain, std::uint64_t mr_mode, const void
   }
   *out = mr;
   return 0;
+}
+
+// register_region() for CUDA device memory on `cuda_device` (a domain opened with FI_HMEM):
+// fi_mr_regattr with FI_HMEM_CUDA. Compiled, not run with device memory.
+inline int register_hmem(fid_domain* domain, std::uint64_t mr_mode, const void* p, std::size_t n,
+                         std::uint64_t access, std::uint64_t key, int cuda_device, fid_mr** out) {
+  if ((mr_mode & FI_MR_ENDPOINT) != 0) return -FI_EINVAL;  // no endpoint to bind it to
+  iovec iov{const_cast<void*>(p), n};
+  fi_mr_attr attr{};
+  attr.mr_iov = &iov;
+  attr.iov_count = 1;
+  attr.access = access;
+  attr.requested_key = (mr_mode & FI_MR_PROV_KEY) != 0 ? 0 : key;
+  attr.iface = FI_HMEM_CUDA;
+  attr.device.cuda = cuda_device;
+  return fi_mr_regattr(domain, &attr, 0, out);
 }
 
 }  // namespace dear::transport::fabric

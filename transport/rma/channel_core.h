@@ -196,6 +196,24 @@ class RmaChannel : public ChannelCore {
     if (!d) return try_send(h, payload, token);
     return queue(h, payload, token, d);
   }
+  bool try_send_direct(const FrameHeader& h, const void* payload, std::uint64_t token,
+                       const Window& window, std::size_t offset) override {
+    if (h.bytes == 0) return queue(h, payload, token, std::nullopt);
+    if (direct_min_ == 0) {
+      throw Error(ErrorCode::kInternal,
+                  "a direct send on " + describe() + ", whose data path has no windows", self_,
+                  peer_);
+    }
+    const auto d = direct_target(h.bytes, window, offset, 1);
+    if (!d) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "a direct message of " + std::to_string(h.bytes) + " bytes at offset " +
+                      std::to_string(offset) + " does not fit the peer's window of " +
+                      std::to_string(window.bytes) + " bytes on " + describe(),
+                  self_, peer_);
+    }
+    return queue(h, payload, token, d);
+  }
   bool progress(RecvSink& sink, bool may_read) override;
   void close() override;
 

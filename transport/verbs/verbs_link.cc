@@ -152,10 +152,11 @@ class VerbsChannel final : public rma::RmaChannel<VerbsChannel> {
   void arm();
   bool poll_cq();
   void retire(std::uint64_t id);
-  // A window on [base, base + bytes) for messages of `message_bytes`, registered through
-  // `make` unless a cached registration holds it; nullopt where such messages do not go direct
-  // or the memory cannot be registered.
+  // A window on [base, base + bytes) for messages of `message_bytes` (`any_size`: of any size,
+  // a device window), registered through `make` unless a cached registration holds it; nullopt
+  // where such messages do not go direct or the memory cannot be registered.
   std::optional<Window> open_registered(char* base, std::size_t bytes, std::size_t message_bytes,
+                                        bool any_size,
                                         const rma::WindowRegistrations::Register& make);
 
   std::shared_ptr<Context> ctx_;  // first: outlives the resources below
@@ -439,16 +440,18 @@ void VerbsChannel::check_staged(const FrameHeader& h, const void* payload) const
     throw Error(ErrorCode::kInvalidArgument,
                 "a message of " + std::to_string(h.bytes) +
                     " bytes from registered device memory cannot be staged through the host on " +
-                    describe() + "; send it with try_send_to() into a window, at least " +
-                    std::to_string(direct_min_) + " bytes (VerbsOptions::direct_bytes)",
+                    describe() + "; send it with try_send_direct() into a window the peer opened",
                 self_, peer_);
   }
 }
 
 std::optional<Window> VerbsChannel::open_registered(
-    char* base, std::size_t bytes, std::size_t message_bytes,
+    char* base, std::size_t bytes, std::size_t message_bytes, bool any_size,
     const rma::WindowRegistrations::Register& make) {
-  if (direct_min_ == 0 || message_bytes < direct_min_ || closed()) return std::nullopt;
+  // A device window takes messages of any size (try_send_direct).
+  if (direct_min_ == 0 || (!any_size && message_bytes < direct_min_) || closed()) {
+    return std::nullopt;
+  }
   const auto o = ctx_->windows.open(base, bytes, make);
   if (!o) return std::nullopt;
   // ibverbs addresses registered memory by virtual address, whatever the registration's start.
@@ -463,7 +466,7 @@ std::optional<Window> VerbsChannel::open_registered(
 std::optional<Window> VerbsChannel::open_window(char* base, std::size_t bytes,
                                                 std::size_t message_bytes) {
   return open_registered(
-      base, bytes, message_bytes,
+      base, bytes, message_bytes, false,
       [&](char* b, std::size_t n) -> std::optional<rma::WindowRegistrations::Made> {
         ibv_mr* mr = ibv_reg_mr(ctx_->pd, b, n, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
         if (mr == nullptr) return std::nullopt;
@@ -476,7 +479,7 @@ std::optional<Window> VerbsChannel::open_device_window(char* base, std::size_t b
                                                        const DeviceMemory& memory) {
   if (ctx_->gpu_flusher() == nullptr) return std::nullopt;
   auto w = open_registered(
-      base, bytes, message_bytes,
+      base, bytes, message_bytes, true,
       [&](char* b, std::size_t n) -> std::optional<rma::WindowRegistrations::Made> {
         GpuRegistration g = register_gpu_memory(ctx_->pd, b, n, memory.dmabuf_fd,
                                                 memory.offset + static_cast<std::size_t>(b - base));

@@ -41,10 +41,10 @@
 // reads one byte of the window back with RDMA READ through a queue pair connected to itself
 // (one per device and port, made with the first device window) and tells its sink only once
 // that read completed: the adapter completes it after the writes before it reached the GPU's
-// memory. A message from registered device memory that would go through slots (too small, or
-// no window) is refused with kInvalidArgument, as the CPU cannot copy it. The collectives do
-// not use these yet: the engine stages GPU buffers through host memory
-// (collectives/device_staging.h), so every window it opens is host memory.
+// memory. A device window takes messages of any size (try_send_direct); a message from
+// registered device memory that would go through slots (try_send, or try_send_to below the
+// direct size) is refused with kInvalidArgument, as the CPU cannot copy it. The engine's device
+// operations use both (docs/architecture.md, "Device memory over RDMA links").
 //
 // Completion is polled from progress() (polled() is true); wait_spec() returns the completion
 // channel's descriptor, armed with ibv_req_notify_cq, so an idle engine may sleep on it.
