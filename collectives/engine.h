@@ -442,6 +442,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
     std::size_t capacity = 0;
     Executor* owner = nullptr;
     ExecMemory where = ExecMemory::kLanding;
+    // kLinked: how the links register it (exported once; its dma-buf closed with it).
+    transport::DeviceMemory linked{};
     bool busy = false;
   };
   std::vector<ShadowBuffer> shadow_buffers_;

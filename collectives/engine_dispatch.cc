@@ -73,16 +73,13 @@ bool Engine::open_device_window(Op& op) {
   // One of the engine's buffers (kept, so that the link's registration of it is reused).
   const int b = acquire_shadow_buffer(*op.exec, r.bytes, ExecMemory::kLinked);
   ShadowBuffer& buf = shadow_buffers_[static_cast<std::size_t>(b)];
-  const transport::DeviceMemory memory = op.exec->link_memory(buf.data, buf.capacity);
   std::optional<transport::Window> w;
   try {
-    w = links_[kPrev][0]->open_device_window(buf.data, buf.capacity, r.message_bytes, memory);
+    w = links_[kPrev][0]->open_device_window(buf.data, buf.capacity, r.message_bytes, buf.linked);
   } catch (...) {
-    if (memory.dmabuf_fd >= 0) ::close(memory.dmabuf_fd);
     buf.busy = false;
     throw;
   }
-  if (memory.dmabuf_fd >= 0) ::close(memory.dmabuf_fd);
   if (!w) {
     buf.busy = false;  // landing slots in host memory, as over TCP
     return false;

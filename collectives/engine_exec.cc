@@ -225,6 +225,7 @@ int Engine::acquire_shadow_buffer(Executor& copier, std::size_t bytes, ExecMemor
   b.data = copier.allocate(where, b.capacity);
   b.owner = &copier;
   b.where = where;
+  if (where == ExecMemory::kLinked) b.linked = copier.link_memory(b.data, b.capacity);
   b.busy = true;
   shadow_buffers_.push_back(b);
   if (where == ExecMemory::kLanding) count_landing(static_cast<std::ptrdiff_t>(b.capacity));
@@ -673,6 +674,7 @@ void Engine::free_slots() noexcept {
   borrowed_free_.clear();
   for (ShadowBuffer& b : shadow_buffers_) {
     if (b.where == ExecMemory::kLinked) forget_linked(b.data, b.capacity);
+    if (b.linked.dmabuf_fd >= 0) ::close(b.linked.dmabuf_fd);
     b.owner->release(b.where, b.data);
   }
   shadow_buffers_.clear();

@@ -551,18 +551,34 @@ void Engine::check_p2p_deadlines(transport::Clock::time_point now) {
   }
   for (const PeerP2p& peer : p2p_) {
     for (const auto* queue : {&peer.sends, &peer.recvs}) {
+      // A send whose device input is not in host memory yet holds back the sends behind it
+      // (advance_p2p_copies): their timeout says so rather than blame the peer.
+      bool behind_held = false;
       for (const auto& p : *queue) {
-        if (now < p->deadline) continue;
+        if (now < p->deadline) {
+          behind_held = behind_held || p->held;
+          continue;
+        }
         const bool send = p->call.send;
         const std::string what = view_of(send, p->pseq, p->call.tag, p->call.count,
                                          static_cast<std::uint8_t>(p->call.dtype));
+        const std::string peer_text = "rank " + std::to_string(p->call.peer);
+        std::string why;
+        if (!send) {
+          why = peer_text + " has not sent it";
+        } else if (p->held) {
+          why = p->copying ? "its device memory is still being copied to host memory"
+                           : "the work queued before it on its CUDA stream has not finished";
+        } else if (behind_held) {
+          why = "it waits behind an earlier send to " + peer_text +
+                " whose device memory is not in host memory yet";
+        } else {
+          why = p->queued ? "its bytes are still on their way"
+                          : peer_text + " has posted no receive for it";
+        }
         throw Error(ErrorCode::kTimeout,
-                    what + (send ? " to" : " from") + " rank " + std::to_string(p->call.peer) +
-                        " timed out after " + std::to_string(p->call.timeout.count()) + " ms: " +
-                        (send ? (p->queued ? "its bytes are still on their way"
-                                           : "rank " + std::to_string(p->call.peer) +
-                                                 " has posted no receive for it")
-                              : "rank " + std::to_string(p->call.peer) + " has not sent it"),
+                    what + (send ? " to " : " from ") + peer_text + " timed out after " +
+                        std::to_string(p->call.timeout.count()) + " ms: " + why,
                     cfg_.rank, p->call.peer, send ? "send" : "recv");
       }
     }

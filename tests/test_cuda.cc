@@ -868,6 +868,50 @@ TEST_F(Gpu, ResidentSendRecvThroughHostMemory) {
   });
 }
 
+// A device send whose stream never lets it start within its timeout fails naming that wait,
+// not the peer: the send is held until the caller's stream has done the work queued before it,
+// and the send behind it to the same rank waits too (its timeout says so).
+TEST_F(Gpu, HeldDeviceSendTimesOutNamingTheStream) {
+  const int n = 2;
+  const auto errors = dear::testing::run_ranks_collect(n, [&](Communicator& comm) {
+    ck(cudaSetDevice(0), "cudaSetDevice");
+    const std::size_t count = 4096;
+    DeviceBuffer buf(count * 4);
+    if (comm.rank() == 1) {
+      std::vector<float> host(count);
+      comm.recv(host.data(), count, DataType::kFloat32, 0).wait();
+      return;
+    }
+    cudaStream_t stream = nullptr;
+    ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    float* staged = nullptr;
+    ck(cudaMallocHost(reinterpret_cast<void**>(&staged), count * 4), "cudaMallocHost");
+    LateInput late{staged, count, 0, 3, 3000};  // the stream is busy for 3 s
+    late.enqueue(stream, buf.get());
+    OpOptions o;
+    o.cuda_stream = stream;
+    o.timeout = std::chrono::milliseconds(300);
+    Work w = comm.send(buf.get(), count, DataType::kFloat32, 1, o);
+    const auto done = [&] {
+      (void)cudaStreamSynchronize(stream);
+      (void)cudaFreeHost(staged);
+      (void)cudaStreamDestroy(stream);
+    };
+    try {
+      w.wait();
+    } catch (...) {
+      done();
+      throw;
+    }
+    done();
+  });
+  ASSERT_TRUE(errors[0]) << "the held send did not time out";
+  const std::string text = dear::testing::what_of(errors[0]);
+  EXPECT_NE(text.find("timed out"), std::string::npos) << text;
+  EXPECT_NE(text.find("CUDA stream has not finished"), std::string::npos) << text;
+  EXPECT_TRUE(errors[1]) << "rank 1 was not told";
+}
+
 // Device operations in flight together with different priorities, and host ones among them:
 // each completes with its own result.
 TEST_F(Gpu, ResidentConcurrentOperationsWithPriorities) {
