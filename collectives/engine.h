@@ -394,8 +394,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // A bounced operation's receives in a window on the executor's memory, where the link can
   // open one (device_window_region); false when it takes landing slots instead.
   bool open_device_window(Op& op);
-  // The memory of a direct send slot is registered with the links it may leave on.
-  void register_send_slot(const Op& op, const Slot& slot);
+  // The memory of a direct send slot is registered with the link it leaves on (all of its
+  // channels).
+  void register_send_slot(const Op& op, const Slot& slot, int link);
   // Memory of kind kLinked about to be freed: the links drop what they registered there.
   void forget_linked(const char* p, std::size_t bytes) noexcept;
   void count_landing(std::ptrdiff_t bytes);  // landing (pinned) memory allocated or freed

@@ -405,7 +405,7 @@ int Engine::acquire_slot(Op& op, int link, int channel, std::size_t bytes, bool 
     s.owner = op.exec;
     s.where = where;
     if (where == ExecMemory::kLanding) count_landing(static_cast<std::ptrdiff_t>(capacity));
-    if (where == ExecMemory::kLinked) register_send_slot(op, s);
+    if (where == ExecMemory::kLinked) register_send_slot(op, s, link);
   }
   Slot& s = slots_[static_cast<std::size_t>(pick)];
   s.seq = op.seq;
@@ -443,8 +443,8 @@ int Engine::borrow_slot(Op& op, int link, int channel, char* data) {
   return pick;
 }
 
-void Engine::register_send_slot(const Op& op, const Slot& slot) {
-  transport::Channel& ch = *links_[static_cast<std::size_t>(slot.link)][0];
+void Engine::register_send_slot(const Op& op, const Slot& slot, int link) {
+  transport::Channel& ch = *links_[static_cast<std::size_t>(link)][0];
   const transport::DeviceMemory m = slot.owner->link_memory(slot.data, slot.capacity);
   bool ok = false;
   try {
@@ -455,7 +455,7 @@ void Engine::register_send_slot(const Op& op, const Slot& slot) {
   }
   if (m.dmabuf_fd >= 0) ::close(m.dmabuf_fd);
   if (!ok) {
-    const int peer = peer_of(slot.link);
+    const int peer = peer_of(link);
     throw Error(ErrorCode::kSystem,
                 "rank " + std::to_string(peer) + " opened a window in " + slot.owner->name() +
                     " executor memory for " + view_of(op) + ", but " + ch.describe() +
