@@ -275,41 +275,35 @@ TEST_P(Fabric, ConnectPeersNamesAPeerThatDoesNotListThisRank) {
 // ---- the data paths (FabricOptions::data_path, CommOptions::fabric_data_path)
 // ----------------------------------------------------------------
 
-TEST(FabricSetup, UnknownHmemSettingIsRefusedNamingItAndTheRank) {
-  CommOptions o;
-  o.transport = "fabric";
-  o.fabric_hmem = "yes";
+// Every rank refuses options `o` with kInvalidArgument naming itself, `named` (the setting as
+// given) and `env` (the variable that sets it).
+void expect_refused_on_every_rank(const CommOptions& o, const std::string& named,
+                                  const std::string& env) {
   const auto errors = run_ranks_collect(
       2, [](Communicator&) {}, o);
   for (std::size_t r = 0; r < errors.size(); ++r) {
-    ASSERT_TRUE(errors[r]) << "rank " << r << " accepted fabric_hmem='yes'";
+    ASSERT_TRUE(errors[r]) << "rank " << r << " accepted " << named;
     Error err(ErrorCode::kInternal, "");
     ASSERT_NE(as_error(errors[r], err), nullptr) << what_of(errors[r]);
     EXPECT_EQ(err.code(), ErrorCode::kInvalidArgument) << what_of(errors[r]);
     EXPECT_EQ(err.rank(), static_cast<int>(r)) << what_of(errors[r]);
-    EXPECT_NE(what_of(errors[r]).find("fabric_hmem='yes'"), std::string::npos)
-        << what_of(errors[r]);
-    EXPECT_NE(what_of(errors[r]).find("DEAR_FABRIC_HMEM"), std::string::npos) << what_of(errors[r]);
+    EXPECT_NE(what_of(errors[r]).find(named), std::string::npos) << what_of(errors[r]);
+    EXPECT_NE(what_of(errors[r]).find(env), std::string::npos) << what_of(errors[r]);
   }
+}
+
+TEST(FabricSetup, UnknownHmemSettingIsRefusedNamingItAndTheRank) {
+  CommOptions o;
+  o.transport = "fabric";
+  o.fabric_hmem = "yes";
+  expect_refused_on_every_rank(o, "fabric_hmem='yes'", "DEAR_FABRIC_HMEM");
 }
 
 TEST(FabricSetup, UnknownDataPathIsRefusedNamingItAndTheRank) {
   CommOptions o;
   o.transport = "fabric";
   o.fabric_data_path = "rdma";
-  const auto errors = run_ranks_collect(
-      2, [](Communicator&) {}, o);
-  for (std::size_t r = 0; r < errors.size(); ++r) {
-    ASSERT_TRUE(errors[r]) << "rank " << r << " accepted fabric_data_path='rdma'";
-    Error err(ErrorCode::kInternal, "");
-    ASSERT_NE(as_error(errors[r], err), nullptr) << what_of(errors[r]);
-    EXPECT_EQ(err.code(), ErrorCode::kInvalidArgument) << what_of(errors[r]);
-    EXPECT_EQ(err.rank(), static_cast<int>(r)) << what_of(errors[r]);
-    EXPECT_NE(what_of(errors[r]).find("fabric_data_path='rdma'"), std::string::npos)
-        << what_of(errors[r]);
-    EXPECT_NE(what_of(errors[r]).find("DEAR_FABRIC_DATA_PATH"), std::string::npos)
-        << what_of(errors[r]);
-  }
+  expect_refused_on_every_rank(o, "fabric_data_path='rdma'", "DEAR_FABRIC_DATA_PATH");
 }
 
 TEST(FabricSetup, DataPathNamesAndTheEnvironmentOverride) {

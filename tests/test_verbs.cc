@@ -300,6 +300,31 @@ TEST(VerbsRegCache, InsertEvictsOverlappingEntriesAndInvalidateReturnsHandles) {
   EXPECT_EQ(c.size(), 0u);
 }
 
+// Device sources (rma::DeviceSources, shared with libfabric): found only where a registration
+// covers the whole range, overlaps seen for any byte in common, forgotten ones released through
+// the send registrations once no send reads them, and every handle handed back at the end.
+TEST(VerbsRegCache, DeviceSourcesAreFoundByRangeAndReleasedWhenForgotten) {
+  transport::rma::DeviceSources d;
+  std::vector<std::uint64_t> released;
+  transport::rma::SendRegistrations sends([&](std::uint64_t h) { released.push_back(h); });
+  d.add(at(0x1000), 0x1000, 7);
+  d.add(at(0x4000), 0x2000, 8);
+  EXPECT_EQ(d.find(at(0x1800), 0x800), std::optional<std::uint64_t>(7));
+  EXPECT_EQ(d.find(at(0x1800), 0x801), std::nullopt) << "runs past the registration";
+  EXPECT_EQ(d.find(at(0x5000), 0x100), std::optional<std::uint64_t>(8));
+  EXPECT_TRUE(d.overlaps(at(0x1fff), 0x100));
+  EXPECT_FALSE(d.overlaps(at(0x2000), 0x2000)) << "ends where the second begins";
+  EXPECT_FALSE(d.overlaps(at(0x1000), 0)) << "no bytes";
+  sends.hold();  // a send is reading registered memory: nothing is released yet
+  d.forget(at(0x0), 0x1001, sends);
+  EXPECT_EQ(d.find(at(0x1000), 0x10), std::nullopt);
+  EXPECT_TRUE(released.empty());
+  sends.done();
+  EXPECT_EQ(released, (std::vector<std::uint64_t>{7}));
+  EXPECT_EQ(d.take_all(), (std::vector<std::uint64_t>{8}));
+  EXPECT_FALSE(d.overlaps(at(0x4000), 0x10));
+}
+
 TEST(VerbsRegCache, LeastRecentlyUsedGoesFirstBeyondCapacity) {
   RegistrationCache c(2);
   (void)c.insert(at(0x1000), 0x1000, 1);

@@ -154,34 +154,18 @@ struct Domain {
   }
   // Registered device memory that direct messages are written from, kept until forgotten (a
   // message from it cannot fall back to a copy through staging, which the CPU would read).
-  struct DeviceSource {
-    std::uintptr_t begin = 0;
-    std::uintptr_t end = 0;
-    fid_mr* mr = nullptr;
-  };
-  std::vector<DeviceSource> device_sources;
+  rma::DeviceSources device_sources;  // handles: fid_mr*
   bool add_device_source(const char* p, std::size_t n, const DeviceMemory& m) {
-    if (device_source(p, n) != nullptr) return true;
+    if (device_sources.find(p, n)) return true;
     if (!write || (info->domain_attr->mr_mode & FI_MR_ENDPOINT) != 0) return false;
     fid_mr* mr = nullptr;
     if (register_device(p, n, FI_WRITE, m, &mr) != 0) return false;
-    const auto lo = reinterpret_cast<std::uintptr_t>(p);
-    device_sources.push_back({lo, lo + n, mr});
+    device_sources.add(p, n, reinterpret_cast<std::uint64_t>(mr));
     return true;
-  }
-  const DeviceSource* device_source(const void* p, std::size_t n) const {
-    const auto lo = reinterpret_cast<std::uintptr_t>(p);
-    for (const DeviceSource& d : device_sources) {
-      if (lo >= d.begin && lo + n <= d.end) return &d;
-    }
-    return nullptr;
   }
   // True when [p, p + n) overlaps registered device memory (which the CPU may not read).
   bool in_device_memory(const void* p, std::size_t n) const {
-    const auto lo = reinterpret_cast<std::uintptr_t>(p);
-    return p != nullptr && n > 0 &&
-           std::any_of(device_sources.begin(), device_sources.end(),
-                       [&](const DeviceSource& d) { return lo < d.end && lo + n > d.begin; });
+    return device_sources.overlaps(p, n);
   }
 
   // In-place sends (FabricOptions::in_place_bytes) on a provider that needs local
@@ -195,7 +179,7 @@ struct Domain {
   // The descriptor for sending from [p, p + n), registering the range when it is not yet;
   // nullopt when it cannot be registered (the caller copies instead).
   std::optional<void*> descriptor(const char* p, std::size_t n) {
-    if (const DeviceSource* d = device_source(p, n)) return fi_mr_desc(d->mr);
+    if (const auto d = device_sources.find(p, n)) return fi_mr_desc(reinterpret_cast<fid_mr*>(*d));
     if (!register_sends) return nullptr;
     const auto h =
         sends.find(p, n, [&](const void* b, std::size_t len) -> std::optional<std::uint64_t> {
@@ -215,20 +199,16 @@ struct Domain {
   void forget(const void* p, std::size_t n) {
     if (n == 0) return;
     sends.forget(p, n);
-    const auto lo = reinterpret_cast<std::uintptr_t>(p);
-    std::erase_if(device_sources, [&](const DeviceSource& d) {
-      if (d.end <= lo || d.begin >= lo + n) return false;
-      sends.release_later(reinterpret_cast<std::uint64_t>(d.mr));
-      return true;
-    });
+    device_sources.forget(p, n, sends);
     windows.forget(p, n);
   }
 
   ~Domain() {
     windows.clear();
     sends.clear();
-    for (const DeviceSource& d : device_sources) fi_close(&d.mr->fid);
-    device_sources.clear();
+    for (const std::uint64_t h : device_sources.take_all()) {
+      fi_close(&reinterpret_cast<fid_mr*>(h)->fid);
+    }
     av.reset();
     domain.reset();
     fabric.reset();

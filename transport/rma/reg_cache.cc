@@ -143,4 +143,42 @@ void SendRegistrations::release_displaced() {
   displaced_.clear();
 }
 
+std::optional<std::uint64_t> DeviceSources::find(const void* p, std::size_t n) const {
+  const auto lo = reinterpret_cast<std::uintptr_t>(p);
+  for (const Entry& e : entries_) {
+    if (lo >= e.begin && lo + n <= e.end) return e.handle;
+  }
+  return std::nullopt;
+}
+
+bool DeviceSources::overlaps(const void* p, std::size_t n) const {
+  if (p == nullptr || n == 0) return false;
+  const auto lo = reinterpret_cast<std::uintptr_t>(p);
+  return std::any_of(entries_.begin(), entries_.end(),
+                     [&](const Entry& e) { return lo < e.end && lo + n > e.begin; });
+}
+
+void DeviceSources::add(const void* p, std::size_t n, std::uint64_t handle) {
+  const auto lo = reinterpret_cast<std::uintptr_t>(p);
+  entries_.push_back({lo, lo + n, handle});
+}
+
+void DeviceSources::forget(const void* p, std::size_t n, SendRegistrations& sends) {
+  if (n == 0) return;
+  const auto lo = reinterpret_cast<std::uintptr_t>(p);
+  std::erase_if(entries_, [&](const Entry& e) {
+    if (e.end <= lo || e.begin >= lo + n) return false;
+    sends.release_later(e.handle);
+    return true;
+  });
+}
+
+std::vector<std::uint64_t> DeviceSources::take_all() {
+  std::vector<std::uint64_t> out;
+  out.reserve(entries_.size());
+  for (const Entry& e : entries_) out.push_back(e.handle);
+  entries_.clear();
+  return out;
+}
+
 }  // namespace dear::transport::rma

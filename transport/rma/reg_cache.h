@@ -115,4 +115,31 @@ class SendRegistrations {
   bool failed_ = false;
 };
 
+// Device memory registered as a source of direct messages (Channel::register_device_source),
+// by range and never evicted: a message from it cannot fall back to a staged copy, which the
+// CPU would have to read. Kept until forgotten, then released through the owner's
+// SendRegistrations once no send reads it. The bookkeeping the back-ends with remote writes
+// (libfabric, ibverbs) share; not thread-safe.
+class DeviceSources {
+ public:
+  // The handle of the registration holding [p, p + n), if any.
+  [[nodiscard]] std::optional<std::uint64_t> find(const void* p, std::size_t n) const;
+  // True when [p, p + n) overlaps a registration.
+  [[nodiscard]] bool overlaps(const void* p, std::size_t n) const;
+  void add(const void* p, std::size_t n, std::uint64_t handle);
+  // The memory [p, p + n) is about to be freed or reused: registrations overlapping it leave,
+  // handed to `sends` (SendRegistrations::release_later).
+  void forget(const void* p, std::size_t n, SendRegistrations& sends);
+  // Every handle, for the back-end to release as its resources go away; empties it.
+  [[nodiscard]] std::vector<std::uint64_t> take_all();
+
+ private:
+  struct Entry {
+    std::uintptr_t begin = 0;
+    std::uintptr_t end = 0;
+    std::uint64_t handle = 0;
+  };
+  std::vector<Entry> entries_;
+};
+
 }  // namespace dear::transport::rma

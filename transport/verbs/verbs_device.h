@@ -143,13 +143,6 @@ class Flusher {
   std::uint64_t done_ = 0;
 };
 
-// Device memory registered as a source of direct messages (Channel::register_device_source).
-struct DeviceSource {
-  std::uintptr_t begin = 0;
-  std::uintptr_t end = 0;
-  ibv_mr* mr = nullptr;
-};
-
 // The completion queue (and its completion channel, the engine's wait descriptor) that every
 // queue pair of one connect call completes on, as NCCL's and Open MPI's IB transports keep one
 // per device: an engine turn polls it once, whichever channel it progresses first, and each
@@ -225,7 +218,7 @@ struct Context {
   // messages, never evicted (a message from it cannot fall back to staging); the device
   // windows open now (one entry per open_device_window call), which tell a receiver that a
   // direct message needs the GPU flush; the flush itself, made with the first device window.
-  std::vector<DeviceSource> device_sources;
+  rma::DeviceSources device_sources;  // handles: ibv_mr*
   std::vector<Window> device_windows;
   std::unique_ptr<Flusher> flusher;
   bool flusher_failed = false;  // once failed, device windows are refused
@@ -241,8 +234,9 @@ struct Context {
     flusher.reset();
     windows.clear();
     sources.clear();
-    for (const DeviceSource& d : device_sources) ibv_dereg_mr(d.mr);
-    device_sources.clear();
+    for (const std::uint64_t h : device_sources.take_all()) {
+      ibv_dereg_mr(reinterpret_cast<ibv_mr*>(h));
+    }
     if (pd != nullptr) ibv_dealloc_pd(pd);
     if (ctx != nullptr) ibv_close_device(ctx);
   }
@@ -250,7 +244,7 @@ struct Context {
   // The local key for writing from [p, p + n), registering the range when it is not yet;
   // nullopt when it cannot be registered.
   std::optional<std::uint32_t> source_key(const char* p, std::size_t n) {
-    if (const DeviceSource* d = device_source(p, n)) return d->mr->lkey;
+    if (const auto d = device_sources.find(p, n)) return reinterpret_cast<ibv_mr*>(*d)->lkey;
     const auto h =
         sources.find(p, n, [&](const void* b, std::size_t len) -> std::optional<std::uint64_t> {
           // Read by the local adapter only; the page span may reach read-only pages.
@@ -265,36 +259,19 @@ struct Context {
   void forget(const void* p, std::size_t n) {
     if (n == 0) return;
     sources.forget(p, n);
-    const auto lo = reinterpret_cast<std::uintptr_t>(p);
-    std::erase_if(device_sources, [&](const DeviceSource& d) {
-      if (d.end <= lo || d.begin >= lo + n) return false;
-      sources.release_later(reinterpret_cast<std::uint64_t>(d.mr));
-      return true;
-    });
+    device_sources.forget(p, n, sources);
     windows.forget(p, n);
-  }
-  // The registered device source holding [p, p + n), if any.
-  const DeviceSource* device_source(const void* p, std::size_t n) const {
-    const auto lo = reinterpret_cast<std::uintptr_t>(p);
-    for (const DeviceSource& d : device_sources) {
-      if (lo >= d.begin && lo + n <= d.end) return &d;
-    }
-    return nullptr;
   }
   // True when [p, p + n) overlaps registered device memory (which the CPU cannot read).
   bool in_device_memory(const void* p, std::size_t n) const {
-    if (device_sources.empty() || p == nullptr || n == 0) return false;
-    const auto lo = reinterpret_cast<std::uintptr_t>(p);
-    return std::any_of(device_sources.begin(), device_sources.end(),
-                       [&](const DeviceSource& d) { return lo < d.end && lo + n > d.begin; });
+    return device_sources.overlaps(p, n);
   }
   bool add_device_source(const char* p, std::size_t n, const DeviceMemory& m) {
-    if (device_source(p, n) != nullptr) return true;
+    if (device_sources.find(p, n)) return true;
     // Registered for reading only by this adapter; ibv_reg_* take a non-const address.
     GpuRegistration g = register_gpu_memory(pd, const_cast<char*>(p), n, m.dmabuf_fd, m.offset);
     if (g.mr == nullptr) return false;
-    const auto lo = reinterpret_cast<std::uintptr_t>(p);
-    device_sources.push_back({lo, lo + n, g.mr});
+    device_sources.add(p, n, reinterpret_cast<std::uint64_t>(g.mr));
     return true;
   }
   // The open device window holding the local address `at`, if any.
