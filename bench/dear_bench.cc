@@ -531,9 +531,11 @@ int run(int argc, char** argv) {
   // buffers by it), the landing memory it held, and the messages that arrived straight in
   // device memory (RDMA links).
   const Communicator::EngineStats stats = comm->engine_stats();
-  std::printf("# rank %d engine: cpu %.3f s, landing peak %zu bytes, device-window messages %llu\n",
-              comm->rank(), stats.cpu_seconds, stats.peak_landing_bytes,
-              static_cast<unsigned long long>(stats.device_window_messages));
+  std::printf(
+      "# rank %d engine: cpu %.3f s, landing peak %zu bytes, device-window messages %llu "
+      "(window %zu bytes)\n",
+      comm->rank(), stats.cpu_seconds, stats.peak_landing_bytes,
+      static_cast<unsigned long long>(stats.device_window_messages), stats.device_window_bytes);
   return rc;
 }
 

@@ -362,7 +362,7 @@ class CommunicatorImpl final : public collectives::ResidentCommunicator {
   EngineStats engine_stats() const override {
     if (!engine_) return {};
     return {engine_->cpu_seconds(), engine_->peak_landing_bytes(),
-            engine_->device_window_messages()};
+            engine_->device_window_messages(), engine_->device_window_bytes()};
   }
 
   void forget_memory(const void* addr, std::size_t bytes) override {

@@ -77,6 +77,10 @@ Engine::Engine(EngineConfig config, std::vector<std::unique_ptr<transport::Chann
     recv_ctx_[l].resize(links_[l].size());
     if (l < 2) slot_queues_[l].resize(links_[l].size());
   }
+  window_received_.assign(links_[kPrev].size(), 0);
+  window_freed_ = window_credited_ = window_received_;
+  window_sent_.assign(links_[kNext].size(), 0);
+  window_credit_ = window_sent_;
   host_exec_.executor->set_waker([this] { wake(); });
   thread_ = std::thread([this] { run(); });
   thread_handle_ = thread_.native_handle();

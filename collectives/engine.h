@@ -150,6 +150,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   [[nodiscard]] std::uint64_t device_window_messages() const {
     return device_window_messages_.load(std::memory_order_relaxed);
   }
+  // The device memory of the window ring (0 before one is made); thread-safe.
+  [[nodiscard]] std::size_t device_window_bytes() const {
+    return device_window_bytes_.load(std::memory_order_relaxed);
+  }
   // Yields until `state` completes, `until`, or `spin` has passed; meanwhile the engine
   // thread spins for wait_spin_us instead of spin_us before it sleeps. True when completed.
   bool await(const Work::State& state, std::chrono::steady_clock::time_point until,
@@ -397,6 +401,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // The memory of a direct send slot is registered with the link it leaves on (all of its
   // channels).
   void register_send_slot(const Op& op, const Slot& slot, int link);
+  // The bytes of a device window ring for the channels of `link` (both ends compute it).
+  [[nodiscard]] std::size_t window_ring_bytes(int link) const;
+  // Tells the previous rank how many windowed messages' steps completed (kCredit), per
+  // channel, where that grew.
+  bool send_window_credits();
   // Memory of kind kLinked about to be freed: the links drop what they registered there.
   void forget_linked(const char* p, std::size_t bytes) noexcept;
   void count_landing(std::ptrdiff_t bytes);  // landing (pinned) memory allocated or freed
@@ -436,7 +445,18 @@ class Engine : public std::enable_shared_from_this<Engine> {
   ExecutorChoice host_exec_;
   std::unique_ptr<Executor> device_exec_;  // made with the first device operation
   std::vector<Slot> slots_;
-  std::vector<int> borrowed_free_;                    // borrowed slots not in use
+  std::vector<int> borrowed_free_;  // borrowed slots not in use
+  // Device windows (docs/architecture.md, "Device memory over RDMA links"): the ring of
+  // landing slots that the previous rank writes into, landing_slots per channel of
+  // kDeviceSliceBytes each, in executor memory (a pooled buffer, made with the first
+  // operation that opens a window, kept); per channel of that link, the windowed messages
+  // received, those whose steps completed in order, and how many of those the previous rank
+  // was told (kCredit); per channel of the link to the next rank, the windowed messages sent
+  // and the credits it gave.
+  int window_ring_ = -1;
+  bool windows_refused_ = false;  // the link cannot open one: not asked again
+  std::vector<std::uint64_t> window_received_, window_freed_, window_credited_;
+  std::vector<std::uint64_t> window_sent_, window_credit_;
   std::vector<std::vector<SlotQueues>> slot_queues_;  // [link][channel]
   struct ShadowBuffer {
     char* data = nullptr;
@@ -530,6 +550,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::string probe_text_;  // the engine thread's last turn that moved
   std::atomic<std::size_t> peak_landing_atomic_{0};
   std::atomic<std::uint64_t> device_window_messages_{0};
+  std::atomic<std::size_t> device_window_bytes_{0};
   std::thread thread_;
   pthread_t thread_handle_{};  // thread_'s, for cpu_seconds() (joined only in the destructor)
 };

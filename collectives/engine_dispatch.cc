@@ -67,28 +67,38 @@ void Engine::open_window(Op& op) {
   }
 }
 
+std::size_t Engine::window_ring_bytes(int link) const {
+  return links_[static_cast<std::size_t>(link)].size() *
+         static_cast<std::size_t>(cfg_.landing_slots) * kDeviceSliceBytes;
+}
+
 bool Engine::open_device_window(Op& op) {
   const DirectRegion r = device_window_region(op);
-  if (r.bytes == 0) return false;
-  // One of the engine's buffers (kept, so that the link's registration of it is reused).
-  const int b = acquire_shadow_buffer(*op.exec, r.bytes, ExecMemory::kLinked);
-  ShadowBuffer& buf = shadow_buffers_[static_cast<std::size_t>(b)];
-  std::optional<transport::Window> w;
-  try {
-    w = links_[kPrev][0]->open_device_window(buf.data, buf.capacity, r.message_bytes, buf.linked);
-  } catch (...) {
-    buf.busy = false;
-    throw;
+  if (r.bytes == 0 || r.message_bytes > kDeviceSliceBytes || windows_refused_) return false;
+  transport::Channel& ch = *links_[kPrev][0];
+  const int device = op.device ? (op.fence ? op.fence->device() : 0) : -1;
+  if (!ch.takes_device_windows(device)) {
+    windows_refused_ = true;  // landing slots in host memory, as over TCP
+    return false;
   }
+  // The ring, made once and kept: the link's registration of it is reused by every window.
+  if (window_ring_ < 0) {
+    window_ring_ = acquire_shadow_buffer(*op.exec, window_ring_bytes(kPrev), ExecMemory::kLinked);
+    device_window_bytes_.store(shadow_buffers_[static_cast<std::size_t>(window_ring_)].capacity,
+                               std::memory_order_relaxed);
+  }
+  const ShadowBuffer& ring = shadow_buffers_[static_cast<std::size_t>(window_ring_)];
+  if (ring.owner != op.exec) return false;  // another executor's (tests mixing them)
+  const auto w =
+      ch.open_device_window(ring.data, window_ring_bytes(kPrev), r.message_bytes, ring.linked);
   if (!w) {
-    buf.busy = false;  // landing slots in host memory, as over TCP
+    windows_refused_ = true;
     return false;
   }
   op.ring.window = *w;
   op.ring.window_open = true;
   op.ring.device_window = true;
-  op.ring.landing = buf.data;
-  op.ring.landing_buffer = b;
+  op.ring.landing = ring.data;
   windows_to_announce_.emplace_back(op.seq, *w);
   return true;
 }
@@ -213,7 +223,10 @@ RecvTarget Engine::on_header(int link, int channel, const FrameHeader& h) {
     case FrameType::kP2pReady:
     case FrameType::kP2pRequest:
       if (link >= 2) return p2p_target(link, h, ctx);
-      break;                           // only on the mesh links
+      break;  // only on the mesh links
+    case FrameType::kCredit:
+      if (link == kNext && h.bytes == 0) return {RecvTarget::kDiscard, nullptr, 1};
+      break;
     case FrameType::kConsumed: break;  // the TCP channel's own; never reaches the engine
   }
   throw Error(ErrorCode::kPeerFailed,
@@ -274,8 +287,18 @@ RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h
   // A bounced operation's receives, and a reduction whose step completes later, land in a
   // slot; the step is issued once the payload is in (arrive).
   if (op.ring.device_window && dir == kForward) {
-    // Written into the operation's window by the previous rank; the step reads it there.
-    char* at = op.ring.landing + m.span.offset;
+    // Written by the previous rank into this channel's next slot of the ring (the windowed
+    // messages of a channel take its slots in turn, on both ends); the step reads it there.
+    if (h.bytes > kDeviceSliceBytes) {
+      throw Error(ErrorCode::kInternal,
+                  "a windowed message of " + std::to_string(h.bytes) + " bytes, more than a slot",
+                  cfg_.rank, peer, op.name(), static_cast<std::int64_t>(op.seq));
+    }
+    const std::uint64_t n = window_received_[c]++;
+    char* at = op.ring.landing +
+               (c * static_cast<std::size_t>(cfg_.landing_slots) +
+                static_cast<std::size_t>(n % static_cast<std::uint64_t>(cfg_.landing_slots))) *
+                   kDeviceSliceBytes;
     device_window_messages_.fetch_add(1, std::memory_order_relaxed);
     const int s = borrow_slot(op, 1 - dir, channel, at);
     Slot& slot = slots_[static_cast<std::size_t>(s)];
@@ -309,6 +332,11 @@ void Engine::on_message(int link, int channel, const FrameHeader& h) {
   if (h.type == FrameType::kP2pData || h.type == FrameType::kP2pReady ||
       h.type == FrameType::kP2pRequest) {
     p2p_arrived(link, h, ctx);
+    return;
+  }
+  if (h.type == FrameType::kCredit) {
+    auto& credit = window_credit_[static_cast<std::size_t>(channel)];
+    credit = std::max(credit, h.count);
     return;
   }
   if (h.type == FrameType::kPosted) {

@@ -292,12 +292,6 @@ void Engine::take_sink(Op& op) {
 
 void Engine::release_scratch(Op& op) noexcept {
   release_shadow(op);
-  if (op.ring.landing_buffer >= 0) {  // its window is closed by now
-    shadow_buffers_[static_cast<std::size_t>(op.ring.landing_buffer)].busy = false;
-    op.ring.landing_buffer = -1;
-    op.ring.landing = nullptr;
-    op.ring.device_window = false;
-  }
   if (op.sink != nullptr) {
     if (op.device && op.shadow.exec == nullptr) {
       op.exec->release(ExecMemory::kScratch, op.sink);
@@ -535,6 +529,9 @@ void Engine::pop_done_receives(int link, int channel) {
     if (Op* op = find(e.seq)) {
       ++op->ring.recv_done[static_cast<std::size_t>(e.dir)][static_cast<std::size_t>(channel)];
     }
+    if (e.slot >= 0 && slots_[static_cast<std::size_t>(e.slot)].borrowed) {
+      ++window_freed_[static_cast<std::size_t>(channel)];  // its ring slot may be written again
+    }
     if (e.slot >= 0) release_slot(link, channel, e.slot);
   }
 }
@@ -553,19 +550,52 @@ bool Engine::pack_sends(Op& op, int dir, int channel) {
     if (op.ring.forwards && next >= lag && op.ring.recv_done[di][c] <= next - lag) break;
     const MessagePlan m = send_plan(op, dir, channel, next);
     // Into the next rank's window on device memory, where it opened one: from a send slot
-    // the link reads directly (registered), never through the host.
+    // the link reads directly (registered), never through the host, into the channel's next
+    // slot of the window's ring once the next rank has finished with what was there.
     const bool direct = dir == kForward && op.ring.has_peer_window;
+    const auto k = static_cast<std::uint64_t>(cfg_.landing_slots);
+    if (direct) {
+      if (op.ring.peer_window.bytes != window_ring_bytes(kNext)) {
+        throw Error(ErrorCode::kMismatch,
+                    "rank " + std::to_string(peer_of(kNext)) + " opened a device window of " +
+                        std::to_string(op.ring.peer_window.bytes) + " bytes, this rank expects " +
+                        std::to_string(window_ring_bytes(kNext)) +
+                        ": the ranks use different channels or landing_slots",
+                    cfg_.rank, peer_of(kNext), op.name(), static_cast<std::int64_t>(op.seq));
+      }
+      if (window_sent_[c] >= window_credit_[c] + k) break;
+    }
     const int s = acquire_slot(op, dir, channel, m.span.bytes, true,
                                direct ? ExecMemory::kLinked : ExecMemory::kLanding);
     Slot& slot = slots_[static_cast<std::size_t>(s)];
     slot.header = data_frame(op, next, m.span.bytes);
     slot.direct = direct;
     slot.window = op.ring.peer_window;
-    slot.direct_at = m.span.offset;
+    if (direct) {
+      const std::uint64_t n = window_sent_[c]++;
+      slot.direct_at =
+          (c * static_cast<std::size_t>(k) + static_cast<std::size_t>(n % k)) * kDeviceSliceBytes;
+    }
     q.send.push_back(s);
     issue_step(*op.exec, copy_step(slot.data, send_source(op, m), m.span.bytes),
                token(kTokPack, static_cast<std::uint64_t>(s)));
     ++next;
+    moved = true;
+  }
+  return moved;
+}
+
+bool Engine::send_window_credits() {
+  bool moved = false;
+  for (std::size_t c = 0; c < window_freed_.size(); ++c) {
+    if (window_freed_[c] == window_credited_[c]) continue;
+    transport::Channel& ch = *links_[kPrev][c];
+    if (ch.closed()) continue;
+    transport::FrameHeader h;
+    h.type = transport::FrameType::kCredit;
+    h.count = window_freed_[c];
+    if (!ch.try_send(h, nullptr, engine_detail::kControlToken)) continue;  // a later turn
+    window_credited_[c] = window_freed_[c];
     moved = true;
   }
   return moved;

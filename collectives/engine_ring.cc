@@ -20,6 +20,7 @@ bool Engine::schedule_sends() {
     moved |= schedule_sends(d);
   }
   moved |= pump_slot_sends();
+  moved |= send_window_credits();
   if (links_.size() > 2) moved |= advance_log_steps();
   return moved;
 }

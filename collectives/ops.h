@@ -216,12 +216,11 @@ struct RingState {
   bool window_open = false;
   transport::Window peer_window{};
   bool has_peer_window = false;
-  // A bounced operation's window on the executor's memory (device_window_region): where its
-  // kForward receives land, one of the engine's pooled buffers; the next rank's window for
-  // this rank's messages is then one too (has_peer_window: they go there, direct).
+  // A bounced operation's window on the executor's memory (device_window_region): the
+  // engine's ring of device landing slots, where its kForward receives land; the next rank's
+  // window for this rank's messages is then one too (has_peer_window: they go there, direct).
   bool device_window = false;
   char* landing = nullptr;
-  int landing_buffer = -1;
   // A copy that start_local() left for later (a ring all_gather's own block, a chain
   // broadcast root's data): no message reads its destination, so the engine makes it in
   // pieces while it waits for the network (copy_piece) and finish_local() makes the rest.
@@ -417,13 +416,11 @@ struct DirectRegion {
 // The sender's side: for message `m` of direction kForward, its offset in the receiver's
 // direct region, or -1 when the receiver does not place it there (it reduces it).
 [[nodiscard]] std::int64_t direct_offset(const Op& op, const MessagePlan& m);
-// Where a bounced operation (device memory, or the deferred_bounce tests) may take its
+// Whether a bounced operation (device memory, or the deferred_bounce tests) may take its
 // messages in a window on the executor's memory instead of landing slots in host memory
-// (Channel::open_device_window: device memory over verbs or libfabric, no host bounce): each
-// message at its span's offset in a buffer of `bytes`. Empty (bytes 0) unless the operation
-// runs a ring or chain schedule whose messages all travel forward and it receives some.
-// Messages of the same offset (an all_reduce's reduce-scatter and all-gather parts of one
-// chunk) arrive one after the other's step completed: the later one depends on it.
+// (Channel::open_device_window: device memory over verbs or libfabric, no host bounce), and
+// its largest message. Empty (bytes 0) unless the operation runs a ring or chain schedule
+// whose messages all travel forward and it receives some.
 [[nodiscard]] DirectRegion device_window_region(const Op& op);
 
 // Work done locally when the operation starts and ends. start_local() sets up the log-step work

@@ -966,7 +966,12 @@ TEST_P(FabricPath, BouncedOperationsTakeMessagesIntoWindowsOnExecutorMemory) {
                   << "broadcast from " << root << " at rank " << r;
             }
           }
-          windowed[static_cast<std::size_t>(r)] = comm.engine_stats().device_window_messages;
+          const auto stats = comm.engine_stats();
+          windowed[static_cast<std::size_t>(r)] = stats.device_window_messages;
+          // The ring of device landing slots, whatever the operations' sizes (a 2.4 MB
+          // all_reduce here): channels x landing_slots x 1 MiB (one channel by default).
+          const std::size_t ring = path() == "write" ? std::size_t{4} << 20 : 0;
+          EXPECT_EQ(stats.device_window_bytes, ring) << "rank " << r;
         },
         o);
     for (int r = 0; r < n; ++r) {

@@ -58,6 +58,10 @@ enum class FrameType : std::uint8_t {
   kP2pData = 5,     // the message; payload = its bytes
   kP2pReady = 6,    // "the receive for message `seq` is posted": the large send may go
   kP2pRequest = 7,  // "a large message `seq` waits for its receive" (no payload)
+  // On a ring channel, from the receiver of a device window's messages: it has finished with
+  // the first `count` messages written into that channel's slots of the window, which the
+  // sender may write again (no payload).
+  kCredit = 8,
 };
 
 struct FrameHeader {
@@ -193,6 +197,12 @@ class Channel {
   // size), from device memory it registered (register_device_source). nullopt where the
   // back-end cannot reach device memory (the default) or cannot register this memory: the
   // caller then stages through host memory. Closed with close_window().
+  // Whether open_device_window() may succeed on memory of `cuda_device` (-1: host memory
+  // standing in), so that a caller need not allocate memory to find out; false by default.
+  [[nodiscard]] virtual bool takes_device_windows(int cuda_device) const {
+    (void)cuda_device;
+    return false;
+  }
   [[nodiscard]] virtual std::optional<Window> open_device_window(char* base, std::size_t bytes,
                                                                  std::size_t message_bytes,
                                                                  const DeviceMemory& memory) {

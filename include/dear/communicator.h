@@ -307,6 +307,9 @@ class Communicator {
     // Messages of device operations received straight into a window in device memory (verbs
     // or libfabric with GPUDirect RDMA: no pass through host memory), not into landing slots.
     std::uint64_t device_window_messages = 0;
+    // The device memory those windows take (channels x landing_slots x 1 MiB, whatever the
+    // operations' sizes); 0 where none was opened.
+    std::size_t device_window_bytes = 0;
   };
   [[nodiscard]] virtual EngineStats engine_stats() const { return {}; }
 

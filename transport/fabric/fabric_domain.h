@@ -140,6 +140,9 @@ struct Domain {
   // host memory. Compiled, not run with CUDA memory (no GPU and no FI_HMEM provider where it
   // was written).
   bool hmem = false;
+  bool takes_device_windows(int cuda_device) const {
+    return write && (info->domain_attr->mr_mode & FI_MR_ENDPOINT) == 0 && (cuda_device < 0 || hmem);
+  }
   int register_device(const void* p, std::size_t n, std::uint64_t access, const DeviceMemory& m,
                       fid_mr** out) {
     if (m.cuda_device < 0) return register_memory(p, n, access, nullptr, out);

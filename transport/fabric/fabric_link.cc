@@ -89,6 +89,9 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   // Device memory (fabric_domain.h, Domain::register_device): messages of any size go direct
   // into such a window (try_send_direct). No GPU flush is made before a message is announced:
   // the provider's completion of a write into device memory is taken as its visibility.
+  bool takes_device_windows(int cuda_device) const override {
+    return direct_min_ != 0 && !closed() && dom_->takes_device_windows(cuda_device);
+  }
   std::optional<Window> open_device_window(char* base, std::size_t bytes, std::size_t,
                                            const DeviceMemory& memory) override {
     if (direct_min_ == 0 || closed()) return std::nullopt;

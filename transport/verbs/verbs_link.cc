@@ -66,6 +66,9 @@ class VerbsChannel final : public rma::RmaChannel<VerbsChannel> {
 
   std::optional<Window> open_window(char* base, std::size_t bytes,
                                     std::size_t message_bytes) override;
+  bool takes_device_windows(int) const override {
+    return direct_min_ != 0 && !closed() && !ctx_->flusher_failed;
+  }
   std::optional<Window> open_device_window(char* base, std::size_t bytes, std::size_t message_bytes,
                                            const DeviceMemory& memory) override;
   bool register_device_source(const char* base, std::size_t bytes,
