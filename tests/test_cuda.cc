@@ -1062,9 +1062,14 @@ TEST_F(Gpu, ResidentOverFabricWithDeviceWindowsWhereOffered) {
                       input_value(1, i, t, ReduceOp::kSum, 6))
                 << "broadcast element " << i;
           }
-          std::printf("%s rank %d: %llu messages through device windows\n", provider.c_str(),
-                      comm.rank(),
-                      static_cast<unsigned long long>(comm.engine_stats().device_window_messages));
+          const auto stats = comm.engine_stats();
+          std::printf("%s rank %d: %llu messages through device windows (ring of %zu bytes)\n",
+                      provider.c_str(), comm.rank(),
+                      static_cast<unsigned long long>(stats.device_window_messages),
+                      stats.device_window_bytes);
+          if (stats.device_window_messages > 0) {
+            EXPECT_LE(stats.device_window_bytes, std::size_t{4} << 20) << "bounded by the slots";
+          }
         },
         o);
   }
