@@ -5,7 +5,6 @@
 // placement windows; kAbort frames fail the communicator. Also the windows this rank opens,
 // the links' progress each turn, and what a closed link means for the operations in flight.
 #include <poll.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -284,8 +283,6 @@ RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h
   ctx.other = p.other;
   ctx.final = p.final;
   ctx.reduce = p.other != nullptr;
-  // A bounced operation's receives, and a reduction whose step completes later, land in a
-  // slot; the step is issued once the payload is in (arrive).
   if (op.ring.device_window && dir == kForward) {
     // Written by the previous rank into this channel's next slot of the ring (the windowed
     // messages of a channel take its slots in turn, on both ends); the step reads it there.
@@ -307,6 +304,8 @@ RecvTarget Engine::target_for(Op& op, int dir, int channel, const FrameHeader& h
     ctx.slot = s;
     return {RecvTarget::kDirect, at, 1};
   }
+  // A bounced operation's receives, and a reduction whose step completes later, land in a
+  // slot; the step is issued once the payload is in (arrive).
   if (op.bounced || (ctx.reduce && !op.exec->immediate())) {
     const int s = acquire_slot(op, 1 - dir, channel, h.bytes, false);
     Slot& slot = slots_[static_cast<std::size_t>(s)];
