@@ -44,6 +44,19 @@ class CudaExecutor final : public Executor {
     const DeviceGuard g(device_, rank_);
     cuda::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
                 "creating the device executor's stream", rank_);
+    // GPUDirect RDMA writes need the flush below only where the device does not order them
+    // for its own consumers; it is offered on some devices only (the verbs link also reads
+    // its device windows back before it reports a message).
+    int ordering = 0;
+    int options = 0;
+    if (cudaDeviceGetAttribute(&ordering, cudaDevAttrGPUDirectRDMAWritesOrdering, device_) ==
+            cudaSuccess &&
+        cudaDeviceGetAttribute(&options, cudaDevAttrGPUDirectRDMAFlushWritesOptions, device_) ==
+            cudaSuccess) {
+      flush_remote_writes_ = ordering < cudaGPUDirectRDMAWritesOrderingOwner &&
+                             (options & cudaFlushGPUDirectRDMAWritesOptionHost) != 0;
+    }
+    (void)cudaGetLastError();
   }
   ~CudaExecutor() override {
     drain();
@@ -142,6 +155,14 @@ class CudaExecutor final : public Executor {
     return static_cast<char*>(p);
   }
 
+  void remote_writes_landed() override {
+    if (!flush_remote_writes_) return;
+    const DeviceGuard g(device_, rank_);
+    cuda::check(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
+                                                   cudaFlushGPUDirectRDMAWritesToOwner),
+                "device executor: cudaDeviceFlushGPUDirectRDMAWrites", rank_);
+  }
+
   transport::DeviceMemory link_memory(const char* p, std::size_t bytes) override {
     const cuda::DmaBuf d = cuda::export_dmabuf(p, bytes);
     transport::DeviceMemory m;
@@ -191,6 +212,7 @@ class CudaExecutor final : public Executor {
   int device_;
   int rank_;
   cudaStream_t stream_ = nullptr;
+  bool flush_remote_writes_ = false;  // remote_writes_landed() flushes
   std::deque<Pending> pending_;
   std::vector<cudaEvent_t> spare_;
 };

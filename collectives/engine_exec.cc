@@ -514,6 +514,8 @@ void Engine::arrive(Op& op, int link, int channel, RecvCtx& ctx) {
   if (ctx.slot >= 0) {
     const int s = ctx.slot;
     ctx.slot = -1;
+    // Written into a device window by the previous rank's adapter: visible before it is read.
+    if (slots_[static_cast<std::size_t>(s)].borrowed) op.exec->remote_writes_landed();
     issue_step(*op.exec, slots_[static_cast<std::size_t>(s)].step, token(kTokReceive, s));
   } else {
     pop_done_receives(link, channel);

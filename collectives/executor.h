@@ -82,6 +82,11 @@ class Executor {
   // Memory for steps (see ExecMemory); throws dear::Error when none can be had.
   [[nodiscard]] virtual char* allocate(ExecMemory where, std::size_t bytes) = 0;
   virtual void release(ExecMemory where, char* p) noexcept = 0;
+  // A peer's adapter has written into kLinked memory, and the link reported those messages
+  // complete: before a step reads them, make the writes visible to the executor. cuda:
+  // cudaDeviceFlushGPUDirectRDMAWrites where the device does not order such writes for its own
+  // consumers and offers the flush; nothing elsewhere.
+  virtual void remote_writes_landed() {}
   // How a link may register [p, p + bytes) of kLinked memory (transport/link.h, DeviceMemory):
   // cuda exports the pages as a dma-buf where the driver can (the caller closes dmabuf_fd) and
   // names its device; others hand over host memory standing in for device memory.

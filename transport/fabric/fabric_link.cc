@@ -87,8 +87,9 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   }
   void close_window(const Window& window) override { dom_->close_window(window); }
   // Device memory (fabric_domain.h, Domain::register_device): messages of any size go direct
-  // into such a window (try_send_direct). No GPU flush is made before a message is announced:
-  // the provider's completion of a write into device memory is taken as its visibility.
+  // into such a window (try_send_direct). The link makes no GPU flush before a message is
+  // announced: the engine's cuda executor flushes before a step reads it, where the device
+  // needs and offers it (Executor::remote_writes_landed).
   bool takes_device_windows(int cuda_device) const override {
     return direct_min_ != 0 && !closed() && dom_->takes_device_windows(cuda_device);
   }
