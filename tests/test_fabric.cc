@@ -984,6 +984,40 @@ TEST_P(FabricPath, BouncedOperationsTakeMessagesIntoWindowsOnExecutorMemory) {
   }
 }
 
+// The ring of a device window has landing_slots slots per channel on both ends: a rank whose
+// setting differs fails its operation with a mismatch naming it, and every rank fails within
+// bounded time instead of writing into slots the receiver does not have.
+TEST_P(FabricPath, DeviceWindowRingsOfDifferentSizesAreAMismatch) {
+  if (path() != "write") GTEST_SKIP() << "device windows need the write data path";
+  CommOptions o = options();
+  o.executor = "deferred_bounce";
+  o.slice_bytes = 64 * 1024;
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = run_ranks_collect(
+      3,
+      [](Communicator& comm) {
+        std::vector<float> buf(300000, 1.0f);
+        comm.all_reduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum)
+            .wait();
+      },
+      o,
+      [](std::unique_ptr<Bootstrap>& boot, CommOptions c) {
+        if (boot->rank() == 1) c.landing_slots = 2;
+        return Communicator::create(std::move(boot), c);
+      });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 15s) << "the ranks took too long to fail";
+  bool named = false;
+  for (std::size_t r = 0; r < errors.size(); ++r) {
+    ASSERT_TRUE(errors[r]) << "rank " << r << " did not fail";
+    Error err(ErrorCode::kInternal, "");
+    if (as_error(errors[r], err) != nullptr && err.code() == ErrorCode::kMismatch &&
+        what_of(errors[r]).find("landing_slots") != std::string::npos) {
+      named = true;
+    }
+  }
+  EXPECT_TRUE(named) << "no rank named the differing landing_slots: " << what_of(errors[0]);
+}
+
 // A communicator's links on one endpoint and completion queue (transport::fabric::connect): 4
 // ranks, two ring channels each way and a mesh link to every other rank, so that each neighbour
 // is reached over three channels, all on the same pair of endpoints. Every channel carries messages
