@@ -123,14 +123,7 @@ class FabricChannel final : public rma::RmaChannel<FabricChannel> {
   // The peer may release its endpoint once it has heard this end's goodbye (see Graveyard).
   static constexpr bool kAnswersBye = true;
   void check_staged(const FrameHeader& h, const void* payload) const {
-    if (dom_->in_device_memory(payload, h.bytes)) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "a message of " + std::to_string(h.bytes) +
-                      " bytes from registered device memory cannot be staged through the host "
-                      "on " +
-                      describe() + "; send it with try_send_direct() into a window the peer opened",
-                  self_, peer_);
-    }
+    refuse_staged_device_memory(h, dom_->in_device_memory(payload, h.bytes));
   }
   bool opened() const { return ep_ != nullptr; }
   bool connected() const { return peer_addr_ != FI_ADDR_UNSPEC; }

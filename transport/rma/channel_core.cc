@@ -41,6 +41,15 @@ void ChannelCore::fail(const std::string& why) const {
   throw Error(ErrorCode::kPeerFailed, why + " on " + describe(), self_, peer_);
 }
 
+void ChannelCore::refuse_staged_device_memory(const FrameHeader& h, bool in_device) const {
+  if (!in_device) return;
+  throw Error(ErrorCode::kInvalidArgument,
+              "a message of " + std::to_string(h.bytes) +
+                  " bytes from registered device memory cannot be staged through the host on " +
+                  describe() + "; send it with try_send_direct() into a window the peer opened",
+              self_, peer_);
+}
+
 bool ChannelCore::queue(const FrameHeader& h, const void* payload, std::uint64_t token,
                         const std::optional<DirectTarget>& d) {
   if (sendq_.full()) return false;

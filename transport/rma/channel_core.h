@@ -124,6 +124,9 @@ class ChannelCore : public Channel {
 
  protected:
   [[noreturn]] void fail(const std::string& why) const;
+  // A back-end's check_staged(): a message whose payload lies in registered device memory
+  // (`in_device`) cannot be staged through the host; throws kInvalidArgument saying so.
+  void refuse_staged_device_memory(const FrameHeader& h, bool in_device) const;
   // Queues a message (direct when `d` says so); false when the queue is full.
   bool queue(const FrameHeader& h, const void* payload, std::uint64_t token,
              const std::optional<DirectTarget>& d);

@@ -439,13 +439,7 @@ bool VerbsChannel::poll_cq() {
 }
 
 void VerbsChannel::check_staged(const FrameHeader& h, const void* payload) const {
-  if (ctx_->in_device_memory(payload, h.bytes)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "a message of " + std::to_string(h.bytes) +
-                    " bytes from registered device memory cannot be staged through the host on " +
-                    describe() + "; send it with try_send_direct() into a window the peer opened",
-                self_, peer_);
-  }
+  refuse_staged_device_memory(h, ctx_->in_device_memory(payload, h.bytes));
 }
 
 std::optional<Window> VerbsChannel::open_registered(
