@@ -2,6 +2,7 @@
 // environment and its output in a file, wait for a group with a time limit, read the output.
 #pragma once
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -12,6 +13,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -27,17 +29,34 @@ inline std::string slurp(const std::string& path) {
   return s.str();
 }
 
-inline std::uint16_t free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+// A listening socket on a free loopback port, held by the test while its ranks run and handed
+// to rank 0 (DEAR_LISTEN_FD, spawn's inherit_fd) as dear-run hands it: no other program can
+// take the port between its choice and rank 0's start. While the test holds it, rank 0 could
+// not bind the port itself, so a rank 0 that failed to adopt it fails the test.
+struct HeldPort {
+  HeldPort() {
+    fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+        ::listen(fd, 128) != 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      ADD_FAILURE() << "cannot listen on a loopback port: " << std::strerror(errno);
+    }
+    port = ntohs(a.sin_port);
+  }
+  ~HeldPort() {
+    if (fd >= 0) ::close(fd);
+  }
+  HeldPort(const HeldPort&) = delete;
+  HeldPort& operator=(const HeldPort&) = delete;
+
+  [[nodiscard]] std::string env() const { return "DEAR_LISTEN_FD=" + std::to_string(fd); }
+
+  int fd = -1;
+  std::uint16_t port = 0;
+};
 
 // In a forked child before exec: the default action for the termination signals, whatever
 // the test inherited (a shell starts background jobs with SIGINT ignored, and exec keeps
@@ -54,14 +73,15 @@ struct Proc {
   std::string out_path;
 };
 
-// Starts argv with extra environment, stdout+stderr to a file.
+// Starts argv with extra environment, stdout+stderr to a file; `inherit_fd` stays open in it.
 inline Proc spawn(const std::vector<std::string>& argv, const std::vector<std::string>& env,
-                  const std::string& out_path) {
+                  const std::string& out_path, int inherit_fd = -1) {
   Proc p;
   p.out_path = out_path;
   p.pid = ::fork();
   if (p.pid == 0) {
     default_termination_signals();
+    if (inherit_fd >= 0) ::fcntl(inherit_fd, F_SETFD, 0);
     for (const auto& kv : env) ::putenv(const_cast<char*>(kv.c_str()));
     std::FILE* f = std::fopen(out_path.c_str(), "w");
     ::dup2(::fileno(f), 1);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dear/bootstrap.h"
+#include "hand_started.h"
 #include "proc.h"
 #include "transport/listener_registry.h"
 
@@ -32,27 +33,19 @@ constexpr const char* kTransport = DEAR_TEST_FAULTS_TRANSPORT;
 constexpr const char* kTransport = "tcp";
 #endif
 
-dear::UniqueId fresh_id() {
-  dear::UniqueId id;
-  id.host = "127.0.0.1";
-  id.port = dear::test::free_port();
-  id.secret = dear::transport::random_secret();
-  return id;
-}
-
 std::vector<Proc> start_ranks(int nranks, const std::vector<std::string>& args, int timeout_s,
                               const std::string& tag) {
-  const dear::UniqueId id = fresh_id();
+  const dear::test::HeldPort held;
+  const std::string id = dear::test::loopback_id(held);
   std::vector<Proc> procs;
   for (int r = 0; r < nranks; ++r) {
     std::vector<std::string> argv{DEAR_WORKER_PATH};
     argv.insert(argv.end(), args.begin(), args.end());
-    procs.push_back(spawn(
-        argv,
-        {"DEAR_UNIQUE_ID=" + id.to_string(), "DEAR_RANK=" + std::to_string(r),
-         "DEAR_WORLD_SIZE=" + std::to_string(nranks), "DEAR_TIMEOUT=" + std::to_string(timeout_s),
-         std::string("DEAR_TRANSPORT=") + kTransport},
-        tmp_file(tag + "." + std::to_string(r) + ".out")));
+    std::vector<std::string> env = dear::test::rank_env(held, id, r, nranks);
+    env.push_back("DEAR_TIMEOUT=" + std::to_string(timeout_s));
+    env.push_back(std::string("DEAR_TRANSPORT=") + kTransport);
+    procs.push_back(
+        spawn(argv, env, tmp_file(tag + "." + std::to_string(r) + ".out"), r == 0 ? held.fd : -1));
   }
   return procs;
 }

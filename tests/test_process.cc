@@ -16,14 +16,17 @@
 #include <vector>
 
 #include "dear/bootstrap.h"
+#include "hand_started.h"
 #include "proc.h"
 #include "transport/listener_registry.h"
 
 namespace {
 
 using namespace std::chrono_literals;
-using dear::test::free_port;
+using dear::test::HeldPort;
+using dear::test::loopback_id;
 using dear::test::Proc;
+using dear::test::rank_env;
 using dear::test::slurp;
 using dear::test::spawn;
 using dear::test::tmp_file;
@@ -44,16 +47,14 @@ TEST(Processes, FourRanksThroughDearRun) {
 TEST(Processes, KilledRankFailsEverySurvivorNamingIt) {
   constexpr int kRanks = 4;
   constexpr int kVictim = 2;
-  dear::UniqueId id;
-  id.host = "127.0.0.1";
-  id.port = free_port();
-  id.secret = dear::transport::random_secret();
+  const HeldPort held;
+  const std::string id = loopback_id(held);
   std::vector<Proc> procs;
   for (int r = 0; r < kRanks; ++r) {
-    procs.push_back(spawn({DEAR_WORKER_PATH, "die", std::to_string(kVictim), "3"},
-                          {"DEAR_UNIQUE_ID=" + id.to_string(), "DEAR_RANK=" + std::to_string(r),
-                           "DEAR_WORLD_SIZE=" + std::to_string(kRanks), "DEAR_TIMEOUT=120"},
-                          tmp_file("die" + std::to_string(r) + ".out")));
+    std::vector<std::string> env = rank_env(held, id, r, kRanks);
+    env.push_back("DEAR_TIMEOUT=120");
+    procs.push_back(spawn({DEAR_WORKER_PATH, "die", std::to_string(kVictim), "3"}, env,
+                          tmp_file("die" + std::to_string(r) + ".out"), r == 0 ? held.fd : -1));
   }
   const auto start = std::chrono::steady_clock::now();
   // The deadline is 120 s; the survivors must learn of the death long before it.
@@ -87,17 +88,16 @@ TEST(Processes, DearRunReportsTheDeadRankAndFails) {
 // threads, can hang or crash the process).
 TEST(Processes, TerminationSignalsEndARankByThatSignal) {
   for (const int sig : {SIGTERM, SIGINT}) {
-    dear::UniqueId id;
-    id.host = "127.0.0.1";
-    id.port = free_port();
-    id.secret = dear::transport::random_secret();
+    const HeldPort held;
+    const std::string id = loopback_id(held);
     std::vector<Proc> procs;
     for (int r = 0; r < 2; ++r) {
+      std::vector<std::string> env = rank_env(held, id, r, 2);
+      env.push_back("DEAR_TIMEOUT=120");
       procs.push_back(
-          spawn({DEAR_WORKER_PATH, "slow", "100000", "5"},
-                {"DEAR_UNIQUE_ID=" + id.to_string(), "DEAR_RANK=" + std::to_string(r),
-                 "DEAR_WORLD_SIZE=2", "DEAR_TIMEOUT=120"},
-                tmp_file("sig" + std::to_string(sig) + "_" + std::to_string(r) + ".out")));
+          spawn({DEAR_WORKER_PATH, "slow", "100000", "5"}, env,
+                tmp_file("sig" + std::to_string(sig) + "_" + std::to_string(r) + ".out"),
+                r == 0 ? held.fd : -1));
     }
     const auto ready = [&] {
       for (const Proc& p : procs) {

@@ -32,6 +32,7 @@
 #include "tools/launcher.h"
 #include "tools/output_relay.h"
 #include "transport/listener_registry.h"
+#include "transport/socket_util.h"
 
 #ifndef DEAR_VERSION
 #define DEAR_VERSION "unknown"
@@ -49,14 +50,16 @@ constexpr double kMaxSeconds = 1e9;
 constexpr std::string_view kSecretPlaceholder = "<secret>";
 
 // What dear-run sets for every rank; inherited values are replaced and --env may not set them.
-constexpr std::array<std::string_view, 11> kJobVariables = {
-    "DEAR_RANK",  "DEAR_WORLD_SIZE", "DEAR_LOCAL_RANK", "DEAR_LOCAL_SIZE",  "DEAR_UNIQUE_ID",
-    "RANK",       "WORLD_SIZE",      "LOCAL_RANK",      "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-    "MASTER_PORT"};
+constexpr std::array<std::string_view, 12> kJobVariables = {
+    "DEAR_RANK",   "DEAR_WORLD_SIZE", "DEAR_LOCAL_RANK", "DEAR_LOCAL_SIZE",  "DEAR_UNIQUE_ID",
+    "RANK",        "WORLD_SIZE",      "LOCAL_RANK",      "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+    "MASTER_PORT", "DEAR_LISTEN_FD"};
 
 constexpr const char* kFooter = R"(Every rank gets dear-run's environment plus:
   DEAR_RANK, DEAR_WORLD_SIZE, DEAR_LOCAL_RANK, DEAR_LOCAL_SIZE, DEAR_UNIQUE_ID (host:port:secret)
   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (as torchrun sets them)
+and, when dear-run picks the port, rank 0 gets DEAR_LISTEN_FD: the port's listening socket,
+held open from the moment the port is chosen so that no other program can take it.
 
 Each rank runs in its own process group. SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded to
 every rank (a second SIGINT kills them). When a rank fails, the others get SIGTERM, and SIGKILL
@@ -94,42 +97,16 @@ bool is_job_variable(std::string_view key) {
   return std::find(kJobVariables.begin(), kJobVariables.end(), key) != kJobVariables.end();
 }
 
-// A TCP port that is free on `host` now, found by binding port 0 and letting it go. Rank 0
-// binds it again (with SO_REUSEADDR); the short window in which another program could take it
-// is the price of handing the address to every rank before rank 0 runs.
-std::uint16_t find_free_port(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const int rc = ::getaddrinfo(host.c_str(), "0", &hints, &found);
-  if (rc != 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "cannot resolve --host " + host + ": " + ::gai_strerror(rc));
+// Rank 0's listening socket on a free port of `host`, opened here and handed to rank 0 as an
+// open descriptor (DEAR_LISTEN_FD), so that the port is held from the moment it is chosen until
+// rank 0 adopts it: no other program can take it in between, as it could were the port only
+// found free here and bound again by rank 0.
+transport::Fd listen_for_rank0(const std::string& host) {
+  try {
+    return transport::listen_on(transport::resolve(host, 0));
+  } catch (const Error& e) {
+    throw Error(e.code(), "--host " + host + ": " + e.cause());
   }
-  const std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(found, &::freeaddrinfo);
-  int err = EADDRNOTAVAIL;
-  for (const addrinfo* a = list.get(); a != nullptr; a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
-      err = errno;
-      continue;
-    }
-    sockaddr_storage bound{};
-    socklen_t len = sizeof bound;
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 &&
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
-      ::close(fd);
-      const in_port_t port = bound.ss_family == AF_INET6
-                                 ? reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port
-                                 : reinterpret_cast<const sockaddr_in*>(&bound)->sin_port;
-      return ntohs(port);
-    }
-    err = errno;
-    ::close(fd);
-  }
-  throw Error(ErrorCode::kSystem,
-              "cannot bind a TCP port on --host " + host + ": " + std::strerror(err));
 }
 
 // "--link-delay 25us" -> 25: a number with a unit of us, ms or s (a bare number is us), in
@@ -161,21 +138,25 @@ std::optional<long long> parse_delay_us(const std::string& text) {
   return static_cast<long long>(us);
 }
 
-Variables job_variables(int rank, int world_size, const UniqueId& id, const std::string& id_text) {
+// `listen_fd`: rank 0's listening socket, or -1 when rank 0 binds the port itself.
+Variables job_variables(int rank, int world_size, const UniqueId& id, const std::string& id_text,
+                        int listen_fd) {
   const std::string r = std::to_string(rank);
   const std::string n = std::to_string(world_size);
   // One host: local rank and size are the global ones.
-  return {{"DEAR_RANK", r},
-          {"DEAR_WORLD_SIZE", n},
-          {"DEAR_LOCAL_RANK", r},
-          {"DEAR_LOCAL_SIZE", n},
-          {"DEAR_UNIQUE_ID", id_text},
-          {"RANK", r},
-          {"WORLD_SIZE", n},
-          {"LOCAL_RANK", r},
-          {"LOCAL_WORLD_SIZE", n},
-          {"MASTER_ADDR", id.host},
-          {"MASTER_PORT", std::to_string(id.port)}};
+  Variables v{{"DEAR_RANK", r},
+              {"DEAR_WORLD_SIZE", n},
+              {"DEAR_LOCAL_RANK", r},
+              {"DEAR_LOCAL_SIZE", n},
+              {"DEAR_UNIQUE_ID", id_text},
+              {"RANK", r},
+              {"WORLD_SIZE", n},
+              {"LOCAL_RANK", r},
+              {"LOCAL_WORLD_SIZE", n},
+              {"MASTER_ADDR", id.host},
+              {"MASTER_PORT", std::to_string(id.port)}};
+  if (rank == 0 && listen_fd >= 0) v.emplace_back("DEAR_LISTEN_FD", std::to_string(listen_fd));
+  return v;
 }
 
 // dear-run's environment without what --env or the job variables replace, then --env.
@@ -227,7 +208,7 @@ void print_dry_run(const Options& o, const UniqueId& id, const Variables& extra,
   const std::string id_text = id.address() + ":" + std::string(kSecretPlaceholder);
   for (int rank = 0; rank < o.ranks; ++rank) {
     out += rank_prefix(rank, o.ranks);
-    for (const auto& [key, value] : job_variables(rank, o.ranks, id, id_text)) {
+    for (const auto& [key, value] : job_variables(rank, o.ranks, id, id_text, -1)) {
       out += shell_quote(key + "=" + value) + " ";
     }
     for (const auto& [key, value] : extra) out += shell_quote(key + "=" + value) + " ";
@@ -346,7 +327,10 @@ int run(int argc, char** argv) {
 
   UniqueId id;
   id.host = o.host;
-  id.port = o.port != 0 ? static_cast<std::uint16_t>(o.port) : find_free_port(o.host);
+  // Held until the job ends; rank 0 adopts a copy of it.
+  const transport::Fd listener = o.port != 0 ? transport::Fd() : listen_for_rank0(o.host);
+  id.port = o.port != 0 ? static_cast<std::uint16_t>(o.port)
+                        : transport::local_address(listener.get()).port();
   const std::vector<std::vector<int>> cpus =
       o.bind == "spread" || (o.bind == "auto" && o.ranks <= static_cast<int>(own_cpus().size()))
           ? spread_cpus(o.ranks)
@@ -364,10 +348,11 @@ int run(int argc, char** argv) {
   spec.kill_grace = std::chrono::duration<double>(o.kill_grace);
   spec.timeout = std::chrono::duration<double>(o.timeout);
   spec.cpus = cpus;
+  spec.rank0_fd = listener.get();
   const std::vector<std::string> base = base_environment(extra);
   for (int rank = 0; rank < o.ranks; ++rank) {
     std::vector<std::string> env = base;
-    for (const auto& [key, value] : job_variables(rank, o.ranks, id, id_text)) {
+    for (const auto& [key, value] : job_variables(rank, o.ranks, id, id_text, listener.get())) {
       env.push_back(key + "=" + value);
     }
     spec.environments.push_back(std::move(env));

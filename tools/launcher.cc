@@ -196,6 +196,7 @@ struct ChildSetup {
   char** argv = nullptr;
   char** envp = nullptr;
   const cpu_set_t* cpus = nullptr;  // null: keep dear-run's
+  int inherit_fd = -1;              // kept open across exec
   const sigset_t* mask = nullptr;
   const struct sigaction* sigpipe_action = nullptr;
 };
@@ -215,6 +216,7 @@ struct ChildSetup {
   if (c.stdin_fd >= 0 && ::dup2(c.stdin_fd, STDIN_FILENO) < 0) err = errno;
   if (c.stdout_fd >= 0 && ::dup2(c.stdout_fd, STDOUT_FILENO) < 0) err = errno;
   if (c.stderr_fd >= 0 && ::dup2(c.stderr_fd, STDERR_FILENO) < 0) err = errno;
+  if (c.inherit_fd >= 0 && ::fcntl(c.inherit_fd, F_SETFD, 0) != 0) err = errno;
   // dear-run ignores SIGPIPE and blocks the signals it handles; the command must not inherit
   // either, or it would neither die of a broken pipe nor see a forwarded SIGTERM.
   ::sigaction(SIGPIPE, c.sigpipe_action, nullptr);
@@ -432,6 +434,7 @@ bool Job::start_rank(Rank& rank) {
     for (const int cpu : spec_.cpus[index]) CPU_SET(cpu, &cpus);
     child.cpus = &cpus;
   }
+  if (rank.index == 0) child.inherit_fd = spec_.rank0_fd;
   child.mask = &old_mask_;
   child.sigpipe_action = &old_sigpipe_;
 

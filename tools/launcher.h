@@ -35,6 +35,9 @@ struct JobSpec {
   // The CPUs each rank may run on (sched_setaffinity before the command starts), one list per
   // rank; empty: every rank inherits dear-run's own.
   std::vector<std::vector<int>> cpus;
+  // A descriptor rank 0 inherits (its close-on-exec flag cleared in rank 0 alone), or -1; the
+  // caller keeps it open until the job ends.
+  int rank0_fd = -1;
 };
 
 // The CPUs of each of `ranks` ranks under dear-run --bind spread: this process's own (its

@@ -1,8 +1,35 @@
 #include "transport/listener_registry.h"
 
+#include <fcntl.h>
+#include <sys/socket.h>
+
+#include <charconv>
+#include <cstdlib>
+#include <cstring>
+
+#include "dear/error.h"
 #include "transport/socket_util.h"
 
 namespace dear::transport {
+
+ListenerRegistry::ListenerRegistry() {
+  const char* text = std::getenv("DEAR_LISTEN_FD");
+  if (text == nullptr) return;
+  int fd = -1;
+  const char* end = text + std::strlen(text);
+  const auto [stop, err] = std::from_chars(text, end, fd);
+  if (err != std::errc() || stop != end || fd < 0) return;
+  int listening = 0;
+  socklen_t len = sizeof listening;
+  if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || listening == 0) return;
+  // Not passed on to programs this one starts.
+  ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+  try {
+    fds_[local_address(fd).port()] = fd;
+  } catch (const Error&) {
+    // Not a socket with an address after all; left alone.
+  }
+}
 
 ListenerRegistry& ListenerRegistry::instance() {
   static ListenerRegistry registry;

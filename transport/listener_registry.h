@@ -1,5 +1,7 @@
 // Listening sockets opened by UniqueId::create() and kept until this process's rank 0 adopts
-// them, so that an id handed to other threads or processes is valid before rank 0 starts.
+// them, so that an id handed to other threads or processes is valid before rank 0 starts; and
+// the one a launcher opened and handed to this process (DEAR_LISTEN_FD), so that the port it
+// chose stays held until rank 0 adopts it.
 #pragma once
 
 #include <array>
@@ -21,6 +23,10 @@ class ListenerRegistry {
   int take(std::uint16_t port);
 
  private:
+  // Adopts the listening socket named by DEAR_LISTEN_FD, if that is one; anything else there
+  // (a variable inherited by a process it was not meant for) is left alone.
+  ListenerRegistry();
+
   std::mutex mu_;
   std::map<std::uint16_t, int> fds_;
 };
