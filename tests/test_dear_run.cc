@@ -299,6 +299,31 @@ TEST(DearRun, EnvHostAndPortOptions) {
       << describe(r);
 }
 
+// Where dear-run picks the port, rank 0 alone inherits the listening socket on it, open in its
+// own table of descriptors; where --port names one, rank 0 binds it itself and nobody gets a
+// descriptor.
+TEST(DearRun, RankZeroAloneInheritsTheListenerOfAPickedPort) {
+  const std::string script =
+      "fd=${DEAR_LISTEN_FD-none}; open=no; [ \"$fd\" != none ] && [ -e /proc/$$/fd/$fd ] && "
+      "open=yes; echo \"$fd|$open\"";
+  const Result picked = run({"-n", "3", "--", "sh", "-c", script});
+  ASSERT_EQ(picked.code(), 0) << describe(picked);
+  auto lines = lines_of(picked.out);
+  std::sort(lines.begin(), lines.end());
+  ASSERT_EQ(lines.size(), 3U) << describe(picked);
+  EXPECT_TRUE(lines[0].starts_with("[0] ") && lines[0].ends_with("|yes") &&
+              lines[0].find("none") == std::string::npos)
+      << describe(picked);
+  EXPECT_EQ(lines[1], "[1] none|no") << describe(picked);
+  EXPECT_EQ(lines[2], "[2] none|no") << describe(picked);
+
+  const Result named = run({"-n", "2", "--port", "23457", "--", "sh", "-c", script});
+  ASSERT_EQ(named.code(), 0) << describe(named);
+  lines = lines_of(named.out);
+  std::sort(lines.begin(), lines.end());
+  EXPECT_EQ(lines, (std::vector<std::string>{"[0] none|no", "[1] none|no"})) << describe(named);
+}
+
 TEST(DearRun, PrefixedLinesAreWholeAndInOrder) {
   // Lines longer than a pipe's atomic write, from 12 ranks at once, on both streams; each
   // rank ends with a line that has no newline.
