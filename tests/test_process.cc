@@ -83,6 +83,32 @@ TEST(Processes, DearRunReportsTheDeadRankAndFails) {
   EXPECT_NE(out.find("rank 1"), std::string::npos) << out;
 }
 
+// A rank 0 told of a listener it did not inherit (a program between the launcher and it closed
+// the descriptor), whose port is therefore still held, fails saying so and what to do; its
+// peer fails too, within the deadline.
+TEST(Processes, RankZeroWithoutTheListenerItWasHandedSaysWhy) {
+  const HeldPort held;
+  const std::string id = loopback_id(held);
+  std::vector<Proc> procs;
+  for (int r = 0; r < 2; ++r) {
+    std::vector<std::string> env = rank_env(held, id, r, 2);
+    // Rank 1 waits in the test's backlog for a rank 0 that never comes, until this deadline.
+    env.push_back("DEAR_TIMEOUT=5");
+    // Not inherited: the descriptor number names nothing in the rank.
+    procs.push_back(spawn({DEAR_WORKER_PATH, "ring", "1"}, env,
+                          tmp_file("unadopted" + std::to_string(r) + ".out")));
+  }
+  ASSERT_TRUE(wait_all(procs, 60s)) << "a rank hung";
+  const std::string out0 = slurp(procs[0].out_path);
+  EXPECT_FALSE(WIFEXITED(procs[0].status) && WEXITSTATUS(procs[0].status) == 0) << out0;
+  EXPECT_NE(out0.find("cannot listen on 127.0.0.1:" + std::to_string(held.port)), std::string::npos)
+      << out0;
+  EXPECT_NE(out0.find(held.env() + ", the socket a launcher opened"), std::string::npos) << out0;
+  EXPECT_NE(out0.find("pass_fds"), std::string::npos) << out0;
+  const std::string out1 = slurp(procs[1].out_path);
+  EXPECT_FALSE(WIFEXITED(procs[1].status) && WEXITSTATUS(procs[1].status) == 0) << out1;
+}
+
 // SIGINT and SIGTERM end a rank the default way, as they would any program, while its engine
 // threads run; no library loaded with dear turns them into exit() (which, racing those
 // threads, can hang or crash the process).

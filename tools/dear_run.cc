@@ -327,8 +327,8 @@ int run(int argc, char** argv) {
 
   UniqueId id;
   id.host = o.host;
-  // Held until the job ends; rank 0 adopts a copy of it.
-  const transport::Fd listener = o.port != 0 ? transport::Fd() : listen_for_rank0(o.host);
+  // Held until rank 0 starts with a copy of it, which it adopts.
+  transport::Fd listener = o.port != 0 ? transport::Fd() : listen_for_rank0(o.host);
   id.port = o.port != 0 ? static_cast<std::uint16_t>(o.port)
                         : transport::local_address(listener.get()).port();
   const std::vector<std::vector<int>> cpus =
@@ -348,7 +348,6 @@ int run(int argc, char** argv) {
   spec.kill_grace = std::chrono::duration<double>(o.kill_grace);
   spec.timeout = std::chrono::duration<double>(o.timeout);
   spec.cpus = cpus;
-  spec.rank0_fd = listener.get();
   const std::vector<std::string> base = base_environment(extra);
   for (int rank = 0; rank < o.ranks; ++rank) {
     std::vector<std::string> env = base;
@@ -357,6 +356,7 @@ int run(int argc, char** argv) {
     }
     spec.environments.push_back(std::move(env));
   }
+  spec.rank0_fd = listener.release();
 
   const JobOutcome outcome = run_job(spec);
   // SIGQUIT is left out: ending by it would dump a core of dear-run.

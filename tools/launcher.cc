@@ -389,7 +389,10 @@ void Job::start_ranks() {
     rank.relays = {LineRelay(prefix), LineRelay(prefix)};
   }
   for (Rank& rank : ranks_) {
-    if (!start_rank(rank)) {
+    const bool started = start_rank(rank);
+    // Rank 0 holds its own copy now; the other ranks must not inherit it.
+    if (rank.index == 0 && spec_.rank0_fd >= 0) ::close(spec_.rank0_fd);
+    if (!started) {
       cause_ = Cause::kLaunchError;
       break;
     }

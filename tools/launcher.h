@@ -35,8 +35,8 @@ struct JobSpec {
   // The CPUs each rank may run on (sched_setaffinity before the command starts), one list per
   // rank; empty: every rank inherits dear-run's own.
   std::vector<std::vector<int>> cpus;
-  // A descriptor rank 0 inherits (its close-on-exec flag cleared in rank 0 alone), or -1; the
-  // caller keeps it open until the job ends.
+  // A descriptor rank 0 inherits (its close-on-exec flag cleared in rank 0 alone), or -1;
+  // run_job() closes it once rank 0 has started (or failed to).
   int rank0_fd = -1;
 };
 

@@ -185,7 +185,15 @@ class TcpBootstrap final : public Bootstrap {
   void rendezvous_root(Deadline deadline) {
     advertise_ = options_.advertise_host.empty() ? id_.host : options_.advertise_host;
     Fd listener(transport::ListenerRegistry::instance().take(id_.port));
-    if (!listener.valid()) listener = transport::listen_on(transport::resolve(id_.host, id_.port));
+    if (!listener.valid()) {
+      try {
+        listener = transport::listen_on(transport::resolve(id_.host, id_.port));
+      } catch (const Error& e) {
+        const std::string& why = transport::ListenerRegistry::instance().unadopted_reason();
+        if (why.empty()) throw;
+        throw Error(e.code(), e.cause() + " (" + why + ")");
+      }
+    }
     transport::set_nonblocking(listener.get());
     peers_.resize(static_cast<std::size_t>(size_));
     welcomes_.resize(static_cast<std::size_t>(size_));

@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "dear/error.h"
 #include "transport/socket_util.h"
 
 namespace dear::transport {
@@ -18,17 +17,20 @@ ListenerRegistry::ListenerRegistry() {
   int fd = -1;
   const char* end = text + std::strlen(text);
   const auto [stop, err] = std::from_chars(text, end, fd);
-  if (err != std::errc() || stop != end || fd < 0) return;
   int listening = 0;
   socklen_t len = sizeof listening;
-  if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || listening == 0) return;
+  if (err != std::errc() || stop != end || fd < 0 ||
+      ::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || listening == 0) {
+    unadopted_ = std::string("DEAR_LISTEN_FD=") + text +
+                 ", the socket a launcher opened on this port for rank 0, is no listening socket "
+                 "in this process: a program between the launcher and this one closed it "
+                 "(Python's subprocess does, unless given pass_fds); pass it on, start this "
+                 "program directly, or give the launcher a port (dear-run --port)";
+    return;
+  }
   // Not passed on to programs this one starts.
   ::fcntl(fd, F_SETFD, FD_CLOEXEC);
-  try {
-    fds_[local_address(fd).port()] = fd;
-  } catch (const Error&) {
-    // Not a socket with an address after all; left alone.
-  }
+  fds_[local_address(fd).port()] = fd;
 }
 
 ListenerRegistry& ListenerRegistry::instance() {

@@ -21,6 +21,9 @@ class ListenerRegistry {
   std::uint16_t open(const std::string& host, std::uint16_t port);
   // The socket bound for host:port earlier in this process, or -1; the caller owns it.
   int take(std::uint16_t port);
+  // Why the socket DEAR_LISTEN_FD names was not adopted, or empty (none named, or adopted):
+  // what a rank 0 that then cannot bind the port adds to its error.
+  [[nodiscard]] const std::string& unadopted_reason() const { return unadopted_; }
 
  private:
   // Adopts the listening socket named by DEAR_LISTEN_FD, if that is one; anything else there
@@ -29,6 +32,7 @@ class ListenerRegistry {
 
   std::mutex mu_;
   std::map<std::uint16_t, int> fds_;
+  std::string unadopted_;
 };
 
 }  // namespace dear::transport
