@@ -387,8 +387,9 @@ int run(int argc, char** argv) {
                  "table (and writes --json FILE.groupG)")
       ->check(CLI::PositiveNumber);
   app.add_option("--device", device,
-                 "Where the buffers live: host, or cuda (device memory, staged through pinned "
-                 "host memory; builds with CUDA only)")
+                 "Where the buffers live: host, or cuda (device memory, reduced on the device "
+                 "slice by slice; DEAR_CUDA_STAGING=1 stages it whole through host memory "
+                 "instead; builds with CUDA only)")
       ->check(CLI::IsMember({"host", "cuda"}));
   try {
     app.parse(argc, argv);
