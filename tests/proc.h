@@ -118,6 +118,28 @@ inline bool wait_all(std::vector<Proc>& procs, std::chrono::seconds limit) {
   return left == 0;
 }
 
+// Waits until every process has printed "ready rank" (connected), and gives up early when one
+// ended without it: its output then says why, at once instead of after the limit. Records the
+// exits it sees (wait_all skips them). True when all are ready.
+inline bool wait_ready(std::vector<Proc>& procs, std::chrono::seconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    bool all = true;
+    for (auto& p : procs) {
+      const bool ready = slurp(p.out_path).find("ready rank") != std::string::npos;
+      if (!p.exited && ::waitpid(p.pid, &p.status, WNOHANG) == p.pid) p.exited = true;
+      // Read before the exit was seen: a rank that printed and then ended is not mistaken.
+      if (!ready && p.exited && slurp(p.out_path).find("ready rank") == std::string::npos) {
+        return false;
+      }
+      all = all && ready;
+    }
+    if (all) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
 inline std::string tmp_file(const std::string& name) {
   return ::testing::TempDir() + "dear_" + std::to_string(::getpid()) + "_" + name;
 }

@@ -25,6 +25,7 @@ using dear::test::slurp;
 using dear::test::spawn;
 using dear::test::tmp_file;
 using dear::test::wait_all;
+using dear::test::wait_ready;
 
 // The transport the ranks use: TCP, or the one this binary was built for (test_faults_shm).
 #if defined(DEAR_TEST_FAULTS_TRANSPORT)
@@ -48,19 +49,6 @@ std::vector<Proc> start_ranks(int nranks, const std::vector<std::string>& args, 
         spawn(argv, env, tmp_file(tag + "." + std::to_string(r) + ".out"), r == 0 ? held.fd : -1));
   }
   return procs;
-}
-
-// Waits until every rank printed "ready" (connected), or the limit passes.
-bool wait_ready(const std::vector<Proc>& procs, std::chrono::seconds limit) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < end) {
-    bool all = true;
-    for (const auto& p : procs)
-      all = all && slurp(p.out_path).find("ready rank") != std::string::npos;
-    if (all) return true;
-    std::this_thread::sleep_for(10ms);
-  }
-  return false;
 }
 
 // Survivors must exit with the worker's error status, naming `culprit` as the failed peer.

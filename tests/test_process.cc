@@ -125,15 +125,8 @@ TEST(Processes, TerminationSignalsEndARankByThatSignal) {
                 tmp_file("sig" + std::to_string(sig) + "_" + std::to_string(r) + ".out"),
                 r == 0 ? held.fd : -1));
     }
-    const auto ready = [&] {
-      for (const Proc& p : procs) {
-        if (slurp(p.out_path).find("ready rank") == std::string::npos) return false;
-      }
-      return true;
-    };
-    const auto until = std::chrono::steady_clock::now() + 60s;
-    while (!ready() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(20ms);
-    ASSERT_TRUE(ready()) << slurp(procs[0].out_path) << slurp(procs[1].out_path);
+    ASSERT_TRUE(dear::test::wait_ready(procs, 60s))
+        << slurp(procs[0].out_path) << slurp(procs[1].out_path);
     std::this_thread::sleep_for(100ms);  // mid-run: operations in flight
     for (const Proc& p : procs) ::kill(p.pid, sig);
     ASSERT_TRUE(wait_all(procs, 30s)) << "signal " << sig << " did not end a rank";
