@@ -17,8 +17,9 @@
 # Exits non-zero at the first failure, and at once when no GPU is usable.
 # Usage: scripts/gpu-check.sh [--no-build] [--sanitize] [build-dir]   (default: build-gpu)
 #   --no-build  use the programs already in build-dir (built elsewhere with -DDEAR_CUDA=ON), for
-#               a GPU node without the build's dependencies; set LD_LIBRARY_PATH for their
-#               shared libraries yourself.
+#               a GPU node without the build's dependencies: a folder made by
+#               scripts/gpu-bundle.sh, whose lib/ is put on LD_LIBRARY_PATH here, or a build
+#               tree (then set LD_LIBRARY_PATH for its shared libraries yourself).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -55,6 +56,10 @@ else
            tools/dear-run; do
     [ -x "$build/$p" ] || fail "--no-build: $build/$p is missing"
   done
+  # A folder made by scripts/gpu-bundle.sh carries the libraries the node may lack.
+  if [ -d "$build/lib" ]; then
+    export LD_LIBRARY_PATH="$build/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
 fi
 
 step "RDMA devices (ibv_devinfo)"
