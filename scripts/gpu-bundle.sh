@@ -68,7 +68,7 @@ for p in "${programs[@]}"; do
 done
 
 size_kib="$(du -sk "$out" | cut -f1)"
-echo "gpu-bundle: ${#programs[@]} programs and $(ls "$out/lib" | wc -l) libraries in $out, $((size_kib / 1024)) MiB:"
+echo "gpu-bundle: ${#programs[@]} programs and $(find "$out/lib" -type f | wc -l) libraries in $out, $((size_kib / 1024)) MiB:"
 (cd "$out" && find . -type f -printf '  %P %s\n' | sort)
 [ "$size_kib" -le $((max_mib * 1024)) ] || fail "$out is $((size_kib / 1024)) MiB, over --max-mib $max_mib"
 echo "gpu-bundle: on the GPU node: scripts/gpu-check.sh --no-build $(realpath --relative-to="$root" "$out" 2>/dev/null || echo "$out")"
