@@ -287,7 +287,7 @@ class DeviceCommunicator final : public Communicator {
           return c.all_to_all_v(i, l.send_counts, l.send_displs, o, l.recv_counts, l.recv_displs,
                                 dtype, x);
         },
-        exchange(nullptr, -1, in, out, l, dtype));
+        [&] { return exchange(nullptr, -1, in, out, l, dtype); });
   }
 
   // Staged whole as all_to_all_v is, and issued as the inner communicator's own all_gather_v
@@ -314,7 +314,7 @@ class DeviceCommunicator final : public Communicator {
         [=](Communicator& c, const void* i, void*, std::size_t n, const OpOptions& x) {
           return c.send(i, n, dtype, peer, x);
         },
-        point_to_point(true, const_cast<void*>(buf), count, dtype, peer));
+        [&] { return point_to_point(true, const_cast<void*>(buf), count, dtype, peer); });
   }
 
   Work recv(void* buf, std::size_t count, DataType dtype, int peer,
@@ -325,7 +325,7 @@ class DeviceCommunicator final : public Communicator {
         [=](Communicator& c, const void*, void* o, std::size_t n, const OpOptions& x) {
           return c.recv(o, n, dtype, peer, x);
         },
-        point_to_point(false, buf, count, dtype, peer));
+        [&] { return point_to_point(false, buf, count, dtype, peer); });
   }
 
   Work barrier(const OpOptions& opts) override {
@@ -373,13 +373,12 @@ class DeviceCommunicator final : public Communicator {
     const std::vector<std::size_t> displs(recv_displs.begin(), recv_displs.end());
     const std::size_t out_bytes = receives ? layout_extent(counts, displs, el) : 0;
     // On device memory in the engine, as all_to_all_v lists (checked as the calls check them).
-    Resident resident;
-    if (resident_ != nullptr) {
-      resident = exchange(
+    const auto on_device = [&] {
+      return exchange(
           root < 0 ? name : nullptr, root, in, out,
           gather_as_all_to_all_v_lists(root, send_count, recv_counts, recv_displs, size(), rank()),
           dtype);
-    }
+    };
     return route(
         {OpKind::kAllToAllV, in, out, 0, dtype, ReduceOp::kSum, root}, name, StagedKind::kOther, 0,
         in, send_count * el, out, out_bytes, dtype, opts,
@@ -387,7 +386,7 @@ class DeviceCommunicator final : public Communicator {
           return root < 0 ? c.all_gather_v(i, send_count, o, counts, displs, dtype, x)
                           : c.gather_v(i, send_count, o, counts, displs, dtype, root, x);
         },
-        std::move(resident));
+        on_device);
   }
 
   // Issues an operation on device memory in the engine, with its fence.
@@ -414,11 +413,18 @@ class DeviceCommunicator final : public Communicator {
     };
   }
 
-  // `resident`: how the operation runs on device memory in the engine, where it is not the
-  // collective `cc` (ResidentCommunicator::issue_on_device, where runs_resident says so).
+  // No operation of its own on device memory: the collective `cc` is issued there.
+  struct NoResident {
+    Resident operator()() const { return {}; }
+  };
+
+  // `make_resident()`: how the operation runs on device memory in the engine, where it is not
+  // the collective `cc` (ResidentCommunicator::issue_on_device, where runs_resident says so);
+  // asked only once a buffer is found in device memory, so that a host call builds none of it.
+  template <typename MakeResident = NoResident>
   Work route(const CollectiveCall& cc, const char* name, StagedKind kind, std::size_t count,
              const void* in, std::size_t in_bytes, void* out, std::size_t out_bytes, DataType dtype,
-             const OpOptions& opts, const Call& call, Resident resident = {}) {
+             const OpOptions& opts, const Call& call, const MakeResident& make_resident = {}) {
     OpOptions inner_opts = opts;
     inner_opts.cuda_stream = nullptr;
     const auto stream = static_cast<cudaStream_t>(opts.cuda_stream);
@@ -469,6 +475,7 @@ class DeviceCommunicator final : public Communicator {
     // rank, and staging not asked for. The engine runs it slice by slice, its steps on the
     // device (resident.h); it keeps its place in the order behind staged operations.
     const bool all_dev = (in_bytes == 0 || in_dev) && (out_bytes == 0 || out_dev);
+    Resident resident = in_dev || out_dev ? make_resident() : Resident{};
     if (!resident && resident_ != nullptr && runs_resident(cc, size())) {
       resident = [this, cc](const OpOptions& x, std::unique_ptr<OpFence> fence) {
         return resident_->issue_on_device(cc, x, std::move(fence));
