@@ -1,5 +1,5 @@
-// Ranks started by hand (not through dear-run) as separate processes: their job id and
-// environment, with rank 0 listening on a port the test holds.
+// Ranks started by hand (not through dear-run) as separate processes, rank 0 listening on a
+// port the test holds.
 #pragma once
 
 #include <string>
@@ -11,16 +11,6 @@
 
 namespace dear::test {
 
-// What rank `rank` of `world` started by hand is told: the id of a job whose rank 0 listens on
-// `held`, its rank and size, and for rank 0 the socket itself (spawn it with inherit_fd).
-inline std::vector<std::string> rank_env(const HeldPort& held, const std::string& secret_id,
-                                         int rank, int world) {
-  std::vector<std::string> env{"DEAR_UNIQUE_ID=" + secret_id, "DEAR_RANK=" + std::to_string(rank),
-                               "DEAR_WORLD_SIZE=" + std::to_string(world)};
-  if (rank == 0) env.push_back(held.env());
-  return env;
-}
-
 // The id of a job on this host whose rank 0 listens on `held`.
 inline std::string loopback_id(const HeldPort& held) {
   dear::UniqueId id;
@@ -28,6 +18,28 @@ inline std::string loopback_id(const HeldPort& held) {
   id.port = held.port;
   id.secret = dear::transport::random_secret();
   return id.to_string();
+}
+
+// Starts `ranks` ranks of one job, each running `argv`, rank 0 listening on `held`: each is
+// told the job's id, its rank and size and the deadline (`timeout_s`, DEAR_TIMEOUT) besides
+// `env`, and rank 0 the listening socket (DEAR_LISTEN_FD), which it inherits unless
+// `hand_over` is false. Outputs in tmp_file(tag + "." + rank + ".out").
+inline std::vector<Proc> start_by_hand(const HeldPort& held, const std::vector<std::string>& argv,
+                                       const std::string& tag, int ranks = 2, int timeout_s = 120,
+                                       const std::vector<std::string>& env = {},
+                                       bool hand_over = true) {
+  const std::string id = loopback_id(held);
+  std::vector<Proc> procs;
+  for (int r = 0; r < ranks; ++r) {
+    std::vector<std::string> e{"DEAR_UNIQUE_ID=" + id, "DEAR_RANK=" + std::to_string(r),
+                               "DEAR_WORLD_SIZE=" + std::to_string(ranks),
+                               "DEAR_TIMEOUT=" + std::to_string(timeout_s)};
+    if (r == 0) e.push_back(held.env());
+    e.insert(e.end(), env.begin(), env.end());
+    procs.push_back(spawn(argv, e, tmp_file(tag + "." + std::to_string(r) + ".out"),
+                          r == 0 && hand_over ? held.fd : -1));
+  }
+  return procs;
 }
 
 }  // namespace dear::test

@@ -36,19 +36,12 @@ constexpr const char* kTransport = "tcp";
 
 std::vector<Proc> start_ranks(int nranks, const std::vector<std::string>& args, int timeout_s,
                               const std::string& tag) {
+  std::vector<std::string> argv{DEAR_WORKER_PATH};
+  argv.insert(argv.end(), args.begin(), args.end());
+  // Rank 0 keeps the port held once it has inherited the socket.
   const dear::test::HeldPort held;
-  const std::string id = dear::test::loopback_id(held);
-  std::vector<Proc> procs;
-  for (int r = 0; r < nranks; ++r) {
-    std::vector<std::string> argv{DEAR_WORKER_PATH};
-    argv.insert(argv.end(), args.begin(), args.end());
-    std::vector<std::string> env = dear::test::rank_env(held, id, r, nranks);
-    env.push_back("DEAR_TIMEOUT=" + std::to_string(timeout_s));
-    env.push_back(std::string("DEAR_TRANSPORT=") + kTransport);
-    procs.push_back(
-        spawn(argv, env, tmp_file(tag + "." + std::to_string(r) + ".out"), r == 0 ? held.fd : -1));
-  }
-  return procs;
+  return dear::test::start_by_hand(held, argv, tag, nranks, timeout_s,
+                                   {std::string("DEAR_TRANSPORT=") + kTransport});
 }
 
 // Survivors must exit with the worker's error status, naming `culprit` as the failed peer.

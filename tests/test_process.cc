@@ -24,11 +24,10 @@ namespace {
 
 using namespace std::chrono_literals;
 using dear::test::HeldPort;
-using dear::test::loopback_id;
 using dear::test::Proc;
-using dear::test::rank_env;
 using dear::test::slurp;
 using dear::test::spawn;
+using dear::test::start_by_hand;
 using dear::test::tmp_file;
 using dear::test::wait_all;
 
@@ -48,14 +47,8 @@ TEST(Processes, KilledRankFailsEverySurvivorNamingIt) {
   constexpr int kRanks = 4;
   constexpr int kVictim = 2;
   const HeldPort held;
-  const std::string id = loopback_id(held);
-  std::vector<Proc> procs;
-  for (int r = 0; r < kRanks; ++r) {
-    std::vector<std::string> env = rank_env(held, id, r, kRanks);
-    env.push_back("DEAR_TIMEOUT=120");
-    procs.push_back(spawn({DEAR_WORKER_PATH, "die", std::to_string(kVictim), "3"}, env,
-                          tmp_file("die" + std::to_string(r) + ".out"), r == 0 ? held.fd : -1));
-  }
+  std::vector<Proc> procs =
+      start_by_hand(held, {DEAR_WORKER_PATH, "die", std::to_string(kVictim), "3"}, "die", kRanks);
   const auto start = std::chrono::steady_clock::now();
   // The deadline is 120 s; the survivors must learn of the death long before it.
   ASSERT_TRUE(wait_all(procs, 60s)) << "a survivor hung";
@@ -88,16 +81,10 @@ TEST(Processes, DearRunReportsTheDeadRankAndFails) {
 // peer fails too, within the deadline.
 TEST(Processes, RankZeroWithoutTheListenerItWasHandedSaysWhy) {
   const HeldPort held;
-  const std::string id = loopback_id(held);
-  std::vector<Proc> procs;
-  for (int r = 0; r < 2; ++r) {
-    std::vector<std::string> env = rank_env(held, id, r, 2);
-    // Rank 1 waits in the test's backlog for a rank 0 that never comes, until this deadline.
-    env.push_back("DEAR_TIMEOUT=5");
-    // Not inherited: the descriptor number names nothing in the rank.
-    procs.push_back(spawn({DEAR_WORKER_PATH, "ring", "1"}, env,
-                          tmp_file("unadopted" + std::to_string(r) + ".out")));
-  }
+  // Rank 1 waits in the test's backlog for a rank 0 that never comes, until the deadline.
+  // Not handed over, the descriptor number names nothing in rank 0.
+  std::vector<Proc> procs =
+      start_by_hand(held, {DEAR_WORKER_PATH, "ring", "1"}, "unadopted", 2, 5, {}, false);
   ASSERT_TRUE(wait_all(procs, 60s)) << "a rank hung";
   const std::string out0 = slurp(procs[0].out_path);
   EXPECT_FALSE(WIFEXITED(procs[0].status) && WEXITSTATUS(procs[0].status) == 0) << out0;
@@ -115,16 +102,8 @@ TEST(Processes, RankZeroWithoutTheListenerItWasHandedSaysWhy) {
 TEST(Processes, TerminationSignalsEndARankByThatSignal) {
   for (const int sig : {SIGTERM, SIGINT}) {
     const HeldPort held;
-    const std::string id = loopback_id(held);
-    std::vector<Proc> procs;
-    for (int r = 0; r < 2; ++r) {
-      std::vector<std::string> env = rank_env(held, id, r, 2);
-      env.push_back("DEAR_TIMEOUT=120");
-      procs.push_back(
-          spawn({DEAR_WORKER_PATH, "slow", "100000", "5"}, env,
-                tmp_file("sig" + std::to_string(sig) + "_" + std::to_string(r) + ".out"),
-                r == 0 ? held.fd : -1));
-    }
+    std::vector<Proc> procs =
+        start_by_hand(held, {DEAR_WORKER_PATH, "slow", "100000", "5"}, "sig" + std::to_string(sig));
     ASSERT_TRUE(dear::test::wait_ready(procs, 60s))
         << slurp(procs[0].out_path) << slurp(procs[1].out_path);
     std::this_thread::sleep_for(100ms);  // mid-run: operations in flight
