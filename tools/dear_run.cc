@@ -4,20 +4,15 @@
 //   dear-run -n 4 [options] [--] command args...
 //
 // The command line is read here; launcher.h does the starting, relaying and stopping.
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
 #include <cctype>
-#include <cerrno>
 #include <cmath>
 #include <csignal>
 #include <cstdint>
-#include <cstring>
 #include <exception>
 #include <iostream>
 #include <memory>
