@@ -2,14 +2,33 @@
 // port the test holds.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "dear/bootstrap.h"
 #include "proc.h"
 #include "transport/listener_registry.h"
+#include "transport/socket_util.h"
 
 namespace dear::test {
+
+// A listening socket on a free loopback port, held by the test while its ranks run and handed
+// to rank 0 (DEAR_LISTEN_FD, spawn's inherit_fd) as dear-run hands it: no other program can
+// take the port between its choice and rank 0's start. While the test holds it, rank 0 could
+// not bind the port itself, so a rank 0 that failed to adopt it fails the test.
+struct HeldPort {
+  HeldPort()
+      : socket(transport::listen_on(transport::resolve("127.0.0.1", 0))),
+        fd(socket.get()),
+        port(transport::local_address(fd).port()) {}
+
+  [[nodiscard]] std::string env() const { return "DEAR_LISTEN_FD=" + std::to_string(fd); }
+
+  transport::Fd socket;
+  int fd;
+  std::uint16_t port;
+};
 
 // The id of a job on this host whose rank 0 listens on `held`.
 inline std::string loopback_id(const HeldPort& held) {

@@ -13,7 +13,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -28,35 +27,6 @@ inline std::string slurp(const std::string& path) {
   s << f.rdbuf();
   return s.str();
 }
-
-// A listening socket on a free loopback port, held by the test while its ranks run and handed
-// to rank 0 (DEAR_LISTEN_FD, spawn's inherit_fd) as dear-run hands it: no other program can
-// take the port between its choice and rank 0's start. While the test holds it, rank 0 could
-// not bind the port itself, so a rank 0 that failed to adopt it fails the test.
-struct HeldPort {
-  HeldPort() {
-    fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(a);
-    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-        ::listen(fd, 128) != 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-      ADD_FAILURE() << "cannot listen on a loopback port: " << std::strerror(errno);
-    }
-    port = ntohs(a.sin_port);
-  }
-  ~HeldPort() {
-    if (fd >= 0) ::close(fd);
-  }
-  HeldPort(const HeldPort&) = delete;
-  HeldPort& operator=(const HeldPort&) = delete;
-
-  [[nodiscard]] std::string env() const { return "DEAR_LISTEN_FD=" + std::to_string(fd); }
-
-  int fd = -1;
-  std::uint16_t port = 0;
-};
 
 // In a forked child before exec: the default action for the termination signals, whatever
 // the test inherited (a shell starts background jobs with SIGINT ignored, and exec keeps
